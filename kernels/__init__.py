@@ -1,0 +1,96 @@
+"""Attention and fused kernels over a paged, block-major KV pool.
+
+This package imports nothing from ``pd``. Every entry point checks its
+arguments on the host, then dispatches to a backend:
+
+- ``"torch"``: the reference in ``kernels.reference`` (the CPU default);
+- ``"triton"``: Triton kernels, on CUDA or on CPU under ``TRITON_INTERPRET=1``;
+- ``"auto"``: Triton for CUDA tensors, torch otherwise.
+
+Backends import lazily, so ``import kernels`` works without Triton.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from kernels import reference
+from kernels.checks import PAD_SLOT_ID, check_attention_args, check_store_kv_args
+
+BACKENDS = ("auto", "torch", "triton")
+
+__all__ = ["BACKENDS", "PAD_SLOT_ID", "resolve_backend", "unified_attention", "store_kv", "rms_norm", "rotary_embedding"]
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """The concrete backend (``"torch"`` or ``"triton"``) for ``backend`` on ``device``."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return "triton" if torch.device(device).type == "cuda" else "torch"
+    return backend
+
+
+def _impl(backend: str, device: torch.device):
+    if resolve_backend(backend, device) == "torch":
+        return reference
+    try:
+        return importlib.import_module("kernels.triton")
+    except ImportError as exc:  # pragma: no cover - depends on the install
+        raise ImportError(f"the triton backend needs the 'triton' package ({exc}); pip install triton") from exc
+
+
+def unified_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    softmax_scale: float,
+    *,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    out: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Paged attention for a mixed batch of prefill chunks and decode tokens.
+
+    q: [num_tokens, num_heads, head_dim]; k_cache, v_cache: [num_blocks,
+    block_size, num_kv_heads, head_dim] views of the block-major pool (any
+    strides, head_dim contiguous); cu_seqlens_q: int32 [num_seqs + 1];
+    seq_lens: int32 [num_seqs], each sequence's KV length including this
+    step's tokens; block_table: int32 [num_seqs, max_blocks_per_seq].
+
+    Sequence i's queries are its last ``q_len_i`` tokens; query j sits at
+    position ``seq_lens[i] - q_len_i + j`` and sees keys up to that position
+    (and, with ``sliding_window=W``, only keys ``k > position - W``). With
+    ``softcap``, scores become ``softcap * tanh(score / softcap)``.
+    Returns [num_tokens, num_heads, head_dim].
+    """
+    check_attention_args(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, sliding_window, softcap, out)
+    return _impl(backend, q.device).unified_attention(
+        q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, softmax_scale,
+        sliding_window=sliding_window, softcap=softcap, out=out,
+    )
+
+
+def store_kv(key, value, k_cache, v_cache, slot_mapping, *, backend: str = "auto") -> None:
+    """Write this step's K/V ``[num_tokens, kv_heads, head_dim]`` into their slots.
+
+    Slots equal to ``PAD_SLOT_ID`` are skipped.
+    """
+    check_store_kv_args(key, value, k_cache, v_cache, slot_mapping)
+    _impl(backend, key.device).store_kv(key, value, k_cache, v_cache, slot_mapping)
+
+
+def rms_norm(x, weight, eps: float, residual=None, *, backend: str = "auto"):
+    """RMSNorm; with ``residual`` returns ``(norm(x + residual), x + residual)``."""
+    return _impl(backend, x.device).rms_norm(x, weight, eps, residual)
+
+
+def rotary_embedding(q, k, positions, cos_sin_cache, *, backend: str = "auto"):
+    """Rotate-half rotary embedding of q and k at ``positions``; returns ``(q, k)``."""
+    return _impl(backend, q.device).rotary_embedding(q, k, positions, cos_sin_cache)

@@ -1,0 +1,180 @@
+"""Host-side launch checks shared by every attention backend.
+
+Each public kernel entry point calls these before doing any work, so a bad
+shape, dtype or stride fails with a message naming the argument instead of
+producing garbage or crashing inside a kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+MAX_HEAD_DIM = 256
+
+# Padding tokens own no slot and carry this one; store_kv skips every negative slot.
+PAD_SLOT_ID = -1
+
+
+def _fail(name: str, message: str) -> None:
+    raise ValueError(f"{name}: {message}")
+
+
+def check_dtype(name: str, tensor: torch.Tensor, dtype: torch.dtype | None = None) -> None:
+    if dtype is None:
+        if tensor.dtype not in SUPPORTED_DTYPES:
+            _fail(name, f"dtype {tensor.dtype} is not supported; use one of {SUPPORTED_DTYPES}")
+    elif tensor.dtype != dtype:
+        _fail(name, f"expected dtype {dtype}, got {tensor.dtype}")
+
+
+def check_ndim(name: str, tensor: torch.Tensor, ndim: int) -> None:
+    if tensor.dim() != ndim:
+        _fail(name, f"expected {ndim} dimensions, got shape {tuple(tensor.shape)}")
+
+
+def check_attention_args(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    sliding_window: int | None,
+    softcap: float | None,
+    out: torch.Tensor | None,
+) -> None:
+    """Validate the unified attention call (see ``kernels.unified_attention``)."""
+    check_ndim("q", q, 3)
+    check_ndim("k_cache", k_cache, 4)
+    check_ndim("v_cache", v_cache, 4)
+    check_dtype("q", q)
+    check_dtype("k_cache", k_cache, q.dtype)
+    check_dtype("v_cache", v_cache, q.dtype)
+    if k_cache.shape != v_cache.shape:
+        _fail("v_cache", f"shape {tuple(v_cache.shape)} differs from k_cache {tuple(k_cache.shape)}")
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    _, _, num_kv_heads, cache_head_dim = k_cache.shape
+    if cache_head_dim != head_dim:
+        _fail("k_cache", f"head_dim {cache_head_dim} differs from q's {head_dim}")
+    if head_dim > MAX_HEAD_DIM or head_dim % 8 != 0:
+        _fail("q", f"head_dim {head_dim} is not supported (a multiple of 8, at most {MAX_HEAD_DIM})")
+    if num_heads % num_kv_heads != 0:
+        _fail("q", f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if cache.stride(-1) != 1:
+            _fail(name, f"the head_dim axis must be contiguous, got strides {cache.stride()}")
+    check_dtype("cu_seqlens_q", cu_seqlens_q, torch.int32)
+    check_dtype("seq_lens", seq_lens, torch.int32)
+    check_dtype("block_table", block_table, torch.int32)
+    check_ndim("cu_seqlens_q", cu_seqlens_q, 1)
+    check_ndim("seq_lens", seq_lens, 1)
+    check_ndim("block_table", block_table, 2)
+    num_seqs = seq_lens.shape[0]
+    if cu_seqlens_q.shape[0] != num_seqs + 1:
+        _fail("cu_seqlens_q", f"expected {num_seqs + 1} entries for {num_seqs} sequences, got {cu_seqlens_q.shape[0]}")
+    if block_table.shape[0] != num_seqs:
+        _fail("block_table", f"expected {num_seqs} rows, got {block_table.shape[0]}")
+    for name, tensor in (("k_cache", k_cache), ("v_cache", v_cache), ("cu_seqlens_q", cu_seqlens_q),
+                         ("seq_lens", seq_lens), ("block_table", block_table)):
+        if tensor.device != q.device:
+            _fail(name, f"is on {tensor.device}, q is on {q.device}")
+    if sliding_window is not None and sliding_window < 1:
+        _fail("sliding_window", f"must be >= 1 or None, got {sliding_window}")
+    if softcap is not None and softcap <= 0:
+        _fail("softcap", f"must be > 0 or None, got {softcap}")
+    if out is not None and (out.shape != q.shape or out.dtype != q.dtype):
+        _fail("out", f"expected shape {tuple(q.shape)} and dtype {q.dtype}, got {tuple(out.shape)} {out.dtype}")
+
+
+def check_store_kv_args(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Validate ``kernels.store_kv``."""
+    check_ndim("key", key, 3)
+    check_ndim("value", value, 3)
+    check_ndim("k_cache", k_cache, 4)
+    check_ndim("v_cache", v_cache, 4)
+    if key.shape != value.shape:
+        _fail("value", f"shape {tuple(value.shape)} differs from key {tuple(key.shape)}")
+    if tuple(key.shape[1:]) != tuple(k_cache.shape[2:]):
+        _fail("key", f"per-token shape {tuple(key.shape[1:])} does not match the cache's {tuple(k_cache.shape[2:])}")
+    if k_cache.shape != v_cache.shape:
+        _fail("v_cache", f"shape {tuple(v_cache.shape)} differs from k_cache {tuple(k_cache.shape)}")
+    for name, tensor in (("key", key), ("value", value), ("v_cache", v_cache)):
+        check_dtype(name, tensor, k_cache.dtype)
+    if slot_mapping.dtype not in (torch.int32, torch.int64):
+        _fail("slot_mapping", f"expected int32 or int64, got {slot_mapping.dtype}")
+    if slot_mapping.shape != (key.shape[0],):
+        _fail("slot_mapping", f"expected shape ({key.shape[0]},), got {tuple(slot_mapping.shape)}")
+
+
+def check_last_dim_contiguous(name: str, tensor: torch.Tensor) -> None:
+    if tensor.shape[-1] > 1 and tensor.stride(-1) != 1:
+        _fail(name, f"the last axis must be contiguous, got strides {tensor.stride()}")
+
+
+def check_triton_attention_args(q: torch.Tensor, block_table: torch.Tensor, out: torch.Tensor | None) -> None:
+    """What the Triton attention kernels need beyond ``check_attention_args``."""
+    check_last_dim_contiguous("q", q)
+    check_last_dim_contiguous("block_table", block_table)
+    if out is not None:
+        check_last_dim_contiguous("out", out)
+        if out.device != q.device:
+            _fail("out", f"is on {out.device}, q is on {q.device}")
+
+
+def check_rms_norm_args(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> None:
+    """Validate ``kernels.rms_norm``: x [..., hidden], weight [hidden], residual like x."""
+    check_dtype("x", x)
+    check_dtype("weight", weight)
+    if x.dim() < 1:
+        _fail("x", "must have at least one dimension")
+    check_last_dim_contiguous("x", x)
+    if weight.shape != (x.shape[-1],):
+        _fail("weight", f"expected shape ({x.shape[-1]},), got {tuple(weight.shape)}")
+    if weight.device != x.device:
+        _fail("weight", f"is on {weight.device}, x is on {x.device}")
+    if residual is not None:
+        if residual.shape != x.shape or residual.dtype != x.dtype:
+            _fail("residual", f"expected shape {tuple(x.shape)} and dtype {x.dtype}, "
+                              f"got {tuple(residual.shape)} {residual.dtype}")
+        if residual.device != x.device:
+            _fail("residual", f"is on {residual.device}, x is on {x.device}")
+        check_last_dim_contiguous("residual", residual)
+
+
+def check_rotary_args(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> None:
+    """Validate ``kernels.rotary_embedding``.
+
+    q: [num_tokens, num_heads, head_dim], k: [num_tokens, num_kv_heads, head_dim],
+    positions: int [num_tokens], cos_sin_cache: fp32 [max_positions, head_dim].
+    """
+    check_ndim("q", q, 3)
+    check_ndim("k", k, 3)
+    check_dtype("q", q)
+    check_dtype("k", k, q.dtype)
+    head_dim = q.shape[2]
+    if k.shape[0] != q.shape[0] or k.shape[2] != head_dim:
+        _fail("k", f"shape {tuple(k.shape)} does not match q's {tuple(q.shape)} in tokens and head_dim")
+    if head_dim % 2 != 0:
+        _fail("q", f"head_dim {head_dim} must be even for rotate-half rotary")
+    check_last_dim_contiguous("q", q)
+    check_last_dim_contiguous("k", k)
+    check_ndim("positions", positions, 1)
+    if positions.dtype not in (torch.int32, torch.int64):
+        _fail("positions", f"expected int32 or int64, got {positions.dtype}")
+    if positions.shape[0] != q.shape[0]:
+        _fail("positions", f"expected {q.shape[0]} entries, got {positions.shape[0]}")
+    check_ndim("cos_sin_cache", cos_sin_cache, 2)
+    check_dtype("cos_sin_cache", cos_sin_cache, torch.float32)
+    if cos_sin_cache.shape[1] != head_dim:
+        _fail("cos_sin_cache", f"expected {head_dim} columns (cos then sin halves), got {cos_sin_cache.shape[1]}")
+    check_last_dim_contiguous("cos_sin_cache", cos_sin_cache)
+    for name, tensor in (("k", k), ("positions", positions), ("cos_sin_cache", cos_sin_cache)):
+        if tensor.device != q.device:
+            _fail(name, f"is on {tensor.device}, q is on {q.device}")

@@ -1,0 +1,176 @@
+"""Torch reference implementations of every kernel in this package.
+
+They are the CPU default and the ground truth the Triton kernels are tested
+against. Each has the same signature as its Triton twin. They favour clarity,
+but the attention path batches all decode sequences into one gather so that the
+CPU engine is not dominated by per-sequence Python overhead.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+
+def _key_mask(query_positions: torch.Tensor, key_positions: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
+    """``[..., q, k]`` True where a query may see a key (causal, optional window)."""
+    q = query_positions.unsqueeze(-1)
+    k = key_positions.unsqueeze(-2)
+    visible = k <= q
+    if sliding_window is not None:
+        visible &= k > q - sliding_window
+    return visible
+
+
+def _softcapped_attention(q, k, v, visible, softmax_scale, softcap):
+    """Explicit attention for the cases SDPA cannot express.
+
+    q: [..., kv_heads, group, q_len, head_dim]; k, v: [..., kv_heads, 1, k_len, head_dim];
+    visible: broadcastable to [..., kv_heads, group, q_len, k_len].
+    """
+    scores = torch.matmul(q, k.transpose(-1, -2)) * softmax_scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), v)
+
+
+def _gather_pages(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """Pages ``block_ids [..., n]`` of ``cache`` as ``[..., n * block_size, kv_heads, head_dim]``."""
+    pages = cache[block_ids]  # [..., n, block_size, kv_heads, head_dim]
+    return pages.flatten(-4, -3)
+
+
+def unified_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    softmax_scale: float,
+    *,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Reference paged attention over a mixed batch; see ``kernels.unified_attention``."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    compute_dtype = torch.float32
+    if out is None:
+        out = torch.empty_like(q)
+    cu = cu_seqlens_q.tolist()
+    lens = seq_lens.tolist()
+    q_lens = [cu[i + 1] - cu[i] for i in range(len(lens))]
+
+    decode_ids = [i for i, q_len in enumerate(q_lens) if q_len == 1]
+    if decode_ids:
+        # All single-query sequences in one padded gather.
+        # q: [n, kv_heads, group, 1, head_dim]; k/v: [n, kv_heads, 1, max_len, head_dim]
+        max_len = max(lens[i] for i in decode_ids)
+        num_pages = -(-max_len // block_size)
+        rows = torch.tensor(decode_ids, device=q.device)
+        token_ids = cu_seqlens_q[rows].long()
+        pages = block_table[rows, :num_pages].long()
+        k = _gather_pages(k_cache, pages).to(compute_dtype).permute(0, 2, 1, 3).unsqueeze(2)
+        v = _gather_pages(v_cache, pages).to(compute_dtype).permute(0, 2, 1, 3).unsqueeze(2)
+        query = q[token_ids].to(compute_dtype).view(len(decode_ids), num_kv_heads, group, 1, head_dim)
+        query_positions = (seq_lens[rows].long() - 1).view(-1, 1)  # [n, 1]
+        key_positions = torch.arange(num_pages * block_size, device=q.device).expand(len(decode_ids), -1)
+        visible = _key_mask(query_positions, key_positions, sliding_window)  # [n, 1, k]
+        visible = visible.view(len(decode_ids), 1, 1, 1, -1)
+        result = _softcapped_attention(query, k, v, visible, softmax_scale, softcap)
+        out[token_ids] = result.view(len(decode_ids), num_heads, head_dim).to(out.dtype)
+
+    for i, q_len in enumerate(q_lens):
+        if q_len <= 1:
+            continue
+        kv_len = lens[i]
+        num_pages = -(-kv_len // block_size)
+        pages = block_table[i, :num_pages].long()
+        k = _gather_pages(k_cache, pages)[:kv_len].to(compute_dtype)  # [kv_len, kv_heads, head_dim]
+        v = _gather_pages(v_cache, pages)[:kv_len].to(compute_dtype)
+        query = q[cu[i] : cu[i + 1]].to(compute_dtype)  # [q_len, heads, head_dim]
+        query_positions = torch.arange(kv_len - q_len, kv_len, device=q.device)
+        key_positions = torch.arange(kv_len, device=q.device)
+        visible = _key_mask(query_positions, key_positions, sliding_window)  # [q_len, kv_len]
+        if softcap is None:
+            result = F.scaled_dot_product_attention(
+                query.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                attn_mask=visible, scale=softmax_scale, enable_gqa=group > 1,
+            ).transpose(0, 1)
+        else:
+            query = query.view(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
+            result = _softcapped_attention(
+                query, k.permute(1, 0, 2).unsqueeze(1), v.permute(1, 0, 2).unsqueeze(1),
+                visible, softmax_scale, softcap,
+            ).permute(2, 0, 1, 3)
+        out[cu[i] : cu[i + 1]] = result.reshape(q_len, num_heads, head_dim).to(out.dtype)
+    return out
+
+
+def store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write ``key``/``value`` ``[num_tokens, kv_heads, head_dim]`` into their slots.
+
+    Slot ``s`` is offset ``s % block_size`` of block ``s // block_size``.
+    Tokens whose slot is negative (``PAD_SLOT_ID`` is) are skipped.
+    """
+    block_size = k_cache.shape[1]
+    slots = slot_mapping.long()
+    keep = slots >= 0  # a negative slot would index blocks from the end
+    if not bool(keep.all()):
+        slots, key, value = slots[keep], key[keep], value[keep]
+    block_ids = slots // block_size
+    offsets = slots % block_size
+    k_cache[block_ids, offsets] = key
+    v_cache[block_ids, offsets] = value
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm computed in fp32, as HF Llama does.
+
+    With ``residual``, first adds it to ``x`` and returns ``(normed, x + residual)``.
+    """
+    if residual is not None:
+        x = x + residual
+        residual = x
+    hidden = x.to(torch.float32)
+    variance = hidden.pow(2).mean(-1, keepdim=True)
+    normed = weight * (hidden * torch.rsqrt(variance + eps)).to(x.dtype)
+    return normed if residual is None else (normed, residual)
+
+
+def rotary_embedding(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate-half (NeoX-style) rotary embedding over the whole head_dim.
+
+    q: [num_tokens, num_heads, head_dim], k: [num_tokens, num_kv_heads, head_dim],
+    cos_sin_cache: [max_positions, head_dim] fp32, cos in the first half, sin in the second.
+    """
+    cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)  # [num_tokens, head_dim / 2] each
+    cos = torch.cat((cos, cos), dim=-1).unsqueeze(1).to(q.dtype)
+    sin = torch.cat((sin, sin), dim=-1).unsqueeze(1).to(q.dtype)
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+    return rotate(q), rotate(k)

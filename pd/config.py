@@ -1,0 +1,58 @@
+"""Engine configuration: frozen dataclasses, validated on construction, no I/O.
+
+The serving layer's pydantic models (at the HTTP and YAML edges) build these.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_KV_CACHE_BYTES = 2 * 1024**3
+DEFAULT_DTYPES = ("auto", "float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What a user asks of one engine.
+
+    ``num_blocks`` fixes the KV pool size; otherwise it is derived from
+    ``kv_cache_bytes``. ``max_model_len`` defaults to the model's
+    ``max_position_embeddings``.
+    """
+
+    model: str = "builtin:tiny-llama"
+    dtype: str = "float32"
+    device: str = "cpu"
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    max_model_len: int | None = None
+    attention_backend: str = "auto"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DEFAULT_DTYPES:
+            raise ValueError(f"dtype must be one of {DEFAULT_DTYPES}, got {self.dtype!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "kv_cache_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("num_blocks", "max_model_len"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1 or None, got {value}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """The limits the scheduler enforces, resolved against the loaded model."""
+
+    block_size: int
+    num_blocks: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    max_model_len: int

@@ -1,0 +1,118 @@
+"""The block pool: ids, reference counts, a free LRU and the prefix cache.
+
+Pure Python; it never imports torch. A block is a page of ``block_size``
+token slots in the KV pool. A block is *used* while its reference count is
+above zero. A free block may still hold a cached prefix: it stays findable
+until it is taken for a new allocation, which evicts it.
+
+    free queue (LRU):  head -> [oldest free ... most recently freed] <- tail
+    allocate() pops from the head; free() appends to the tail.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Iterable, Sequence
+
+
+class NoFreeBlocksError(RuntimeError):
+    """Raised when an allocation asks for more blocks than are free."""
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int):
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self._ref_counts = [0] * num_blocks
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._hash_to_block: dict[bytes, int] = {}
+        self._block_hash: dict[int, bytes] = {}
+        self._block_tokens: dict[int, tuple[int, ...]] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._hash_to_block)
+
+    def ref_count(self, block_id: int) -> int:
+        return self._ref_counts[block_id]
+
+    def is_free(self, block_id: int) -> bool:
+        return self._ref_counts[block_id] == 0
+
+    def allocate(self, num_blocks: int) -> list[int]:
+        """Take ``num_blocks`` from the head of the free queue, evicting cached prefixes."""
+        if num_blocks > len(self._free):
+            raise NoFreeBlocksError(f"asked for {num_blocks} blocks, {len(self._free)} free")
+        block_ids = []
+        for _ in range(num_blocks):
+            block_id, _ = self._free.popitem(last=False)
+            self._evict(block_id)
+            self._ref_counts[block_id] = 1
+            block_ids.append(block_id)
+        return block_ids
+
+    def free(self, block_ids: Iterable[int]) -> None:
+        """Drop one reference from each block; blocks reaching zero join the tail, in order."""
+        for block_id in block_ids:
+            count = self._ref_counts[block_id]
+            if count < 1:
+                raise RuntimeError(f"block {block_id} freed more often than allocated")
+            self._ref_counts[block_id] = count - 1
+            if count == 1:
+                self._free[block_id] = None
+
+    def touch(self, block_ids: Iterable[int]) -> None:
+        """Add a reference to each block (prefix hits), taking free ones out of the free queue."""
+        for block_id in block_ids:
+            if self._ref_counts[block_id] == 0:
+                del self._free[block_id]
+            self._ref_counts[block_id] += 1
+
+    def match(self, block_hashes: Sequence[bytes], token_ids: Sequence[int], block_size: int) -> list[int]:
+        """The longest run of cached blocks for ``block_hashes``, verified against the tokens.
+
+        Changes no reference count; call ``touch`` on what is kept.
+        """
+        block_ids = []
+        for index, block_hash in enumerate(block_hashes):
+            block_id = self._hash_to_block.get(block_hash)
+            if block_id is None:
+                break
+            tokens = token_ids[index * block_size : (index + 1) * block_size]
+            if self._block_tokens[block_id] != tuple(tokens):
+                break
+            block_ids.append(block_id)
+        return block_ids
+
+    def insert(self, block_id: int, block_hash: bytes, token_ids: Sequence[int]) -> None:
+        """Make a full, computed block findable by its hash.
+
+        If another block already holds the same prefix, the first one stays
+        the cached copy and this block stays private.
+        """
+        if block_hash in self._hash_to_block or block_id in self._block_hash:
+            return
+        self._hash_to_block[block_hash] = block_id
+        self._block_hash[block_id] = block_hash
+        self._block_tokens[block_id] = tuple(token_ids)
+
+    def _evict(self, block_id: int) -> None:
+        block_hash = self._block_hash.pop(block_id, None)
+        if block_hash is not None:
+            del self._hash_to_block[block_hash]
+            del self._block_tokens[block_id]
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (used blocks keep their contents)."""
+        self._hash_to_block.clear()
+        self._block_hash.clear()
+        self._block_tokens.clear()

@@ -1,0 +1,97 @@
+"""Maps requests to blocks: allocation, prefix-cache hits and freeing."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pd.engine.block_pool import BlockPool
+from pd.engine.request import Request
+from router.hashing import ROOT_HASH, hash_block_tokens
+
+
+@dataclass(frozen=True)
+class PrefixMatch:
+    """Cached blocks found for the start of a request; not yet referenced."""
+
+    block_ids: list[int]
+    num_tokens: int
+
+
+NO_MATCH = PrefixMatch(block_ids=[], num_tokens=0)
+
+
+class KVCacheManager:
+    def __init__(self, block_pool: BlockPool, block_size: int, enable_prefix_caching: bool = True):
+        self.pool = block_pool
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._blocks: dict[str, list[int]] = {}
+        # How many leading blocks of each request are in the prefix cache.
+        self._num_cached_blocks: dict[str, int] = {}
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return self._blocks.get(request_id, [])
+
+    def update_hashes(self, request: Request) -> None:
+        """Extend ``request.block_hashes`` to every full block of its tokens."""
+        hashes = request.block_hashes
+        if len(hashes) < request.num_tokens // self.block_size:
+            parent = hashes[-1] if hashes else ROOT_HASH
+            hashes.extend(
+                hash_block_tokens(request.token_ids, self.block_size, parent_hash=parent, start_block=len(hashes))
+            )
+
+    def match_prefix(self, request: Request) -> PrefixMatch:
+        """Cached blocks for the request's leading full blocks.
+
+        At least the last token is always left to compute, since the request
+        needs its logits; a full hit therefore gives up its last block.
+        """
+        if not self.enable_prefix_caching:
+            return NO_MATCH
+        self.update_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        block_ids = self.pool.match(request.block_hashes[:max_blocks], request.token_ids, self.block_size)
+        return PrefixMatch(block_ids=block_ids, num_tokens=len(block_ids) * self.block_size)
+
+    def allocate_slots(self, request: Request, num_new_tokens: int, prefix: PrefixMatch = NO_MATCH) -> bool:
+        """Reference ``prefix`` and allocate blocks for ``num_new_tokens`` beyond it.
+
+        All or nothing: returns False, changing nothing, when the pool is short.
+        """
+        blocks = self._blocks.get(request.request_id, [])
+        num_tokens = request.num_computed_tokens + prefix.num_tokens + num_new_tokens
+        num_needed = -(-num_tokens // self.block_size) - len(blocks) - len(prefix.block_ids)
+        # Prefix hits sitting in the free queue leave it when referenced.
+        num_free_hits = sum(1 for b in prefix.block_ids if self.pool.is_free(b))
+        if num_needed > self.pool.num_free_blocks - num_free_hits:
+            return False
+        if prefix.block_ids:
+            self.pool.touch(prefix.block_ids)
+            blocks.extend(prefix.block_ids)
+            self._num_cached_blocks[request.request_id] = len(prefix.block_ids)
+        if num_needed > 0:
+            blocks.extend(self.pool.allocate(num_needed))
+        self._blocks[request.request_id] = blocks
+        return True
+
+    def cache_blocks(self, request: Request) -> None:
+        """Insert the request's newly full, computed blocks into the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = request.num_computed_tokens // self.block_size
+        start = self._num_cached_blocks.get(request.request_id, 0)
+        if num_full <= start:
+            return
+        self.update_hashes(request)
+        blocks = self._blocks[request.request_id]
+        bs = self.block_size
+        for index in range(start, num_full):
+            self.pool.insert(blocks[index], request.block_hashes[index], request.token_ids[index * bs : (index + 1) * bs])
+        self._num_cached_blocks[request.request_id] = num_full
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks, last block first so a prompt's tail is evicted before its head."""
+        blocks = self._blocks.pop(request.request_id, [])
+        self._num_cached_blocks.pop(request.request_id, None)
+        self.pool.free(reversed(blocks))

@@ -1,0 +1,97 @@
+"""Owns the model and the KV pool; turns a schedule into a forward pass and samples."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+import kernels
+from pd.config import EngineConfig
+from pd.engine.outputs import ForwardInput, ForwardOutput, SchedulerOutput
+from pd.engine.sampler import Sampler
+from pd.model.attention import AttentionMetadata
+from pd.model.config import ModelConfig
+from pd.model.llama import CausalLM
+from pd.model.loader import load_weights, resolve_dtype
+from pd.model.rope import cos_sin_cache
+
+# Block-table padding: any valid id works, since attention masks keys by seq_len.
+PAD_BLOCK_ID = 0
+
+
+def kv_block_bytes(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block takes in the block-major pool (all layers, K and V)."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return model.num_layers * 2 * block_size * model.num_kv_heads * model.head_dim * itemsize
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, model_dir: Path, num_blocks: int,
+                 max_model_len: int):
+        self.config = config
+        self.model_config = model_config
+        self.device = torch.device(config.device)
+        self.dtype = resolve_dtype(config.dtype, model_config)
+        self.block_size = config.block_size
+        self.backend = kernels.resolve_backend(config.attention_backend, self.device)
+        weights = load_weights(model_dir, model_config, self.dtype, self.device)
+        rope = cos_sin_cache(model_config.rope, model_config.head_dim, max_model_len).to(self.device)
+        self.model = CausalLM(model_config, weights, rope)
+        # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]: each block one contiguous range.
+        self.kv_cache = torch.zeros(
+            num_blocks, model_config.num_layers, 2, config.block_size, model_config.num_kv_heads,
+            model_config.head_dim, dtype=self.dtype, device=self.device,
+        )
+        # Per-layer strided views [num_blocks, block_size, num_kv_heads, head_dim].
+        self.kv_views = [(self.kv_cache[:, i, 0], self.kv_cache[:, i, 1]) for i in range(model_config.num_layers)]
+        self.sampler = Sampler(config.seed, self.device)
+
+    def prepare(self, out: SchedulerOutput, block_tables: list[list[int]]) -> ForwardInput:
+        """Flatten the schedule into host lists, then copy each to the device once."""
+        bs = self.block_size
+        token_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        cu_seqlens = [0]
+        seq_lens: list[int] = []
+        logits_indices: list[int] = []
+        sampling_requests = []
+        for item, blocks in zip(out.scheduled, block_tables):
+            request = item.request
+            start = request.num_computed_tokens
+            end = start + item.num_new_tokens
+            token_ids.extend(request.token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
+            cu_seqlens.append(len(token_ids))
+            seq_lens.append(end)
+            if item.samples:
+                logits_indices.append(len(token_ids) - 1)
+                sampling_requests.append(request)
+        max_blocks = max(len(b) for b in block_tables)
+        table = [b + [PAD_BLOCK_ID] * (max_blocks - len(b)) for b in block_tables]
+        dev = self.device
+        attn = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            cu_seqlens_q=torch.tensor(cu_seqlens, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_table=torch.tensor(table, dtype=torch.int32, device=dev),
+            backend=self.backend,
+        )
+        return ForwardInput(
+            token_ids=torch.tensor(token_ids, dtype=torch.int64, device=dev),
+            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            attn=attn,
+            logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=dev),
+            sampling_requests=sampling_requests,
+        )
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput, block_tables: list[list[int]]) -> ForwardOutput:
+        batch = self.prepare(out, block_tables)
+        logits = self.model.forward(batch.token_ids, batch.positions, batch.attn, self.kv_views, batch.logits_indices)
+        if not batch.sampling_requests:
+            return ForwardOutput(sampled_token_ids=[], logprobs=None)
+        token_ids, logprobs = self.sampler.sample(logits, batch.sampling_requests)
+        return ForwardOutput(sampled_token_ids=token_ids, logprobs=logprobs)

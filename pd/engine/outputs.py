@@ -1,0 +1,66 @@
+"""Typed hand-offs along one engine step.
+
+    Request -> SchedulerOutput -> ForwardInput -> ForwardOutput -> RequestOutput
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from pd.engine.request import FinishReason, Request
+from pd.model.attention import AttentionMetadata
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+    # True when this chunk reaches the request's last token, so its logits are sampled.
+    samples: bool
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(frozen=True)
+class ForwardInput:
+    """One flat varlen batch, already on the model's device."""
+
+    token_ids: torch.Tensor  # int64 [num_tokens]
+    positions: torch.Tensor  # int64 [num_tokens]
+    attn: AttentionMetadata
+    logits_indices: torch.Tensor  # int64 [num_samples]
+    sampling_requests: list[Request]  # one per logits row
+
+
+@dataclass(frozen=True)
+class ForwardOutput:
+    """Sampled tokens, one per request whose ``samples`` flag was set, in schedule order."""
+
+    sampled_token_ids: list[int]
+    logprobs: list[float] | None
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[float]
+    finished: bool
+    finish_reason: FinishReason | None
+    num_cached_tokens: int

@@ -1,0 +1,64 @@
+"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds.
+
+A request with a ``seed`` owns a ``torch.Generator``, so its draws do not
+depend on what else shares the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pd.engine.request import Request
+
+
+class Sampler:
+    def __init__(self, seed: int, device: torch.device):
+        self.device = device
+        self._shared = torch.Generator(device=device)
+        self._shared.manual_seed(seed)
+        self._per_request: dict[str, torch.Generator] = {}
+
+    def forget(self, request_id: str) -> None:
+        self._per_request.pop(request_id, None)
+
+    def _generator(self, request: Request) -> torch.Generator:
+        seed = request.sampling_params.seed
+        if seed is None:
+            return self._shared
+        generator = self._per_request.get(request.request_id)
+        if generator is None:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(seed)
+            self._per_request[request.request_id] = generator
+        return generator
+
+    def sample(self, logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], list[float] | None]:
+        """Pick one token per row of fp32 ``logits [num_requests, vocab]``."""
+        want_logprobs = any(r.sampling_params.logprobs is not None for r in requests)
+        if all(r.sampling_params.greedy for r in requests):
+            token_ids = logits.argmax(dim=-1)
+        else:
+            token_ids = torch.empty(len(requests), dtype=torch.long, device=logits.device)
+            for row, request in enumerate(requests):
+                token_ids[row] = self._sample_row(logits[row], request)
+        logprobs = None
+        if want_logprobs:
+            logprobs = torch.log_softmax(logits, dim=-1).gather(1, token_ids[:, None]).squeeze(1).tolist()
+        return token_ids.tolist(), logprobs
+
+    def _sample_row(self, logits: torch.Tensor, request: Request) -> torch.Tensor:
+        params = request.sampling_params
+        if params.greedy:
+            return logits.argmax()
+        logits = logits / params.temperature
+        if params.top_k is not None and params.top_k < logits.shape[-1]:
+            threshold = torch.topk(logits, params.top_k).values[-1]
+            logits = logits.masked_fill(logits < threshold, float("-inf"))
+        if params.top_p < 1.0:
+            sorted_logits, order = torch.sort(logits, descending=True)
+            cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
+            # Keep the smallest prefix whose mass reaches top_p (always at least one token).
+            drop_sorted = cumulative - torch.softmax(sorted_logits, dim=-1) >= params.top_p
+            logits = logits.masked_fill(torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted), float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        return torch.multinomial(probs, 1, generator=self._generator(request))[0]

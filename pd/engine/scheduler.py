@@ -1,0 +1,147 @@
+"""Continuous batching in tokens, with chunked prefill and preemption by recompute.
+
+Each step has a token budget (``max_num_batched_tokens``). Running requests go
+first, in arrival order: a decode takes one token, a partial prefill takes what
+the budget leaves. Waiting requests are admitted next, their prompts chunked to
+what remains. When the pool runs out of blocks, the newest running request is
+preempted: its blocks are freed and it recomputes later (its full blocks usually
+come straight back from the prefix cache).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from pd.config import SchedulerConfig
+from pd.engine.kv_cache_manager import NO_MATCH, KVCacheManager
+from pd.engine.outputs import ForwardOutput, RequestOutput, ScheduledRequest, SchedulerOutput
+from pd.engine.request import FinishReason, Request, RequestStatus
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager):
+        self.config = config
+        self.kv_cache = kv_cache
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_prefix_hit_tokens = 0
+        self.num_preemptions = 0
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self._allocate_or_preempt(request, num_new, out):
+                break  # the request preempted itself; everything after it is gone too
+            out.scheduled.append(self._scheduled(request, num_new))
+            budget -= num_new
+            index += 1
+        if not out.preempted:
+            budget = self._admit_waiting(budget, out)
+        return out
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
+        while not self.kv_cache.allocate_slots(request, num_new):
+            victim = self.running.pop()
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is request:
+                return False
+        return True
+
+    def _admit_waiting(self, budget: int, out: SchedulerOutput) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            prefix = self.kv_cache.match_prefix(request) if request.num_computed_tokens == 0 else NO_MATCH
+            num_new = min(request.num_tokens - request.num_computed_tokens - prefix.num_tokens, budget)
+            if not self.kv_cache.allocate_slots(request, num_new, prefix):
+                break
+            self.waiting.popleft()
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = prefix.num_tokens
+                self.num_prefix_hit_tokens += prefix.num_tokens
+            request.num_computed_tokens += prefix.num_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.scheduled.append(self._scheduled(request, num_new))
+            budget -= num_new
+        return budget
+
+    @staticmethod
+    def _scheduled(request: Request, num_new: int) -> ScheduledRequest:
+        samples = request.num_computed_tokens + num_new == request.num_tokens
+        return ScheduledRequest(request=request, num_new_tokens=num_new, samples=samples)
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache.free(request)
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def update(self, out: SchedulerOutput, forward: ForwardOutput) -> list[RequestOutput]:
+        """Advance each scheduled request by its chunk and append sampled tokens."""
+        results = []
+        sample_index = 0
+        for item in out.scheduled:
+            request = item.request
+            request.num_computed_tokens += item.num_new_tokens
+            self.kv_cache.cache_blocks(request)
+            if not item.samples:
+                continue
+            token_id = forward.sampled_token_ids[sample_index]
+            logprob = forward.logprobs[sample_index] if forward.logprobs is not None else None
+            sample_index += 1
+            request.append_output(token_id, logprob)
+            reason = self._finish_reason(request, token_id)
+            if reason is not None:
+                self._finish(request, reason)
+            results.append(
+                RequestOutput(
+                    request_id=request.request_id,
+                    new_token_ids=[token_id],
+                    new_logprobs=[logprob] if logprob is not None else [],
+                    finished=reason is not None,
+                    finish_reason=reason,
+                    num_cached_tokens=request.num_cached_tokens,
+                )
+            )
+        if any(r.finished for r in results):
+            self.running = [r for r in self.running if not r.is_finished]
+        return results
+
+    def _finish_reason(self, request: Request, token_id: int) -> FinishReason | None:
+        params = request.sampling_params
+        if params.stop_token_ids and token_id in params.stop_token_ids:
+            return FinishReason.STOP
+        if not params.ignore_eos and token_id in request.eos_token_ids:
+            return FinishReason.STOP
+        if len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.config.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _finish(self, request: Request, reason: FinishReason) -> None:
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        self.kv_cache.free(request)
+
+    def abort(self, request_id: str) -> Request | None:
+        """Finish a request wherever it is and free its blocks; None if unknown or done."""
+        for queue in (self.running, self.waiting):
+            for request in queue:
+                if request.request_id == request_id:
+                    queue.remove(request)
+                    self._finish(request, FinishReason.ABORT)
+                    return request
+        return None

@@ -1,0 +1,112 @@
+"""The Llama-family decoder: Llama 2/3, Mistral, Qwen2 and Qwen3.
+
+Weights are plain tensors (QKV and gate/up fused at load time), and each phase
+is a small function. Attention, the KV store, RMSNorm and rotary go through
+``kernels`` so that the backend chosen per step is the one the model runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+import kernels
+from pd.model.attention import AttentionMetadata
+from pd.model.config import ModelConfig
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor  # [hidden]
+    qkv_weight: torch.Tensor  # [q_size + 2 * kv_size, hidden]
+    qkv_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None  # [head_dim], Qwen3 only
+    k_norm: torch.Tensor | None
+    o_weight: torch.Tensor  # [hidden, q_size]
+    o_bias: torch.Tensor | None
+    post_attention_norm: torch.Tensor  # [hidden]
+    gate_up_weight: torch.Tensor  # [2 * intermediate, hidden]
+    gate_up_bias: torch.Tensor | None
+    down_weight: torch.Tensor  # [hidden, intermediate]
+    down_bias: torch.Tensor | None
+
+
+@dataclass
+class ModelWeights:
+    embed_tokens: torch.Tensor  # [vocab, hidden]
+    layers: list[LayerWeights]
+    norm: torch.Tensor  # [hidden]
+    lm_head: torch.Tensor  # [vocab, hidden]; the embedding itself when tied
+
+
+class CausalLM:
+    """A decoder-only transformer over a paged, block-major KV pool."""
+
+    def __init__(self, config: ModelConfig, weights: ModelWeights, cos_sin_cache: torch.Tensor):
+        self.config = config
+        self.weights = weights
+        self.cos_sin_cache = cos_sin_cache  # [max_positions, head_dim] fp32
+        self.softmax_scale = config.head_dim**-0.5
+
+    def forward(
+        self,
+        token_ids: torch.Tensor,  # int64 [num_tokens]
+        positions: torch.Tensor,  # int64 [num_tokens]
+        attn: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer (k, v) [num_blocks, block_size, kv_heads, head_dim]
+        logits_indices: torch.Tensor,  # int64 [num_samples], rows of the batch that sample
+    ) -> torch.Tensor:
+        """Run the batch, write its K/V into the pool, return fp32 logits ``[num_samples, vocab]``."""
+        hidden = F.embedding(token_ids, self.weights.embed_tokens)
+        residual = None
+        for layer, weights in enumerate(self.weights.layers):
+            if residual is None:
+                residual = hidden
+                hidden = kernels.rms_norm(hidden, weights.input_norm, self.config.rms_norm_eps, backend=attn.backend)
+            else:
+                hidden, residual = kernels.rms_norm(
+                    hidden, weights.input_norm, self.config.rms_norm_eps, residual, backend=attn.backend
+                )
+            hidden = self._attention(layer, weights, hidden, positions, attn, kv_caches[layer])
+            hidden, residual = kernels.rms_norm(
+                hidden, weights.post_attention_norm, self.config.rms_norm_eps, residual, backend=attn.backend
+            )
+            hidden = _mlp(weights, hidden)
+        hidden = (hidden + residual)[logits_indices]
+        hidden = kernels.rms_norm(hidden, self.weights.norm, self.config.rms_norm_eps, backend=attn.backend)
+        return F.linear(hidden, self.weights.lm_head).float()
+
+    def _attention(
+        self,
+        layer: int,
+        weights: LayerWeights,
+        hidden: torch.Tensor,  # [num_tokens, hidden]
+        positions: torch.Tensor,
+        attn: AttentionMetadata,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        cfg = self.config
+        num_tokens = hidden.shape[0]
+        qkv = F.linear(hidden, weights.qkv_weight, weights.qkv_bias)
+        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        q = q.view(num_tokens, cfg.num_heads, cfg.head_dim)
+        k = k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        v = v.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        if weights.q_norm is not None:
+            q = kernels.rms_norm(q, weights.q_norm, cfg.rms_norm_eps, backend=attn.backend)
+            k = kernels.rms_norm(k, weights.k_norm, cfg.rms_norm_eps, backend=attn.backend)
+        q, k = kernels.rotary_embedding(q, k, positions, self.cos_sin_cache, backend=attn.backend)
+        k_cache, v_cache = kv_cache
+        kernels.store_kv(k, v, k_cache, v_cache, attn.slot_mapping, backend=attn.backend)
+        out = kernels.unified_attention(
+            q, k_cache, v_cache, attn.cu_seqlens_q, attn.seq_lens, attn.block_table, self.softmax_scale,
+            sliding_window=cfg.sliding_windows[layer], backend=attn.backend,
+        )
+        return F.linear(out.view(num_tokens, cfg.q_size), weights.o_weight, weights.o_bias)
+
+
+def _mlp(weights: LayerWeights, hidden: torch.Tensor) -> torch.Tensor:
+    gate, up = F.linear(hidden, weights.gate_up_weight, weights.gate_up_bias).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, weights.down_weight, weights.down_bias)

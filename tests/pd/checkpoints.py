@@ -1,0 +1,50 @@
+"""Random-weight HF checkpoints for reference tests, written with ``save_pretrained``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+COMMON = dict(
+    vocab_size=512,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    initializer_range=0.1,
+)
+
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 128,
+    "rope_theta": 500000.0,
+}
+
+
+def make_checkpoint(kind: str, path: Path) -> Path:
+    """Write a small random checkpoint of ``kind`` to ``path`` and return it."""
+    import transformers
+
+    torch.manual_seed(0)
+    if kind == "llama":
+        config = transformers.LlamaConfig(**COMMON, rope_parameters=LLAMA3_ROPE)
+        model = transformers.LlamaForCausalLM(config)
+    elif kind == "qwen2":
+        config = transformers.Qwen2Config(**COMMON, tie_word_embeddings=True)
+        model = transformers.Qwen2ForCausalLM(config)
+    elif kind == "mistral":
+        config = transformers.MistralConfig(**COMMON, sliding_window=48)
+        model = transformers.MistralForCausalLM(config)
+    elif kind == "qwen3":
+        config = transformers.Qwen3Config(**{**COMMON, "num_attention_heads": 4, "num_key_value_heads": 1}, head_dim=48)
+        model = transformers.Qwen3ForCausalLM(config)
+    else:
+        raise ValueError(kind)
+    model.eval().save_pretrained(path)
+    return path

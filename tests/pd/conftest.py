@@ -1,0 +1,57 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.pd.checkpoints import make_checkpoint
+
+NEAR_TIE = 1e-4
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory):
+    """``checkpoint(kind)`` -> path of a cached random checkpoint of that architecture."""
+    made = {}
+
+    def get(kind: str):
+        if kind not in made:
+            made[kind] = make_checkpoint(kind, tmp_path_factory.mktemp(kind))
+        return made[kind]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def hf_model():
+    import transformers
+
+    loaded = {}
+
+    def get(path):
+        if path not in loaded:
+            loaded[path] = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        return loaded[path]
+
+    return get
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int):
+    """HF greedy tokens and the top-2 logit gap at each step."""
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]), max_new_tokens=max_new_tokens, eos_token_id=None,
+            do_sample=False, output_scores=True, return_dict_in_generate=True, pad_token_id=0,
+        )
+    tokens = out.sequences[0, len(prompt):].tolist()
+    assert len(tokens) == max_new_tokens, "reference stopped early"
+    gaps = [float(s[0].topk(2).values[0] - s[0].topk(2).values[1]) for s in out.scores]
+    return tokens, gaps
+
+
+def assert_greedy_match(ours: list[int], reference: list[int], gaps: list[float]) -> None:
+    """Equal, or first diverging only where the reference's top-2 gap is a near-tie."""
+    assert len(ours) == len(reference), (ours, reference)
+    for step, (a, b) in enumerate(zip(ours, reference)):
+        if a != b:
+            assert gaps[step] < NEAR_TIE, f"diverged at step {step} with a top-2 gap of {gaps[step]:.2e}: {ours} vs {reference}"
+            return
