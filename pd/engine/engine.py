@@ -99,10 +99,11 @@ class LLMEngine:
         self.scheduler.add(request)
         return request
 
-    def abort_request(self, request_id: str) -> bool:
+    def abort_request(self, request_id: str) -> Request | None:
+        """Finish a request wherever it is and free its blocks; None if unknown or already done."""
         request = self.scheduler.abort(request_id)
         self._forget(request_id)
-        return request is not None
+        return request
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished

@@ -1,0 +1,147 @@
+"""The asyncio engine the serving layer drives.
+
+One background task owns the engine. Requests and aborts queue up and are
+applied between steps; each step runs on a worker thread, so the event loop
+keeps serving while the model computes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from typing import AsyncIterator
+
+from pd.config import EngineConfig
+from pd.engine.engine import EngineStats, LLMEngine
+from pd.engine.outputs import RequestOutput
+from pd.engine.request import FinishReason
+from pd.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine's step failed; in-flight requests end with this error."""
+
+
+class AsyncLLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.engine = LLMEngine(config)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pd-engine-step")
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._pending_adds: list[tuple[str, list[int], SamplingParams]] = []
+        self._pending_aborts: list[str] = []
+        self._wakeup: asyncio.Event | None = None
+        self._loop_task: asyncio.Task | None = None
+        self._closed = False
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        """Queue a request and return the stream of its incremental outputs.
+
+        Bad input raises ``ValueError`` here, before anything is queued. Leaving
+        the stream early (``aclose()``, or cancelling its consumer) aborts it.
+        """
+        if self._closed:
+            raise RuntimeError("engine is shut down")
+        if request_id in self._streams:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        self.engine.validate(prompt_token_ids, params)
+        self._ensure_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = queue
+        self._pending_adds.append((request_id, list(prompt_token_ids), params))
+        self._wakeup.set()
+        return self._stream(request_id, queue)
+
+    async def _stream(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    return
+        finally:
+            if request_id in self._streams:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """End a request wherever it is; its stream finishes with reason ``abort``."""
+        if request_id not in self._streams:
+            return
+        self._pending_aborts.append(request_id)
+        if self._wakeup is not None:
+            self._wakeup.set()
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    def _ensure_loop(self) -> None:
+        if self._loop_task is None or self._loop_task.done():
+            self._wakeup = asyncio.Event()
+            self._loop_task = asyncio.get_running_loop().create_task(self._run(), name="pd-engine-loop")
+
+    def _apply_pending(self) -> None:
+        adds, self._pending_adds = self._pending_adds, []
+        for request_id, token_ids, params in adds:
+            if request_id in self._streams:
+                self.engine.add_request(request_id, token_ids, params)
+        aborts, self._pending_aborts = self._pending_aborts, []
+        for request_id in aborts:
+            queue = self._streams.pop(request_id, None)
+            if queue is None:
+                continue
+            request = self.engine.abort_request(request_id)
+            queue.put_nowait(
+                RequestOutput(
+                    request_id=request_id, new_token_ids=[], new_logprobs=[], finished=True,
+                    finish_reason=FinishReason.ABORT,
+                    num_cached_tokens=request.num_cached_tokens if request else 0,
+                )
+            )
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while not self._closed:
+            self._apply_pending()
+            if not self.engine.has_unfinished_requests():
+                self._wakeup.clear()
+                if not (self._pending_adds or self._pending_aborts):
+                    await self._wakeup.wait()
+                continue
+            try:
+                results = await loop.run_in_executor(self._executor, self.engine.step)
+            except Exception as exc:  # noqa: BLE001 - every in-flight stream must hear of it
+                logger.exception("engine step failed; failing in-flight requests")
+                self._fail_all(EngineDeadError(f"engine step failed: {exc!r}"))
+                continue
+            for result in results:
+                queue = self._streams.get(result.request_id)
+                if queue is None:
+                    continue
+                if result.finished:
+                    del self._streams[result.request_id]
+                queue.put_nowait(result)
+
+    def _fail_all(self, error: Exception) -> None:
+        for request_id, queue in list(self._streams.items()):
+            self.engine.abort_request(request_id)
+            queue.put_nowait(error)
+        self._streams.clear()
+
+    async def shutdown(self) -> None:
+        """Fail in-flight requests, stop the loop and the worker thread."""
+        self._closed = True
+        self._fail_all(RuntimeError("engine is shut down"))
+        if self._loop_task is not None:
+            self._wakeup.set()
+            await asyncio.gather(self._loop_task, return_exceptions=True)
+        self._executor.shutdown(wait=True)
