@@ -68,22 +68,30 @@ def unified_attention(
 
     decode_ids = [i for i, q_len in enumerate(q_lens) if q_len == 1]
     if decode_ids:
-        # All single-query sequences in one padded gather.
-        # q: [n, kv_heads, group, 1, head_dim]; k/v: [n, kv_heads, 1, max_len, head_dim]
+        # All single-query sequences in one padded gather:
+        # query [n, heads, 1, head_dim]; k, v [n, kv_heads, max_len, head_dim].
+        num_decodes = len(decode_ids)
         max_len = max(lens[i] for i in decode_ids)
         num_pages = -(-max_len // block_size)
         rows = torch.tensor(decode_ids, device=q.device)
         token_ids = cu_seqlens_q[rows].long()
         pages = block_table[rows, :num_pages].long()
-        k = _gather_pages(k_cache, pages).to(compute_dtype).permute(0, 2, 1, 3).unsqueeze(2)
-        v = _gather_pages(v_cache, pages).to(compute_dtype).permute(0, 2, 1, 3).unsqueeze(2)
-        query = q[token_ids].to(compute_dtype).view(len(decode_ids), num_kv_heads, group, 1, head_dim)
+        k = _gather_pages(k_cache, pages).to(compute_dtype).transpose(1, 2)
+        v = _gather_pages(v_cache, pages).to(compute_dtype).transpose(1, 2)
+        query = q[token_ids].to(compute_dtype).unsqueeze(2)
         query_positions = (seq_lens[rows].long() - 1).view(-1, 1)  # [n, 1]
-        key_positions = torch.arange(num_pages * block_size, device=q.device).expand(len(decode_ids), -1)
-        visible = _key_mask(query_positions, key_positions, sliding_window)  # [n, 1, k]
-        visible = visible.view(len(decode_ids), 1, 1, 1, -1)
-        result = _softcapped_attention(query, k, v, visible, softmax_scale, softcap)
-        out[token_ids] = result.view(len(decode_ids), num_heads, head_dim).to(out.dtype)
+        key_positions = torch.arange(num_pages * block_size, device=q.device)
+        visible = _key_mask(query_positions, key_positions, sliding_window)  # [n, 1, max_len]
+        if softcap is None:
+            result = F.scaled_dot_product_attention(
+                query, k, v, attn_mask=visible.unsqueeze(1), scale=softmax_scale, enable_gqa=group > 1
+            )
+        else:
+            result = _softcapped_attention(
+                query.view(num_decodes, num_kv_heads, group, 1, head_dim), k.unsqueeze(2), v.unsqueeze(2),
+                visible.view(num_decodes, 1, 1, 1, -1), softmax_scale, softcap,
+            )
+        out[token_ids] = result.reshape(num_decodes, num_heads, head_dim).to(out.dtype)
 
     for i, q_len in enumerate(q_lens):
         if q_len <= 1:

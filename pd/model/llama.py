@@ -1,7 +1,8 @@
 """The Llama-family decoder: Llama 2/3, Mistral, Qwen2 and Qwen3.
 
-Weights are plain tensors (QKV and gate/up fused at load time), and each phase
-is a small function. Attention, the KV store, RMSNorm and rotary go through
+Dense layers are ``Linear`` objects (QKV and gate/up fused at load time), in
+the fastest form for the device (see ``pd.model.linear``). Each phase is a
+small function. Attention, the KV store, RMSNorm and rotary go through
 ``kernels`` so that the backend chosen per step is the one the model runs.
 """
 
@@ -15,22 +16,19 @@ import torch.nn.functional as F
 import kernels
 from pd.model.attention import AttentionMetadata
 from pd.model.config import ModelConfig
+from pd.model.linear import Linear
 
 
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor  # [hidden]
-    qkv_weight: torch.Tensor  # [q_size + 2 * kv_size, hidden]
-    qkv_bias: torch.Tensor | None
+    qkv_proj: Linear  # hidden -> q_size + 2 * kv_size
     q_norm: torch.Tensor | None  # [head_dim], Qwen3 only
     k_norm: torch.Tensor | None
-    o_weight: torch.Tensor  # [hidden, q_size]
-    o_bias: torch.Tensor | None
+    o_proj: Linear  # q_size -> hidden
     post_attention_norm: torch.Tensor  # [hidden]
-    gate_up_weight: torch.Tensor  # [2 * intermediate, hidden]
-    gate_up_bias: torch.Tensor | None
-    down_weight: torch.Tensor  # [hidden, intermediate]
-    down_bias: torch.Tensor | None
+    gate_up_proj: Linear  # hidden -> 2 * intermediate
+    down_proj: Linear  # intermediate -> hidden
 
 
 @dataclass
@@ -38,7 +36,7 @@ class ModelWeights:
     embed_tokens: torch.Tensor  # [vocab, hidden]
     layers: list[LayerWeights]
     norm: torch.Tensor  # [hidden]
-    lm_head: torch.Tensor  # [vocab, hidden]; the embedding itself when tied
+    lm_head: Linear  # hidden -> vocab
 
 
 class CausalLM:
@@ -76,7 +74,7 @@ class CausalLM:
             hidden = _mlp(weights, hidden)
         hidden = (hidden + residual)[logits_indices]
         hidden = kernels.rms_norm(hidden, self.weights.norm, self.config.rms_norm_eps, backend=attn.backend)
-        return F.linear(hidden, self.weights.lm_head).float()
+        return self.weights.lm_head(hidden).float()
 
     def _attention(
         self,
@@ -89,7 +87,7 @@ class CausalLM:
     ) -> torch.Tensor:
         cfg = self.config
         num_tokens = hidden.shape[0]
-        qkv = F.linear(hidden, weights.qkv_weight, weights.qkv_bias)
+        qkv = weights.qkv_proj(hidden)
         q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         q = q.view(num_tokens, cfg.num_heads, cfg.head_dim)
         k = k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
@@ -104,9 +102,9 @@ class CausalLM:
             q, k_cache, v_cache, attn.cu_seqlens_q, attn.seq_lens, attn.block_table, self.softmax_scale,
             sliding_window=cfg.sliding_windows[layer], backend=attn.backend,
         )
-        return F.linear(out.view(num_tokens, cfg.q_size), weights.o_weight, weights.o_bias)
+        return weights.o_proj(out.view(num_tokens, cfg.q_size))
 
 
 def _mlp(weights: LayerWeights, hidden: torch.Tensor) -> torch.Tensor:
-    gate, up = F.linear(hidden, weights.gate_up_weight, weights.gate_up_bias).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, weights.down_weight, weights.down_bias)
+    gate, up = weights.gate_up_proj(hidden).chunk(2, dim=-1)
+    return weights.down_proj(F.silu(gate) * up)

@@ -9,6 +9,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from pd.model.config import ModelConfig
+from pd.model.linear import make_linear
 from pd.model.llama import LayerWeights, ModelWeights
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -92,23 +93,26 @@ def load_weights(model_dir: Path, config: ModelConfig, dtype: torch.dtype, devic
         layers.append(
             LayerWeights(
                 input_norm=w.get(p + "input_layernorm.weight", (h,)),
-                qkv_weight=w.fused([attn + f"{x}_proj.weight" for x in "qkv"], [(q, h), (kv, h), (kv, h)]),
-                qkv_bias=w.fused([attn + f"{x}_proj.bias" for x in "qkv"], [(q,), (kv,), (kv,)], required=False),
+                qkv_proj=make_linear(
+                    w.fused([attn + f"{x}_proj.weight" for x in "qkv"], [(q, h), (kv, h), (kv, h)]),
+                    w.fused([attn + f"{x}_proj.bias" for x in "qkv"], [(q,), (kv,), (kv,)], required=False),
+                ),
                 q_norm=w.get(attn + "q_norm.weight", (hd,)) if config.qk_norm else None,
                 k_norm=w.get(attn + "k_norm.weight", (hd,)) if config.qk_norm else None,
-                o_weight=w.get(attn + "o_proj.weight", (h, q)),
-                o_bias=w.optional(attn + "o_proj.bias", (h,)),
+                o_proj=make_linear(w.get(attn + "o_proj.weight", (h, q)), w.optional(attn + "o_proj.bias", (h,))),
                 post_attention_norm=w.get(p + "post_attention_layernorm.weight", (h,)),
-                gate_up_weight=w.fused([mlp + "gate_proj.weight", mlp + "up_proj.weight"], [(inter, h), (inter, h)]),
-                gate_up_bias=w.fused([mlp + "gate_proj.bias", mlp + "up_proj.bias"], [(inter,), (inter,)], required=False),
-                down_weight=w.get(mlp + "down_proj.weight", (h, inter)),
-                down_bias=w.optional(mlp + "down_proj.bias", (h,)),
+                gate_up_proj=make_linear(
+                    w.fused([mlp + "gate_proj.weight", mlp + "up_proj.weight"], [(inter, h), (inter, h)]),
+                    w.fused([mlp + "gate_proj.bias", mlp + "up_proj.bias"], [(inter,), (inter,)], required=False),
+                ),
+                down_proj=make_linear(w.get(mlp + "down_proj.weight", (h, inter)), w.optional(mlp + "down_proj.bias", (h,))),
             )
         )
     embed = w.get("model.embed_tokens.weight", (config.vocab_size, h))
-    lm_head = w.optional("lm_head.weight", (config.vocab_size, h))
-    if lm_head is None:
-        if not config.tie_word_embeddings:
-            raise ValueError("checkpoint is missing the weight 'lm_head.weight' and tie_word_embeddings is false")
-        lm_head = embed
+    if config.tie_word_embeddings:
+        lm_head = make_linear(embed, None)
+    elif "lm_head.weight" in w.tensors:
+        lm_head = make_linear(w.get("lm_head.weight", (config.vocab_size, h)), None)
+    else:
+        raise ValueError("checkpoint is missing the weight 'lm_head.weight' and tie_word_embeddings is false")
     return ModelWeights(embed_tokens=embed, layers=layers, norm=w.get("model.norm.weight", (h,)), lm_head=lm_head)

@@ -1,0 +1,207 @@
+"""Engine throughput against HF ``transformers`` generate, in the same run.
+
+``python -m bench.engine [--models small,0.5b] [--cases single,uniform,mixed]``
+prints one JSON line per (case, model): our tokens/s, HF's tokens/s, their
+ratio, and ``roofline_frac``, the lower-bound time over our measured time.
+
+The lower bound is the larger of model FLOPs over a matmul peak and bytes that
+must be read (weights once per forward step, plus the KV each step reads) over
+a copy bandwidth. Both peaks are measured here, in this run: a 2048^3 fp32
+matmul, and a 512 MiB tensor copy counted as bytes read plus bytes written.
+Times are medians over ``--repeats`` alternating runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pd import LLM, SamplingParams
+from pd.model.linear import make_linear
+
+MODELS = {
+    "small": dict(
+        arch="llama", hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
+        intermediate_size=1408, vocab_size=32000, tie_word_embeddings=False,
+    ),
+    "0.5b": dict(
+        arch="qwen2", hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+        intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True,
+    ),
+}
+CASES = ("single", "uniform", "mixed")
+
+
+@dataclass(frozen=True)
+class Workload:
+    prompts: list[list[int]]
+    max_tokens: list[int]
+
+
+def make_checkpoint(name: str, root: Path) -> Path:
+    import transformers
+
+    spec = dict(MODELS[name])
+    arch = spec.pop("arch")
+    torch.manual_seed(0)
+    common = dict(max_position_embeddings=4096, initializer_range=0.1, **spec)
+    if arch == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+    else:
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
+    path = root / name
+    model.eval().save_pretrained(path)
+    return path
+
+
+def workload(case: str, vocab: int, seed: int) -> Workload:
+    rng = random.Random(seed)
+
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(3, vocab) for _ in range(n)]
+
+    if case == "single":
+        return Workload([prompt(128)], [128])
+    if case == "uniform":
+        return Workload([prompt(128) for _ in range(32)], [64] * 32)
+    lens = [rng.randint(16, 512) for _ in range(64)]
+    return Workload([prompt(n) for n in lens], [rng.randint(8, 128) for _ in range(64)])
+
+
+def useful_tokens(w: Workload) -> int:
+    return sum(w.max_tokens)
+
+
+def run_ours(llm: LLM, w: Workload) -> float:
+    params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in w.max_tokens]
+    start = time.perf_counter()
+    outputs = llm.generate(w.prompts, params)
+    elapsed = time.perf_counter() - start
+    assert sum(len(o.token_ids) for o in outputs) == useful_tokens(w)
+    return elapsed
+
+
+def run_hf(model, w: Workload, batch_size: int) -> float:
+    """As a user would: arrival order, left-padded batches, each to its longest max_tokens."""
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for first in range(0, len(w.prompts), batch_size):
+            prompts = w.prompts[first : first + batch_size]
+            longest = max(len(p) for p in prompts)
+            ids = torch.tensor([[0] * (longest - len(p)) + p for p in prompts])
+            mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts])
+            new = max(w.max_tokens[first : first + batch_size])
+            out = model.generate(
+                input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False,
+                eos_token_id=None, pad_token_id=0,
+            )
+            assert out.shape[1] == longest + new
+    return time.perf_counter() - start
+
+
+def measure_peaks(repeats: int = 5) -> tuple[float, float]:
+    """(matmul FLOP/s, copy bytes/s), medians, measured now on this machine."""
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    packed = make_linear(b, None)
+    flops = 0.0
+    # The best of the default BLAS and the engine's own GEMM: the peak is what the machine can do.
+    for matmul in (lambda: torch.mm(a, b), lambda: packed(a)):
+        times = []
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            matmul()
+            times.append(time.perf_counter() - start)
+        flops = max(flops, 2 * 2048**3 / statistics.median(times[1:]))
+    src = torch.ones(128 * 1024**2)  # 512 MiB
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - start)
+    copy_bw = 2 * src.numel() * 4 / statistics.median(times[1:])
+    return flops, copy_bw
+
+
+def lower_bound_s(cfg: dict, w: Workload, flops_peak: float, copy_bw: float) -> float:
+    """Minimum time for ``w`` on a model of shape ``cfg`` in fp32, with continuous batching."""
+    h, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    head_dim = h // heads
+    inter, vocab = cfg["intermediate_size"], cfg["vocab_size"]
+    layer_params = h * head_dim * (2 * heads + 2 * kv_heads) + 3 * h * inter
+    flops = 0.0
+    kv_bytes = 0.0
+    for prompt, new in zip(w.prompts, w.max_tokens):
+        n_prompt = len(prompt)
+        total = n_prompt + new - 1  # the last sampled token is never fed back
+        flops += 2 * layer_params * layers * total + 2 * h * vocab * new
+        # Attention: each token at position p does 4 * p * heads * head_dim FLOPs per layer.
+        flops += 4 * heads * head_dim * layers * (total * (total + 1) / 2)
+        # Each decode step reads the sequence's KV so far.
+        kv_per_token = layers * 2 * kv_heads * head_dim * 4
+        kv_bytes += kv_per_token * sum(range(n_prompt, total))
+    # Weights are read once per forward step; with everything batched, the steps are
+    # the longest request's decode steps plus one prefill.
+    steps = max(w.max_tokens)
+    weight_bytes = (layer_params * layers + h * vocab) * 4 * steps
+    return max(flops / flops_peak, (weight_bytes + kv_bytes) / copy_bw)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="small,0.5b")
+    parser.add_argument("--cases", default="single,uniform,mixed")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per engine for single/uniform")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    import transformers
+
+    flops_peak, copy_bw = measure_peaks()
+    print(json.dumps({"case": "peaks", "matmul_gflops": round(flops_peak / 1e9, 1),
+                      "copy_gb_s": round(copy_bw / 1e9, 2), "threads": args.threads}), flush=True)
+    with tempfile.TemporaryDirectory() as root:
+        for name in args.models.split(","):
+            path = make_checkpoint(name, Path(root))
+            hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+            llm = LLM(str(path), dtype="float32", kv_cache_bytes=1024**3)
+            vocab = MODELS[name]["vocab_size"]
+            for case in args.cases.split(","):
+                warm = workload(case, vocab, seed=1000)
+                timed = workload(case, vocab, seed=1)
+                batch = {"single": 1, "uniform": 32, "mixed": 16}[case]
+                # Warm-ups use other prompts, so a warm prefix cache does not flatter the engine.
+                small_warm = Workload(warm.prompts[:4], [4] * min(4, len(warm.prompts)))
+                run_ours(llm, small_warm)
+                run_hf(hf, small_warm, batch)
+                repeats = args.repeats if case != "mixed" else 1
+                ours, theirs = [], []
+                for r in range(repeats):
+                    # Fresh prompts each repeat for the same reason.
+                    w = timed if r == 0 else workload(case, vocab, seed=1 + r)
+                    theirs.append(useful_tokens(w) / run_hf(hf, w, batch))
+                    ours.append(useful_tokens(w) / run_ours(llm, w))
+                ours_tok_s, hf_tok_s = statistics.median(ours), statistics.median(theirs)
+                bound = lower_bound_s(MODELS[name], timed, flops_peak, copy_bw)
+                print(json.dumps({
+                    "case": case, "model": name,
+                    "ours_tok_s": round(ours_tok_s, 1), "hf_tok_s": round(hf_tok_s, 1),
+                    "ratio": round(ours_tok_s / hf_tok_s, 3),
+                    "roofline_frac": round(bound / (useful_tokens(timed) / ours_tok_s), 3),
+                    "hf_roofline_frac": round(bound / (useful_tokens(timed) / hf_tok_s), 3),
+                    "repeats": repeats,
+                }), flush=True)
+            del hf, llm
+
+
+if __name__ == "__main__":
+    main()
