@@ -1,0 +1,58 @@
+"""Unified paged attention: one launch for a mixed batch of prefill chunks and decodes.
+
+The host picks the path from sizes it already knows, so a step never waits
+on the device:
+
+- single pass (``paged_attention``): one program per (q block, KV head);
+- split-KV (``split_kv``): decode-only batches too small to fill the GPU,
+  chosen by ``choose_num_splits``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.checks import check_attention_args, check_triton_attention_args
+from kernels.triton.launch import check_launchable, device_sm_count
+from kernels.triton.paged_attention import choose_tiles, launch_paged_attention
+from kernels.triton.split_kv import choose_num_splits, split_kv_attention
+
+
+def unified_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    softmax_scale: float,
+    *,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Triton twin of ``kernels.reference.unified_attention`` (see ``kernels.unified_attention``).
+
+    Beyond the shared checks, q, out and block_table need a contiguous last axis.
+    """
+    check_attention_args(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, sliding_window, softcap, out)
+    check_triton_attention_args(q, block_table, out)
+    check_launchable(q.device)
+    num_tokens, num_heads, _ = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    num_seqs = seq_lens.shape[0]
+    max_kv_len = block_table.shape[1] * block_size  # host-known bound on every seq_len
+    num_splits = choose_num_splits(num_tokens, num_seqs, num_kv_heads, max_kv_len, device_sm_count(q.device))
+    if num_splits > 1:
+        return split_kv_attention(
+            q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, softmax_scale,
+            num_splits=num_splits, sliding_window=sliding_window, softcap=softcap, out=out,
+        )
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    tiles = choose_tiles(q, num_heads // num_kv_heads, decode_only=num_tokens == num_seqs)
+    launch_paged_attention(
+        q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, softmax_scale,
+        sliding_window, softcap, out, tiles,
+    )
+    return out
