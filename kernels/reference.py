@@ -27,12 +27,13 @@ def _softcapped_attention(q, k, v, visible, softmax_scale, softcap):
     """Explicit attention for the cases SDPA cannot express.
 
     q: [..., kv_heads, group, q_len, head_dim]; k, v: [..., kv_heads, 1, k_len, head_dim];
-    visible: broadcastable to [..., kv_heads, group, q_len, k_len].
+    visible: broadcastable to [..., kv_heads, group, q_len, k_len], or None when every key is visible.
     """
     scores = torch.matmul(q, k.transpose(-1, -2)) * softmax_scale
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)
-    scores = scores.masked_fill(~visible, float("-inf"))
+    if visible is not None:
+        scores = scores.masked_fill(~visible, float("-inf"))
     return torch.matmul(torch.softmax(scores, dim=-1), v)
 
 
@@ -71,27 +72,41 @@ def unified_attention(
         # All single-query sequences in one padded gather:
         # query [n, heads, 1, head_dim]; k, v [n, kv_heads, max_len, head_dim].
         num_decodes = len(decode_ids)
-        max_len = max(lens[i] for i in decode_ids)
+        decode_lens = [lens[i] for i in decode_ids]
+        max_len = max(decode_lens)
         num_pages = -(-max_len // block_size)
-        rows = torch.tensor(decode_ids, device=q.device)
-        token_ids = cu_seqlens_q[rows].long()
+        if num_decodes == len(lens):  # a decode-only batch needs no row selection
+            rows = slice(None)
+            query = q.to(compute_dtype).unsqueeze(2)
+        else:
+            rows = torch.tensor(decode_ids, device=q.device)
+            token_ids = cu_seqlens_q[rows].long()
+            query = q[token_ids].to(compute_dtype).unsqueeze(2)
         pages = block_table[rows, :num_pages].long()
         k = _gather_pages(k_cache, pages).to(compute_dtype).transpose(1, 2)
         v = _gather_pages(v_cache, pages).to(compute_dtype).transpose(1, 2)
-        query = q[token_ids].to(compute_dtype).unsqueeze(2)
-        query_positions = (seq_lens[rows].long() - 1).view(-1, 1)  # [n, 1]
-        key_positions = torch.arange(num_pages * block_size, device=q.device)
-        visible = _key_mask(query_positions, key_positions, sliding_window)  # [n, 1, max_len]
+        if sliding_window is None and min(decode_lens) == max_len:
+            # Equal lengths: every gathered key up to max_len is visible.
+            k, v, visible = k[:, :, :max_len], v[:, :, :max_len], None
+        else:
+            query_positions = (seq_lens[rows].long() - 1).view(-1, 1)  # [n, 1]
+            key_positions = torch.arange(num_pages * block_size, device=q.device)
+            visible = _key_mask(query_positions, key_positions, sliding_window)  # [n, 1, pages * block_size]
         if softcap is None:
             result = F.scaled_dot_product_attention(
-                query, k, v, attn_mask=visible.unsqueeze(1), scale=softmax_scale, enable_gqa=group > 1
+                query, k, v, attn_mask=None if visible is None else visible.unsqueeze(1),
+                scale=softmax_scale, enable_gqa=group > 1,
             )
         else:
             result = _softcapped_attention(
                 query.view(num_decodes, num_kv_heads, group, 1, head_dim), k.unsqueeze(2), v.unsqueeze(2),
-                visible.view(num_decodes, 1, 1, 1, -1), softmax_scale, softcap,
+                None if visible is None else visible.view(num_decodes, 1, 1, 1, -1), softmax_scale, softcap,
             )
-        out[token_ids] = result.reshape(num_decodes, num_heads, head_dim).to(out.dtype)
+        result = result.reshape(num_decodes, num_heads, head_dim).to(out.dtype)
+        if num_decodes == len(lens):
+            out.copy_(result)
+        else:
+            out[token_ids] = result
 
     for i, q_len in enumerate(q_lens):
         if q_len <= 1:
