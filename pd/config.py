@@ -32,6 +32,10 @@ class EngineConfig:
     max_model_len: int | None = None
     attention_backend: str = "auto"
     seed: int = 0
+    # Prefill role: how long a finished prompt's blocks stay pinned for a decode replica.
+    kv_lease_s: float = 30.0
+    # Decode role: how long a pull may take before the prompt is recomputed locally.
+    kv_read_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         if self.dtype not in DEFAULT_DTYPES:
@@ -41,6 +45,9 @@ class EngineConfig:
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "kv_cache_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("kv_lease_s", "kv_read_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         for name in ("num_blocks", "max_model_len"):
             value = getattr(self, name)
             if value is not None and value < 1:

@@ -17,8 +17,13 @@ from pd.engine.engine import EngineStats, LLMEngine
 from pd.engine.outputs import RequestOutput
 from pd.engine.request import FinishReason
 from pd.sampling_params import SamplingParams
+from transfer.base import KVTransport
+from transfer.wire import KVHandle
 
 logger = logging.getLogger(__name__)
+
+# How often leases and pulls are polled while no request is running.
+HOUSEKEEPING_INTERVAL_S = 0.005
 
 
 class EngineDeadError(RuntimeError):
@@ -26,12 +31,13 @@ class EngineDeadError(RuntimeError):
 
 
 class AsyncLLMEngine:
-    def __init__(self, config: EngineConfig):
-        self.engine = LLMEngine(config)
+    def __init__(self, config: EngineConfig, transport: KVTransport | None = None):
+        self.engine = LLMEngine(config, transport)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pd-engine-step")
         self._streams: dict[str, asyncio.Queue] = {}
-        self._pending_adds: list[tuple[str, list[int], SamplingParams]] = []
+        self._pending_adds: list[tuple[str, list[int], SamplingParams, dict]] = []
         self._pending_aborts: list[str] = []
+        self._pending_releases: list[str] = []
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
         self._closed = False
@@ -41,12 +47,19 @@ class AsyncLLMEngine:
         return self.engine.tokenizer
 
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        pin_kv: bool = False,
+        remote_kv: KVHandle | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Queue a request and return the stream of its incremental outputs.
 
         Bad input raises ``ValueError`` here, before anything is queued. Leaving
         the stream early (``aclose()``, or cancelling its consumer) aborts it.
+        ``pin_kv`` and ``remote_kv`` are as in ``LLMEngine.add_request``.
         """
         if self._closed:
             raise RuntimeError("engine is shut down")
@@ -56,7 +69,8 @@ class AsyncLLMEngine:
         self._ensure_loop()
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = queue
-        self._pending_adds.append((request_id, list(prompt_token_ids), params))
+        options = {"pin_kv": pin_kv, "remote_kv": remote_kv}
+        self._pending_adds.append((request_id, list(prompt_token_ids), params, options))
         self._wakeup.set()
         return self._stream(request_id, queue)
 
@@ -81,6 +95,12 @@ class AsyncLLMEngine:
         if self._wakeup is not None:
             self._wakeup.set()
 
+    def release_kv(self, request_id: str) -> None:
+        """Prefill role: end a request's lease early (no decode will pull it)."""
+        self._pending_releases.append(request_id)
+        if self._wakeup is not None:
+            self._wakeup.set()
+
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
@@ -91,9 +111,16 @@ class AsyncLLMEngine:
 
     def _apply_pending(self) -> None:
         adds, self._pending_adds = self._pending_adds, []
-        for request_id, token_ids, params in adds:
-            if request_id in self._streams:
-                self.engine.add_request(request_id, token_ids, params)
+        for request_id, token_ids, params, options in adds:
+            if request_id not in self._streams:
+                continue
+            try:
+                self.engine.add_request(request_id, token_ids, params, **options)
+            except ValueError as exc:  # e.g. a handle refused before any bytes move
+                self._streams.pop(request_id).put_nowait(exc)
+        releases, self._pending_releases = self._pending_releases, []
+        for request_id in releases:
+            self.engine.release_kv(request_id)
         aborts, self._pending_aborts = self._pending_aborts, []
         for request_id in aborts:
             queue = self._streams.pop(request_id, None)
@@ -114,7 +141,16 @@ class AsyncLLMEngine:
             self._apply_pending()
             if not self.engine.has_unfinished_requests():
                 self._wakeup.clear()
-                if not (self._pending_adds or self._pending_aborts):
+                if self._pending_adds or self._pending_aborts or self._pending_releases:
+                    continue
+                if self.engine.has_pending_transfers():
+                    # Leases must expire and notifications land even with nothing to run.
+                    try:
+                        await asyncio.wait_for(self._wakeup.wait(), HOUSEKEEPING_INTERVAL_S)
+                    except asyncio.TimeoutError:
+                        pass
+                    self.engine.connector.poll()
+                else:
                     await self._wakeup.wait()
                 continue
             try:
@@ -123,6 +159,9 @@ class AsyncLLMEngine:
                 logger.exception("engine step failed; failing in-flight requests")
                 self._fail_all(EngineDeadError(f"engine step failed: {exc!r}"))
                 continue
+            if not results and not self.engine.scheduler.running and not self.engine.scheduler.waiting:
+                # Only pulls in flight: poll them without spinning the CPU.
+                await asyncio.sleep(HOUSEKEEPING_INTERVAL_S)
             for result in results:
                 queue = self._streams.get(result.request_id)
                 if queue is None:

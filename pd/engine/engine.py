@@ -2,21 +2,26 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import uuid
 from dataclasses import dataclass
 
 from pd.config import EngineConfig, SchedulerConfig
 from pd.engine.block_pool import BlockPool
 from pd.engine.kv_cache_manager import KVCacheManager
+from pd.engine.kv_connector import KVConnector
 from pd.engine.model_runner import ModelRunner, kv_block_bytes
 from pd.engine.outputs import RequestOutput
-from pd.engine.request import Request
+from pd.engine.request import Request, RequestStatus
 from pd.engine.scheduler import Scheduler
 from pd.model.builtin import resolve_model_path
 from pd.model.config import load_model_config
 from pd.model.loader import resolve_dtype
 from pd.model.tokenizer import Tokenizer
 from pd.sampling_params import SamplingParams
+from transfer.base import KVTransport
+from transfer.wire import KVHandle, LayoutFingerprint
 
 logger = logging.getLogger(__name__)
 
@@ -30,13 +35,23 @@ class EngineStats:
     num_waiting: int
     num_prefix_hit_tokens: int
     num_preemptions: int
+    num_pinned_leases: int
+    num_leases_expired: int
+    num_remote_pulls: int
+    num_pulled_blocks: int
+    num_recompute_fallbacks: int
 
 
 class LLMEngine:
-    """Owns a scheduler and a model runner. Not thread-safe: one caller drives ``step``."""
+    """Owns a scheduler and a model runner. Not thread-safe: one caller drives ``step``.
 
-    def __init__(self, config: EngineConfig):
+    With a ``transport`` the engine also serves disaggregated requests: see
+    ``pd.engine.kv_connector``.
+    """
+
+    def __init__(self, config: EngineConfig, transport: KVTransport | None = None):
         self.config = config
+        self.engine_id = uuid.uuid4().hex
         self.model_dir = resolve_model_path(config.model)
         self.model_config = load_model_config(self.model_dir)
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
@@ -62,6 +77,20 @@ class LLMEngine:
         self.kv_cache = KVCacheManager(self.block_pool, config.block_size)
         self.scheduler = Scheduler(self.scheduler_config, self.kv_cache)
         self.runner = ModelRunner(config, mc, self.model_dir, num_blocks, self.max_model_len)
+        self.fingerprint = LayoutFingerprint(
+            model=config.model,
+            dtype=str(self.runner.dtype).removeprefix("torch."),
+            num_layers=mc.num_layers,
+            num_kv_heads=mc.num_kv_heads,
+            head_dim=mc.head_dim,
+            block_size=config.block_size,
+        )
+        if transport is not None:
+            transport.register(self.runner.kv_cache)
+        self.connector = KVConnector(
+            self.engine_id, transport, self.fingerprint, self.kv_cache, self.scheduler,
+            config.kv_lease_s, config.kv_read_timeout_s,
+        )
         self.eos_token_ids = mc.eos_token_ids or (
             (self.tokenizer.eos_token_id,) if self.tokenizer and self.tokenizer.eos_token_id is not None else ()
         )
@@ -90,34 +119,74 @@ class LLMEngine:
                 f"{self.block_pool.num_blocks}; raise num_blocks or lower max_tokens"
             )
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        pin_kv: bool = False,
+        remote_kv: KVHandle | None = None,
+    ) -> Request:
+        """Queue a request.
+
+        ``pin_kv`` (prefill role): stop after the first token and keep the prompt's
+        blocks pinned; the finishing output carries the ``KVHandle``.
+        ``remote_kv`` (decode role): the prompt was prefilled elsewhere; pull its KV
+        and continue from the handle's first token, which counts as the first output.
+        """
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         self.validate(prompt_token_ids, params)
-        request = Request(request_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids)
+        if pin_kv:
+            self.connector._require_transport()
+            params = dataclasses.replace(params, max_tokens=1)
+        request = Request(request_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids, pin_kv=pin_kv)
+        if remote_kv is not None:
+            if not 0 <= remote_kv.first_token_id < self.model_config.vocab_size:
+                raise ValueError(f"kv_handle.first_token_id {remote_kv.first_token_id} is outside the vocabulary")
+            request.append_output(remote_kv.first_token_id, None)
+            if self.connector.accept(remote_kv, request.prompt_token_ids):
+                request.remote_kv = remote_kv
+                request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self._requests[request_id] = request
         self.scheduler.add(request)
         return request
 
     def abort_request(self, request_id: str) -> Request | None:
-        """Finish a request wherever it is and free its blocks; None if unknown or already done."""
+        """Finish a request wherever it is and free its blocks (and any lease); None if unknown."""
+        self.connector.abort(request_id)
         request = self.scheduler.abort(request_id)
         self._forget(request_id)
         return request
 
+    def release_kv(self, request_id: str) -> bool:
+        """Prefill role: end a lease early (no decode will pull it); idempotent."""
+        return self.connector.release(request_id)
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished
 
+    def has_pending_transfers(self) -> bool:
+        """Leases to expire or pulls to poll, which need ``step`` calls even when idle."""
+        return self.connector.has_pending_work
+
     def step(self) -> list[RequestOutput]:
+        self.connector.poll()
         out = self.scheduler.schedule()
+        self.connector.start_pulls(out.remote_reads)
         if out.is_empty:
             return []
         block_tables = [self.kv_cache.block_ids(s.request.request_id) for s in out.scheduled]
         forward = self.runner.execute(out, block_tables)
         results = self.scheduler.update(out, forward)
-        for result in results:
-            if result.finished:
-                self._forget(result.request_id)
+        for index, result in enumerate(results):
+            if not result.finished:
+                continue
+            request = self._requests.get(result.request_id)
+            if request is not None and request.pin_kv:
+                results[index] = dataclasses.replace(result, kv_handle=self.connector.pin(request))
+            self._forget(result.request_id)
         return results
 
     def _forget(self, request_id: str) -> None:
@@ -133,4 +202,5 @@ class LLMEngine:
             num_waiting=len(self.scheduler.waiting),
             num_prefix_hit_tokens=self.scheduler.num_prefix_hit_tokens,
             num_preemptions=self.scheduler.num_preemptions,
+            **dataclasses.asdict(self.connector.stats),
         )

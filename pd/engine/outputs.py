@@ -25,6 +25,8 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # Admitted with their blocks allocated; the engine starts pulling their prompt KV.
+    remote_reads: list[Request] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -64,3 +66,5 @@ class RequestOutput:
     finished: bool
     finish_reason: FinishReason | None
     num_cached_tokens: int
+    # Prefill role: the encoded KVHandle of the pinned prompt blocks, on the finishing output.
+    kv_handle: bytes | None = None

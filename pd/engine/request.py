@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from pd.sampling_params import SamplingParams
+from transfer.wire import KVHandle
 
 
 class RequestStatus(enum.Enum):
@@ -46,6 +47,10 @@ class Request:
     output_logprobs: list[float] = field(default_factory=list)
     # Chained hashes of the full blocks of ``token_ids`` (see router.hashing).
     block_hashes: list[bytes] = field(default_factory=list)
+    # Prefill role: on finishing, keep the blocks pinned under a lease for a decode replica.
+    pin_kv: bool = False
+    # Decode role: the prompt's KV lives on a prefill replica; pull it instead of computing it.
+    remote_kv: KVHandle | None = None
 
     def __post_init__(self) -> None:
         self.token_ids: list[int] = list(self.prompt_token_ids)

@@ -6,6 +6,12 @@ the budget leaves. Waiting requests are admitted next, their prompts chunked to
 what remains. When the pool runs out of blocks, the newest running request is
 preempted: its blocks are freed and it recomputes later (its full blocks usually
 come straight back from the prefix cache).
+
+A request whose prompt KV lives on a prefill replica is admitted without
+spending budget: it gets its blocks (reusing this engine's own prefix hits)
+and waits in ``remote_waiting`` while the engine pulls the rest. When the pull
+lands it joins ``running`` as a decode; when it fails it goes back to
+``waiting`` and recomputes its prompt here.
 """
 
 from __future__ import annotations
@@ -24,12 +30,13 @@ class Scheduler:
         self.kv_cache = kv_cache
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.remote_waiting: list[Request] = []
         self.num_prefix_hit_tokens = 0
         self.num_preemptions = 0
 
     @property
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.remote_waiting)
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -60,8 +67,14 @@ class Scheduler:
         return True
 
     def _admit_waiting(self, budget: int, out: SchedulerOutput) -> int:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and len(self.running) + len(self.remote_waiting) < self.config.max_num_seqs:
             request = self.waiting[0]
+            if request.status is RequestStatus.WAITING_FOR_REMOTE_KV:
+                if not self._admit_remote(request, out):
+                    break
+                continue
+            if budget <= 0:
+                break
             prefix = self.kv_cache.match_prefix(request) if request.num_computed_tokens == 0 else NO_MATCH
             num_new = min(request.num_tokens - request.num_computed_tokens - prefix.num_tokens, budget)
             if not self.kv_cache.allocate_slots(request, num_new, prefix):
@@ -76,6 +89,34 @@ class Scheduler:
             out.scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
         return budget
+
+    def _admit_remote(self, request: Request, out: SchedulerOutput) -> bool:
+        """Allocate every block the request needs; the missing prompt blocks will be pulled."""
+        prefix = self.kv_cache.match_prefix(request)
+        if not self.kv_cache.allocate_slots(request, request.num_tokens - prefix.num_tokens, prefix):
+            return False
+        self.waiting.popleft()
+        request.num_computed_tokens = prefix.num_tokens
+        request.num_cached_tokens = prefix.num_tokens
+        self.num_prefix_hit_tokens += prefix.num_tokens
+        self.remote_waiting.append(request)
+        out.remote_reads.append(request)
+        return True
+
+    def finish_remote_read(self, request: Request, succeeded: bool) -> None:
+        """A pull ended: join the decode batch, or fall back to computing the prompt here."""
+        self.remote_waiting.remove(request)
+        if succeeded:
+            request.num_computed_tokens = request.num_prompt_tokens
+            request.status = RequestStatus.RUNNING
+            self.kv_cache.cache_blocks(request)
+            self.running.append(request)
+            return
+        self.kv_cache.free(request)
+        request.remote_kv = None
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
 
     @staticmethod
     def _scheduled(request: Request, num_new: int) -> ScheduledRequest:
@@ -134,11 +175,12 @@ class Scheduler:
     def _finish(self, request: Request, reason: FinishReason) -> None:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
-        self.kv_cache.free(request)
+        if not (request.pin_kv and reason is not FinishReason.ABORT):
+            self.kv_cache.free(request)  # pinned blocks are freed when their lease ends
 
     def abort(self, request_id: str) -> Request | None:
         """Finish a request wherever it is and free its blocks; None if unknown or done."""
-        for queue in (self.running, self.waiting):
+        for queue in (self.running, self.waiting, self.remote_waiting):
             for request in queue:
                 if request.request_id == request_id:
                     queue.remove(request)

@@ -1,0 +1,207 @@
+"""The engine's side of disaggregation.
+
+Prefill role: a request marked ``pin_kv`` finishes after its first token with
+its blocks pinned under a lease, and the engine hands out a ``KVHandle``. The
+lease ends on the decode side's completion notification, an explicit release
+(abort, or no decode needed), or expiry.
+
+Decode role: a request carrying ``remote_kv`` is admitted with its blocks
+allocated, and the blocks this engine's own prefix cache lacks are pulled from
+the prefill replica. A pull that fails, times out or meets an expired lease
+sends the request back to compute its prompt here; that is counted.
+
+Safety: a pull is abandoned (its handle released, which cancels or waits for
+it) before its local blocks are freed, so late bytes never land in blocks
+another request owns. A pull's deadline never passes its lease's expiry, so
+the prefill side never frees blocks that a pull still counts on.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from pd.engine.kv_cache_manager import KVCacheManager
+from pd.engine.kv_lease import LeaseTable
+from pd.engine.request import Request
+from pd.engine.scheduler import Scheduler
+from transfer.base import KVTransport, TransferHandle, TransferState
+from transfer.wire import KVHandle, LayoutFingerprint, WireError
+
+logger = logging.getLogger(__name__)
+
+# A handle whose lease ends sooner than this is not worth starting a pull for.
+MIN_LEASE_MARGIN_S = 0.5
+
+
+@dataclass
+class _Pull:
+    request: Request
+    handle: TransferHandle
+    deadline: float  # time.monotonic()
+    num_blocks: int
+
+
+@dataclass
+class ConnectorStats:
+    num_pinned_leases: int = 0
+    num_leases_expired: int = 0
+    num_remote_pulls: int = 0
+    num_pulled_blocks: int = 0
+    num_recompute_fallbacks: int = 0
+
+
+class KVConnector:
+    def __init__(
+        self,
+        engine_id: str,
+        transport: KVTransport | None,
+        fingerprint: LayoutFingerprint,
+        kv_cache: KVCacheManager,
+        scheduler: Scheduler,
+        lease_s: float,
+        read_timeout_s: float,
+    ):
+        self.engine_id = engine_id
+        self.transport = transport
+        self.fingerprint = fingerprint
+        self.kv_cache = kv_cache
+        self.scheduler = scheduler
+        self.lease_s = lease_s
+        self.read_timeout_s = read_timeout_s
+        self.leases = LeaseTable()
+        self._pinned: dict[str, Request] = {}
+        self._pulls: dict[str, _Pull] = {}
+        self._peer_metadata: dict[str, bytes] = {}
+        self._peer_names: dict[str, str] = {}
+        self.stats = ConnectorStats()
+
+    @property
+    def has_pending_work(self) -> bool:
+        return bool(self._pinned or self._pulls)
+
+    def _require_transport(self) -> KVTransport:
+        if self.transport is None:
+            raise ValueError("this engine has no KV transport; disaggregated requests need one")
+        return self.transport
+
+    # Prefill role ---------------------------------------------------------
+
+    def pin(self, request: Request) -> bytes:
+        """Keep a finished prefill's blocks under a lease and describe them in a KVHandle."""
+        transport = self._require_transport()
+        expiry = time.time() + self.lease_s
+        self.leases.pin(request.request_id, expiry)
+        self._pinned[request.request_id] = request
+        self.stats.num_pinned_leases = len(self.leases)
+        return KVHandle(
+            request_id=request.request_id,
+            engine_id=self.engine_id,
+            transport=transport.kind,
+            peer_address=self.engine_id,
+            peer_metadata=transport.local_metadata(),
+            block_ids=tuple(self.kv_cache.block_ids(request.request_id)[: self._num_prompt_blocks(request)]),
+            num_tokens=request.num_prompt_tokens,
+            block_size=self.kv_cache.block_size,
+            fingerprint=self.fingerprint,
+            first_token_id=request.output_token_ids[0],
+            lease_expiry=expiry,
+        ).encode()
+
+    def release(self, request_id: str) -> bool:
+        """End a lease and free its blocks; False when there was none (idempotent)."""
+        request = self._pinned.pop(request_id, None)
+        self.leases.release(request_id)
+        self.stats.num_pinned_leases = len(self.leases)
+        if request is None:
+            return False
+        self.kv_cache.free(request)
+        return True
+
+    def _num_prompt_blocks(self, request: Request) -> int:
+        return -(-request.num_prompt_tokens // self.kv_cache.block_size)
+
+    # Decode role ----------------------------------------------------------
+
+    def accept(self, handle: KVHandle, prompt_token_ids: list[int]) -> bool:
+        """Check a handle before anything moves; False means recompute locally instead.
+
+        A handle for a different layout, transport or prompt is refused with ``WireError``.
+        """
+        transport = self._require_transport()
+        self.fingerprint.check_compatible(handle.fingerprint)
+        if handle.transport != transport.kind:
+            raise WireError(f"kv_handle.transport {handle.transport!r} but this engine uses {transport.kind!r}")
+        if handle.num_tokens != len(prompt_token_ids):
+            raise WireError(f"kv_handle covers {handle.num_tokens} tokens but the prompt has {len(prompt_token_ids)}")
+        if handle.lease_expiry - time.time() < MIN_LEASE_MARGIN_S:
+            self.stats.num_recompute_fallbacks += 1
+            logger.warning("request %s: KV lease already expired; recomputing locally", handle.request_id)
+            return False
+        return True
+
+    def start_pulls(self, requests: list[Request]) -> None:
+        for request in requests:
+            try:
+                self._start_pull(request)
+            except Exception as exc:  # noqa: BLE001 - any failure to start means recompute
+                logger.warning("request %s: cannot start KV pull (%s); recomputing locally", request.request_id, exc)
+                self._fall_back(request)
+
+    def _start_pull(self, request: Request) -> None:
+        handle = request.remote_kv
+        transport = self._require_transport()
+        peer = self._peer(handle)
+        num_hit_blocks = request.num_computed_tokens // self.kv_cache.block_size
+        local = self.kv_cache.block_ids(request.request_id)[num_hit_blocks : len(handle.block_ids)]
+        remote = handle.block_ids[num_hit_blocks:]
+        lease_left = handle.lease_expiry - time.time() - MIN_LEASE_MARGIN_S
+        deadline = time.monotonic() + min(self.read_timeout_s, max(lease_left, 0.0))
+        transfer = transport.read_blocks(peer, remote, local, notify=request.request_id)
+        self._pulls[request.request_id] = _Pull(request, transfer, deadline, len(remote))
+        self.stats.num_remote_pulls += 1
+
+    def _peer(self, handle: KVHandle) -> str:
+        """Add the peer on first contact, and again when it restarted with new metadata."""
+        if self._peer_metadata.get(handle.engine_id) != handle.peer_metadata:
+            self._peer_names[handle.engine_id] = self.transport.add_peer(handle.peer_metadata)
+            self._peer_metadata[handle.engine_id] = handle.peer_metadata
+        return self._peer_names[handle.engine_id]
+
+    def _fall_back(self, request: Request) -> None:
+        self.stats.num_recompute_fallbacks += 1
+        self.scheduler.finish_remote_read(request, succeeded=False)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a pull (before its blocks are freed) or end a lease."""
+        pull = self._pulls.pop(request_id, None)
+        if pull is not None:
+            pull.handle.release()
+        self.release(request_id)
+
+    # Housekeeping, once per step and while idle -----------------------------
+
+    def poll(self) -> None:
+        if self.transport is not None:
+            for request_id in self.transport.poll_notifications():
+                self.release(request_id)
+        now = time.time()
+        for request_id in self.leases.expired(now):
+            logger.warning("request %s: KV lease expired before the decode side pulled it", request_id)
+            self.stats.num_leases_expired += 1
+            self.release(request_id)
+        mono = time.monotonic()
+        for request_id, pull in list(self._pulls.items()):
+            state = pull.handle.poll()
+            if state is TransferState.PENDING and mono < pull.deadline:
+                continue
+            del self._pulls[request_id]
+            pull.handle.release()
+            if state is TransferState.DONE:
+                self.stats.num_pulled_blocks += pull.num_blocks
+                self.scheduler.finish_remote_read(pull.request, succeeded=True)
+            else:
+                reason = pull.handle.error if state is TransferState.FAILED else "timed out"
+                logger.warning("request %s: KV pull failed (%s); recomputing locally", request_id, reason)
+                self._fall_back(pull.request)
