@@ -7,7 +7,7 @@ import torch
 
 from pd import LLM, SamplingParams
 from pd.model.attention import AttentionMetadata
-from tests.pd.conftest import assert_greedy_match, hf_greedy
+from tests.reference import assert_greedy_match, hf_greedy
 
 ARCHITECTURES = ["llama", "qwen2", "mistral", "qwen3"]
 PROMPT_LENS = (3, 29, 70, 131)

@@ -1,38 +1,10 @@
+"""Comparing greedy outputs with a reference, forgiving only near-ties."""
+
 from __future__ import annotations
 
-import pytest
 import torch
 
-from tests.pd.checkpoints import make_checkpoint
-
 NEAR_TIE = 1e-4
-
-
-@pytest.fixture(scope="session")
-def checkpoint(tmp_path_factory):
-    """``checkpoint(kind)`` -> path of a cached random checkpoint of that architecture."""
-    made = {}
-
-    def get(kind: str):
-        if kind not in made:
-            made[kind] = make_checkpoint(kind, tmp_path_factory.mktemp(kind))
-        return made[kind]
-
-    return get
-
-
-@pytest.fixture(scope="session")
-def hf_model():
-    import transformers
-
-    loaded = {}
-
-    def get(path):
-        if path not in loaded:
-            loaded[path] = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-        return loaded[path]
-
-    return get
 
 
 def hf_greedy(model, prompt: list[int], max_new_tokens: int):
