@@ -54,12 +54,13 @@ class AsyncLLMEngine:
         *,
         pin_kv: bool = False,
         remote_kv: KVHandle | None = None,
+        first_token_id: int | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Queue a request and return the stream of its incremental outputs.
 
         Bad input raises ``ValueError`` here, before anything is queued. Leaving
         the stream early (``aclose()``, or cancelling its consumer) aborts it.
-        ``pin_kv`` and ``remote_kv`` are as in ``LLMEngine.add_request``.
+        ``pin_kv``, ``remote_kv`` and ``first_token_id`` are as in ``LLMEngine.add_request``.
         """
         if self._closed:
             raise RuntimeError("engine is shut down")
@@ -69,7 +70,7 @@ class AsyncLLMEngine:
         self._ensure_loop()
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = queue
-        options = {"pin_kv": pin_kv, "remote_kv": remote_kv}
+        options = {"pin_kv": pin_kv, "remote_kv": remote_kv, "first_token_id": first_token_id}
         self._pending_adds.append((request_id, list(prompt_token_ids), params, options))
         self._wakeup.set()
         return self._stream(request_id, queue)
@@ -100,6 +101,13 @@ class AsyncLLMEngine:
         self._pending_releases.append(request_id)
         if self._wakeup is not None:
             self._wakeup.set()
+
+    def check_health(self) -> None:
+        """Raise if the engine loop died; a failed step alone does not kill it."""
+        task = self._loop_task
+        if task is not None and task.done() and not self._closed:
+            error = task.exception() if not task.cancelled() else "cancelled"
+            raise RuntimeError(f"engine loop stopped: {error!r}")
 
     def stats(self) -> EngineStats:
         return self.engine.stats()

@@ -13,7 +13,7 @@ from pd.engine.kv_cache_manager import KVCacheManager
 from pd.engine.kv_connector import KVConnector
 from pd.engine.model_runner import ModelRunner, kv_block_bytes
 from pd.engine.outputs import RequestOutput
-from pd.engine.request import Request, RequestStatus
+from pd.engine.request import KVSource, Request, RequestStatus
 from pd.engine.scheduler import Scheduler
 from pd.model.builtin import resolve_model_path
 from pd.model.config import load_model_config
@@ -127,6 +127,7 @@ class LLMEngine:
         *,
         pin_kv: bool = False,
         remote_kv: KVHandle | None = None,
+        first_token_id: int | None = None,
     ) -> Request:
         """Queue a request.
 
@@ -134,6 +135,8 @@ class LLMEngine:
         blocks pinned; the finishing output carries the ``KVHandle``.
         ``remote_kv`` (decode role): the prompt was prefilled elsewhere; pull its KV
         and continue from the handle's first token, which counts as the first output.
+        ``first_token_id`` without ``remote_kv``: the first output token was sampled
+        elsewhere but its KV cannot be had, so the prompt is recomputed here.
         """
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -143,11 +146,18 @@ class LLMEngine:
             params = dataclasses.replace(params, max_tokens=1)
         request = Request(request_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids, pin_kv=pin_kv)
         if remote_kv is not None:
-            if not 0 <= remote_kv.first_token_id < self.model_config.vocab_size:
-                raise ValueError(f"kv_handle.first_token_id {remote_kv.first_token_id} is outside the vocabulary")
-            request.append_output(remote_kv.first_token_id, None)
+            if first_token_id is not None and first_token_id != remote_kv.first_token_id:
+                raise ValueError(f"first_token_id {first_token_id} disagrees with the kv_handle's")
+            first_token_id = remote_kv.first_token_id
+        if first_token_id is not None:
+            if not 0 <= first_token_id < self.model_config.vocab_size:
+                raise ValueError(f"first_token_id {first_token_id} is outside the vocabulary")
+            request.append_output(first_token_id, None)
+            request.kv_source = KVSource.RECOMPUTE
+        if remote_kv is not None:
             if self.connector.accept(remote_kv, request.prompt_token_ids):
                 request.remote_kv = remote_kv
+                request.kv_source = KVSource.REMOTE
                 request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self._requests[request_id] = request
         self.scheduler.add(request)

@@ -136,7 +136,7 @@ class KVConnector:
         if handle.num_tokens != len(prompt_token_ids):
             raise WireError(f"kv_handle covers {handle.num_tokens} tokens but the prompt has {len(prompt_token_ids)}")
         if handle.lease_expiry - time.time() < MIN_LEASE_MARGIN_S:
-            self.stats.num_recompute_fallbacks += 1
+            self.note_fallback()
             logger.warning("request %s: KV lease already expired; recomputing locally", handle.request_id)
             return False
         return True
@@ -169,8 +169,11 @@ class KVConnector:
             self._peer_metadata[handle.engine_id] = handle.peer_metadata
         return self._peer_names[handle.engine_id]
 
-    def _fall_back(self, request: Request) -> None:
+    def note_fallback(self) -> None:
         self.stats.num_recompute_fallbacks += 1
+
+    def _fall_back(self, request: Request) -> None:
+        self.note_fallback()
         self.scheduler.finish_remote_read(request, succeeded=False)
 
     def abort(self, request_id: str) -> None:

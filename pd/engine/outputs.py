@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pd.engine.request import FinishReason, Request
+from pd.engine.request import FinishReason, KVSource, Request
 from pd.model.attention import AttentionMetadata
 
 
@@ -66,5 +66,6 @@ class RequestOutput:
     finished: bool
     finish_reason: FinishReason | None
     num_cached_tokens: int
+    kv_source: KVSource = KVSource.LOCAL
     # Prefill role: the encoded KVHandle of the pinned prompt blocks, on the finishing output.
     kv_handle: bytes | None = None

@@ -18,6 +18,14 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
+class KVSource(enum.Enum):
+    """Where a request's prompt KV came from."""
+
+    LOCAL = "local"  # computed by this engine
+    REMOTE = "remote"  # pulled from a prefill replica
+    RECOMPUTE = "recompute"  # a pull was planned but failed, so it was computed here
+
+
 class FinishReason(enum.Enum):
     STOP = "stop"  # EOS or a stop token
     LENGTH = "length"  # max_tokens or max_model_len
@@ -51,6 +59,7 @@ class Request:
     pin_kv: bool = False
     # Decode role: the prompt's KV lives on a prefill replica; pull it instead of computing it.
     remote_kv: KVHandle | None = None
+    kv_source: KVSource = KVSource.LOCAL
 
     def __post_init__(self) -> None:
         self.token_ids: list[int] = list(self.prompt_token_ids)

@@ -21,7 +21,7 @@ from collections import deque
 from pd.config import SchedulerConfig
 from pd.engine.kv_cache_manager import NO_MATCH, KVCacheManager
 from pd.engine.outputs import ForwardOutput, RequestOutput, ScheduledRequest, SchedulerOutput
-from pd.engine.request import FinishReason, Request, RequestStatus
+from pd.engine.request import FinishReason, KVSource, Request, RequestStatus
 
 
 class Scheduler:
@@ -114,6 +114,7 @@ class Scheduler:
             return
         self.kv_cache.free(request)
         request.remote_kv = None
+        request.kv_source = KVSource.RECOMPUTE
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
@@ -156,6 +157,7 @@ class Scheduler:
                     finished=reason is not None,
                     finish_reason=reason,
                     num_cached_tokens=request.num_cached_tokens,
+                    kv_source=request.kv_source,
                 )
             )
         if any(r.finished for r in results):

@@ -1,0 +1,32 @@
+"""``pd.serve.app:build_app``: the application ``serve run`` starts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import ValidationError
+
+from pd.serve.args import AppArgs
+
+
+def build_app(args: dict[str, Any] | None = None):
+    """Validate ``args`` (see ``AppArgs``) and bind Ingress, PrefillServer and DecodeServer.
+
+    In colocated mode there is no prefill pool; the decode pool prefills everything.
+    """
+    from pd.serve.decode_server import DecodeServer
+    from pd.serve.ingress import Ingress
+    from pd.serve.prefill_server import PrefillServer
+
+    try:
+        parsed = AppArgs.model_validate(args or {})
+    except ValidationError as exc:
+        raise ValueError(f"invalid pd app args:\n{exc}") from None
+    raw = parsed.model_dump()
+    prefill = None
+    if parsed.mode == "disaggregated":
+        prefill = PrefillServer.options(**parsed.prefill.deployment_options()).bind(raw)
+    decode_prefill = prefill if parsed.transfer_backend == "torch" else None
+    decode = DecodeServer.options(**parsed.decode.deployment_options()).bind(raw, decode_prefill)
+    ingress_options = parsed.ingress.model_dump()
+    return Ingress.options(**ingress_options).bind(raw, prefill, decode)

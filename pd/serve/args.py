@@ -1,0 +1,114 @@
+"""The one configuration schema of the serving app: ``build_app(args)`` validates ``args`` here.
+
+Pydantic with ``extra="forbid"`` everywhere, so a typo in a YAML file fails
+``serve run`` with a message naming the field.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from pd.config import EngineConfig
+
+DEFAULT_ROUTER = "router.serve:PinnedRequestRouter"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class EngineArgs(_Strict):
+    """Fields of ``pd.config.EngineConfig`` that a deployment may set."""
+
+    model: str = "builtin:tiny-llama"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
+    device: str = "cpu"
+    block_size: int = Field(16, ge=1)
+    num_blocks: int | None = Field(None, ge=1)
+    kv_cache_bytes: int = Field(512 * 1024**2, ge=1)
+    max_num_batched_tokens: int = Field(2048, ge=1)
+    max_num_seqs: int = Field(256, ge=1)
+    max_model_len: int | None = Field(None, ge=1)
+    attention_backend: Literal["auto", "torch", "triton"] = "auto"
+    seed: int = 0
+
+    def engine_config(self, kv_lease_s: float, kv_read_timeout_s: float) -> EngineConfig:
+        return EngineConfig(**self.model_dump(), kv_lease_s=kv_lease_s, kv_read_timeout_s=kv_read_timeout_s)
+
+
+class RouterArgs(_Strict):
+    """A Ray Serve ``RequestRouter`` for one pool, as ``module:Class`` plus its kwargs."""
+
+    request_router_class: str = DEFAULT_ROUTER
+    request_router_kwargs: dict[str, Any] = Field(default_factory=dict)
+    request_routing_stats_period_s: float = Field(1.0, gt=0)
+
+
+class PoolArgs(_Strict):
+    num_replicas: int | None = Field(1, ge=1)
+    autoscaling_config: dict[str, Any] | None = None
+    ray_actor_options: dict[str, Any] = Field(default_factory=lambda: {"num_cpus": 0.5})
+    max_ongoing_requests: int = Field(64, ge=1)
+    max_queued_requests: int = Field(256, ge=-1)
+    router: RouterArgs = Field(default_factory=RouterArgs)
+
+    @model_validator(mode="after")
+    def _one_scaling_mode(self) -> "PoolArgs":
+        if self.autoscaling_config is not None and self.num_replicas not in (None, 1):
+            raise ValueError("set num_replicas or autoscaling_config, not both")
+        return self
+
+    def deployment_options(self) -> dict[str, Any]:
+        from ray.serve.config import RequestRouterConfig
+
+        options: dict[str, Any] = {
+            "ray_actor_options": dict(self.ray_actor_options),
+            "max_ongoing_requests": self.max_ongoing_requests,
+            "max_queued_requests": self.max_queued_requests,
+            "request_router_config": RequestRouterConfig(
+                request_router_class=self.router.request_router_class,
+                request_router_kwargs=dict(self.router.request_router_kwargs),
+                request_routing_stats_period_s=self.router.request_routing_stats_period_s,
+            ),
+        }
+        if self.autoscaling_config is not None:
+            options["autoscaling_config"] = dict(self.autoscaling_config)
+        else:
+            options["num_replicas"] = self.num_replicas
+        return options
+
+
+class IngressArgs(_Strict):
+    num_replicas: int = Field(1, ge=1)
+    ray_actor_options: dict[str, Any] = Field(default_factory=lambda: {"num_cpus": 0.25})
+    max_ongoing_requests: int = Field(256, ge=1)
+    max_queued_requests: int = Field(512, ge=-1)
+
+
+class AppArgs(_Strict):
+    """Everything ``serve run`` may set for the ``pd`` app."""
+
+    model_name: str | None = Field(None, description="the id served at /v1/models; defaults to engine.model")
+    engine: EngineArgs = Field(default_factory=EngineArgs)
+    mode: Literal["disaggregated", "colocated"] = "disaggregated"
+    prefill: PoolArgs = Field(default_factory=PoolArgs)
+    decode: PoolArgs = Field(default_factory=PoolArgs)
+    ingress: IngressArgs = Field(default_factory=IngressArgs)
+    transfer_backend: Literal["nixl", "torch"] = "nixl"
+    # Prompts with at most this many uncached tokens prefill on the decode replica.
+    remote_prefill_threshold: int = Field(256, ge=0)
+    # Above this many requests in flight to the prefill pool, prefill locally instead.
+    prefill_queue_bound: int = Field(32, ge=1)
+    prefill_timeout_s: float = Field(30.0, gt=0)
+    kv_lease_s: float = Field(30.0, gt=0)
+    kv_read_timeout_s: float = Field(10.0, gt=0)
+    api_keys: list[str] = Field(default_factory=list)
+
+    @property
+    def served_model_name(self) -> str:
+        return self.model_name or self.engine.model
+
+    def engine_config(self):
+        return self.engine.engine_config(self.kv_lease_s, self.kv_read_timeout_s)

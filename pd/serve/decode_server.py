@@ -1,0 +1,62 @@
+"""The decode pool: continues from a remote prefill's KV, or prefills locally."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import AsyncIterator
+
+from ray import serve
+
+from pd.serve.engine_server import EngineServer
+from pd.serve.messages import DecodeChunk, PoolControl, PoolRequest
+from transfer.wire import KVHandle, WireError
+
+logger = logging.getLogger(__name__)
+
+
+@serve.deployment(name="DecodeServer")
+class DecodeServer(EngineServer):
+    role = "decode"
+
+    def __init__(self, args: dict, prefill_handle=None):
+        self._prefill = prefill_handle
+        super().__init__(args, control=self._control if prefill_handle is not None else None)
+
+    def _control(self, peer: str, payload: bytes) -> bytes:
+        """Deliver torch-transport control bytes to the prefill replica ``peer`` (blocking)."""
+        message = PoolControl(request_id="", target_replica_id=peer, payload=payload).encode()
+        return self._prefill.handle_control.remote(message).result(timeout_s=self.args.kv_read_timeout_s)
+
+    async def generate(self, data: bytes) -> AsyncIterator[bytes]:
+        """Stream encoded ``DecodeChunk``s for an encoded ``PoolRequest``.
+
+        With a ``kv_handle`` the prompt KV is pulled from the prefill replica and
+        generation continues after ``first_token_id``; a handle that cannot be
+        used means the prompt is recomputed here. Cancelling the stream aborts
+        the request and frees its blocks.
+        """
+        request = PoolRequest.decode(data)
+        remote_kv = None
+        if request.kv_handle is not None:
+            try:
+                remote_kv = KVHandle.decode(request.kv_handle)
+                self.engine.engine.connector.fingerprint.check_compatible(remote_kv.fingerprint)
+            except WireError as exc:
+                logger.warning("request %s: unusable KV handle (%s); recomputing locally", request.request_id, exc)
+                self.engine.engine.connector.note_fallback()
+                remote_kv = None
+        stream = self.engine.add_request(
+            request.request_id, request.token_ids, request.sampling,
+            remote_kv=remote_kv, first_token_id=request.first_token_id,
+        )
+        async with contextlib.aclosing(stream):
+            async for out in stream:
+                yield DecodeChunk(
+                    request_id=request.request_id,
+                    token_ids=out.new_token_ids,
+                    logprobs=out.new_logprobs,
+                    finish_reason=out.finish_reason.value if out.finish_reason else None,
+                    num_cached_tokens=out.num_cached_tokens,
+                    prefill=out.kv_source.value,
+                ).encode()

@@ -1,0 +1,75 @@
+"""What the prefill and decode deployments share: an async engine, its transport, stats."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+from ray import serve
+
+from pd.engine.async_engine import AsyncLLMEngine
+from pd.serve.args import AppArgs
+from pd.serve.metrics import ReplicaMetrics
+from transfer import KVTransport, create_transport
+
+logger = logging.getLogger(__name__)
+
+
+def current_replica_id() -> str:
+    return serve.get_replica_context().replica_id.unique_id
+
+
+def make_transport(
+    args: AppArgs, role: str, replica_id: str, control: Callable[[str, bytes], bytes] | None
+) -> KVTransport | None:
+    """The replica's KV transport; named after the replica so peers can reach it by id."""
+    if args.mode == "colocated":
+        return None
+    if args.transfer_backend == "torch":
+        import ray
+
+        options: dict[str, Any] = {"role": role, "host": ray.util.get_node_ip_address()}
+        if role == "decode":
+            options["control"] = control
+        return create_transport("torch", replica_id, **options)
+    return create_transport("nixl", replica_id)
+
+
+class EngineServer:
+    """An ``AsyncLLMEngine`` inside a Serve replica."""
+
+    role = "engine"
+
+    def __init__(self, args: dict, control: Callable[[str, bytes], bytes] | None = None):
+        self.args = AppArgs.model_validate(args)
+        self.replica_id = current_replica_id()
+        self.transport = make_transport(self.args, self.role, self.replica_id, control)
+        self.engine = AsyncLLMEngine(self.args.engine_config(), self.transport)
+        self.metrics = ReplicaMetrics(self.role, self.replica_id)
+        logger.info("%s replica %s ready", self.role, self.replica_id)
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        """Reaches this deployment's request routers as ``replica.routing_stats``."""
+        stats = self.engine.stats()
+        total = stats.num_free_blocks + stats.num_used_blocks
+        self.metrics.record_state(stats)
+        return {
+            "num_running": stats.num_running,
+            "num_waiting": stats.num_waiting,
+            "kv_usage": stats.num_used_blocks / total if total else 0.0,
+            "num_free_blocks": stats.num_free_blocks,
+        }
+
+    async def stats(self) -> dict[str, Any]:
+        """Engine counters and the replica id, for tests and operators."""
+        import dataclasses
+
+        return {"replica_id": self.replica_id, **dataclasses.asdict(self.engine.stats())}
+
+    async def check_health(self) -> None:
+        self.engine.check_health()
+
+    def __del__(self) -> None:  # Serve calls this when it stops the replica
+        transport = getattr(self, "transport", None)
+        if transport is not None:
+            transport.close()

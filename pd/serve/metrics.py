@@ -1,0 +1,74 @@
+"""Prometheus metrics through Ray's metrics API."""
+
+from __future__ import annotations
+
+from ray.util import metrics
+
+# Seconds: from sub-millisecond decode steps to minute-long prompts.
+LATENCY_BOUNDARIES = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60]
+
+
+class ReplicaMetrics:
+    """Per-replica engine state: KV blocks and requests."""
+
+    def __init__(self, role: str, replica_id: str):
+        tags = {"role": role, "replica": replica_id}
+        keys = ("role", "replica")
+        self._gauges = {
+            name: metrics.Gauge(f"pd_{name}", description=desc, tag_keys=keys)
+            for name, desc in (
+                ("kv_blocks_used", "KV blocks with a reference count above zero"),
+                ("kv_blocks_free", "KV blocks free (cached or not)"),
+                ("requests_running", "requests in the running batch"),
+                ("requests_waiting", "requests waiting for admission"),
+                ("kv_leases_pinned", "prefill leases holding blocks for a decode replica"),
+                ("prefix_hit_tokens", "prompt tokens served from the prefix cache, cumulative"),
+                ("kv_recompute_fallbacks", "remote prefills recomputed locally, cumulative"),
+                ("kv_pulled_blocks", "KV blocks pulled from prefill replicas, cumulative"),
+            )
+        }
+        for gauge in self._gauges.values():
+            gauge.set_default_tags(tags)
+
+    def record_state(self, stats) -> None:
+        values = {
+            "kv_blocks_used": stats.num_used_blocks,
+            "kv_blocks_free": stats.num_free_blocks,
+            "requests_running": stats.num_running,
+            "requests_waiting": stats.num_waiting,
+            "kv_leases_pinned": stats.num_pinned_leases,
+            "prefix_hit_tokens": stats.num_prefix_hit_tokens,
+            "kv_recompute_fallbacks": stats.num_recompute_fallbacks,
+            "kv_pulled_blocks": stats.num_pulled_blocks,
+        }
+        for name, value in values.items():
+            self._gauges[name].set(value)
+
+
+class RequestMetrics:
+    """Ingress-side latencies and routing counts."""
+
+    def __init__(self, model: str):
+        keys = ("model",)
+        tags = {"model": model}
+
+        def histogram(name: str, description: str) -> metrics.Histogram:
+            h = metrics.Histogram(name, description=description, boundaries=LATENCY_BOUNDARIES, tag_keys=keys)
+            h.set_default_tags(tags)
+            return h
+
+        self.ttft = histogram("pd_ttft_seconds", "time to first token")
+        self.itl = histogram("pd_inter_token_seconds", "time between streamed tokens")
+        self.e2e = histogram("pd_e2e_seconds", "request latency, end to end")
+        self.queue = histogram("pd_queue_seconds", "time from arrival to the first pool call returning")
+        self.prefill = histogram("pd_prefill_seconds", "remote prefill call time")
+        self.decode = histogram("pd_decode_seconds", "decode time after the first token")
+        self.prefill_path = metrics.Counter(
+            "pd_prefill_path_total", description="requests by where their prompt KV came from",
+            tag_keys=("model", "path"),
+        )
+        self.prefill_path.set_default_tags(tags)
+        self.prefill_retries = metrics.Counter(
+            "pd_prefill_retries_total", description="prefill calls retried on another replica", tag_keys=keys
+        )
+        self.prefill_retries.set_default_tags(tags)

@@ -1,0 +1,54 @@
+"""The prefill pool: computes prompts, pins their KV under a lease, returns a handle."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+from ray import serve
+
+from pd.engine.request import FinishReason
+from pd.serve.engine_server import EngineServer
+from pd.serve.messages import PoolControl, PoolRequest, PrefillResult
+
+logger = logging.getLogger(__name__)
+
+
+@serve.deployment(name="PrefillServer")
+class PrefillServer(EngineServer):
+    role = "prefill"
+
+    async def prefill(self, data: bytes) -> bytes:
+        """Prefill one prompt: an encoded ``PoolRequest`` in, an encoded ``PrefillResult`` out.
+
+        Cancelling the call aborts the request and frees its blocks.
+        """
+        request = PoolRequest.decode(data)
+        stream = self.engine.add_request(request.request_id, request.token_ids, request.sampling, pin_kv=True)
+        last = None
+        async with contextlib.aclosing(stream):
+            async for out in stream:
+                last = out
+        if last is None or last.finish_reason is FinishReason.ABORT or last.kv_handle is None:
+            raise RuntimeError(f"prefill of {request.request_id} was aborted")
+        return PrefillResult(
+            request_id=request.request_id,
+            replica_id=self.replica_id,
+            first_token_id=last.new_token_ids[0],
+            first_logprob=last.new_logprobs[0] if last.new_logprobs else None,
+            kv_handle=last.kv_handle,
+            num_cached_tokens=last.num_cached_tokens,
+            finish_reason=last.finish_reason.value if last.finish_reason else None,
+        ).encode()
+
+    async def release(self, data: bytes) -> None:
+        """End a lease early (an encoded ``PoolControl``): no decode will pull it."""
+        self.engine.release_kv(PoolControl.decode(data).request_id)
+
+    async def handle_control(self, data: bytes) -> bytes:
+        """The torch transport's control channel (an encoded ``PoolControl``)."""
+        import asyncio
+
+        payload = PoolControl.decode(data).payload
+        # The transport may block while it sends; keep the event loop free.
+        return await asyncio.get_running_loop().run_in_executor(None, self.transport.handle_control, payload)
