@@ -61,10 +61,20 @@ class EngineServer:
         }
 
     async def stats(self) -> dict[str, Any]:
-        """Engine counters and the replica id, for tests and operators."""
+        """Engine counters, the replica id and its node, for tests and operators."""
         import dataclasses
 
-        return {"replica_id": self.replica_id, **dataclasses.asdict(self.engine.stats())}
+        import ray
+
+        return {
+            "replica_id": self.replica_id,
+            "node_id": ray.get_runtime_context().get_node_id(),
+            **dataclasses.asdict(self.engine.stats()),
+        }
+
+    async def stats_of(self, data: bytes) -> dict[str, Any]:
+        """``stats`` of the replica an encoded ``PoolControl`` targets (the router pins it)."""
+        return await self.stats()
 
     async def check_health(self) -> None:
         self.engine.check_health()

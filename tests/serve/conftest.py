@@ -1,0 +1,144 @@
+"""One two-node Ray cluster for the whole session, and helpers to run apps on it.
+
+The head node carries a ``prefill_pool`` resource and the second node a
+``decode_pool`` resource, so layouts that pin pools to node groups are real.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "serve_configs"
+
+# Test apps: short leases, small KV pools, less CPU each.
+TEST_OVERRIDES = {"kv_lease_s": 3.0}
+ENGINE_OVERRIDES = {"kv_cache_bytes": 64 * 1024**2}
+
+
+def config_args(name: str) -> dict:
+    """The ``args`` of the single application in ``serve_configs/<name>``."""
+    return yaml.safe_load((CONFIG_DIR / name).read_text())["applications"][0]["args"]
+
+
+def test_args(name: str, **overrides) -> dict:
+    args = config_args(name)
+    args.update(TEST_OVERRIDES)
+    args["engine"] = {**args.get("engine", {}), **ENGINE_OVERRIDES}
+    args.update(overrides)
+    return args
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(tmp_path_factory):
+    import ray
+    from ray import serve
+    from ray.cluster_utils import Cluster
+
+    os.environ.setdefault("PD_CACHE_DIR", str(tmp_path_factory.mktemp("pd-cache")))
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 2, "resources": {"prefill_pool": 4}, "include_dashboard": False},
+    )
+    cluster.add_node(num_cpus=2, resources={"decode_pool": 4})
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, runtime_env={"env_vars": {"PD_CACHE_DIR": os.environ["PD_CACHE_DIR"]}})
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        yield {"cluster": cluster, "url": f"http://127.0.0.1:{port}"}
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        cluster.shutdown()
+
+
+class Client:
+    """Plain HTTP against the app, as a user's client would do it."""
+
+    def __init__(self, url: str):
+        self.url = url
+
+    def request(self, method: str, path: str, body: dict | None = None, headers: dict | None = None):
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(self.url + path, data=data, method=method,
+                                     headers={"Content-Type": "application/json", **(headers or {})})
+        try:
+            with urllib.request.urlopen(req, timeout=120) as resp:
+                return resp.status, resp.read().decode()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read().decode()
+
+    def post(self, path: str, body: dict, **kwargs):
+        status, text = self.request("POST", path, body, **kwargs)
+        return status, (json.loads(text) if not body.get("stream") else text)
+
+    def stream_events(self, path: str, body: dict) -> list:
+        status, text = self.request("POST", path, {**body, "stream": True})
+        assert status == 200, text
+        events = [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]", events[-3:]
+        return [json.loads(e) for e in events[:-1]]
+
+
+def run_app(args: dict, name: str = "pd"):
+    from ray import serve
+
+    from pd.serve.app import build_app
+
+    serve.run(build_app(args), name=name, route_prefix="/", blocking=False)
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        status = serve.status().applications.get(name)
+        if status is not None and status.status == "RUNNING":
+            return
+        if status is not None and status.status in ("DEPLOY_FAILED", "UNHEALTHY"):
+            raise RuntimeError(f"app {name} failed: {status.message}")
+        time.sleep(0.25)
+    raise TimeoutError(f"app {name} did not start")
+
+
+def pool_stats(deployment: str, app: str = "pd") -> list[dict]:
+    """Stats of every replica of a pool (calls reach each replica by its id)."""
+    from ray import serve
+
+    from pd.serve.messages import PoolControl
+
+    handle = serve.get_deployment_handle(deployment, app)
+    ids = replica_ids(app, deployment)
+    return [handle.stats_of.remote(PoolControl(request_id="", target_replica_id=rid).encode()).result() for rid in ids]
+
+
+def replica_ids(app: str, deployment: str) -> list[str]:
+    """Ids of the live replicas of a deployment, from their named actors."""
+    import ray
+
+    actors = ray.util.list_named_actors(all_namespaces=True)
+    prefix = f"SERVE_REPLICA::{app}#{deployment}#"
+    return [a["name"][len(prefix):] for a in actors if a["name"].startswith(prefix)]
+
+
+def wait_until(predicate, timeout: float = 30.0, interval: float = 0.2):
+    """Poll ``predicate`` until it returns a truthy value; the value, or a TimeoutError."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError("condition not met in time")
+        time.sleep(interval)
