@@ -158,18 +158,18 @@ class PoolClient:
                 delta = text.add(chunk.token_ids)
                 reason = "stop" if delta.stopped else chunk.finish_reason
                 if reason is not None:
-                    if not delta.stopped:
-                        delta = text.finish()
-                    finished = True
+                    out_text = delta.text if delta.stopped else delta.text + text.finish().text
+                    # A stop string can end the request before the engine does.
+                    finished = chunk.finish_reason is not None
                     self.metrics.e2e.observe(time.monotonic() - start)
-                    yield GenerationEvent(chunk.token_ids, delta.text, chunk.logprobs, _openai_reason(reason),
+                    yield GenerationEvent(chunk.token_ids, out_text, chunk.logprobs, _openai_reason(reason),
                                           len(token_ids), num_output)
                     return
                 yield GenerationEvent(chunk.token_ids, delta.text, chunk.logprobs, None, len(token_ids), num_output)
             raise RuntimeError(f"decode stream for {request_id} ended without a finish reason")
         finally:
             if not finished:
-                stream.cancel()
+                stream.cancel()  # the decode replica aborts the request and frees its blocks
                 if prefilled is not None:
                     self.release_lease(prefilled)
 
