@@ -95,6 +95,28 @@ class Client:
         return [json.loads(e) for e in events[:-1]]
 
 
+_deployed: dict[str, str] = {}
+
+
+def ensure_app(config: str, **overrides) -> None:
+    """Make the ``pd`` app the one from ``serve_configs/<config>`` (with test overrides).
+
+    Tests share one running app; switching configs redeploys it.
+    """
+    key = f"{config}:{sorted(overrides.items())}"
+    if _deployed.get("pd") == key:
+        return
+    run_app(test_args(config, **overrides))
+    _deployed["pd"] = key
+
+
+@pytest.fixture
+def default_app(ray_cluster) -> "Client":
+    """A client of the default app (``serve_configs/default.yaml``, leases of 3 s)."""
+    ensure_app("default.yaml")
+    return Client(ray_cluster["url"])
+
+
 def run_app(args: dict, name: str = "pd"):
     from ray import serve
 

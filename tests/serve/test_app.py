@@ -9,20 +9,16 @@ import urllib.parse
 import pytest
 
 from pd import LLM, SamplingParams
-from tests.serve.conftest import Client, pool_stats, run_app, test_args, wait_until
+from tests.serve.conftest import pool_stats, wait_until
 
 MODEL = "builtin:tiny-llama"
 SHORT = "Tell me about the sea."
 LONG = " ".join(f"word{i}" for i in range(150))  # well over the 256-token remote threshold
 
 
-@pytest.fixture(scope="module")
-def app(ray_cluster):
-    from ray import serve
-
-    run_app(test_args("default.yaml"))
-    yield Client(ray_cluster["url"])
-    serve.delete("pd")
+@pytest.fixture
+def app(default_app):
+    return default_app
 
 
 @pytest.fixture(scope="module")

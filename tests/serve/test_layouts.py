@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.serve.conftest import Client, pool_stats, run_app, test_args
+from tests.serve.conftest import Client, ensure_app, pool_stats
 
 MODEL = "builtin:tiny-llama"
 LONG = " ".join(f"word{i}" for i in range(150))
@@ -12,10 +12,7 @@ LONG = " ".join(f"word{i}" for i in range(150))
 
 @pytest.fixture
 def client(ray_cluster):
-    from ray import serve
-
-    yield Client(ray_cluster["url"])
-    serve.delete("pd")
+    return Client(ray_cluster["url"])
 
 
 def _complete(client: Client, prompt: str) -> str:
@@ -27,7 +24,7 @@ def _complete(client: Client, prompt: str) -> str:
 def test_colocated_app_serves_the_same_text(client):
     from pd import LLM, SamplingParams
 
-    run_app(test_args("colocated.yaml", decode={"num_replicas": 1, "ray_actor_options": {"num_cpus": 0.5}}))
+    ensure_app("colocated.yaml", decode={"num_replicas": 1, "ray_actor_options": {"num_cpus": 0.5}})
     llm = LLM(MODEL, num_blocks=256)
     [expected] = llm.generate([LONG], SamplingParams(max_tokens=8, temperature=0))
     assert _complete(client, LONG) == expected.text
@@ -37,7 +34,7 @@ def test_colocated_app_serves_the_same_text(client):
 def test_multinode_layout_puts_each_pool_on_its_node_and_moves_kv_between_them(client, ray_cluster):
     import ray
 
-    run_app(test_args("multinode.yaml"))
+    ensure_app("multinode.yaml")
     nodes = {n["NodeID"]: n["Resources"] for n in ray.nodes() if n["Alive"]}
     [prefill] = pool_stats("PrefillServer")
     [decode] = pool_stats("DecodeServer")
