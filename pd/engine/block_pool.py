@@ -11,8 +11,21 @@ until it is taken for a new allocation, which evicts it.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
+from dataclasses import dataclass
 from typing import Iterable, Sequence
+
+# How many prefix-cache events a pool keeps for routers to read.
+MAX_CACHE_EVENTS = 4096
+
+
+@dataclass(frozen=True)
+class CacheEvent:
+    """A block hash entering (``stored``) or leaving the prefix cache, numbered in order."""
+
+    seq: int
+    block_hash: bytes
+    stored: bool
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -29,6 +42,16 @@ class BlockPool:
         self._hash_to_block: dict[bytes, int] = {}
         self._block_hash: dict[int, bytes] = {}
         self._block_tokens: dict[int, tuple[int, ...]] = {}
+        self._events: deque[CacheEvent] = deque(maxlen=MAX_CACHE_EVENTS)
+        self._next_seq = 0
+
+    def cache_events(self, after_seq: int = -1) -> list[CacheEvent]:
+        """Prefix-cache changes numbered above ``after_seq`` (the oldest may have been dropped)."""
+        return [e for e in self._events if e.seq > after_seq]
+
+    def _record(self, block_hash: bytes, stored: bool) -> None:
+        self._events.append(CacheEvent(self._next_seq, block_hash, stored))
+        self._next_seq += 1
 
     @property
     def num_free_blocks(self) -> int:
@@ -104,15 +127,19 @@ class BlockPool:
         self._hash_to_block[block_hash] = block_id
         self._block_hash[block_id] = block_hash
         self._block_tokens[block_id] = tuple(token_ids)
+        self._record(block_hash, stored=True)
 
     def _evict(self, block_id: int) -> None:
         block_hash = self._block_hash.pop(block_id, None)
         if block_hash is not None:
             del self._hash_to_block[block_hash]
             del self._block_tokens[block_id]
+            self._record(block_hash, stored=False)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (used blocks keep their contents)."""
+        for block_hash in self._hash_to_block:
+            self._record(block_hash, stored=False)
         self._hash_to_block.clear()
         self._block_hash.clear()
         self._block_tokens.clear()

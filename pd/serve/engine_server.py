@@ -14,6 +14,9 @@ from transfer import KVTransport, create_transport
 
 logger = logging.getLogger(__name__)
 
+# The newest prefix-cache events each routing-stats report carries.
+ROUTING_EVENTS = 1024
+
 
 def current_replica_id() -> str:
     return serve.get_replica_context().replica_id.unique_id
@@ -53,11 +56,14 @@ class EngineServer:
         stats = self.engine.stats()
         total = stats.num_free_blocks + stats.num_used_blocks
         self.metrics.record_state(stats)
+        events = self.engine.engine.block_pool.cache_events()[-ROUTING_EVENTS:]
         return {
             "num_running": stats.num_running,
             "num_waiting": stats.num_waiting,
             "kv_usage": stats.num_used_blocks / total if total else 0.0,
             "num_free_blocks": stats.num_free_blocks,
+            # Prefix-cache changes, numbered, so routers apply each once.
+            "cache_events": [(e.seq, e.block_hash, e.stored) for e in events],
         }
 
     async def stats(self) -> dict[str, Any]:
