@@ -112,6 +112,11 @@ class KVHandle:
 
 
 def _unpack(data: Any, kind: str) -> dict:
+    return _unpack_any(data, (kind,))[1]
+
+
+def _unpack_any(data: Any, kinds: tuple[str, ...]) -> tuple[str, dict]:
+    kind = " or ".join(kinds)
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise WireError(f"{kind} must be bytes, got {type(data).__name__}")
     try:
@@ -122,12 +127,12 @@ def _unpack(data: Any, kind: str) -> dict:
         raise WireError(f"{kind} must be a msgpack map")
     if message.get("v") != WIRE_VERSION:
         raise WireError(f"{kind} has wire version {message.get('v')!r}; this build speaks {WIRE_VERSION}")
-    if message.get("kind") != kind:
+    if message.get("kind") not in kinds:
         raise WireError(f"expected a {kind} message, got {message.get('kind')!r}")
     body = message.get("body")
     if not isinstance(body, dict):
         raise WireError(f"{kind}.body must be a map")
-    return body
+    return message["kind"], body
 
 
 def _field(body: dict, name: str, kind) -> Any:
@@ -137,3 +142,23 @@ def _field(body: dict, name: str, kind) -> Any:
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         raise WireError(f"field {name!r} has type {type(value).__name__}")
     return value
+
+
+def encode_message(kind: str, body: dict) -> bytes:
+    """``body`` as a versioned msgpack message of ``kind`` (the envelope every wire message uses)."""
+    return msgpack.packb({"v": WIRE_VERSION, "kind": kind, "body": body}, use_bin_type=True)
+
+
+def decode_message(data: Any, kind: str) -> dict:
+    """The body of a versioned msgpack message of ``kind``; ``WireError`` if it cannot be trusted."""
+    return _unpack(data, kind)
+
+
+def decode_any_message(data: Any, kinds: tuple[str, ...]) -> tuple[str, dict]:
+    """``(kind, body)`` of a versioned msgpack message whose kind is one of ``kinds``."""
+    return _unpack_any(data, kinds)
+
+
+def require_field(body: dict, name: str, kind) -> Any:
+    """``body[name]``, checked to be an instance of ``kind`` (bools are not ints)."""
+    return _field(body, name, kind)

@@ -47,7 +47,8 @@ class BlockPool:
 
     def cache_events(self, after_seq: int = -1) -> list[CacheEvent]:
         """Prefix-cache changes numbered above ``after_seq`` (the oldest may have been dropped)."""
-        return [e for e in self._events if e.seq > after_seq]
+        events = list(self._events)  # one C-level copy: safe against a step running on another thread
+        return [e for e in events if e.seq > after_seq]
 
     def _record(self, block_hash: bytes, stored: bool) -> None:
         self._events.append(CacheEvent(self._next_seq, block_hash, stored))
