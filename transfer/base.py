@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import abc
 import enum
+import numbers
 from typing import Sequence
 
 import torch
@@ -106,3 +107,34 @@ def block_runs(remote_block_ids: Sequence[int], local_block_ids: Sequence[int]) 
         else:
             runs.append((remote, local, 1))
     return runs
+
+
+def pool_geometry(kv_cache: torch.Tensor) -> tuple[int, int]:
+    """``(num_blocks, block_bytes)`` of a block-major pool; ``TransferError`` if it is not one."""
+    if not kv_cache.is_contiguous() or kv_cache.dim() < 2:
+        raise TransferError("the KV pool must be a contiguous block-major tensor [num_blocks, ...]")
+    return kv_cache.shape[0], kv_cache[0].numel() * kv_cache.element_size()
+
+
+def check_read(
+    remote_block_ids: Sequence[int], local_block_ids: Sequence[int], *,
+    peer: str, remote_num_blocks: int, engine: str, local_num_blocks: int,
+) -> list[tuple[int, int, int]]:
+    """Refuse a read before any bytes move; returns its ``block_runs``.
+
+    Ids must be ints inside their pool, and no local block may be written twice.
+    """
+    for block_ids, num_blocks, owner in (
+        (remote_block_ids, remote_num_blocks, f"peer {peer!r}"), (local_block_ids, local_num_blocks, engine)
+    ):
+        bad = [b for b in block_ids if not _is_block_id(b) or not 0 <= b < num_blocks]
+        if bad:
+            raise TransferError(f"block ids {bad[:8]} are outside {owner}'s pool of {num_blocks} blocks")
+    if len(set(local_block_ids)) != len(local_block_ids):
+        raise TransferError("local_block_ids repeat a block; two reads would race into it")
+    return block_runs([int(b) for b in remote_block_ids], [int(b) for b in local_block_ids])
+
+
+
+def _is_block_id(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)

@@ -1,0 +1,30 @@
+"""``block_runs``: pairwise merging of block-id lists into contiguous runs."""
+
+from __future__ import annotations
+
+import pytest
+
+from transfer import block_runs
+
+
+@pytest.mark.parametrize(
+    "remote_ids, local_ids, runs",
+    [
+        ([], [], []),
+        ([5], [9], [(5, 9, 1)]),
+        ([0, 1, 2, 3], [4, 5, 6, 7], [(0, 4, 4)]),
+        ([7, 8, 9, 4, 5], [0, 1, 2, 3, 9], [(7, 0, 3), (4, 3, 1), (5, 9, 1)]),
+        ([1, 2, 3], [1, 3, 4], [(1, 1, 1), (2, 3, 2)]),  # consecutive remotely, split locally
+        ([3, 2, 1], [0, 1, 2], [(3, 0, 1), (2, 1, 1), (1, 2, 1)]),  # descending never merges
+        ([4, 4], [0, 1], [(4, 0, 1), (4, 1, 1)]),  # a repeated remote block is two runs
+    ],
+)
+def test_block_runs_merge_only_where_both_sides_advance(remote_ids, local_ids, runs):
+    assert block_runs(remote_ids, local_ids) == runs
+    expanded = [(r + i, l + i) for r, l, n in runs for i in range(n)]
+    assert expanded == list(zip(remote_ids, local_ids))
+
+
+def test_block_runs_refuse_unequal_lengths():
+    with pytest.raises(ValueError, match="3 remote blocks but 2 local blocks"):
+        block_runs([1, 2, 3], [1, 2])

@@ -1,0 +1,177 @@
+"""A prefill engine in one process and a decode engine in another equal one engine.
+
+The prefill process pins the prompt's blocks and returns a KVHandle; this
+process decodes, pulling the blocks over the real transport.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+
+import pytest
+
+from pd import LLM, SamplingParams
+from pd.config import EngineConfig
+from pd.engine.engine import LLMEngine
+from tests.transfer.engine_worker import prefill_worker
+from transfer import KVHandle, WireError, create_transport
+
+ENGINE_KWARGS = {"num_blocks": 96, "block_size": 16, "kv_lease_s": 3.0}
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+PROMPTS = {
+    "a": list(range(5, 75)),  # 70 tokens: 4 full blocks and a partial one
+    "b": list(range(5, 69)) + [300, 301, 302],  # shares 4 full blocks with "a"
+    "c": list(range(200, 216)),  # exactly one full block
+}
+
+
+class PrefillProcess:
+    def __init__(self, model_dir: str, kind: str, **engine_kwargs):
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.control, control_child = ctx.Pipe() if kind == "torch" else (None, None)
+        self.process = ctx.Process(
+            target=prefill_worker, args=(child, control_child, model_dir, kind, {**ENGINE_KWARGS, **engine_kwargs}),
+            daemon=True,
+        )
+        self.process.start()
+        ready = self._recv(120)
+        assert ready[0] == "ready"
+
+    def _recv(self, timeout: float):
+        if not self.conn.poll(timeout):
+            raise TimeoutError("prefill process did not answer")
+        return self.conn.recv()
+
+    def call(self, *command, timeout: float = 60):
+        self.conn.send(command)
+        return self._recv(timeout)
+
+    def control_call(self, peer: str, message: bytes) -> bytes:
+        self.control.send(message)
+        return self.control.recv()
+
+    def stop(self) -> None:
+        if self.process.is_alive():
+            try:
+                self.conn.send(("stop",))
+            except OSError:
+                pass
+            self.process.join(10)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(5)
+
+
+def decode_engine(model_dir: str, kind: str, prefill: PrefillProcess, **engine_kwargs) -> LLMEngine:
+    options = {"role": "decode", "control": prefill.control_call} if kind == "torch" else {}
+    transport = create_transport(kind, f"decode-{kind}", **options)
+    return LLMEngine(EngineConfig(model=model_dir, **{**ENGINE_KWARGS, **engine_kwargs}), transport)
+
+
+def run_to_end(engine: LLMEngine, request_id: str, timeout: float = 60) -> list[int]:
+    tokens, deadline = [], time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for out in engine.step():
+            if out.request_id == request_id:
+                tokens.extend(out.new_token_ids)
+                if out.finished:
+                    return tokens
+        time.sleep(0.001)
+    raise TimeoutError(f"request {request_id} did not finish")
+
+
+def disaggregated(engine: LLMEngine, prefill: PrefillProcess, request_id: str, prompt: list[int]) -> list[int]:
+    handle = KVHandle.decode(prefill.call("prefill", request_id, prompt))
+    engine.add_request(request_id, prompt, GREEDY, remote_kv=handle)
+    return [handle.first_token_id] + run_to_end(engine, request_id)
+
+
+@pytest.fixture(scope="module")
+def model_dir(checkpoint):
+    return str(checkpoint("llama"))
+
+
+@pytest.fixture(scope="module")
+def colocated(model_dir):
+    llm = LLM(model_dir, **{k: v for k, v in ENGINE_KWARGS.items() if k != "kv_lease_s"})
+    outputs = llm.generate(list(PROMPTS.values()), GREEDY)
+    return {key: out.token_ids for key, out in zip(PROMPTS, outputs)}
+
+
+@pytest.mark.parametrize("kind", ["nixl", "torch"])
+def test_disaggregated_equals_colocated_with_and_without_prefix_hits(kind, model_dir, colocated):
+    prefill = PrefillProcess(model_dir, kind)
+    try:
+        engine = decode_engine(model_dir, kind, prefill)
+        assert disaggregated(engine, prefill, "a", PROMPTS["a"]) == colocated["a"]
+        assert engine.stats().num_pulled_blocks == 5
+        # "b" shares "a"'s 4 full blocks, which the decode side now caches: only 1 block moves.
+        assert disaggregated(engine, prefill, "b", PROMPTS["b"]) == colocated["b"]
+        assert engine.stats().num_pulled_blocks == 6
+        assert disaggregated(engine, prefill, "c", PROMPTS["c"]) == colocated["c"]
+        stats = engine.stats()
+        assert stats.num_recompute_fallbacks == 0 and stats.num_used_blocks == 0
+        # Every completion notification reached the prefill side: no lease is left.
+        prefill.call("step", 0.2)
+        remote = prefill.call("stats")
+        assert remote["num_pinned_leases"] == 0 and remote["num_used_blocks"] == 0
+        engine.connector.transport.close()
+    finally:
+        prefill.stop()
+
+
+def test_lease_expiry_frees_blocks_and_decode_recomputes(model_dir, colocated):
+    prefill = PrefillProcess(model_dir, "nixl", kv_lease_s=1.0)
+    try:
+        handle_bytes = prefill.call("prefill", "a", PROMPTS["a"])
+        assert prefill.call("stats")["num_pinned_leases"] == 1
+        prefill.call("step", 1.2)
+        remote = prefill.call("stats")
+        assert remote["num_pinned_leases"] == 0 and remote["num_leases_expired"] == 1
+        assert remote["num_used_blocks"] == 0
+        engine = decode_engine(model_dir, "nixl", prefill)
+        engine.add_request("a", PROMPTS["a"], GREEDY, remote_kv=KVHandle.decode(handle_bytes))
+        tokens = [KVHandle.decode(handle_bytes).first_token_id] + run_to_end(engine, "a")
+        assert tokens == colocated["a"]
+        assert engine.stats().num_recompute_fallbacks == 1 and engine.stats().num_remote_pulls == 0
+        engine.connector.transport.close()
+    finally:
+        prefill.stop()
+
+
+def test_refused_handles_move_nothing(model_dir, checkpoint):
+    prefill = PrefillProcess(model_dir, "nixl")
+    try:
+        handle = KVHandle.decode(prefill.call("prefill", "a", PROMPTS["a"]))
+        other = decode_engine(str(checkpoint("qwen2")), "nixl", prefill)
+        with pytest.raises(WireError, match="fingerprint mismatch"):
+            other.add_request("a", PROMPTS["a"], GREEDY, remote_kv=handle)
+        with pytest.raises(WireError, match="covers 70 tokens"):
+            same = decode_engine(model_dir, "nixl", prefill)
+            same.add_request("x", PROMPTS["a"][:-1], GREEDY, remote_kv=handle)
+        assert other.stats().num_remote_pulls == 0 and same.stats().num_remote_pulls == 0
+        for engine in (other, same):
+            engine.connector.transport.close()
+    finally:
+        prefill.stop()
+
+
+def test_dead_prefill_peer_fails_the_pull_and_decode_recomputes(model_dir, colocated):
+    prefill = PrefillProcess(model_dir, "nixl")
+    try:
+        handle = KVHandle.decode(prefill.call("prefill", "a", PROMPTS["a"]))
+        engine = decode_engine(model_dir, "nixl", prefill, kv_read_timeout_s=3.0)
+        prefill.process.kill()
+        prefill.process.join(5)
+        start = time.monotonic()
+        engine.add_request("a", PROMPTS["a"], GREEDY, remote_kv=handle)
+        tokens = [handle.first_token_id] + run_to_end(engine, "a", timeout=30)
+        assert time.monotonic() - start < 15
+        assert tokens == colocated["a"]
+        stats = engine.stats()
+        assert stats.num_recompute_fallbacks == 1 and stats.num_used_blocks == 0
+        engine.connector.transport.close()
+    finally:
+        prefill.stop()

@@ -1,0 +1,100 @@
+"""NIXL backend details that need no second process: metadata, deadlines, empty reads, close."""
+
+from __future__ import annotations
+
+import time
+
+import msgpack
+import pytest
+import torch
+
+pytest.importorskip("nixl")
+
+from transfer import TransferError, TransferState, WireError, create_transport  # noqa: E402
+from transfer.nixl_backend import NixlPeer, NixlTransport  # noqa: E402
+
+BLOCK_SHAPE = (2, 2, 4, 2, 16)
+
+
+@pytest.fixture
+def transports():
+    made = []
+
+    def make(name: str, *, num_blocks: int = 8, timeout_s: float = 5.0) -> NixlTransport:
+        transport = create_transport("nixl", name, timeout_s=timeout_s)
+        made.append(transport)
+        transport.register(torch.arange(num_blocks * 512, dtype=torch.float32).view(num_blocks, *BLOCK_SHAPE))
+        return transport
+
+    yield make
+    for transport in made:
+        transport.close()
+
+
+def test_metadata_round_trips_and_names_the_pool(transports):
+    transport = transports("meta-a", num_blocks=8)
+    peer = NixlPeer.decode(transport.local_metadata())
+    assert (peer.name, peer.num_blocks, peer.block_bytes, peer.mem_type) == ("meta-a", 8, 2048, "DRAM")
+    assert peer.agent_metadata and peer.base_address > 0
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda body: body.pop("agent_metadata"), "missing the field 'agent_metadata'"),
+        (lambda body: body.update(num_blocks="8"), "'num_blocks' has type str"),
+        (lambda body: body.update(mem_type="HBM"), "mem_type 'HBM'"),
+        (lambda body: body.update(block_bytes=0), "non-positive"),
+    ],
+)
+def test_bad_peer_metadata_is_refused(transports, mutate, message):
+    transport = transports("meta-b")
+    envelope = msgpack.unpackb(transport.local_metadata())
+    mutate(envelope["body"])
+    with pytest.raises(WireError, match=message):
+        transport.add_peer(msgpack.packb(envelope))
+    with pytest.raises(WireError, match="truncated or garbled"):
+        transport.add_peer(transport.local_metadata()[:-7])
+
+
+def test_add_peer_is_idempotent_and_refuses_its_own_name(transports):
+    reader, owner = transports("idem-reader"), transports("idem-owner")
+    assert reader.add_peer(owner.local_metadata()) == "idem-owner"
+    assert reader.add_peer(owner.local_metadata()) == "idem-owner"
+    with pytest.raises(TransferError, match="own name"):
+        reader.add_peer(reader.local_metadata())
+
+
+def test_a_read_pending_past_its_deadline_fails(transports, monkeypatch):
+    reader, owner = transports("slow-reader", timeout_s=0.1), transports("slow-owner")
+    reader.add_peer(owner.local_metadata())
+    monkeypatch.setattr(reader._agent, "check_xfer_state", lambda xfer: "PROC")
+    handle = reader.read_blocks("slow-owner", [1, 2], [3, 4], notify="slow")
+    assert handle.wait(2.0) is TransferState.FAILED
+    assert "still pending after 0.1s" in handle.error
+
+
+def test_an_empty_read_is_done_and_still_notifies_the_owner(transports):
+    reader, owner = transports("empty-reader"), transports("empty-owner")
+    reader.add_peer(owner.local_metadata())
+    assert reader.read_blocks("empty-owner", [], [], notify="all-cached").poll() is TransferState.DONE
+    seen = []
+    for _ in range(200):
+        seen += owner.poll_notifications()
+        if seen:
+            break
+        time.sleep(0.005)
+    assert seen == ["all-cached"]
+
+
+def test_close_is_idempotent_and_final(transports):
+    reader, owner = transports("close-reader"), transports("close-owner")
+    reader.add_peer(owner.local_metadata())
+    assert reader.read_blocks("close-owner", [0], [0], notify="x").wait(5.0) is TransferState.DONE
+    reader.close()
+    reader.close()
+    with pytest.raises(TransferError, match="closed"):
+        reader.read_blocks("close-owner", [0], [0], notify="y")
+    with pytest.raises(TransferError, match="closed"):
+        reader.local_metadata()
+    assert reader.poll_notifications() == []
