@@ -56,7 +56,7 @@ def ray_cluster(tmp_path_factory):
     )
     cluster.add_node(num_cpus=2, resources={"decode_pool": 4})
     cluster.wait_for_nodes()
-    ray.init(address=cluster.address, runtime_env={"env_vars": {"PD_CACHE_DIR": os.environ["PD_CACHE_DIR"]}})
+    ray.init(address=cluster.address, log_to_driver=False, runtime_env={"env_vars": {"PD_CACHE_DIR": os.environ["PD_CACHE_DIR"]}})
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
