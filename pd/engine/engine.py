@@ -39,6 +39,8 @@ class EngineStats:
     num_leases_expired: int
     num_remote_pulls: int
     num_pulled_blocks: int
+    num_pulled_bytes: int
+    pull_seconds_total: float
     num_recompute_fallbacks: int
 
 
@@ -90,6 +92,7 @@ class LLMEngine:
         self.connector = KVConnector(
             self.engine_id, transport, self.fingerprint, self.kv_cache, self.scheduler,
             config.kv_lease_s, config.kv_read_timeout_s,
+            block_bytes=kv_block_bytes(mc, config.block_size, self.runner.dtype),
         )
         self.eos_token_ids = mc.eos_token_ids or (
             (self.tokenizer.eos_token_id,) if self.tokenizer and self.tokenizer.eos_token_id is not None else ()

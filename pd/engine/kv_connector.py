@@ -39,7 +39,8 @@ MIN_LEASE_MARGIN_S = 0.5
 class _Pull:
     request: Request
     handle: TransferHandle
-    deadline: float  # time.monotonic()
+    started: float  # time.monotonic()
+    deadline: float
     num_blocks: int
 
 
@@ -49,6 +50,8 @@ class ConnectorStats:
     num_leases_expired: int = 0
     num_remote_pulls: int = 0
     num_pulled_blocks: int = 0
+    num_pulled_bytes: int = 0
+    pull_seconds_total: float = 0.0
     num_recompute_fallbacks: int = 0
 
 
@@ -62,8 +65,10 @@ class KVConnector:
         scheduler: Scheduler,
         lease_s: float,
         read_timeout_s: float,
+        block_bytes: int,
     ):
         self.engine_id = engine_id
+        self.block_bytes = block_bytes
         self.transport = transport
         self.fingerprint = fingerprint
         self.kv_cache = kv_cache
@@ -157,9 +162,10 @@ class KVConnector:
         local = self.kv_cache.block_ids(request.request_id)[num_hit_blocks : len(handle.block_ids)]
         remote = handle.block_ids[num_hit_blocks:]
         lease_left = handle.lease_expiry - time.time() - MIN_LEASE_MARGIN_S
-        deadline = time.monotonic() + min(self.read_timeout_s, max(lease_left, 0.0))
+        started = time.monotonic()
+        deadline = started + min(self.read_timeout_s, max(lease_left, 0.0))
         transfer = transport.read_blocks(peer, remote, local, notify=request.request_id)
-        self._pulls[request.request_id] = _Pull(request, transfer, deadline, len(remote))
+        self._pulls[request.request_id] = _Pull(request, transfer, started, deadline, len(remote))
         self.stats.num_remote_pulls += 1
 
     def _peer(self, handle: KVHandle) -> str:
@@ -203,6 +209,8 @@ class KVConnector:
             pull.handle.release()
             if state is TransferState.DONE:
                 self.stats.num_pulled_blocks += pull.num_blocks
+                self.stats.num_pulled_bytes += pull.num_blocks * self.block_bytes
+                self.stats.pull_seconds_total += mono - pull.started
                 self.scheduler.finish_remote_read(pull.request, succeeded=True)
             else:
                 reason = pull.handle.error if state is TransferState.FAILED else "timed out"

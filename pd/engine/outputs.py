@@ -67,5 +67,6 @@ class RequestOutput:
     finish_reason: FinishReason | None
     num_cached_tokens: int
     kv_source: KVSource = KVSource.LOCAL
+    queue_seconds: float = 0.0  # arrival to first admission on this engine
     # Prefill role: the encoded KVHandle of the pinned prompt blocks, on the finishing output.
     kv_handle: bytes | None = None

@@ -46,6 +46,7 @@ class Request:
     sampling_params: SamplingParams
     eos_token_ids: tuple[int, ...] = ()
     arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     num_computed_tokens: int = 0
@@ -63,6 +64,11 @@ class Request:
 
     def __post_init__(self) -> None:
         self.token_ids: list[int] = list(self.prompt_token_ids)
+
+    @property
+    def queue_seconds(self) -> float:
+        """Time from arrival to first admission (so far, if not yet admitted)."""
+        return (self.first_scheduled_time or time.monotonic()) - self.arrival_time
 
     @property
     def num_tokens(self) -> int:

@@ -16,6 +16,7 @@ lands it joins ``running`` as a decode; when it fails it goes back to
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 from pd.config import SchedulerConfig
@@ -80,6 +81,8 @@ class Scheduler:
             if not self.kv_cache.allocate_slots(request, num_new, prefix):
                 break
             self.waiting.popleft()
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
             if request.num_preemptions == 0:
                 request.num_cached_tokens = prefix.num_tokens
                 self.num_prefix_hit_tokens += prefix.num_tokens
@@ -96,6 +99,7 @@ class Scheduler:
         if not self.kv_cache.allocate_slots(request, request.num_tokens - prefix.num_tokens, prefix):
             return False
         self.waiting.popleft()
+        request.first_scheduled_time = time.monotonic()
         request.num_computed_tokens = prefix.num_tokens
         request.num_cached_tokens = prefix.num_tokens
         self.num_prefix_hit_tokens += prefix.num_tokens
@@ -158,6 +162,7 @@ class Scheduler:
                     finish_reason=reason,
                     num_cached_tokens=request.num_cached_tokens,
                     kv_source=request.kv_source,
+                    queue_seconds=request.queue_seconds,
                 )
             )
         if any(r.finished for r in results):

@@ -52,6 +52,8 @@ class DecodeServer(EngineServer):
         )
         async with contextlib.aclosing(stream):
             async for out in stream:
+                if out.finished:
+                    self.metrics.queue.observe(out.queue_seconds)
                 yield DecodeChunk(
                     request_id=request.request_id,
                     token_ids=out.new_token_ids,

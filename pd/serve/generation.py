@@ -29,6 +29,10 @@ from router.serve import routed_replica
 
 logger = logging.getLogger(__name__)
 
+# After a request's prefill fails on two replicas, prefill locally for this long
+# before trying the pool again, so a dead pool does not cost every request its deadline.
+PREFILL_POOL_COOLDOWN_S = 5.0
+
 
 @dataclass(frozen=True)
 class GenerationEvent:
@@ -51,6 +55,7 @@ class PoolClient:
         self.eos_token_ids = eos_token_ids
         self.metrics = RequestMetrics(args.served_model_name)
         self.prefill_in_flight = 0
+        self.prefill_pool_down_until = 0.0
 
     def wants_remote_prefill(self, token_ids: list[int]) -> bool:
         """Remote when the uncached prompt is long and the prefill pool has room.
@@ -62,6 +67,7 @@ class PoolClient:
             and self.prefill is not None
             and len(token_ids) > self.args.remote_prefill_threshold
             and self.prefill_in_flight < self.args.prefill_queue_bound
+            and time.monotonic() >= self.prefill_pool_down_until
         )
 
     async def remote_prefill(self, request: PoolRequest) -> PrefillResult | None:
@@ -90,6 +96,7 @@ class PoolClient:
                     self.metrics.prefill_retries.inc()
             finally:
                 self.prefill_in_flight -= 1
+        self.prefill_pool_down_until = time.monotonic() + PREFILL_POOL_COOLDOWN_S
         return None
 
     def release_lease(self, result: PrefillResult) -> None:
@@ -113,10 +120,11 @@ class PoolClient:
             prefilled = await self.remote_prefill(request)
         num_output = 0
         last_token_at = start
+        first_token_at = None
         if prefilled is not None:
             self.metrics.ttft.observe(time.monotonic() - start)
             num_output = 1
-            last_token_at = time.monotonic()
+            last_token_at = first_token_at = time.monotonic()
             delta = text.add([prefilled.first_token_id])
             first = prefilled.first_token_id
             done = (
@@ -151,6 +159,7 @@ class PoolClient:
                     path_counted = True
                 if num_output == 0:
                     self.metrics.ttft.observe(now - start)
+                    first_token_at = now
                 elif chunk.token_ids:
                     self.metrics.itl.observe(now - last_token_at)
                 last_token_at = now
@@ -162,6 +171,8 @@ class PoolClient:
                     # A stop string can end the request before the engine does.
                     finished = chunk.finish_reason is not None
                     self.metrics.e2e.observe(time.monotonic() - start)
+                    if first_token_at is not None:
+                        self.metrics.decode.observe(time.monotonic() - first_token_at)
                     yield GenerationEvent(chunk.token_ids, out_text, chunk.logprobs, _openai_reason(reason),
                                           len(token_ids), num_output)
                     return

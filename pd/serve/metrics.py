@@ -25,10 +25,17 @@ class ReplicaMetrics:
                 ("prefix_hit_tokens", "prompt tokens served from the prefix cache, cumulative"),
                 ("kv_recompute_fallbacks", "remote prefills recomputed locally, cumulative"),
                 ("kv_pulled_blocks", "KV blocks pulled from prefill replicas, cumulative"),
+                ("kv_pulled_bytes", "KV bytes pulled from prefill replicas, cumulative"),
+                ("kv_pull_seconds", "time spent in KV pulls, cumulative"),
             )
         }
         for gauge in self._gauges.values():
             gauge.set_default_tags(tags)
+        self.queue = metrics.Histogram(
+            "pd_queue_seconds", description="time from arrival on the engine to first admission",
+            boundaries=LATENCY_BOUNDARIES, tag_keys=keys,
+        )
+        self.queue.set_default_tags(tags)
 
     def record_state(self, stats) -> None:
         values = {
@@ -40,6 +47,8 @@ class ReplicaMetrics:
             "prefix_hit_tokens": stats.num_prefix_hit_tokens,
             "kv_recompute_fallbacks": stats.num_recompute_fallbacks,
             "kv_pulled_blocks": stats.num_pulled_blocks,
+            "kv_pulled_bytes": stats.num_pulled_bytes,
+            "kv_pull_seconds": stats.pull_seconds_total,
         }
         for name, value in values.items():
             self._gauges[name].set(value)
@@ -60,7 +69,6 @@ class RequestMetrics:
         self.ttft = histogram("pd_ttft_seconds", "time to first token")
         self.itl = histogram("pd_inter_token_seconds", "time between streamed tokens")
         self.e2e = histogram("pd_e2e_seconds", "request latency, end to end")
-        self.queue = histogram("pd_queue_seconds", "time from arrival to the first pool call returning")
         self.prefill = histogram("pd_prefill_seconds", "remote prefill call time")
         self.decode = histogram("pd_decode_seconds", "decode time after the first token")
         self.prefill_path = metrics.Counter(

@@ -31,6 +31,7 @@ class PrefillServer(EngineServer):
                 last = out
         if last is None or last.finish_reason is FinishReason.ABORT or last.kv_handle is None:
             raise RuntimeError(f"prefill of {request.request_id} was aborted")
+        self.metrics.queue.observe(last.queue_seconds)
         return PrefillResult(
             request_id=request.request_id,
             replica_id=self.replica_id,
