@@ -4,7 +4,7 @@ TORCH ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv serve test bench clean
+.PHONY: venv serve demo test bench clean
 
 venv: $(STAMP)
 
@@ -16,7 +16,12 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q -e ".[test,load]"
 	touch $(STAMP)
 
+# The OpenAI-compatible app: disaggregated prefill/decode with the built-in model, on :8000.
 serve: venv
+	$(BIN)/serve run serve_configs/default.yaml
+
+# Offline generation with the built-in model, no Ray.
+demo: venv
 	$(BIN)/python -m pd.demo
 
 test: venv
