@@ -11,13 +11,25 @@ learn which replica a request went to (for example, to exclude it on retry).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 from collections import OrderedDict
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
+from ray.util import metrics
 
+from router.policy import (
+    DecodePolicy,
+    DecodePolicyConfig,
+    PolicyConfig,
+    PrefixAffinityPolicy,
+    ReplicaLoad,
+    RoutingDecision,
+    matched_tokens,
+)
+from router.prefix_index import PrefixIndex
 from router.requests import RoutingFields, routing_fields
 
 logger = logging.getLogger(__name__)
@@ -94,3 +106,134 @@ class PinnedRequestRouter(RequestRouter):
         fields = self._fields(pending_request)
         if fields is not None:
             _remember(fields.request_id, replica_id.unique_id)
+
+
+# Decode routers' prefix indexes by deployment name, for the ingress in this process.
+_decode_indexes: dict[str, tuple[PrefixIndex, int]] = {}
+
+
+def estimate_uncached_tokens(deployment: str, block_hashes: list[bytes], num_prompt_tokens: int) -> int:
+    """Prompt tokens the best-placed replica of a decode pool would have to compute itself.
+
+    Read from the decode router's prefix index in this process; every token
+    counts as uncached until that router has seen the pool.
+    """
+    entry = _decode_indexes.get(deployment)
+    if entry is None or not block_hashes:
+        return num_prompt_tokens
+    index, block_size = entry
+    matches = index.match(block_hashes)
+    return num_prompt_tokens - matched_tokens(max(matches.values(), default=0), block_size, num_prompt_tokens)
+
+
+def replica_state(replica: RunningReplica) -> ReplicaLoad:
+    """A replica's reported load, as the policies take it."""
+    stats = replica.routing_stats or {}
+    return ReplicaLoad(
+        replica_id=replica.replica_id.unique_id,
+        queued_prefill_tokens=max(0, int(stats.get("num_waiting_tokens", 0))),
+        num_active_requests=max(0, int(stats.get("num_running", 0)) + int(stats.get("num_waiting", 0))),
+        kv_usage=min(1.0, max(0.0, float(stats.get("kv_usage", 0.0)))),
+    )
+
+
+class _CacheEventFeed:
+    """Applies replicas' numbered prefix-cache events to an index, each once."""
+
+    def __init__(self, index: PrefixIndex):
+        self.index = index
+        self._seen: dict[str, int] = {}
+
+    def update(self, replicas: list[RunningReplica]) -> None:
+        live = set()
+        for replica in replicas:
+            replica_id = replica.replica_id.unique_id
+            live.add(replica_id)
+            seen = self._seen.get(replica_id, -1)
+            events = (replica.routing_stats or {}).get("cache_events") or []
+            stored, evicted = [], []
+            for seq, block_hash, was_stored in events:
+                if seq > seen:
+                    (stored if was_stored else evicted).append(block_hash)
+                    seen = seq
+            if evicted:
+                self.index.evict(replica_id, evicted)
+            if stored:
+                self.index.insert(replica_id, stored)
+            self._seen[replica_id] = seen
+        for gone in set(self._seen) - live:
+            del self._seen[gone]
+            self.index.remove_replica(gone)
+
+
+class _DecisionMetrics:
+    def __init__(self, pool: str):
+        self.decisions = metrics.Counter(
+            "pd_router_decisions_total", description="routing decisions by reason", tag_keys=("pool", "reason"),
+        )
+        self.decisions.set_default_tags({"pool": pool})
+
+    def record(self, decision: RoutingDecision) -> None:
+        self.decisions.inc(tags={"reason": decision.reason.value})
+
+
+class PrefixAffinityRouter(PinnedRequestRouter):
+    """Prefill placement: the replica most likely to hold the prompt's prefix, within load bounds.
+
+    ``request_router_kwargs`` are ``router.policy.PolicyConfig`` fields.
+    """
+
+    def initialize_state(self, **kwargs: Any) -> None:
+        self.policy = PrefixAffinityPolicy(PolicyConfig(**kwargs))
+        self.feed = _CacheEventFeed(self.policy.index)
+        self.metrics = _DecisionMetrics("prefill")
+        self._decisions: OrderedDict[str, tuple[RoutingDecision, list[bytes]]] = OrderedDict()
+
+    def rank(self, replicas: list[RunningReplica], fields: RoutingFields | None) -> list[list[RunningReplica]]:
+        if fields is None:
+            return super().rank(replicas, fields)
+        self.feed.update(list(self.curr_replicas.values()))
+        decision = self.policy.choose(fields.block_hashes, fields.num_tokens, [replica_state(r) for r in replicas])
+        self._decisions[fields.request_id] = (decision, fields.block_hashes)
+        while len(self._decisions) > _MAX_REMEMBERED:
+            self._decisions.popitem(last=False)
+        by_id = {r.replica_id.unique_id: r for r in replicas}
+        order = [by_id[i] for i in decision.ranked_replica_ids if i in by_id] or [by_id[decision.replica_id]]
+        return [[replica] for replica in order]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult) -> None:
+        super().on_request_routed(pending_request, replica_id, result)
+        fields = self._fields(pending_request)
+        if fields is None or fields.request_id not in self._decisions:
+            return
+        decision, hashes = self._decisions.pop(fields.request_id)
+        if decision.replica_id != replica_id.unique_id:
+            decision = dataclasses.replace(decision, replica_id=replica_id.unique_id)
+        self.policy.record_routed(decision, hashes)
+        self.metrics.record(decision)
+
+
+class DecodeLoadRouter(PinnedRequestRouter):
+    """Decode placement: KV headroom and active decodes, plus a bonus for local prefix hits.
+
+    ``request_router_kwargs`` are ``router.policy.DecodePolicyConfig`` fields.
+    """
+
+    def initialize_state(self, **kwargs: Any) -> None:
+        self.policy = DecodePolicy(DecodePolicyConfig(**kwargs))
+        self.index = PrefixIndex(max_blocks=1 << 20)
+        self.feed = _CacheEventFeed(self.index)
+        self.metrics = _DecisionMetrics("decode")
+        _decode_indexes[self._deployment_id.name] = (self.index, self.policy.config.block_size)
+
+    def rank(self, replicas: list[RunningReplica], fields: RoutingFields | None) -> list[list[RunningReplica]]:
+        if fields is None:
+            return super().rank(replicas, fields)
+        self.feed.update(list(self.curr_replicas.values()))
+        matches = self.index.match(fields.block_hashes)
+        decision = self.policy.choose([replica_state(r) for r in replicas], matches, fields.num_tokens)
+        self.policy.record_routed(decision)
+        self.metrics.record(decision)
+        by_id = {r.replica_id.unique_id: r for r in replicas}
+        order = [by_id[i] for i in decision.ranked_replica_ids if i in by_id] or [by_id[decision.replica_id]]
+        return [[replica] for replica in order]

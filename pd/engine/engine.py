@@ -33,6 +33,8 @@ class EngineStats:
     num_cached_blocks: int
     num_running: int
     num_waiting: int
+    num_waiting_tokens: int  # prompt tokens admitted or queued but not yet computed
+    num_prompt_tokens: int  # prompt tokens of every request admitted, cumulative
     num_prefix_hit_tokens: int
     num_preemptions: int
     num_pinned_leases: int
@@ -213,6 +215,8 @@ class LLMEngine:
             num_cached_blocks=self.block_pool.num_cached_blocks,
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
+            num_waiting_tokens=self.scheduler.num_uncomputed_prompt_tokens(),
+            num_prompt_tokens=self.scheduler.num_prompt_tokens,
             num_prefix_hit_tokens=self.scheduler.num_prefix_hit_tokens,
             num_preemptions=self.scheduler.num_preemptions,
             **dataclasses.asdict(self.connector.stats),

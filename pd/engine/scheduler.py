@@ -33,11 +33,17 @@ class Scheduler:
         self.running: list[Request] = []
         self.remote_waiting: list[Request] = []
         self.num_prefix_hit_tokens = 0
+        self.num_prompt_tokens = 0
         self.num_preemptions = 0
 
     @property
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.remote_waiting)
+
+    def num_uncomputed_prompt_tokens(self) -> int:
+        """Prompt tokens still to compute, queued or running. Safe to call from another thread."""
+        pending = list(self.waiting) + list(self.running)
+        return sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in pending)
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -86,6 +92,7 @@ class Scheduler:
             if request.num_preemptions == 0:
                 request.num_cached_tokens = prefix.num_tokens
                 self.num_prefix_hit_tokens += prefix.num_tokens
+                self.num_prompt_tokens += request.num_prompt_tokens
             request.num_computed_tokens += prefix.num_tokens
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -103,6 +110,7 @@ class Scheduler:
         request.num_computed_tokens = prefix.num_tokens
         request.num_cached_tokens = prefix.num_tokens
         self.num_prefix_hit_tokens += prefix.num_tokens
+        self.num_prompt_tokens += request.num_prompt_tokens
         self.remote_waiting.append(request)
         out.remote_reads.append(request)
         return True

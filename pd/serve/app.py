@@ -6,7 +6,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from pd.serve.args import AppArgs
+from pd.serve.args import DECODE_ROUTER, PREFILL_ROUTER, AppArgs
 
 
 def build_app(args: dict[str, Any] | None = None):
@@ -25,8 +25,8 @@ def build_app(args: dict[str, Any] | None = None):
     raw = parsed.model_dump()
     prefill = None
     if parsed.mode == "disaggregated":
-        prefill = PrefillServer.options(**parsed.prefill.deployment_options()).bind(raw)
+        prefill = PrefillServer.options(**parsed.prefill.deployment_options(PREFILL_ROUTER)).bind(raw)
     decode_prefill = prefill if parsed.transfer_backend == "torch" else None
-    decode = DecodeServer.options(**parsed.decode.deployment_options()).bind(raw, decode_prefill)
+    decode = DecodeServer.options(**parsed.decode.deployment_options(DECODE_ROUTER)).bind(raw, decode_prefill)
     ingress_options = parsed.ingress.model_dump()
     return Ingress.options(**ingress_options).bind(raw, prefill, decode)

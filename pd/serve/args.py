@@ -12,7 +12,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pd.config import EngineConfig
 
-DEFAULT_ROUTER = "router.serve:PinnedRequestRouter"
+PREFILL_ROUTER = "router.serve:PrefixAffinityRouter"
+DECODE_ROUTER = "router.serve:DecodeLoadRouter"
 
 
 class _Strict(BaseModel):
@@ -41,7 +42,9 @@ class EngineArgs(_Strict):
 class RouterArgs(_Strict):
     """A Ray Serve ``RequestRouter`` for one pool, as ``module:Class`` plus its kwargs."""
 
-    request_router_class: str = DEFAULT_ROUTER
+    request_router_class: str | None = Field(
+        None, description="module:Class; defaults to PrefixAffinityRouter (prefill) or DecodeLoadRouter (decode)"
+    )
     request_router_kwargs: dict[str, Any] = Field(default_factory=dict)
     request_routing_stats_period_s: float = Field(1.0, gt=0)
 
@@ -60,7 +63,7 @@ class PoolArgs(_Strict):
             raise ValueError("set num_replicas or autoscaling_config, not both")
         return self
 
-    def deployment_options(self) -> dict[str, Any]:
+    def deployment_options(self, default_router: str) -> dict[str, Any]:
         from ray.serve.config import RequestRouterConfig
 
         options: dict[str, Any] = {
@@ -68,7 +71,7 @@ class PoolArgs(_Strict):
             "max_ongoing_requests": self.max_ongoing_requests,
             "max_queued_requests": self.max_queued_requests,
             "request_router_config": RequestRouterConfig(
-                request_router_class=self.router.request_router_class,
+                request_router_class=self.router.request_router_class or default_router,
                 request_router_kwargs=dict(self.router.request_router_kwargs),
                 request_routing_stats_period_s=self.router.request_routing_stats_period_s,
             ),

@@ -60,6 +60,7 @@ class EngineServer:
         return {
             "num_running": stats.num_running,
             "num_waiting": stats.num_waiting,
+            "num_waiting_tokens": stats.num_waiting_tokens,
             "kv_usage": stats.num_used_blocks / total if total else 0.0,
             "num_free_blocks": stats.num_free_blocks,
             # Prefix-cache changes, numbered, so routers apply each once.

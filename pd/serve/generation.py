@@ -25,7 +25,7 @@ from pd.serve.messages import DecodeChunk, PoolControl, PoolRequest, PrefillResu
 from pd.serve.metrics import RequestMetrics
 from pd.serve.text import TextStream
 from router.hashing import hash_block_tokens
-from router.serve import routed_replica
+from router.serve import estimate_uncached_tokens, routed_replica
 
 logger = logging.getLogger(__name__)
 
@@ -57,15 +57,20 @@ class PoolClient:
         self.prefill_in_flight = 0
         self.prefill_pool_down_until = 0.0
 
-    def wants_remote_prefill(self, token_ids: list[int]) -> bool:
+    def wants_remote_prefill(self, token_ids: list[int], block_hashes: list[bytes]) -> bool:
         """Remote when the uncached prompt is long and the prefill pool has room.
 
-        Until the prefix index arrives, the whole prompt counts as uncached.
+        "Uncached" is what the decode replica would compute itself, estimated
+        from the decode router's prefix index: a prompt whose prefix the decode
+        pool already holds prefills locally even when it is long.
         """
+        if self.args.mode != "disaggregated" or self.prefill is None:
+            return False
+        if len(token_ids) <= self.args.remote_prefill_threshold:
+            return False
+        uncached = estimate_uncached_tokens("DecodeServer", block_hashes, len(token_ids))
         return (
-            self.args.mode == "disaggregated"
-            and self.prefill is not None
-            and len(token_ids) > self.args.remote_prefill_threshold
+            uncached > self.args.remote_prefill_threshold
             and self.prefill_in_flight < self.args.prefill_queue_bound
             and time.monotonic() >= self.prefill_pool_down_until
         )
@@ -116,7 +121,7 @@ class PoolClient:
             block_hashes=hash_block_tokens(token_ids, self.args.engine.block_size),
         )
         prefilled: PrefillResult | None = None
-        if self.wants_remote_prefill(token_ids):
+        if self.wants_remote_prefill(token_ids, request.block_hashes):
             prefilled = await self.remote_prefill(request)
         num_output = 0
         last_token_at = start

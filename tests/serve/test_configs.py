@@ -18,9 +18,11 @@ def test_the_documented_configs_exist():
 @pytest.mark.parametrize("name", CONFIGS)
 def test_config_validates(name):
     args = AppArgs.model_validate(config_args(name))
+    from ray.serve.config import RequestRouterConfig
+
     for pool in (args.prefill, args.decode):
-        options = pool.deployment_options()
-        assert options["request_router_config"].request_router_class
+        options = pool.deployment_options("router.serve:PinnedRequestRouter")
+        assert isinstance(options["request_router_config"], RequestRouterConfig)
 
 
 def test_default_config_is_the_documented_one():

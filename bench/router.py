@@ -1,0 +1,437 @@
+"""Trace-driven comparison of prefill routers on a modelled replica pool.
+
+``python -m bench.router [--trace FILE | --generate {multi_tenant,system_prompt}] [--replicas 8]
+[--cache-blocks 256]`` replays one Mooncake-format trace (``router.trace``)
+through every policy and prints one JSON line per policy:
+
+- ``pd``: this project's ``router.policy.PrefixAffinityPolicy``, which also
+  learns from the modelled replicas' stored/evicted block reports;
+- ``round_robin``;
+- ``pow2``: two random replicas, the one with fewer active requests;
+- ``ray_prefix``: Ray Serve LLM's ``PrefixCacheAffinityRouter`` decision logic
+  over Ray's own ``PrefixTree`` with Ray's defaults (match threshold 0.1,
+  imbalance threshold infinite, smallest-tenant fallback). Each hash id is
+  fed to the tree as a fixed-length synthesized string.
+
+Replay model, the same for every policy:
+
+- each replica has an LRU prefix cache of ``--cache-blocks`` 512-token blocks.
+  A request reuses the leading run of its ``hash_ids`` that its replica's cache
+  holds when it is routed; its blocks are cached from then on (the replica is
+  FIFO, so every later request on it runs after this one's prefill);
+- each replica serves one request at a time, FIFO. A request occupies it for
+  ``a + b * uncached_prompt_tokens + c * output_length`` seconds and its first
+  token comes ``a + b * uncached_prompt_tokens`` after it starts; TTFT adds the
+  wait in the queue;
+- routers see the queues exactly: active requests, queued prefill tokens, and
+  KV usage (the running request's blocks over the cache size).
+
+Fields: ``hit_rate`` (cached prompt blocks over all prompt blocks, at routing
+time), ``max_min_load_ratio`` (most over fewest requests routed to a replica;
+null when some replica got none), ``ttft_p50_s``/``ttft_p99_s`` (modelled),
+``decide_us_p99`` (wall time of one routing decision plus the router's
+bookkeeping for it, measured here), and the per-replica request counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+from typing import Any, Protocol, Sequence
+
+from router.policy import PolicyConfig, PrefixAffinityPolicy, ReplicaLoad
+from router.trace import (
+    TRACE_BLOCK_TOKENS,
+    MultiTenantTraceConfig,
+    SystemPromptTraceConfig,
+    TraceRequest,
+    dump_trace,
+    generate_multi_tenant,
+    generate_system_prompt,
+    load_trace,
+)
+
+POLICIES = ("pd", "round_robin", "pow2", "ray_prefix")
+DEFAULT_COST_A_S = 0.010  # fixed per-request overhead
+DEFAULT_COST_B_S = 1e-4  # per uncached prompt token: 10k tokens/s of prefill
+DEFAULT_COST_C_S = 2e-4  # per output token, what one request's decode steps cost the replica
+DEFAULT_REPORT_INTERVAL_S = 1.0
+
+
+@dataclass(frozen=True)
+class ReplayConfig:
+    """The modelled pool: size, cache, per-request cost ``a + b * uncached + c * output``, report period."""
+
+    num_replicas: int = 8
+    cache_blocks: int = 256
+    cost_a_s: float = DEFAULT_COST_A_S
+    cost_b_s: float = DEFAULT_COST_B_S
+    cost_c_s: float = DEFAULT_COST_C_S
+    report_interval_s: float = DEFAULT_REPORT_INTERVAL_S
+    seed: int = 0
+
+
+class ReplicaCache:
+    """An LRU prefix cache of block ids that logs what it stores and evicts, for reports."""
+
+    def __init__(self, capacity_blocks: int) -> None:
+        self.capacity_blocks = capacity_blocks
+        self._blocks: OrderedDict[int, None] = OrderedDict()
+        self.events: list[tuple[int, bool]] = []  # (block id, stored), since the last report
+
+    def match(self, hash_ids: Sequence[int]) -> int:
+        """The leading run of ``hash_ids`` held."""
+        for position, block_id in enumerate(hash_ids):
+            if block_id not in self._blocks:
+                return position
+        return len(hash_ids)
+
+    def insert(self, hash_ids: Sequence[int]) -> None:
+        # Last block first, so the prompt's head is the most recently used.
+        for block_id in reversed(hash_ids):
+            if block_id in self._blocks:
+                self._blocks.move_to_end(block_id)
+            else:
+                self._blocks[block_id] = None
+                self.events.append((block_id, True))
+        while len(self._blocks) > self.capacity_blocks:
+            evicted, _ = self._blocks.popitem(last=False)
+            self.events.append((evicted, False))
+
+
+@dataclass
+class _Job:
+    start_s: float
+    prefill_end_s: float
+    finish_s: float
+    uncached_tokens: int
+    num_blocks: int
+
+
+class ReplicaQueue:
+    """One FIFO single-server replica."""
+
+    def __init__(self) -> None:
+        self.jobs: deque[_Job] = deque()
+        self.free_at_s = 0.0
+        self.num_routed = 0
+
+    def retire(self, now_s: float) -> None:
+        while self.jobs and self.jobs[0].finish_s <= now_s:
+            self.jobs.popleft()
+
+    def queued_prefill_tokens(self, now_s: float) -> int:
+        return sum(job.uncached_tokens for job in self.jobs if job.prefill_end_s > now_s)
+
+    def kv_usage(self, now_s: float, cache_blocks: int) -> float:
+        """The running request's blocks over the cache size; waiting requests hold no KV yet."""
+        if not self.jobs or self.jobs[0].start_s > now_s:
+            return 0.0
+        return min(1.0, self.jobs[0].num_blocks / cache_blocks)
+
+    def submit(self, now_s: float, prefill_s: float, decode_s: float, uncached: int, num_blocks: int) -> float:
+        """Queue a request; returns its TTFT."""
+        start_s = max(now_s, self.free_at_s)
+        prefill_end_s = start_s + prefill_s
+        self.free_at_s = prefill_end_s + decode_s
+        self.jobs.append(_Job(start_s, prefill_end_s, self.free_at_s, uncached, num_blocks))
+        self.num_routed += 1
+        return prefill_end_s - now_s
+
+
+@dataclass(frozen=True)
+class PoolView:
+    """What a router may see of the pool when one request arrives."""
+
+    now_s: float
+    queues: list[ReplicaQueue]
+    cache_blocks: int
+
+    def queue_len(self, replica: int) -> int:
+        return len(self.queues[replica].jobs)
+
+
+class Router(Protocol):
+    """One routing policy under test. ``prepare`` is the caller's share of the work (hashing,
+    gathering loads) and is not timed; ``route`` is the decision plus the router's bookkeeping."""
+
+    def prepare(self, request: TraceRequest, pool: PoolView) -> Any: ...
+
+    def route(self, prepared: Any, pool: PoolView) -> int: ...
+
+    def report(self, replica: int, events: list[tuple[int, bool]]) -> None:
+        """The replica's cache stored (True) or evicted (False) these block ids since its last report."""
+
+
+class RoundRobin:
+    def __init__(self, num_replicas: int) -> None:
+        self._num_replicas = num_replicas
+        self._next = 0
+
+    def prepare(self, request: TraceRequest, pool: PoolView) -> None:
+        return None
+
+    def route(self, prepared: None, pool: PoolView) -> int:
+        replica = self._next
+        self._next = (self._next + 1) % self._num_replicas
+        return replica
+
+    def report(self, replica: int, events: list[tuple[int, bool]]) -> None:
+        pass
+
+
+class PowerOfTwo(RoundRobin):
+    """Ray Serve's default: two distinct random replicas, the shorter queue (the first on a tie)."""
+
+    def __init__(self, num_replicas: int, seed: int) -> None:
+        super().__init__(num_replicas)
+        self._rng = random.Random(seed)
+
+    def route(self, prepared: None, pool: PoolView) -> int:
+        if self._num_replicas == 1:
+            return 0
+        first, second = self._rng.sample(range(self._num_replicas), 2)
+        return second if pool.queue_len(second) < pool.queue_len(first) else first
+
+
+def replica_name(replica: int) -> str:
+    return f"replica-{replica}"
+
+
+def block_key(hash_id: int) -> bytes:
+    """A trace block id as the 8-byte hash the index keys on."""
+    return hash_id.to_bytes(8, "big", signed=True)
+
+
+class PdRouter:
+    """``PrefixAffinityPolicy``, fed the queues' loads and the caches' periodic block reports."""
+
+    def __init__(self, config: PolicyConfig, num_replicas: int) -> None:
+        self.policy = PrefixAffinityPolicy(config)
+        self._names = [replica_name(replica) for replica in range(num_replicas)]
+        self._replica_by_name = {name: replica for replica, name in enumerate(self._names)}
+
+    def prepare(self, request: TraceRequest, pool: PoolView) -> tuple[list[bytes], int, list[ReplicaLoad]]:
+        loads = [
+            ReplicaLoad(name, queue.queued_prefill_tokens(pool.now_s), len(queue.jobs),
+                        queue.kv_usage(pool.now_s, pool.cache_blocks))
+            for name, queue in zip(self._names, pool.queues)
+        ]
+        return [block_key(h) for h in request.hash_ids], request.input_length, loads
+
+    def route(self, prepared: tuple[list[bytes], int, list[ReplicaLoad]], pool: PoolView) -> int:
+        block_hashes, num_tokens, loads = prepared
+        decision = self.policy.choose(block_hashes, num_tokens, loads)
+        self.policy.record_routed(decision, block_hashes)
+        return self._replica_by_name[decision.replica_id]
+
+    def report(self, replica: int, events: list[tuple[int, bool]]) -> None:
+        name = self._names[replica]
+        for block_id, stored in events:
+            if stored:
+                self.policy.index.insert(name, [block_key(block_id)])
+            else:
+                self.policy.index.evict(name, [block_key(block_id)])
+
+
+# Fixed length of the string standing for one block. A block's first character
+# is its id's lowest base-0xD000 digit (code points below the surrogates), so
+# blocks diverge at their first character and the tree never matches part of one.
+RAY_BLOCK_CHARS = 4
+_RAY_ALPHABET = 0xD000
+
+
+def ray_block_text(hash_id: int) -> str:
+    chars = []
+    value = hash_id
+    for _ in range(RAY_BLOCK_CHARS):
+        value, digit = divmod(value, _RAY_ALPHABET)
+        chars.append(chr(digit))
+    return "".join(chars)
+
+
+class RayPrefixRouter(PowerOfTwo):
+    """Ray Serve LLM's ``PrefixCacheAffinityRouter`` decision over Ray's own ``PrefixTree``.
+
+    Mirrors ray 2.60 ``_prefix_match_best_replicas`` and ``choose_replicas``:
+    draw the power-of-two fallback; if the spread of queue lengths is within
+    the imbalance threshold, match the prompt in the tree; below the match-rate
+    threshold take the tenants with the fewest characters in the tree, else the
+    tenants owning the deepest matched node; with no candidates, the fallback.
+    Serve then sends the request to the candidate with the shortest queue (the
+    first on a tie), and ``on_request_routed`` inserts the prompt for it. The
+    tree never hears of cache evictions: Ray's eviction loop is off by default,
+    and trims by size rather than from replica reports.
+    """
+
+    def __init__(self, num_replicas: int, seed: int, imbalanced_threshold: float = math.inf,
+                 match_rate_threshold: float = 0.1) -> None:
+        from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_tree import PrefixTree
+
+        super().__init__(num_replicas, seed)
+        self.tree = PrefixTree()
+        self._names = [replica_name(replica) for replica in range(num_replicas)]
+        self._replica_by_name = {name: replica for replica, name in enumerate(self._names)}
+        self.tree.add_tenants(self._names, 0.0)
+        self._imbalanced_threshold = imbalanced_threshold
+        self._match_rate_threshold = match_rate_threshold
+
+    def prepare(self, request: TraceRequest, pool: PoolView) -> str:
+        return "".join(ray_block_text(h) for h in request.hash_ids)
+
+    def route(self, text: str, pool: PoolView) -> int:
+        fallback = super().route(None, pool)
+        queue_lens = [pool.queue_len(replica) for replica in range(len(self._names))]
+        chosen_names: list[str] = []
+        if max(queue_lens) - min(queue_lens) <= self._imbalanced_threshold:
+            matched_text, matched_names = self.tree.prefix_match(text, self._names)
+            if len(matched_text) / len(text) < self._match_rate_threshold:
+                chosen_names = self.tree.get_smallest_tenants() or []
+            else:
+                chosen_names = matched_names or []
+        replica = fallback
+        if chosen_names:
+            replica = min((self._replica_by_name[name] for name in chosen_names), key=lambda r: queue_lens[r])
+        self.tree.insert(text, self._names[replica], pool.now_s)
+        return replica
+
+
+def make_router(policy: str, config: ReplayConfig, pd_config: PolicyConfig) -> Router:
+    if policy == "pd":
+        return PdRouter(pd_config, config.num_replicas)
+    if policy == "round_robin":
+        return RoundRobin(config.num_replicas)
+    if policy == "pow2":
+        return PowerOfTwo(config.num_replicas, config.seed)
+    if policy == "ray_prefix":
+        return RayPrefixRouter(config.num_replicas, config.seed)
+    raise ValueError(f"unknown policy {policy!r}; expected one of {', '.join(POLICIES)}")
+
+
+@dataclass(frozen=True)
+class PolicyResult:
+    policy: str
+    hit_rate: float
+    max_min_load_ratio: float | None
+    ttft_p50_s: float
+    ttft_p99_s: float
+    decide_us_p99: float
+    routed_per_replica: list[int]
+    extra: dict
+
+    def to_json(self, **context) -> str:
+        record = {"policy": self.policy, **context, "hit_rate": round(self.hit_rate, 4),
+                  "max_min_load_ratio": None if self.max_min_load_ratio is None else round(self.max_min_load_ratio, 3),
+                  "ttft_p50_s": round(self.ttft_p50_s, 4), "ttft_p99_s": round(self.ttft_p99_s, 4),
+                  "decide_us_p99": round(self.decide_us_p99, 1), "routed_per_replica": self.routed_per_replica,
+                  **self.extra}
+        return json.dumps(record)
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def replay(policy: str, trace: list[TraceRequest], config: ReplayConfig, pd_config: PolicyConfig) -> PolicyResult:
+    """Route every request of ``trace`` with ``policy`` through the modelled pool."""
+    router = make_router(policy, config, pd_config)
+    queues = [ReplicaQueue() for _ in range(config.num_replicas)]
+    caches = [ReplicaCache(config.cache_blocks) for _ in range(config.num_replicas)]
+    next_report_s = config.report_interval_s
+    cached_blocks = total_blocks = 0
+    ttfts: list[float] = []
+    decide_ns: list[int] = []
+    for request in trace:
+        now_s = request.timestamp_ms / 1000.0
+        for queue in queues:
+            queue.retire(now_s)
+        while now_s >= next_report_s:
+            for replica, cache in enumerate(caches):
+                router.report(replica, cache.events)
+                cache.events = []
+            next_report_s += config.report_interval_s
+        pool = PoolView(now_s, queues, config.cache_blocks)
+        prepared = router.prepare(request, pool)
+        started_ns = time.perf_counter_ns()
+        replica = router.route(prepared, pool)
+        decide_ns.append(time.perf_counter_ns() - started_ns)
+
+        num_cached = caches[replica].match(request.hash_ids)
+        caches[replica].insert(request.hash_ids)
+        cached_blocks += num_cached
+        total_blocks += len(request.hash_ids)
+        uncached = max(1, request.input_length - num_cached * TRACE_BLOCK_TOKENS)
+        prefill_s = config.cost_a_s + config.cost_b_s * uncached
+        decode_s = config.cost_c_s * request.output_length
+        ttfts.append(queues[replica].submit(now_s, prefill_s, decode_s, uncached, len(request.hash_ids)))
+
+    routed = [queue.num_routed for queue in queues]
+    extra = {}
+    if isinstance(router, PdRouter):
+        extra["reasons"] = {reason.value: count for reason, count in sorted(router.policy.reason_counts.items())}
+    return PolicyResult(
+        policy=policy,
+        hit_rate=cached_blocks / total_blocks if total_blocks else 0.0,
+        max_min_load_ratio=max(routed) / min(routed) if min(routed) > 0 else None,
+        ttft_p50_s=percentile(ttfts, 0.50),
+        ttft_p99_s=percentile(ttfts, 0.99),
+        decide_us_p99=percentile(decide_ns, 0.99) / 1000.0,
+        routed_per_replica=routed,
+        extra=extra,
+    )
+
+
+def build_trace(args: argparse.Namespace) -> tuple[str, list[TraceRequest]]:
+    if args.trace:
+        return args.trace, load_trace(args.trace)
+    if args.generate == "system_prompt":
+        config = SystemPromptTraceConfig(num_requests=args.requests or SystemPromptTraceConfig.num_requests,
+                                         rate_per_s=args.rate or SystemPromptTraceConfig.rate_per_s, seed=args.seed)
+        return "system_prompt", generate_system_prompt(config)
+    config = MultiTenantTraceConfig(num_requests=args.requests or MultiTenantTraceConfig.num_requests,
+                                    rate_per_s=args.rate or MultiTenantTraceConfig.rate_per_s, seed=args.seed)
+    return "multi_tenant", generate_multi_tenant(config)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.router", description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--trace", help="Mooncake-format JSONL trace to replay")
+    source.add_argument("--generate", choices=("multi_tenant", "system_prompt"), default="multi_tenant",
+                        help="built-in trace generator, used when no --trace is given")
+    parser.add_argument("--requests", type=int, default=0, help="generated requests (0: the generator's default)")
+    parser.add_argument("--rate", type=float, default=0.0, help="generated arrivals per second (0: the generator's default)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the generator and of the random policies")
+    parser.add_argument("--replicas", type=int, default=8, help="replicas in the modelled pool")
+    parser.add_argument("--cache-blocks", type=int, default=256, help="prefix-cache capacity per replica, in 512-token blocks")
+    parser.add_argument("--cost-a", type=float, default=DEFAULT_COST_A_S, help="a: seconds per request")
+    parser.add_argument("--cost-b", type=float, default=DEFAULT_COST_B_S, help="b: seconds per uncached prompt token")
+    parser.add_argument("--cost-c", type=float, default=DEFAULT_COST_C_S, help="c: seconds per output token")
+    parser.add_argument("--report-interval", type=float, default=DEFAULT_REPORT_INTERVAL_S,
+                        help="seconds between the replicas' stored/evicted block reports to the pd router")
+    parser.add_argument("--policies", default=",".join(POLICIES), help="comma-separated subset of " + ",".join(POLICIES))
+    parser.add_argument("--save-trace", help="also write the replayed trace to this JSONL file")
+    args = parser.parse_args(argv)
+
+    trace_name, trace = build_trace(args)
+    if args.save_trace:
+        dump_trace(trace, args.save_trace)
+    config = ReplayConfig(num_replicas=args.replicas, cache_blocks=args.cache_blocks, cost_a_s=args.cost_a,
+                          cost_b_s=args.cost_b, cost_c_s=args.cost_c, report_interval_s=args.report_interval,
+                          seed=args.seed)
+    pd_config = PolicyConfig(block_size=TRACE_BLOCK_TOKENS, seed=args.seed)
+    for policy in args.policies.split(","):
+        result = replay(policy.strip(), trace, config, pd_config)
+        print(result.to_json(trace=trace_name, replicas=args.replicas, requests=len(trace)), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,388 @@
+"""Placement policies for the prefill and decode pools. Pure Python, no Ray.
+
+Prefill placement scores every candidate replica in prompt-token units:
+
+    cost(r) = w_prefix * uncached_prompt_tokens(r) + w_load * load(r)
+
+    load(r) = queued_prefill_tokens(r)                                   reported
+            + request_load_tokens  * num_active_requests(r)              reported
+            + kv_usage_load_tokens * kv_usage(r)                         reported
+            + recent_prefill_weight * (recent_prefill_tokens(r) - least)  this router's own
+            + recent_request_load_tokens * (recent_requests(r) - least)  this router's own
+
+``recent_*`` count what this router sent each replica, decaying over about
+``recent_window`` decisions, minus the least among the candidates. They see
+load that replicas have not reported yet. Recent prefill tokens also measure
+how fast a replica's prefix cache turns over: a prompt nobody holds goes where
+cached prefixes are evicted slowest, not where the queue happens to be short
+this instant.
+
+The lowest cost wins; ties are broken at random (seeded). ``w_prefix`` above
+``w_load`` values a cache hit beyond this request's own prefill time: moving a
+request off the replica holding its prefix copies that prefix into a second
+cache, evicting someone else's.
+
+A replica over its overload bound is passed over even when it holds the
+longest match. The bounds are absolute (queued tokens, active requests, KV
+usage) and relative: no replica may be sent more than ``max_routed_ratio``
+times the recent requests of the least-routed candidate. Without the relative
+bound, a prefix every request shares (one system prompt) would make its holder
+the cheapest choice for all of them. When every candidate is over a bound,
+all are scored as if within bounds.
+
+Decode placement (``DecodePolicy``) prefers KV headroom and few active
+decodes, with a bonus for prompt blocks the decode replica already holds,
+since those need not be transferred.
+
+Policies are not thread-safe: a router calls them from its one event loop.
+Several ingress replicas each run their own, and each balances its own stream.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import random
+from collections import Counter
+from dataclasses import dataclass
+from typing import Mapping, NamedTuple, Sequence
+
+from router.prefix_index import PrefixIndex
+
+# Costs closer than this (relative) are a tie.
+_TIE_TOLERANCE = 1e-9
+# Recent requests a replica may have beyond max_routed_ratio x the least-routed
+# candidate's, so that a handful of decisions cannot trip the bound.
+_ROUTED_SLACK = 1.0
+
+
+class RoutingReason(str, enum.Enum):
+    """Why a replica was chosen; the label of the routing-decision metric."""
+
+    PREFIX = "prefix"  # it holds the longest cached prefix of any candidate
+    LOAD = "load"  # no candidate holds any of the prompt, or a longer prefix sat on a busier replica
+    OVERLOAD = "overload"  # a replica holding a longer prefix was over its bound, or every replica was
+
+
+@dataclass(frozen=True)
+class ReplicaLoad:
+    """What a router knows of one candidate replica's load, from its reports."""
+
+    replica_id: str
+    queued_prefill_tokens: int = 0  # prompt tokens waiting to be prefilled there
+    num_active_requests: int = 0  # requests waiting or running there
+    kv_usage: float = 0.0  # fraction of its KV blocks held by requests, in [0, 1]
+
+    def __post_init__(self) -> None:
+        if self.queued_prefill_tokens < 0 or self.num_active_requests < 0:
+            raise ValueError(f"negative load for replica {self.replica_id!r}: {self}")
+        if not 0.0 <= self.kv_usage <= 1.0:
+            raise ValueError(f"kv_usage must be in [0, 1], got {self.kv_usage} for {self.replica_id!r}")
+
+
+@dataclass(frozen=True)
+class RoutingDecision:
+    """Where one request goes, why, and how much of its prompt that replica already holds."""
+
+    replica_id: str
+    reason: RoutingReason
+    uncached_tokens: int
+    matched_tokens: int
+    # Every candidate, best first, over-bound ones last: fallbacks for an adapter.
+    ranked_replica_ids: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """Weights and bounds of prefix-affinity placement; token quantities are prompt tokens.
+
+    The defaults are tuned on ``python -m bench.router`` (see its docstring).
+    """
+
+    block_size: int = 16
+    w_prefix: float = 8.0
+    w_load: float = 1.0
+    request_load_tokens: float = 256.0  # load of one active request
+    kv_usage_load_tokens: float = 4096.0  # load of a full KV cache
+    recent_prefill_weight: float = 0.1  # load per recent prefill token beyond the least candidate's
+    recent_request_load_tokens: float = 256.0  # load per recent request beyond the least candidate's
+    recent_window: int = 1024  # decisions over which "recent" decays by 1/e
+    # Per-replica overload bounds; None means unbounded.
+    max_queued_prefill_tokens: int | None = None
+    max_active_requests: int | None = None
+    max_kv_usage: float | None = 0.95
+    max_routed_ratio: float | None = 1.45
+    index_max_blocks: int = 1 << 20  # (block hash, replica) entries in the prefix index
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        for name in ("w_prefix", "w_load", "request_load_tokens", "kv_usage_load_tokens",
+                     "recent_prefill_weight", "recent_request_load_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.w_prefix == 0 and self.w_load == 0:
+            raise ValueError("w_prefix and w_load cannot both be 0")
+        for name in ("max_queued_prefill_tokens", "max_active_requests"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1 or None, got {value}")
+        if self.max_kv_usage is not None and not 0.0 < self.max_kv_usage <= 1.0:
+            raise ValueError(f"max_kv_usage must be in (0, 1] or None, got {self.max_kv_usage}")
+        if self.max_routed_ratio is not None and self.max_routed_ratio < 1.0:
+            raise ValueError(f"max_routed_ratio must be >= 1 or None, got {self.max_routed_ratio}")
+        if self.recent_window < 1:
+            raise ValueError(f"recent_window must be >= 1, got {self.recent_window}")
+        if self.index_max_blocks < 1:
+            raise ValueError(f"index_max_blocks must be >= 1, got {self.index_max_blocks}")
+
+
+def matched_tokens(num_matched_blocks: int, block_size: int, num_prompt_tokens: int) -> int:
+    """Prompt tokens a replica can reuse. The last prompt token is always computed, to sample from."""
+    return max(0, min(num_matched_blocks * block_size, num_prompt_tokens - 1))
+
+
+class RecentRouted:
+    """Requests and prefill tokens this router sent each replica, decaying by ``1 - 1/window`` per decision."""
+
+    def __init__(self, window: int) -> None:
+        self._decay = 1.0 - 1.0 / window
+        self._requests: dict[str, float] = {}
+        self._prefill_tokens: dict[str, float] = {}
+
+    def _admit(self, replica_id: str) -> None:
+        # A newcomer starts at the mean, so that it is neither flooded nor starved.
+        num_known = len(self._requests)
+        self._requests[replica_id] = sum(self._requests.values()) / num_known if num_known else 0.0
+        self._prefill_tokens[replica_id] = sum(self._prefill_tokens.values()) / num_known if num_known else 0.0
+
+    def requests(self, replica_id: str) -> float:
+        if replica_id not in self._requests:
+            self._admit(replica_id)
+        return self._requests[replica_id]
+
+    def prefill_tokens(self, replica_id: str) -> float:
+        if replica_id not in self._prefill_tokens:
+            self._admit(replica_id)
+        return self._prefill_tokens[replica_id]
+
+    def record(self, replica_id: str, prefill_tokens: int) -> None:
+        if replica_id not in self._requests:
+            self._admit(replica_id)
+        decay = self._decay
+        for key in self._requests:
+            self._requests[key] *= decay
+            self._prefill_tokens[key] *= decay
+        self._requests[replica_id] += 1.0
+        self._prefill_tokens[replica_id] += prefill_tokens
+
+    def remove(self, replica_id: str) -> None:
+        self._requests.pop(replica_id, None)
+        self._prefill_tokens.pop(replica_id, None)
+
+
+class _Scored(NamedTuple):
+    replica_id: str
+    overloaded: bool
+    cost: float
+    matched_tokens: int
+
+
+def _decide(scored: list[_Scored], num_prompt_tokens: int, rng: random.Random) -> RoutingDecision:
+    """Lowest cost among the replicas within bounds (among all when none is); ties at random."""
+    eligible = [entry for entry in scored if not entry.overloaded]
+    all_overloaded = not eligible
+    if all_overloaded:
+        eligible = scored
+    lowest = min(entry.cost for entry in eligible)
+    tolerance = _TIE_TOLERANCE * max(1.0, abs(lowest))
+    tied = [entry for entry in eligible if entry.cost <= lowest + tolerance]
+    chosen = tied[0] if len(tied) == 1 else rng.choice(tied)
+
+    best_matched = max(entry.matched_tokens for entry in scored)
+    best_eligible_matched = max(entry.matched_tokens for entry in eligible)
+    if all_overloaded or best_eligible_matched < best_matched:
+        reason = RoutingReason.OVERLOAD
+    elif 0 < chosen.matched_tokens == best_matched:
+        reason = RoutingReason.PREFIX
+    else:
+        reason = RoutingReason.LOAD
+    others = sorted((entry for entry in scored if entry is not chosen), key=lambda entry: (entry.overloaded, entry.cost))
+    return RoutingDecision(
+        replica_id=chosen.replica_id,
+        reason=reason,
+        uncached_tokens=num_prompt_tokens - chosen.matched_tokens,
+        matched_tokens=chosen.matched_tokens,
+        ranked_replica_ids=(chosen.replica_id, *(entry.replica_id for entry in others)),
+    )
+
+
+class PrefixAffinityPolicy:
+    """Chooses the prefill replica: most reusable prefix, least load, never an over-bound one."""
+
+    def __init__(self, config: PolicyConfig, index: PrefixIndex | None = None) -> None:
+        self.config = config
+        self.index = index if index is not None else PrefixIndex(config.index_max_blocks)
+        self.recent = RecentRouted(config.recent_window)
+        self.reason_counts: Counter[RoutingReason] = Counter()
+        self._rng = random.Random(config.seed)
+
+    def reported_load(self, replica: ReplicaLoad) -> float:
+        """The part of ``load`` that comes from the replica's own report, in prompt tokens."""
+        config = self.config
+        return (
+            replica.queued_prefill_tokens
+            + config.request_load_tokens * replica.num_active_requests
+            + config.kv_usage_load_tokens * replica.kv_usage
+        )
+
+    def loads(self, candidates: Sequence[ReplicaLoad]) -> dict[str, float]:
+        """Each candidate's ``load`` (module docstring), in prompt tokens."""
+        config, recent = self.config, self.recent
+        least_requests = min(recent.requests(replica.replica_id) for replica in candidates)
+        least_prefill = min(recent.prefill_tokens(replica.replica_id) for replica in candidates)
+        return {
+            replica.replica_id: self.reported_load(replica)
+            + config.recent_prefill_weight * (recent.prefill_tokens(replica.replica_id) - least_prefill)
+            + config.recent_request_load_tokens * (recent.requests(replica.replica_id) - least_requests)
+            for replica in candidates
+        }
+
+    def routed_limit(self, candidates: Sequence[ReplicaLoad]) -> float:
+        """The most recent requests a candidate may have been sent and stay within bounds."""
+        if self.config.max_routed_ratio is None or len(candidates) < 2:
+            return math.inf
+        least = min(self.recent.requests(replica.replica_id) for replica in candidates)
+        return self.config.max_routed_ratio * least + _ROUTED_SLACK
+
+    def is_overloaded(self, replica: ReplicaLoad, routed_limit: float = math.inf) -> bool:
+        """Whether ``replica`` is over any bound; ``routed_limit`` comes from ``routed_limit``."""
+        config = self.config
+        if config.max_queued_prefill_tokens is not None and replica.queued_prefill_tokens > config.max_queued_prefill_tokens:
+            return True
+        if config.max_active_requests is not None and replica.num_active_requests > config.max_active_requests:
+            return True
+        if config.max_kv_usage is not None and replica.kv_usage > config.max_kv_usage:
+            return True
+        return self.recent.requests(replica.replica_id) > routed_limit
+
+    def choose(
+        self, block_hashes: Sequence[bytes], num_prompt_tokens: int, candidates: Sequence[ReplicaLoad]
+    ) -> RoutingDecision:
+        """The candidate of lowest cost among those within bounds.
+
+        ``block_hashes`` are the prompt's chained block hashes. Changes nothing:
+        call ``record_routed`` once the request is sent.
+        """
+        if not candidates:
+            raise ValueError("no candidate replicas")
+        config = self.config
+        matches = self.index.match(block_hashes)
+        loads = self.loads(candidates)
+        routed_limit = self.routed_limit(candidates)
+        scored = []
+        for replica in candidates:
+            matched = matched_tokens(matches.get(replica.replica_id, 0), config.block_size, num_prompt_tokens)
+            cost = config.w_prefix * (num_prompt_tokens - matched) + config.w_load * loads[replica.replica_id]
+            scored.append(_Scored(replica.replica_id, self.is_overloaded(replica, routed_limit), cost, matched))
+        return _decide(scored, num_prompt_tokens, self._rng)
+
+    def record_routed(self, decision: RoutingDecision, block_hashes: Sequence[bytes]) -> None:
+        """The request went to ``decision.replica_id``, which will hold its blocks (optimistic insertion).
+
+        If it landed elsewhere, pass ``dataclasses.replace(decision, replica_id=...)``.
+        """
+        self.index.insert(decision.replica_id, block_hashes)
+        self.recent.record(decision.replica_id, decision.uncached_tokens)
+        self.reason_counts[decision.reason] += 1
+
+    def estimate_uncached_tokens(
+        self, block_hashes: Sequence[bytes], num_prompt_tokens: int, replica_ids: Sequence[str] | None = None
+    ) -> int:
+        """Prompt tokens left to compute on the replica holding the longest prefix.
+
+        ``replica_ids`` limits the replicas considered (None: any in the index).
+        The ingress compares this with its threshold for remote prefill.
+        """
+        matches = self.index.match(block_hashes)
+        if replica_ids is not None:
+            allowed = set(replica_ids)
+            matches = {replica_id: n for replica_id, n in matches.items() if replica_id in allowed}
+        best_blocks = max(matches.values(), default=0)
+        return num_prompt_tokens - matched_tokens(best_blocks, self.config.block_size, num_prompt_tokens)
+
+    def remove_replica(self, replica_id: str) -> None:
+        """Forget a replica that left the pool."""
+        self.index.remove_replica(replica_id)
+        self.recent.remove(replica_id)
+
+
+@dataclass(frozen=True)
+class DecodePolicyConfig:
+    """Weights and bounds of decode placement; costs are in units of one active decode."""
+
+    block_size: int = 16
+    w_active: float = 1.0  # per active request
+    w_kv_usage: float = 8.0  # a full KV cache weighs like this many active requests
+    w_prefix_hit: float = 2.0  # bonus for already holding the whole prompt, scaled by the fraction held
+    max_kv_usage: float | None = 0.95
+    max_active_requests: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        for name in ("w_active", "w_kv_usage", "w_prefix_hit"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.max_kv_usage is not None and not 0.0 < self.max_kv_usage <= 1.0:
+            raise ValueError(f"max_kv_usage must be in (0, 1] or None, got {self.max_kv_usage}")
+        if self.max_active_requests is not None and self.max_active_requests < 1:
+            raise ValueError(f"max_active_requests must be >= 1 or None, got {self.max_active_requests}")
+
+
+class DecodePolicy:
+    """Chooses the decode replica: KV headroom and few active decodes, plus a bonus for its own prefix hits.
+
+        cost(r) = w_active * num_active_requests + w_kv_usage * kv_usage
+                  - w_prefix_hit * matched_tokens / num_prompt_tokens
+    """
+
+    def __init__(self, config: DecodePolicyConfig) -> None:
+        self.config = config
+        self.reason_counts: Counter[RoutingReason] = Counter()
+        self._rng = random.Random(config.seed)
+
+    def is_overloaded(self, replica: ReplicaLoad) -> bool:
+        config = self.config
+        if config.max_kv_usage is not None and replica.kv_usage > config.max_kv_usage:
+            return True
+        return config.max_active_requests is not None and replica.num_active_requests > config.max_active_requests
+
+    def choose(
+        self, candidates: Sequence[ReplicaLoad], matches: Mapping[str, int], num_prompt_tokens: int
+    ) -> RoutingDecision:
+        """The candidate of lowest cost among those within bounds.
+
+        ``matches`` maps replica id to the leading prompt blocks it holds
+        (``PrefixIndex.match`` over the decode pool's index); absent means none.
+        """
+        if not candidates:
+            raise ValueError("no candidate replicas")
+        config = self.config
+        scored = []
+        for replica in candidates:
+            matched = matched_tokens(matches.get(replica.replica_id, 0), config.block_size, num_prompt_tokens)
+            hit_fraction = matched / num_prompt_tokens if num_prompt_tokens > 0 else 0.0
+            cost = (
+                config.w_active * replica.num_active_requests
+                + config.w_kv_usage * replica.kv_usage
+                - config.w_prefix_hit * hit_fraction
+            )
+            scored.append(_Scored(replica.replica_id, self.is_overloaded(replica), cost, matched))
+        return _decide(scored, num_prompt_tokens, self._rng)
+
+    def record_routed(self, decision: RoutingDecision) -> None:
+        """Count the decision once the request is sent."""
+        self.reason_counts[decision.reason] += 1

@@ -1,0 +1,224 @@
+"""Request traces in the Mooncake format, and generators of shared-prefix traffic.
+
+A trace is one JSON object per line:
+
+    {"timestamp": 27482, "input_length": 6955, "output_length": 52, "hash_ids": [46, 47, 48, ...]}
+
+``timestamp`` is the arrival time in milliseconds. ``hash_ids`` name the
+prompt's 512-token blocks, ``ceil(input_length / 512)`` of them, the last one
+possibly partial. An id stands for a block *and everything before it*: equal
+prefixes share leading ids, and an id never reappears after a different prefix.
+
+Generators (seeded, deterministic):
+
+- ``generate_multi_tenant``: tenants of Zipf popularity, each with its own long
+  context (documents, tools, instructions); each request is a turn of a
+  conversation over that context, and later turns extend their own history
+  (previous prompt + answer + new user message). Conversations start as a
+  Poisson process; their turns follow one another after exponential think times.
+- ``generate_system_prompt``: every request is one shared system prompt plus
+  its own user text, Poisson arrivals. This is the case that pins naive prefix
+  routers to one replica.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+TRACE_BLOCK_TOKENS = 512
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    """One request of a trace."""
+
+    timestamp_ms: int
+    input_length: int
+    output_length: int
+    hash_ids: tuple[int, ...]
+
+    def to_json(self) -> str:
+        return json.dumps({
+            "timestamp": self.timestamp_ms,
+            "input_length": self.input_length,
+            "output_length": self.output_length,
+            "hash_ids": list(self.hash_ids),
+        })
+
+    @classmethod
+    def from_json(cls, line: str) -> TraceRequest:
+        record = json.loads(line)
+        return cls(
+            timestamp_ms=int(record["timestamp"]),
+            input_length=int(record["input_length"]),
+            output_length=int(record["output_length"]),
+            hash_ids=tuple(int(h) for h in record["hash_ids"]),
+        )
+
+
+def load_trace(path: str | Path) -> list[TraceRequest]:
+    """The requests of a Mooncake JSONL trace, in arrival order."""
+    with open(path) as lines:
+        requests = [TraceRequest.from_json(line) for line in lines if line.strip()]
+    return sorted(requests, key=lambda request: request.timestamp_ms)
+
+
+def dump_trace(requests: Iterable[TraceRequest], path: str | Path) -> None:
+    with open(path, "w") as out:
+        for request in requests:
+            out.write(request.to_json() + "\n")
+
+
+def num_blocks(num_tokens: int) -> int:
+    return math.ceil(num_tokens / TRACE_BLOCK_TOKENS)
+
+
+class _BlockIds:
+    """Hands out fresh block ids and builds a prompt's ids from a shared prefix.
+
+        prefix:  |  id  |  id  | part|            prefix_len tokens, its full blocks shared
+        prompt:  |  id  |  id  | new  | new  |new|  the block holding the prefix's tail is new
+    """
+
+    def __init__(self) -> None:
+        self._next_id = 0
+
+    def fresh(self, count: int) -> list[int]:
+        ids = list(range(self._next_id, self._next_id + count))
+        self._next_id += count
+        return ids
+
+    def extend(self, prefix_ids: list[int], prefix_len: int, prompt_len: int) -> list[int]:
+        shared = prefix_ids[: prefix_len // TRACE_BLOCK_TOKENS]
+        return shared + self.fresh(num_blocks(prompt_len) - len(shared))
+
+
+@dataclass(frozen=True)
+class MultiTenantTraceConfig:
+    """Multi-tenant shared-prefix traffic. Token ranges are inclusive (min, max), drawn uniformly.
+
+    Conversations start as a Poisson process at ``rate_per_s / mean turns``, so
+    requests arrive at about ``rate_per_s``; each picks a tenant by Zipf
+    popularity and has 1 to ``max_turns`` turns, each the previous one's
+    arrival plus an exponential think time.
+    """
+
+    num_requests: int = 4000
+    rate_per_s: float = 10.0
+    num_tenants: int = 96
+    zipf_s: float = 1.0  # tenant popularity ~ 1 / rank ** zipf_s
+    context_tokens: tuple[int, int] = (4096, 12288)  # each tenant's own long context
+    user_tokens: tuple[int, int] = (64, 768)  # new user text per turn
+    output_tokens: tuple[int, int] = (64, 512)
+    max_turns: int = 8
+    think_time_s: float = 30.0  # mean gap between a conversation's turns
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_requests < 1 or self.num_tenants < 1 or self.max_turns < 1:
+            raise ValueError("num_requests, num_tenants and max_turns must be >= 1")
+        if self.rate_per_s <= 0 or self.zipf_s < 0 or self.think_time_s < 0:
+            raise ValueError("rate_per_s must be > 0, zipf_s and think_time_s >= 0")
+        for name in ("context_tokens", "user_tokens", "output_tokens"):
+            low, high = getattr(self, name)
+            if not 1 <= low <= high:
+                raise ValueError(f"{name} must be 1 <= min <= max, got {(low, high)}")
+
+
+@dataclass
+class _Turn:
+    arrival_s: float
+    conversation: int
+    user_len: int
+    output_len: int
+
+
+def generate_multi_tenant(config: MultiTenantTraceConfig = MultiTenantTraceConfig()) -> list[TraceRequest]:
+    """Turns of multi-turn conversations over per-tenant contexts, Zipf tenants, Poisson conversation starts."""
+    rng = random.Random(config.seed)
+    ids = _BlockIds()
+    contexts = []  # per tenant: (block ids of its full blocks, length)
+    for _ in range(config.num_tenants):
+        context_len = rng.randint(*config.context_tokens)
+        contexts.append((ids.fresh(context_len // TRACE_BLOCK_TOKENS), context_len))
+    popularity = [1.0 / (rank + 1) ** config.zipf_s for rank in range(config.num_tenants)]
+    conversation_rate = config.rate_per_s / ((1 + config.max_turns) / 2)
+
+    # Draw conversations until they hold enough turns, then keep the first num_requests to arrive.
+    tenant_of: list[int] = []
+    turns: list[_Turn] = []
+    start_s = 0.0
+    while len(turns) < config.num_requests:
+        start_s += rng.expovariate(conversation_rate)
+        conversation = len(tenant_of)
+        tenant_of.append(rng.choices(range(config.num_tenants), weights=popularity)[0])
+        arrival_s = start_s
+        for turn in range(rng.randint(1, config.max_turns)):
+            if turn:
+                arrival_s += rng.expovariate(1.0 / config.think_time_s) if config.think_time_s else 0.0
+            turns.append(_Turn(arrival_s, conversation, rng.randint(*config.user_tokens), rng.randint(*config.output_tokens)))
+    turns.sort(key=lambda turn: turn.arrival_s)
+    turns = turns[: config.num_requests]
+
+    # Each conversation's last prompt: (block ids, length, answer length).
+    history: dict[int, tuple[list[int], int, int]] = {}
+    requests = []
+    for turn in turns:
+        if turn.conversation in history:
+            prefix_ids, prefix_len, answer_len = history[turn.conversation]
+            prefix_len_with_answer = prefix_len + answer_len
+        else:
+            prefix_ids, prefix_len = contexts[tenant_of[turn.conversation]]
+            prefix_len_with_answer = prefix_len
+        prompt_len = prefix_len_with_answer + turn.user_len
+        prompt_ids = ids.extend(prefix_ids, prefix_len, prompt_len)
+        history[turn.conversation] = (prompt_ids, prompt_len, turn.output_len)
+        requests.append(TraceRequest(int(turn.arrival_s * 1000), prompt_len, turn.output_len, tuple(prompt_ids)))
+    return requests
+
+
+def _arrival_times_ms(num_requests: int, rate_per_s: float, rng: random.Random) -> list[int]:
+    now_s = 0.0
+    times = []
+    for _ in range(num_requests):
+        now_s += rng.expovariate(rate_per_s)
+        times.append(int(now_s * 1000))
+    return times
+
+
+@dataclass(frozen=True)
+class SystemPromptTraceConfig:
+    """Every request shares one system prompt, then has its own user text."""
+
+    num_requests: int = 2000
+    rate_per_s: float = 10.0
+    system_prompt_tokens: int = 2048
+    user_tokens: tuple[int, int] = (64, 2048)
+    output_tokens: tuple[int, int] = (64, 512)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_requests < 1 or self.rate_per_s <= 0 or self.system_prompt_tokens < 1:
+            raise ValueError("num_requests, rate_per_s and system_prompt_tokens must be positive")
+        for name in ("user_tokens", "output_tokens"):
+            low, high = getattr(self, name)
+            if not 1 <= low <= high:
+                raise ValueError(f"{name} must be 1 <= min <= max, got {(low, high)}")
+
+
+def generate_system_prompt(config: SystemPromptTraceConfig = SystemPromptTraceConfig()) -> list[TraceRequest]:
+    """Requests that share one system prompt and nothing else, Poisson arrivals."""
+    rng = random.Random(config.seed)
+    ids = _BlockIds()
+    system_ids = ids.fresh(config.system_prompt_tokens // TRACE_BLOCK_TOKENS)
+    requests = []
+    for timestamp_ms in _arrival_times_ms(config.num_requests, config.rate_per_s, rng):
+        prompt_len = config.system_prompt_tokens + rng.randint(*config.user_tokens)
+        prompt_ids = ids.extend(system_ids, config.system_prompt_tokens, prompt_len)
+        requests.append(TraceRequest(timestamp_ms, prompt_len, rng.randint(*config.output_tokens), tuple(prompt_ids)))
+    return requests

@@ -1,0 +1,129 @@
+import random
+
+import pytest
+
+from router.hashing import hash_block_tokens
+from router.prefix_index import PrefixIndex
+
+BLOCK = 4
+
+
+def hashes(num_blocks: int, first_token: int = 0) -> list[bytes]:
+    return hash_block_tokens(list(range(first_token, first_token + num_blocks * BLOCK)), BLOCK)
+
+
+def test_match_is_the_leading_run_per_replica():
+    prompt = hashes(4)
+    index = PrefixIndex(max_blocks=100)
+    index.insert("a", prompt[:3])
+    index.insert("b", prompt[:1])
+    index.insert("b", prompt[2:3])  # a later block without the one before it cannot be reused
+    index.insert("c", hashes(2, first_token=1000))
+    assert index.match(prompt) == {"a": 3, "b": 1}
+    assert index.match(prompt[:2]) == {"a": 2, "b": 1}
+    assert index.match([]) == {}
+    assert index.match(hashes(3, first_token=500)) == {}
+    assert len(index) == 3 + 2 + 2
+
+
+def test_replica_holding_the_whole_prompt_matches_all_of_it():
+    prompt = hashes(5)
+    index = PrefixIndex(max_blocks=100)
+    index.insert("a", prompt)
+    index.insert("b", prompt[:2])
+    assert index.match(prompt) == {"a": 5, "b": 2}
+    assert index.num_blocks("a") == 5 and index.num_blocks("b") == 2 and index.num_blocks("z") == 0
+
+
+def test_reinsert_refreshes_without_duplicating():
+    prompt = hashes(3)
+    index = PrefixIndex(max_blocks=100)
+    index.insert("a", prompt)
+    index.insert("a", prompt)
+    assert len(index) == 3
+    assert index.num_blocks("a") == 3
+
+
+def test_bound_drops_least_recently_inserted_entries_tail_first():
+    first, second = hashes(3), hashes(3, first_token=100)
+    index = PrefixIndex(max_blocks=4)
+    index.insert("a", first)  # LRU order: a2, a1, a0 (the head is the most recent)
+    index.insert("b", second)  # needs 3 more: a2 and a1 go
+    assert len(index) == 4
+    assert index.num_dropped == 2
+    assert index.match(first) == {"a": 1}
+    assert index.match(second) == {"b": 3}
+    assert (first[0], "a") in index and (first[1], "a") not in index
+
+
+def test_refreshed_entries_outlive_stale_ones():
+    first, second, third = hashes(2), hashes(2, first_token=100), hashes(2, first_token=200)
+    index = PrefixIndex(max_blocks=4)
+    index.insert("a", first)
+    index.insert("a", second)
+    index.insert("a", first)  # first is now the most recent
+    index.insert("a", third)  # evicts second, the stalest
+    assert index.match(first) == {"a": 2}
+    assert index.match(second) == {}
+    assert index.match(third) == {"a": 2}
+
+
+def test_learns_from_evictions():
+    prompt = hashes(4)
+    index = PrefixIndex(max_blocks=100)
+    index.insert("a", prompt)
+    index.insert("b", prompt)
+    index.evict("a", [prompt[2]])
+    assert index.match(prompt) == {"a": 2, "b": 4}
+    index.evict("b", [prompt[0]])  # without its first block, nothing of b's copy is reusable
+    assert index.match(prompt) == {"a": 2}
+    index.evict("a", [prompt[2], hashes(1, first_token=999)[0]])  # unknown and repeated: ignored
+    index.evict("nobody", prompt)
+    assert len(index) == 3 + 3
+    assert index.num_blocks("a") == 3 and index.num_blocks("b") == 3
+
+
+def test_remove_replica_forgets_only_that_replica():
+    prompt = hashes(3)
+    index = PrefixIndex(max_blocks=100)
+    index.insert("a", prompt)
+    index.insert("b", prompt[:2])
+    index.remove_replica("a")
+    index.remove_replica("never-seen")
+    assert index.match(prompt) == {"b": 2}
+    assert index.replica_ids() == ["b"]
+    assert len(index) == 2
+
+
+def test_random_operations_keep_the_bound_and_agree_with_a_model():
+    rng = random.Random(0)
+    bound = 50
+    index = PrefixIndex(max_blocks=bound)
+    prompts = [hashes(rng.randint(1, 8), first_token=1000 * i) for i in range(20)]
+    for _ in range(2000):
+        replica = rng.choice("abcd")
+        prompt = rng.choice(prompts)
+        operation = rng.random()
+        if operation < 0.6:
+            index.insert(replica, prompt)
+        elif operation < 0.95:
+            index.evict(replica, rng.sample(prompt, rng.randint(1, len(prompt))))
+        else:
+            index.remove_replica(replica)
+        assert len(index) <= bound
+        # match agrees with a direct reading of the entries
+        probe = rng.choice(prompts)
+        expected = {}
+        for holder in "abcd":
+            run = 0
+            while run < len(probe) and (probe[run], holder) in index:
+                run += 1
+            if run:
+                expected[holder] = run
+        assert index.match(probe) == expected
+        assert sum(index.num_blocks(holder) for holder in "abcd") == len(index)
+
+
+def test_max_blocks_must_be_positive():
+    with pytest.raises(ValueError):
+        PrefixIndex(max_blocks=0)

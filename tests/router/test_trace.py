@@ -1,0 +1,120 @@
+import json
+import math
+
+import pytest
+
+from bench import router as bench_router
+from router.policy import PolicyConfig
+from router.trace import (
+    TRACE_BLOCK_TOKENS,
+    MultiTenantTraceConfig,
+    SystemPromptTraceConfig,
+    TraceRequest,
+    dump_trace,
+    generate_multi_tenant,
+    generate_system_prompt,
+    load_trace,
+)
+
+SMALL_MULTI_TENANT = MultiTenantTraceConfig(num_requests=300, num_tenants=12, rate_per_s=10.0, think_time_s=5.0)
+SMALL_SYSTEM_PROMPT = SystemPromptTraceConfig(num_requests=200)
+
+
+def assert_ids_chain(requests: list[TraceRequest]) -> None:
+    """An id stands for its block and everything before it."""
+    prefix_of: dict[int, tuple[int, ...]] = {}
+    for request in requests:
+        assert len(request.hash_ids) == math.ceil(request.input_length / TRACE_BLOCK_TOKENS)
+        for position, block_id in enumerate(request.hash_ids):
+            assert prefix_of.setdefault(block_id, request.hash_ids[:position]) == request.hash_ids[:position]
+
+
+def test_jsonl_round_trip_in_arrival_order(tmp_path):
+    requests = [TraceRequest(20, 600, 7, (3, 4)), TraceRequest(10, 100, 5, (1,))]
+    path = tmp_path / "trace.jsonl"
+    dump_trace(requests, path)
+    first_line = json.loads(path.read_text().splitlines()[0])
+    assert first_line == {"timestamp": 20, "input_length": 600, "output_length": 7, "hash_ids": [3, 4]}
+    assert load_trace(path) == [requests[1], requests[0]]
+
+
+def test_multi_tenant_trace_shares_contexts_and_extends_conversations():
+    requests = generate_multi_tenant(SMALL_MULTI_TENANT)
+    assert requests == generate_multi_tenant(SMALL_MULTI_TENANT)
+    assert len(requests) == 300
+    assert [r.timestamp_ms for r in requests] == sorted(r.timestamp_ms for r in requests)
+    assert_ids_chain(requests)
+    first_ids = {request.hash_ids[0] for request in requests}
+    assert 1 < len(first_ids) <= 12  # one context per tenant
+    # Popular tenants get more traffic (Zipf).
+    counts = sorted((sum(r.hash_ids[0] == first for r in requests) for first in first_ids), reverse=True)
+    assert counts[0] > 3 * counts[-1]
+    # Some turns extend an earlier turn's whole prompt (all its full blocks).
+    extended = 0
+    seen = set()
+    for request in requests:
+        for earlier_len in range(len(request.hash_ids) - 1, 8, -1):
+            if request.hash_ids[:earlier_len] in seen:
+                extended += 1
+                break
+        seen.add(request.hash_ids[: request.input_length // TRACE_BLOCK_TOKENS])
+    assert extended > 50
+
+
+def test_system_prompt_trace_shares_only_the_system_prompt():
+    requests = generate_system_prompt(SMALL_SYSTEM_PROMPT)
+    assert_ids_chain(requests)
+    num_shared = SMALL_SYSTEM_PROMPT.system_prompt_tokens // TRACE_BLOCK_TOKENS
+    assert {request.hash_ids[:num_shared] for request in requests} == {tuple(range(num_shared))}
+    rest = [block_id for request in requests for block_id in request.hash_ids[num_shared:]]
+    assert len(rest) == len(set(rest))
+
+
+@pytest.mark.parametrize("config", [dict(num_requests=0), dict(rate_per_s=0.0), dict(user_tokens=(10, 5))])
+def test_trace_configs_reject_invalid_values(config):
+    with pytest.raises(ValueError):
+        MultiTenantTraceConfig(**config)
+    with pytest.raises(ValueError):
+        SystemPromptTraceConfig(**config)
+
+
+def test_ray_block_text_is_fixed_length_and_diverges_at_the_first_character():
+    texts = [bench_router.ray_block_text(block_id) for block_id in range(5000)]
+    assert {len(text) for text in texts} == {bench_router.RAY_BLOCK_CHARS}
+    assert len({text[0] for text in texts}) == 5000
+
+
+def replay_all(requests, num_replicas, cache_blocks=256):
+    config = bench_router.ReplayConfig(num_replicas=num_replicas, cache_blocks=cache_blocks)
+    pd_config = PolicyConfig(block_size=TRACE_BLOCK_TOKENS)
+    return {policy: bench_router.replay(policy, requests, config, pd_config) for policy in bench_router.POLICIES}
+
+
+def test_replay_system_prompt_pins_ray_but_not_pd():
+    results = replay_all(generate_system_prompt(SMALL_SYSTEM_PROMPT), num_replicas=4)
+    assert results["ray_prefix"].routed_per_replica == [200, 0, 0, 0]
+    assert results["ray_prefix"].max_min_load_ratio is None
+    assert results["pd"].max_min_load_ratio <= 1.5
+    assert results["round_robin"].routed_per_replica == [50, 50, 50, 50]
+    for result in results.values():
+        assert sum(result.routed_per_replica) == 200
+        assert 0.0 < result.hit_rate < 1.0
+        assert 0.0 < result.ttft_p50_s <= result.ttft_p99_s
+
+
+def test_replay_multi_tenant_pd_beats_round_robin():
+    # The tenants' contexts fit in the pool's caches together, not in any one of them.
+    results = replay_all(generate_multi_tenant(SMALL_MULTI_TENANT), num_replicas=4, cache_blocks=64)
+    assert results["pd"].hit_rate > 1.5 * results["round_robin"].hit_rate
+    assert results["pd"].max_min_load_ratio <= 1.5
+    assert sum(results["pd"].extra["reasons"].values()) == 300
+
+
+def test_main_prints_one_json_line_per_policy(capsys, tmp_path):
+    path = tmp_path / "trace.jsonl"
+    dump_trace(generate_system_prompt(SystemPromptTraceConfig(num_requests=50)), path)
+    bench_router.main(["--trace", str(path), "--replicas", "2", "--policies", "pd,round_robin"])
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [line["policy"] for line in lines] == ["pd", "round_robin"]
+    for line in lines:
+        assert {"hit_rate", "max_min_load_ratio", "ttft_p50_s", "ttft_p99_s", "decide_us_p99"} <= set(line)
