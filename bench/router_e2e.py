@@ -100,7 +100,7 @@ def main() -> None:
     from ray import serve
 
     token_lists = prompts(args.requests, args.tokens_per_block, args.seed)
-    ray.init(include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", include_dashboard=False, log_to_driver=False)
     try:
         for router in ROUTERS:
             print(json.dumps(run(router, token_lists, args)), flush=True)

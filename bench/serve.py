@@ -96,7 +96,7 @@ def main() -> None:
     words = "the sea block table cache token prefill decode river mountain".split()
     prompts = [" ".join(rng.choice(words) for _ in range(rng.choice([20, 40, 300, 500])))
                for _ in range(args.requests + 4)]
-    ray.init(include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", include_dashboard=False, log_to_driver=False)
     try:
         results = {mode: run_mode(mode, prompts, args) for mode in CONFIGS}
     finally:
