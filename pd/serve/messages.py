@@ -10,18 +10,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import msgpack
-
 from pd.sampling_params import SamplingParams
-from transfer.wire import WIRE_VERSION, WireError, _field, _unpack
+from transfer.wire import WireError, decode_message, encode_message, require_field
 
 PREFILL_LOCAL = "local"
 PREFILL_REMOTE = "remote"
 PREFILL_RECOMPUTE = "recompute"  # remote prefill's KV could not be pulled; computed on decode
-
-
-def _pack(kind: str, body: dict) -> bytes:
-    return msgpack.packb({"v": WIRE_VERSION, "kind": kind, "body": body}, use_bin_type=True)
 
 
 def _sampling_to_wire(params: SamplingParams) -> dict:
@@ -61,14 +55,14 @@ class PoolRequest:
     def encode(self) -> bytes:
         body = asdict(self)
         body["sampling"] = _sampling_to_wire(self.sampling)
-        return _pack("pool_request", body)
+        return encode_message("pool_request", body)
 
     @classmethod
     def decode(cls, data: bytes) -> "PoolRequest":
-        body = _unpack(data, "pool_request")
-        token_ids = _field(body, "token_ids", list)
-        hashes = _field(body, "block_hashes", list)
-        excluded = _field(body, "exclude_replica_ids", list)
+        body = decode_message(data, "pool_request")
+        token_ids = require_field(body, "token_ids", list)
+        hashes = require_field(body, "block_hashes", list)
+        excluded = require_field(body, "exclude_replica_ids", list)
         if not all(isinstance(t, int) for t in token_ids):
             raise WireError("pool_request.token_ids must be integers")
         if not all(isinstance(h, bytes) for h in hashes):
@@ -83,7 +77,7 @@ class PoolRequest:
         if first is not None and not isinstance(first, int):
             raise WireError("pool_request.first_token_id must be an integer")
         return cls(
-            request_id=_field(body, "request_id", str),
+            request_id=require_field(body, "request_id", str),
             token_ids=token_ids,
             sampling=_sampling_from_wire(body.get("sampling")),
             block_hashes=hashes,
@@ -107,15 +101,15 @@ class PoolControl:
     payload: bytes = b""
 
     def encode(self) -> bytes:
-        return _pack("pool_control", asdict(self))
+        return encode_message("pool_control", asdict(self))
 
     @classmethod
     def decode(cls, data: bytes) -> "PoolControl":
-        body = _unpack(data, "pool_control")
+        body = decode_message(data, "pool_control")
         return cls(
-            request_id=_field(body, "request_id", str),
-            target_replica_id=_field(body, "target_replica_id", str),
-            payload=_field(body, "payload", bytes),
+            request_id=require_field(body, "request_id", str),
+            target_replica_id=require_field(body, "target_replica_id", str),
+            payload=require_field(body, "payload", bytes),
         )
 
 
@@ -132,20 +126,20 @@ class PrefillResult:
     finish_reason: str | None
 
     def encode(self) -> bytes:
-        return _pack("prefill_result", asdict(self))
+        return encode_message("prefill_result", asdict(self))
 
     @classmethod
     def decode(cls, data: bytes) -> "PrefillResult":
-        body = _unpack(data, "prefill_result")
+        body = decode_message(data, "prefill_result")
         logprob = body.get("first_logprob")
         reason = body.get("finish_reason")
         return cls(
-            request_id=_field(body, "request_id", str),
-            replica_id=_field(body, "replica_id", str),
-            first_token_id=_field(body, "first_token_id", int),
+            request_id=require_field(body, "request_id", str),
+            replica_id=require_field(body, "replica_id", str),
+            first_token_id=require_field(body, "first_token_id", int),
             first_logprob=float(logprob) if isinstance(logprob, (int, float)) else None,
-            kv_handle=_field(body, "kv_handle", bytes),
-            num_cached_tokens=_field(body, "num_cached_tokens", int),
+            kv_handle=require_field(body, "kv_handle", bytes),
+            num_cached_tokens=require_field(body, "num_cached_tokens", int),
             finish_reason=reason if isinstance(reason, str) else None,
         )
 
@@ -162,17 +156,17 @@ class DecodeChunk:
     prefill: str  # PREFILL_LOCAL, PREFILL_REMOTE or PREFILL_RECOMPUTE
 
     def encode(self) -> bytes:
-        return _pack("decode_chunk", asdict(self))
+        return encode_message("decode_chunk", asdict(self))
 
     @classmethod
     def decode(cls, data: bytes) -> "DecodeChunk":
-        body = _unpack(data, "decode_chunk")
+        body = decode_message(data, "decode_chunk")
         reason = body.get("finish_reason")
         return cls(
-            request_id=_field(body, "request_id", str),
-            token_ids=_field(body, "token_ids", list),
-            logprobs=[float(x) for x in _field(body, "logprobs", list)],
+            request_id=require_field(body, "request_id", str),
+            token_ids=require_field(body, "token_ids", list),
+            logprobs=[float(x) for x in require_field(body, "logprobs", list)],
             finish_reason=reason if isinstance(reason, str) else None,
-            num_cached_tokens=_field(body, "num_cached_tokens", int),
-            prefill=_field(body, "prefill", str),
+            num_cached_tokens=require_field(body, "num_cached_tokens", int),
+            prefill=require_field(body, "prefill", str),
         )
