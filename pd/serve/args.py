@@ -107,7 +107,9 @@ class AppArgs(_Strict):
     prefill_timeout_s: float = Field(30.0, gt=0)
     kv_lease_s: float = Field(30.0, gt=0)
     kv_read_timeout_s: float = Field(10.0, gt=0)
-    api_keys: list[str] = Field(default_factory=list)
+    # Bearer keys; more come from the PD_API_KEYS environment variable (comma-separated).
+    api_keys: list[str] = Field(default_factory=list, repr=False)
+    max_request_body_bytes: int = Field(4 * 1024**2, ge=1024)
 
     @property
     def served_model_name(self) -> str:

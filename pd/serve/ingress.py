@@ -5,14 +5,17 @@ strings. The pools see token ids only.
 """
 
 
+import hmac
 import json
 import logging
+import os
 import uuid
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from ray import serve
 
 from pd.model.builtin import resolve_model_path
@@ -33,12 +36,44 @@ from pd.serve.openai_protocol import (
 
 logger = logging.getLogger(__name__)
 
+API_KEYS_ENV = "PD_API_KEYS"
+# An oversized body is drained up to this many times the limit before the 413 goes out.
+MAX_DRAINED_BODY_FACTOR = 16
+
 app = FastAPI(title="pd: disaggregated prefill/decode serving")
+
+
+@app.middleware("http")
+async def _limit_body_size(request: Request, call_next):
+    """Refuse bodies over the configured size with 413, without keeping them.
+
+    The body is read and dropped chunk by chunk (up to a cap) so the client,
+    still uploading, gets the 413 instead of a reset connection.
+    """
+    limit = getattr(request.app.state, "max_request_body_bytes", None)
+    declared = request.headers.get("content-length")
+    if limit is not None and declared is not None and declared.isdigit() and int(declared) > limit:
+        drained = 0
+        async for chunk in request.stream():
+            drained += len(chunk)
+            if drained > MAX_DRAINED_BODY_FACTOR * limit:
+                break
+        error = OpenAIError(413, f"request body is larger than {limit} bytes", code="request_too_large")
+        return JSONResponse(error.body(), status_code=413)
+    return await call_next(request)
 
 
 @app.exception_handler(OpenAIError)
 async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status)
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """Starlette's own errors (unreadable bodies, unknown routes) in the OpenAI shape."""
+    message = exc.detail if isinstance(exc.detail, str) else "invalid request"
+    kind = "invalid_request_error" if exc.status_code < 500 else "internal_error"
+    return JSONResponse(OpenAIError(exc.status_code, message, type=kind).body(), status_code=exc.status_code)
 
 
 @app.exception_handler(RequestValidationError)
@@ -72,6 +107,12 @@ def _classify(exc: Exception) -> tuple[int, str, str]:
     return 500, "internal server error", "internal_error"
 
 
+def configured_api_keys(from_config: list[str], from_env: str) -> list[bytes]:
+    """Keys from the app config plus the comma-separated environment variable."""
+    keys = list(from_config) + [k.strip() for k in from_env.split(",")]
+    return [k.encode() for k in keys if k]
+
+
 def _sse(payload: Any) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
@@ -90,15 +131,21 @@ class Ingress:
             (self.tokenizer.eos_token_id,) if self.tokenizer and self.tokenizer.eos_token_id is not None else ()
         )
         self.pools = PoolClient(self.args, prefill_handle, decode_handle, self.tokenizer, eos)
+        self._api_keys = configured_api_keys(self.args.api_keys, os.environ.get(API_KEYS_ENV, ""))
+        app.state.max_request_body_bytes = self.args.max_request_body_bytes
 
     # Input checks shared by every entry point --------------------------------
 
     def _authorize(self, request: Request) -> None:
-        if not self.args.api_keys:
+        if not self._api_keys:
             return
         header = request.headers.get("authorization", "")
-        key = header[7:] if header.lower().startswith("bearer ") else ""
-        if key not in self.args.api_keys:
+        key = header[7:].encode() if header.lower().startswith("bearer ") else b""
+        # Compare against every key, in constant time, so timing reveals nothing.
+        matched = False
+        for candidate in self._api_keys:
+            matched |= hmac.compare_digest(key, candidate)
+        if not matched:
             raise OpenAIError(401, "missing or invalid API key", type="authentication_error", code="invalid_api_key")
 
     def _check_model(self, model: str) -> None:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import http.client
 import json
+import urllib.error
 import urllib.parse
+import urllib.request
 
 import pytest
 
@@ -184,3 +186,30 @@ def test_handle_api_from_another_app(app, ray_cluster):
     status, direct = app.post("/v1/completions", {"model": MODEL, "prompt": SHORT, "max_tokens": 6, "temperature": 0})
     assert result["text"] == direct["choices"][0]["text"]
     assert result["usage"]["completion_tokens"] == 6 and result["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize(
+    "path, raw, status",
+    [
+        ("/v1/completions", b'{"model": "builtin:tiny-llama", "prompt": "x"', 400),  # malformed JSON
+        ("/v1/completions", b'{"model": "builtin:tiny-llama", "prompt": "\xff\xfe"}', 400),  # invalid UTF-8
+        ("/v1/completions", b'{"model": "builtin:tiny-llama", "prompt": 12}', 400),  # wrong type
+        ("/v1/completions", b'{"model": "builtin:tiny-llama", "prompt": "' + b"x" * (10 * 1024**2) + b'"}', 413),
+        ("/v1/chat/completions", b'{"model": "builtin:tiny-llama", "messages": []}', 400),
+        ("/v1/chat/completions", b'{"model": "builtin:tiny-llama", "messages": [{"role": "wizard", "content": "x"}]}', 400),
+        ("/v1/completions", b'{"model": "builtin:tiny-llama", "prompt": "x", "top_p": 7}', 400),
+    ],
+    ids=["malformed-json", "invalid-utf8", "wrong-type", "10MB-body", "empty-messages", "unknown-role", "absurd-top_p"],
+)
+def test_bad_bodies_get_openai_errors_and_the_app_stays_healthy(app, path, raw, status):
+    request = urllib.request.Request(app.url + path, data=raw, method="POST",
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            got, body = response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        got, body = exc.code, exc.read()
+    assert got == status, body[:300]
+    error = json.loads(body)["error"]
+    assert error["message"] and "Traceback" not in error["message"]
+    assert app.request("GET", "/health")[0] == 200

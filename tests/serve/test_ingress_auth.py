@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from starlette.requests import Request
 
-from pd.serve.ingress import Ingress
+from pd.serve.ingress import Ingress, configured_api_keys
 from pd.serve.openai_protocol import OpenAIError
 
 
@@ -21,9 +21,7 @@ def ingress():
 
 
 def test_keys_are_checked_when_configured(ingress):
-    from pd.serve.args import AppArgs
-
-    ingress.args = AppArgs(api_keys=["k1", "k2"])
+    ingress._api_keys = configured_api_keys(["k1"], " k2 ,")
     ingress._authorize(_request({"Authorization": "Bearer k2"}))
     for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": "k1"}):
         with pytest.raises(OpenAIError) as info:
@@ -32,7 +30,27 @@ def test_keys_are_checked_when_configured(ingress):
 
 
 def test_no_keys_means_open(ingress):
+    ingress._api_keys = configured_api_keys([], "")
+    ingress._authorize(_request({}))
+
+
+def test_keys_are_compared_in_constant_time(ingress, monkeypatch):
+    import hmac
+
+    calls = []
+    real = hmac.compare_digest
+    monkeypatch.setattr(hmac, "compare_digest", lambda a, b: calls.append((a, b)) or real(a, b))
+    ingress._api_keys = configured_api_keys(["first-key", "second-key"], "")
+    ingress._authorize(_request({"Authorization": "Bearer first-key"}))
+    # Every key is compared, even after a match, and only through compare_digest.
+    assert [b for _, b in calls] == [b"first-key", b"second-key"]
+
+
+def test_keys_stay_out_of_errors_and_reprs(ingress):
     from pd.serve.args import AppArgs
 
-    ingress.args = AppArgs()
-    ingress._authorize(_request({}))
+    ingress._api_keys = configured_api_keys(["s3cret-key"], "")
+    with pytest.raises(OpenAIError) as info:
+        ingress._authorize(_request({"Authorization": "Bearer s3cret-guess"}))
+    assert "s3cret" not in str(info.value.body())
+    assert "s3cret" not in repr(AppArgs(api_keys=["s3cret-key"]))
