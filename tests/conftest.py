@@ -33,3 +33,8 @@ def hf_model():
         return loaded[path]
 
     return get
+
+
+def pytest_collection_modifyitems(config, items):
+    """Destructive tests (replica kills) run after everything else."""
+    items.sort(key=lambda item: item.get_closest_marker("destructive") is not None)
