@@ -147,7 +147,11 @@ class PoolClient:
                 yield GenerationEvent([first], delta.text + tail, _logprobs(prefilled.first_logprob), reason,
                                       len(token_ids), 1)
                 return
-            yield GenerationEvent([first], delta.text, _logprobs(prefilled.first_logprob), None, len(token_ids), 1)
+            try:
+                yield GenerationEvent([first], delta.text, _logprobs(prefilled.first_logprob), None, len(token_ids), 1)
+            except BaseException:  # the client left before decode started: free the pinned blocks now
+                self.release_lease(prefilled)
+                raise
             request = PoolRequest(**{**request.__dict__, "kv_handle": prefilled.kv_handle,
                                      "first_token_id": prefilled.first_token_id})
         stream = self.decode.options(stream=True).generate.remote(request.encode())
