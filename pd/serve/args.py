@@ -110,6 +110,8 @@ class AppArgs(_Strict):
     # Bearer keys; more come from the PD_API_KEYS environment variable (comma-separated).
     api_keys: list[str] = Field(default_factory=list, repr=False)
     max_request_body_bytes: int = Field(4 * 1024**2, ge=1024)
+    # A request still running after this long is cancelled on every replica (504 or an error event).
+    request_timeout_s: float = Field(600.0, gt=0)
 
     @property
     def served_model_name(self) -> str:

@@ -107,6 +107,26 @@ def _classify(exc: Exception) -> tuple[int, str, str]:
     return 500, "internal server error", "internal_error"
 
 
+async def with_deadline(events: AsyncIterator[GenerationEvent], timeout_s: float) -> AsyncIterator[GenerationEvent]:
+    """``events`` until ``timeout_s`` has passed; then they are closed (cancelling the pools' work)."""
+    import asyncio
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            try:
+                event = await asyncio.wait_for(events.__anext__(), max(0.0, deadline - time.monotonic()))
+            except StopAsyncIteration:
+                return
+            except asyncio.TimeoutError:
+                raise OpenAIError(504, f"request timed out after {timeout_s:g} s", type="timeout_error",
+                                  code="request_timeout") from None
+            yield event
+    finally:
+        await events.aclose()
+
+
 def configured_api_keys(from_config: list[str], from_env: str) -> list[bytes]:
     """Keys from the app config plus the comma-separated environment variable."""
     keys = list(from_config) + [k.strip() for k in from_env.split(",")]
@@ -210,7 +230,8 @@ class Ingress:
         params = self._params(body, body.max_tokens, body.logprobs)
         self._check_lengths(token_ids, params)
         rid = completion_id("cmpl")
-        events = self.pools.generate(rid, token_ids, params, body.stop_strings())
+        events = with_deadline(self.pools.generate(rid, token_ids, params, body.stop_strings()),
+                               self.args.request_timeout_s)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
         def choice(event: GenerationEvent) -> dict:
@@ -236,7 +257,8 @@ class Ingress:
         params = self._params(body, body.max_completion_tokens or body.max_tokens, None)
         self._check_lengths(token_ids, params)
         rid = completion_id("chatcmpl")
-        events = self.pools.generate(rid, token_ids, params, body.stop_strings())
+        events = with_deadline(self.pools.generate(rid, token_ids, params, body.stop_strings()),
+                               self.args.request_timeout_s)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
         if body.stream:
@@ -311,7 +333,8 @@ class Ingress:
             logprobs=0 if request.logprobs else None,
         )
         self._check_lengths(token_ids, params)
-        async for event in self.pools.generate(f"handle-{uuid.uuid4().hex}", token_ids, params, request.stop):
+        events = self.pools.generate(f"handle-{uuid.uuid4().hex}", token_ids, params, request.stop)
+        async for event in with_deadline(events, self.args.request_timeout_s):
             yield GenerateChunk(
                 token_ids=event.token_ids, text=event.text, logprobs=event.logprobs,
                 finish_reason=event.finish_reason,
