@@ -100,6 +100,9 @@ class AppArgs(_Strict):
     decode: PoolArgs = Field(default_factory=PoolArgs)
     ingress: IngressArgs = Field(default_factory=IngressArgs)
     transfer_backend: Literal["nixl", "torch"] = "nixl"
+    # torch backend: the port each prefill replica's TCPStore listens on (0: any free port).
+    # Fix it to firewall the store: allow it only from decode nodes.
+    torch_store_port: int = Field(0, ge=0, le=65535)
     # Prompts with at most this many uncached tokens prefill on the decode replica.
     remote_prefill_threshold: int = Field(256, ge=0)
     # Above this many requests in flight to the prefill pool, prefill locally instead.

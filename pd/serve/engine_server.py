@@ -34,6 +34,8 @@ def make_transport(
         options: dict[str, Any] = {"role": role, "host": ray.util.get_node_ip_address()}
         if role == "decode":
             options["control"] = control
+        else:
+            options["port"] = args.torch_store_port
         return create_transport("torch", replica_id, **options)
     return create_transport("nixl", replica_id)
 
