@@ -120,3 +120,29 @@ def test_killing_the_decode_replica_under_load(fault_app):
     wait_until(lambda: _serves_again(fault_app), timeout=30)
     # Leases the dead decode replica never pulled expire on the prefill side (3 s in tests).
     wait_until(_all_clean, timeout=30)
+
+
+def test_overload_beyond_queue_bounds_is_refused_quickly(ray_cluster):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.serve.conftest import Client
+
+    ensure_app("default.yaml", ingress={"num_replicas": 1, "max_ongoing_requests": 2, "max_queued_requests": 2,
+                                        "ray_actor_options": {"num_cpus": 0.25}})
+    client = Client(ray_cluster["url"])
+    wait_until(lambda: _serves_again(client), timeout=60)
+
+    def one(_):
+        start = time.monotonic()
+        status, _ = client.request("POST", "/v1/completions", {
+            "model": MODEL, "prompt": LONG, "max_tokens": 64, "temperature": 0, "ignore_eos": True})
+        return status, time.monotonic() - start
+
+    with ThreadPoolExecutor(12) as pool:
+        results = list(pool.map(one, range(12)))
+    refused = [elapsed for status, elapsed in results if status == 503]
+    served = [status for status, _ in results if status == 200]
+    assert refused and served, results
+    assert len(refused) + len(served) == len(results), results
+    assert max(refused) < 5.0, results  # refused at once, not after queueing
+    wait_until(_all_clean, timeout=30)
