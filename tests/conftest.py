@@ -38,3 +38,10 @@ def hf_model():
 def pytest_collection_modifyitems(config, items):
     """Destructive tests (replica kills) run after everything else."""
     items.sort(key=lambda item: item.get_closest_marker("destructive") is not None)
+
+
+def pytest_runtest_setup(item):
+    import os
+
+    if item.get_closest_marker("soak") is not None and os.environ.get("PD_SOAK") != "1":
+        pytest.skip("soak test: set PD_SOAK=1 to run it")
