@@ -18,6 +18,13 @@ logger = logging.getLogger(__name__)
 ROUTING_EVENTS = 1024
 
 
+def resident_bytes() -> int:
+    """This process's resident memory."""
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
 def current_replica_id() -> str:
     return serve.get_replica_context().replica_id.unique_id
 
@@ -78,6 +85,7 @@ class EngineServer:
         return {
             "replica_id": self.replica_id,
             "node_id": ray.get_runtime_context().get_node_id(),
+            "rss_bytes": resident_bytes(),
             **dataclasses.asdict(self.engine.stats()),
         }
 

@@ -321,6 +321,12 @@ class Ingress:
 
     # Handle API ---------------------------------------------------------------
 
+    async def process_stats(self) -> dict:
+        """This ingress replica's resident memory (for soak tests and operators)."""
+        from pd.serve.engine_server import resident_bytes
+
+        return {"rss_bytes": resident_bytes()}
+
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         """Stream ``GenerateChunk``s for a ``GenerateRequest`` (for other Ray apps)."""
         if request.messages is not None:

@@ -25,13 +25,13 @@ WARMUP_S = 60
 
 
 def replica_rss() -> dict[str, int]:
-    """Resident memory of every live replica of the app, by actor class and pid."""
-    import psutil
-    from ray.util.state import list_actors
+    """Resident memory of every replica of the app, as each reports it."""
+    from ray import serve
 
-    actors = list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
-    return {f"{a.class_name}#{a.pid}": psutil.Process(a.pid).memory_info().rss
-            for a in actors if a.class_name.startswith("ServeReplica:pd:")}
+    rss = {f"{pool}#{s['replica_id']}": s["rss_bytes"]
+           for pool in ("PrefillServer", "DecodeServer") for s in pool_stats(pool)}
+    rss["Ingress"] = serve.get_deployment_handle("Ingress", "pd").process_stats.remote().result()["rss_bytes"]
+    return rss
 
 
 def test_soak_mixed_workload(default_app, tmp_path):
