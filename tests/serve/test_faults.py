@@ -93,30 +93,30 @@ def fault_app(ray_cluster):
     return client
 
 
-def test_killing_the_prefill_replica_under_load(fault_app):
-    with Load(fault_app) as load:
+def _kill_under_load(client, deployment: str) -> list[str]:
+    """Kill the pool's replica while 8 streams run; return every stream's outcome once Serve replaced it."""
+    with Load(client) as load:
         wait_until(lambda: len(load.outcomes) >= 4, timeout=60)
-        killed = _kill("PrefillServer")
-        wait_until(lambda: replica_ids("pd", "PrefillServer") and replica_ids("pd", "PrefillServer") != [killed],
-                   timeout=60)
+        killed = _kill(deployment)
+        wait_until(lambda: replica_ids("pd", deployment) and replica_ids("pd", deployment) != [killed], timeout=60)
         before = len(load.outcomes)
-        wait_until(lambda: len(load.outcomes) >= before + 8, timeout=60)
-    assert "broken" not in load.outcomes, load.outcomes
-    assert load.outcomes.count("done") >= len(load.outcomes) - 8, load.outcomes
+        wait_until(lambda: len(load.outcomes) >= before + 8, timeout=90)
+    return load.outcomes
+
+
+def test_killing_the_prefill_replica_under_load(fault_app):
+    outcomes = _kill_under_load(fault_app, "PrefillServer")
+    # Requests retry elsewhere or prefill locally: at most the streams in flight may end in an error event.
+    assert "broken" not in outcomes, outcomes
+    assert outcomes.count("done") >= len(outcomes) - 8, outcomes
     wait_until(lambda: _serves_again(fault_app), timeout=30)
     wait_until(_all_clean, timeout=30)
 
 
 def test_killing_the_decode_replica_under_load(fault_app):
-    with Load(fault_app) as load:
-        wait_until(lambda: len(load.outcomes) >= 4, timeout=60)
-        killed = _kill("DecodeServer")
-        wait_until(lambda: replica_ids("pd", "DecodeServer") and replica_ids("pd", "DecodeServer") != [killed],
-                   timeout=60)
-        before = len(load.outcomes)
-        wait_until(lambda: len(load.outcomes) >= before + 8, timeout=90)
+    outcomes = _kill_under_load(fault_app, "DecodeServer")
     # Streams on the dead replica end with an error event, never a hang or a silent cut.
-    assert "broken" not in load.outcomes, load.outcomes
+    assert "broken" not in outcomes, outcomes
     wait_until(lambda: _serves_again(fault_app), timeout=30)
     # Leases the dead decode replica never pulled expire on the prefill side (3 s in tests).
     wait_until(_all_clean, timeout=30)
