@@ -67,7 +67,8 @@ def run(router: str, token_lists: list[list[int]], args) -> dict:
     app_args = yaml.safe_load(CONFIG.read_text())["applications"][0]["args"]
     app_args["engine"]["kv_cache_bytes"] = args.kv_cache_mib * 1024**2
     app_args["prefill"].update(num_replicas=args.replicas, ray_actor_options={"num_cpus": 0.25},
-                               router={"request_router_class": ROUTERS[router]})
+                               router={"request_router_class": ROUTERS[router],
+                                       "request_router_kwargs": json.loads(args.pd_kwargs) if router == "pd" else {}})
     serve.run(build_app(app_args), name="pd", route_prefix="/")
     handle = serve.get_deployment_handle("PrefillServer", "pd")
     placed = asyncio.run(replay(handle, token_lists, args.concurrency))
@@ -95,6 +96,7 @@ def main() -> None:
     parser.add_argument("--kv-cache-mib", type=int, default=16, help="KV pool per replica")
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--pd-kwargs", default="{}", help="JSON PolicyConfig overrides for the pd router")
     args = parser.parse_args()
     import ray
     from ray import serve
