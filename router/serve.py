@@ -51,13 +51,9 @@ def _remember(request_id: str, replica_id: str) -> None:
 
 
 def replica_load(replica: RunningReplica) -> float:
-    """Load from the replica's last routing stats: queued tokens, requests and KV usage."""
-    stats = replica.routing_stats or {}
-    return (
-        float(stats.get("num_running", 0))
-        + float(stats.get("num_waiting", 0))
-        + float(stats.get("kv_usage", 0.0)) * 4.0
-    )
+    """Load from the replica's last routing stats: active requests plus KV usage."""
+    state = replica_state(replica)
+    return state.num_active_requests + 4.0 * state.kv_usage
 
 
 class PinnedRequestRouter(RequestRouter):

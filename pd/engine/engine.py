@@ -147,7 +147,7 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         self.validate(prompt_token_ids, params)
         if pin_kv:
-            self.connector._require_transport()
+            self.connector.require_transport()
             params = dataclasses.replace(params, max_tokens=1)
         request = Request(request_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids, pin_kv=pin_kv)
         if remote_kv is not None:

@@ -86,7 +86,7 @@ class KVConnector:
     def has_pending_work(self) -> bool:
         return bool(self._pinned or self._pulls)
 
-    def _require_transport(self) -> KVTransport:
+    def require_transport(self) -> KVTransport:
         if self.transport is None:
             raise ValueError("this engine has no KV transport; disaggregated requests need one")
         return self.transport
@@ -95,7 +95,7 @@ class KVConnector:
 
     def pin(self, request: Request) -> bytes:
         """Keep a finished prefill's blocks under a lease and describe them in a KVHandle."""
-        transport = self._require_transport()
+        transport = self.require_transport()
         expiry = time.time() + self.lease_s
         self.leases.pin(request.request_id, expiry)
         self._pinned[request.request_id] = request
@@ -134,7 +134,7 @@ class KVConnector:
 
         A handle for a different layout, transport or prompt is refused with ``WireError``.
         """
-        transport = self._require_transport()
+        transport = self.require_transport()
         self.fingerprint.check_compatible(handle.fingerprint)
         if handle.transport != transport.kind:
             raise WireError(f"kv_handle.transport {handle.transport!r} but this engine uses {transport.kind!r}")
@@ -156,7 +156,7 @@ class KVConnector:
 
     def _start_pull(self, request: Request) -> None:
         handle = request.remote_kv
-        transport = self._require_transport()
+        transport = self.require_transport()
         peer = self._peer(handle)
         num_hit_blocks = request.num_computed_tokens // self.kv_cache.block_size
         local = self.kv_cache.block_ids(request.request_id)[num_hit_blocks : len(handle.block_ids)]

@@ -14,6 +14,7 @@ down but never fails them.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -79,7 +80,7 @@ class PoolClient:
         """Prefill on the pool, retrying once elsewhere; None means prefill locally."""
         excluded: list[str] = []
         for attempt in range(2):
-            call = PoolRequest(**{**request.__dict__, "exclude_replica_ids": excluded})
+            call = dataclasses.replace(request, exclude_replica_ids=list(excluded))
             self.prefill_in_flight += 1
             response = self.prefill.prefill.remote(call.encode())
             start = time.monotonic()
@@ -152,8 +153,8 @@ class PoolClient:
             except BaseException:  # the client left before decode started: free the pinned blocks now
                 self.release_lease(prefilled)
                 raise
-            request = PoolRequest(**{**request.__dict__, "kv_handle": prefilled.kv_handle,
-                                     "first_token_id": prefilled.first_token_id})
+            request = dataclasses.replace(request, kv_handle=prefilled.kv_handle,
+                                          first_token_id=prefilled.first_token_id)
         stream = self.decode.options(stream=True).generate.remote(request.encode())
         finished = False
         path_counted = False
