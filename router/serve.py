@@ -134,26 +134,42 @@ def replica_state(replica: RunningReplica) -> ReplicaLoad:
 
 
 class _CacheEventFeed:
-    """Applies replicas' numbered prefix-cache events to an index, each once."""
+    """Applies replicas' numbered prefix-cache events to an index, each once, in order.
+
+    A report lists events from ``cache_events_from`` on. When that is past the
+    next event this feed expects, events were dropped before it read them; the
+    replica's entries may be stale, so they are forgotten and rebuilt from
+    what follows.
+    """
 
     def __init__(self, index: PrefixIndex):
         self.index = index
         self._seen: dict[str, int] = {}
+        self.num_gaps = 0
 
     def update(self, replicas: list[RunningReplica]) -> None:
         live = set()
         for replica in replicas:
             replica_id = replica.replica_id.unique_id
             live.add(replica_id)
+            stats = replica.routing_stats or {}
             seen = self._seen.get(replica_id, -1)
-            events = (replica.routing_stats or {}).get("cache_events") or []
-            stored, evicted = [], []
-            for seq, block_hash, was_stored in events:
+            if seen >= 0 and int(stats.get("cache_events_from", 0)) > seen + 1:
+                logger.info("replica %s: prefix-cache events %d.. were dropped; rebuilding its index entries",
+                            replica_id, seen + 1)
+                self.num_gaps += 1
+                self.index.remove_replica(replica_id)
+                seen = -1
+            latest: dict[bytes, bool] = {}  # each hash's last state, so store-then-evict ends evicted
+            for seq, block_hash, was_stored in stats.get("cache_events") or []:
                 if seq > seen:
-                    (stored if was_stored else evicted).append(block_hash)
+                    latest.pop(block_hash, None)
+                    latest[block_hash] = bool(was_stored)
                     seen = seq
+            evicted = [h for h, stored in latest.items() if not stored]
             if evicted:
                 self.index.evict(replica_id, evicted)
+            stored = [h for h, stored in latest.items() if stored]
             if stored:
                 self.index.insert(replica_id, stored)
             self._seen[replica_id] = seen

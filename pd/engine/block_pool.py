@@ -50,6 +50,17 @@ class BlockPool:
         events = list(self._events)  # one C-level copy: safe against a step running on another thread
         return [e for e in events if e.seq > after_seq]
 
+    def cache_event_window(self) -> tuple[int, list[CacheEvent]]:
+        """``(first_seq, events)``: every change still kept, compacted to each hash's latest.
+
+        The window covers every event numbered ``first_seq`` or later; a reader
+        that has applied events only up to ``first_seq - 2`` missed some.
+        """
+        events = list(self._events)  # one C-level copy: safe against a step running on another thread
+        first_seq = events[0].seq if events else self._next_seq
+        latest = {e.block_hash: e for e in events}
+        return first_seq, sorted(latest.values(), key=lambda e: e.seq)
+
     def _record(self, block_hash: bytes, stored: bool) -> None:
         self._events.append(CacheEvent(self._next_seq, block_hash, stored))
         self._next_seq += 1

@@ -14,9 +14,6 @@ from transfer import KVTransport, create_transport
 
 logger = logging.getLogger(__name__)
 
-# The newest prefix-cache events each routing-stats report carries.
-ROUTING_EVENTS = 1024
-
 
 def resident_bytes() -> int:
     """This process's resident memory."""
@@ -65,15 +62,17 @@ class EngineServer:
         stats = self.engine.stats()
         total = stats.num_free_blocks + stats.num_used_blocks
         self.metrics.record_state(stats)
-        events = self.engine.engine.block_pool.cache_events()[-ROUTING_EVENTS:]
+        first_seq, events = self.engine.engine.block_pool.cache_event_window()
         return {
             "num_running": stats.num_running,
             "num_waiting": stats.num_waiting,
             "num_waiting_tokens": stats.num_waiting_tokens,
             "kv_usage": stats.num_used_blocks / total if total else 0.0,
             "num_free_blocks": stats.num_free_blocks,
-            # Prefix-cache changes, numbered, so routers apply each once.
+            # Prefix-cache changes, numbered so routers apply each once, and where they start,
+            # so a router that missed some (a report came too late) knows it.
             "cache_events": [(e.seq, e.block_hash, e.stored) for e in events],
+            "cache_events_from": first_seq,
         }
 
     async def stats(self) -> dict[str, Any]:

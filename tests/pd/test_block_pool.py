@@ -115,3 +115,27 @@ def test_cache_events_number_stores_and_evictions_in_order():
         (0, b"a" * 8, True), (1, b"b" * 8, True), (2, b"a" * 8, False)
     ]
     assert [e.seq for e in pool.cache_events(after_seq=1)] == [2]
+
+
+def test_cache_event_window_keeps_each_hashs_latest_event_and_says_where_it_starts(monkeypatch):
+    import pd.engine.block_pool as block_pool
+
+    pool = BlockPool(2)
+    assert pool.cache_event_window() == (0, [])
+    a, b = pool.allocate(2)
+    pool.insert(a, b"a" * 8, [1])
+    pool.insert(b, b"b" * 8, [2])
+    pool.free([a, b])
+    pool.allocate(1)  # evicts a
+    first_seq, events = pool.cache_event_window()
+    assert first_seq == 0
+    assert [(e.seq, e.block_hash, e.stored) for e in events] == [(1, b"b" * 8, True), (2, b"a" * 8, False)]
+
+    monkeypatch.setattr(block_pool, "MAX_CACHE_EVENTS", 2)
+    small = BlockPool(1)
+    for i in range(3):  # three prefixes in turn: three stores and two evictions, two events kept
+        [block] = small.allocate(1)
+        small.insert(block, bytes([i]) * 8, [i])
+        small.free([block])
+    first_seq, events = small.cache_event_window()
+    assert first_seq == 3 and [(e.seq, e.stored) for e in events] == [(3, False), (4, True)]
