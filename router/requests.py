@@ -10,9 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgpack
+from transfer.wire import WireError, decode_any_message
 
-WIRE_VERSION = 1
 ROUTED_KINDS = ("pool_request", "pool_control")
 
 
@@ -30,12 +29,9 @@ def routing_fields(data: Any) -> RoutingFields | None:
     if not isinstance(data, (bytes, bytearray)):
         return None
     try:
-        message = msgpack.unpackb(bytes(data), raw=False)
-    except Exception:  # not ours: route it by policy alone
+        _, body = decode_any_message(data, ROUTED_KINDS)
+    except WireError:  # not ours: route it by policy alone
         return None
-    if not isinstance(message, dict) or message.get("v") != WIRE_VERSION or message.get("kind") not in ROUTED_KINDS:
-        return None
-    body = message.get("body") or {}
     target = body.get("target_replica_id")
     return RoutingFields(
         request_id=str(body.get("request_id", "")),

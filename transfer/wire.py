@@ -2,16 +2,25 @@
 
 Ray may carry these bytes, but they are always our own msgpack, validated
 field by field on receipt; nothing received is ever unpickled.
+
+Every message is one envelope: ``{"v": version, "kind": kind, "body": packed
+body, "digest": blake2b-128 of the packed body}``. The digest turns a flipped
+byte into a refusal: a ``KVHandle`` whose block ids changed in transit would
+otherwise pull the wrong blocks and answer with garbage.
 """
 
 from __future__ import annotations
 
+import array
+import hashlib
+import sys
 from dataclasses import asdict, dataclass, fields
-from typing import Any
+from typing import Any, Sequence
 
 import msgpack
 
-WIRE_VERSION = 1
+WIRE_VERSION = 2
+DIGEST_BYTES = 16
 TRANSPORT_KINDS = ("nixl", "torch")
 
 
@@ -51,7 +60,9 @@ class KVHandle:
     ``engine_id`` over ``transport``. ``peer_metadata`` is that transport's
     ``local_metadata()`` (the NIXL agent metadata, inline). The blocks stay
     pinned until the decode side's completion notification, an abort, or
-    ``lease_expiry`` (Unix seconds), whichever comes first.
+    ``lease_expiry`` (Unix seconds), whichever comes first. ``prompt_digest``
+    (``prompt_digest(token_ids)``) lets the decode side refuse a handle for
+    another prompt of the same length.
     """
 
     request_id: str
@@ -65,11 +76,12 @@ class KVHandle:
     fingerprint: LayoutFingerprint
     first_token_id: int
     lease_expiry: float
+    prompt_digest: bytes
 
     def encode(self) -> bytes:
         body = asdict(self)
         body["block_ids"] = list(self.block_ids)
-        return msgpack.packb({"v": WIRE_VERSION, "kind": "kv_handle", "body": body}, use_bin_type=True)
+        return encode_message("kv_handle", body)
 
     @classmethod
     def decode(cls, data: bytes) -> "KVHandle":
@@ -98,6 +110,7 @@ class KVHandle:
             fingerprint=fingerprint,
             first_token_id=_field(body, "first_token_id", int),
             lease_expiry=float(_field(body, "lease_expiry", (int, float))),
+            prompt_digest=_field(body, "prompt_digest", bytes),
         )
         if handle.transport not in TRANSPORT_KINDS:
             raise WireError(f"kv_handle.transport {handle.transport!r} is not one of {TRANSPORT_KINDS}")
@@ -109,6 +122,18 @@ class KVHandle:
                 f"kv_handle has {len(block_ids)} blocks for {handle.num_tokens} tokens of block_size {handle.block_size}"
             )
         return handle
+
+
+def prompt_digest(token_ids: Sequence[int]) -> bytes:
+    """A 128-bit digest of a prompt's token ids, as ``KVHandle.prompt_digest`` carries it."""
+    ids = array.array("q", token_ids)
+    if sys.byteorder != "little":
+        ids.byteswap()
+    return hashlib.blake2b(ids.tobytes(), digest_size=DIGEST_BYTES).digest()
+
+
+def _digest(packed_body: bytes) -> bytes:
+    return hashlib.blake2b(packed_body, digest_size=DIGEST_BYTES).digest()
 
 
 def _unpack(data: Any, kind: str) -> dict:
@@ -129,7 +154,15 @@ def _unpack_any(data: Any, kinds: tuple[str, ...]) -> tuple[str, dict]:
         raise WireError(f"{kind} has wire version {message.get('v')!r}; this build speaks {WIRE_VERSION}")
     if message.get("kind") not in kinds:
         raise WireError(f"expected a {kind} message, got {message.get('kind')!r}")
-    body = message.get("body")
+    packed, digest = message.get("body"), message.get("digest")
+    if not isinstance(packed, bytes) or not isinstance(digest, bytes):
+        raise WireError(f"{kind} must carry a packed body and its digest")
+    if _digest(packed) != digest:
+        raise WireError(f"{kind} failed its digest check (corrupted in transit)")
+    try:
+        body = msgpack.unpackb(packed, raw=False, strict_map_key=True)
+    except Exception as exc:  # a digest that matches garbage: sent that way
+        raise WireError(f"{kind}.body is not valid msgpack: {exc}") from None
     if not isinstance(body, dict):
         raise WireError(f"{kind}.body must be a map")
     return message["kind"], body
@@ -146,7 +179,9 @@ def _field(body: dict, name: str, kind) -> Any:
 
 def encode_message(kind: str, body: dict) -> bytes:
     """``body`` as a versioned msgpack message of ``kind`` (the envelope every wire message uses)."""
-    return msgpack.packb({"v": WIRE_VERSION, "kind": kind, "body": body}, use_bin_type=True)
+    packed = msgpack.packb(body, use_bin_type=True)
+    return msgpack.packb({"v": WIRE_VERSION, "kind": kind, "body": packed, "digest": _digest(packed)},
+                         use_bin_type=True)
 
 
 def decode_message(data: Any, kind: str) -> dict:

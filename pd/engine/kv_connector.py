@@ -27,7 +27,7 @@ from pd.engine.kv_lease import LeaseTable
 from pd.engine.request import Request
 from pd.engine.scheduler import Scheduler
 from transfer.base import KVTransport, TransferHandle, TransferState
-from transfer.wire import KVHandle, LayoutFingerprint, WireError
+from transfer.wire import KVHandle, LayoutFingerprint, WireError, prompt_digest
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +112,7 @@ class KVConnector:
             fingerprint=self.fingerprint,
             first_token_id=request.output_token_ids[0],
             lease_expiry=expiry,
+            prompt_digest=prompt_digest(request.prompt_token_ids),
         ).encode()
 
     def release(self, request_id: str) -> bool:
@@ -134,17 +135,23 @@ class KVConnector:
 
         A handle for a different layout, transport or prompt is refused with ``WireError``.
         """
+        self.check(handle, prompt_token_ids)
+        if handle.lease_expiry - time.time() < MIN_LEASE_MARGIN_S:
+            self.note_fallback()
+            logger.warning("request %s: KV lease already expired; recomputing locally", handle.request_id)
+            return False
+        return True
+
+    def check(self, handle: KVHandle, prompt_token_ids: list[int]) -> None:
+        """``WireError`` unless ``handle`` holds this prompt's KV in this engine's layout and transport."""
         transport = self.require_transport()
         self.fingerprint.check_compatible(handle.fingerprint)
         if handle.transport != transport.kind:
             raise WireError(f"kv_handle.transport {handle.transport!r} but this engine uses {transport.kind!r}")
         if handle.num_tokens != len(prompt_token_ids):
             raise WireError(f"kv_handle covers {handle.num_tokens} tokens but the prompt has {len(prompt_token_ids)}")
-        if handle.lease_expiry - time.time() < MIN_LEASE_MARGIN_S:
-            self.note_fallback()
-            logger.warning("request %s: KV lease already expired; recomputing locally", handle.request_id)
-            return False
-        return True
+        if handle.prompt_digest != prompt_digest(prompt_token_ids):
+            raise WireError("kv_handle is for another prompt of the same length")
 
     def start_pulls(self, requests: list[Request]) -> None:
         for request in requests:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import ValidationError
-
 from pd.serve.args import DECODE_ROUTER, PREFILL_ROUTER, AppArgs
 
 
@@ -18,15 +16,12 @@ def build_app(args: dict[str, Any] | None = None):
     from pd.serve.ingress import Ingress
     from pd.serve.prefill_server import PrefillServer
 
-    try:
-        parsed = AppArgs.model_validate(args or {})
-    except ValidationError as exc:
-        raise ValueError(f"invalid pd app args:\n{exc}") from None
-    raw = parsed.model_dump()
+    parsed = AppArgs.parse(args)
+    pools = parsed.for_pools()
     prefill = None
     if parsed.mode == "disaggregated":
-        prefill = PrefillServer.options(**parsed.prefill.deployment_options(PREFILL_ROUTER)).bind(raw)
+        prefill = PrefillServer.options(**parsed.prefill.deployment_options(PREFILL_ROUTER)).bind(pools)
     decode_prefill = prefill if parsed.transfer_backend == "torch" else None
-    decode = DecodeServer.options(**parsed.decode.deployment_options(DECODE_ROUTER)).bind(raw, decode_prefill)
+    decode = DecodeServer.options(**parsed.decode.deployment_options(DECODE_ROUTER)).bind(pools, decode_prefill)
     ingress_options = parsed.ingress.model_dump()
-    return Ingress.options(**ingress_options).bind(raw, prefill, decode)
+    return Ingress.options(**ingress_options).bind(parsed.model_dump(), prefill, decode)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from pd.config import EngineConfig
 
@@ -110,11 +110,26 @@ class AppArgs(_Strict):
     prefill_timeout_s: float = Field(30.0, gt=0)
     kv_lease_s: float = Field(30.0, gt=0)
     kv_read_timeout_s: float = Field(10.0, gt=0)
-    # Bearer keys; more come from the PD_API_KEYS environment variable (comma-separated).
+    # Bearer keys; more come from the environment variable named by api_keys_env (comma-separated),
+    # as the ingress replica's process inherits it from its Ray node. Not through a runtime_env:
+    # Ray's runtime-env agent writes env_vars to its log.
     api_keys: list[str] = Field(default_factory=list, repr=False)
+    api_keys_env: str = Field("PD_API_KEYS", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
     max_request_body_bytes: int = Field(4 * 1024**2, ge=1024)
     # A request still running after this long is cancelled on every replica (504 or an error event).
     request_timeout_s: float = Field(600.0, gt=0)
+
+    @classmethod
+    def parse(cls, args: dict[str, Any] | None) -> "AppArgs":
+        """Validated args; ``ValueError`` naming every bad field (never echoing an API key)."""
+        try:
+            return cls.model_validate(args or {})
+        except ValidationError as exc:
+            raise ValueError("invalid pd app args:\n" + describe_errors(exc)) from None
+
+    def for_pools(self) -> dict[str, Any]:
+        """The args the engine pools get: everything but the API keys, which only the ingress needs."""
+        return {**self.model_dump(), "api_keys": []}
 
     @property
     def served_model_name(self) -> str:
@@ -122,3 +137,18 @@ class AppArgs(_Strict):
 
     def engine_config(self):
         return self.engine.engine_config(self.kv_lease_s, self.kv_read_timeout_s)
+
+
+SECRET_FIELDS = ("api_keys",)
+
+
+def describe_errors(exc: ValidationError) -> str:
+    """One line per error: where, what, and the offending value unless the field holds secrets."""
+    lines = []
+    for error in exc.errors(include_url=False):
+        where = ".".join(str(part) for part in error["loc"]) or "args"
+        line = f"  {where}: {error['msg']}"
+        if error["loc"][:1] not in [(name,) for name in SECRET_FIELDS] and "input" in error:
+            line += f" (got {error['input']!r:.200})"
+        lines.append(line)
+    return "\n".join(lines)

@@ -41,7 +41,7 @@ class DecodeServer(EngineServer):
         if request.kv_handle is not None:
             try:
                 remote_kv = KVHandle.decode(request.kv_handle)
-                self.engine.engine.connector.fingerprint.check_compatible(remote_kv.fingerprint)
+                self.engine.engine.connector.check(remote_kv, request.token_ids)
             except WireError as exc:
                 logger.warning("request %s: unusable KV handle (%s); recomputing locally", request.request_id, exc)
                 self.engine.engine.connector.note_fallback()

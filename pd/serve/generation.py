@@ -22,7 +22,7 @@ from typing import AsyncIterator
 
 from pd.sampling_params import SamplingParams
 from pd.serve.args import AppArgs
-from pd.serve.messages import DecodeChunk, PoolControl, PoolRequest, PrefillResult
+from pd.serve.messages import PREFILL_RECOMPUTE, DecodeChunk, PoolControl, PoolRequest, PrefillResult
 from pd.serve.metrics import RequestMetrics
 from pd.serve.text import TextStream
 from router.hashing import hash_block_tokens
@@ -167,6 +167,8 @@ class PoolClient:
                 if not path_counted:
                     self.metrics.prefill_path.inc(tags={"path": chunk.prefill})
                     path_counted = True
+                    if prefilled is not None and chunk.prefill == PREFILL_RECOMPUTE:
+                        self.release_lease(prefilled)  # the decode replica will not pull it: free it now
                 if num_output == 0:
                     self.metrics.ttft.observe(now - start)
                     first_token_at = now

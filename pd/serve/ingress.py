@@ -36,7 +36,6 @@ from pd.serve.openai_protocol import (
 
 logger = logging.getLogger(__name__)
 
-API_KEYS_ENV = "PD_API_KEYS"
 # An oversized body is drained up to this many times the limit before the 413 goes out.
 MAX_DRAINED_BODY_FACTOR = 16
 
@@ -151,7 +150,7 @@ class Ingress:
             (self.tokenizer.eos_token_id,) if self.tokenizer and self.tokenizer.eos_token_id is not None else ()
         )
         self.pools = PoolClient(self.args, prefill_handle, decode_handle, self.tokenizer, eos)
-        self._api_keys = configured_api_keys(self.args.api_keys, os.environ.get(API_KEYS_ENV, ""))
+        self._api_keys = configured_api_keys(self.args.api_keys, os.environ.get(self.args.api_keys_env, ""))
         app.state.max_request_body_bytes = self.args.max_request_body_bytes
 
     # Input checks shared by every entry point --------------------------------

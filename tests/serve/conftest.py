@@ -12,6 +12,7 @@ import socket
 import time
 import urllib.error
 import urllib.request
+import uuid
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ CONFIG_DIR = Path(__file__).resolve().parents[2] / "serve_configs"
 # Test apps: short leases, small KV pools, less CPU each.
 TEST_OVERRIDES = {"kv_lease_s": 3.0}
 ENGINE_OVERRIDES = {"kv_cache_bytes": 64 * 1024**2}
+TEST_KEYS_ENV = "PD_TEST_API_KEYS"
 
 
 def config_args(name: str) -> dict:
@@ -50,6 +52,9 @@ def ray_cluster(tmp_path_factory):
     from ray.cluster_utils import Cluster
 
     os.environ.setdefault("PD_CACHE_DIR", str(tmp_path_factory.mktemp("pd-cache")))
+    # An API key in the nodes' own environment, as an operator would export it before ``ray start``;
+    # only apps configured with ``api_keys_env: PD_TEST_API_KEYS`` read it.
+    os.environ[TEST_KEYS_ENV] = f"envkey-{uuid.uuid4().hex}"
     cluster = Cluster(
         initialize_head=True,
         head_node_args={"num_cpus": 2, "resources": {"prefill_pool": 4}, "include_dashboard": False},
@@ -115,6 +120,21 @@ def default_app(ray_cluster) -> "Client":
     """A client of the default app (``serve_configs/default.yaml``, leases of 3 s)."""
     ensure_app("default.yaml")
     return Client(ray_cluster["url"])
+
+
+@pytest.fixture(scope="session")
+def offline():
+    """``offline(token_ids, max_tokens)``: the colocated greedy tokens of ``pd.LLM`` in this process."""
+    from pd import LLM, SamplingParams
+
+    llm = LLM("builtin:tiny-llama", num_blocks=256)
+
+    def run(prompt_token_ids: list[int], max_tokens: int) -> list[int]:
+        [out] = llm.generate([prompt_token_ids], SamplingParams(max_tokens=max_tokens, temperature=0))
+        return out.token_ids
+
+    run.tokenizer = llm.tokenizer
+    return run
 
 
 def run_app(args: dict, name: str = "pd"):

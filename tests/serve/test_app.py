@@ -10,7 +10,7 @@ import urllib.request
 
 import pytest
 
-from pd import LLM, SamplingParams
+from pd import SamplingParams
 from tests.serve.conftest import pool_stats, wait_until
 
 MODEL = "builtin:tiny-llama"
@@ -21,18 +21,6 @@ LONG = " ".join(f"word{i}" for i in range(150))  # well over the 256-token remot
 @pytest.fixture
 def app(default_app):
     return default_app
-
-
-@pytest.fixture(scope="module")
-def offline():
-    llm = LLM(MODEL, num_blocks=256)
-
-    def run(prompt_token_ids: list[int], max_tokens: int) -> list[int]:
-        [out] = llm.generate([prompt_token_ids], SamplingParams(max_tokens=max_tokens, temperature=0))
-        return out.token_ids
-
-    run.tokenizer = llm.tokenizer
-    return run
 
 
 def _totals(deployment: str, key: str) -> int:

@@ -1,13 +1,17 @@
-"""Replica deaths under load: no hangs, no garbage, no leaked blocks or leases.
+"""Faults under load: broken transfers and replica deaths. No hangs, no garbage, no leaked blocks or leases.
 
 Destructive: these run last (see tests/conftest.py), on their own app.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import subprocess
+import sys
 import threading
 import time
+import uuid
 
 import pytest
 
@@ -102,6 +106,92 @@ def _kill_under_load(client, deployment: str) -> list[str]:
         before = len(load.outcomes)
         wait_until(lambda: len(load.outcomes) >= before + 8, timeout=90)
     return load.outcomes
+
+
+def _dead_nixl_peer(real_metadata: bytes) -> bytes:
+    """The real prefill pool's metadata, but naming a NIXL agent whose process has exited."""
+    from transfer.nixl_backend import NixlPeer
+
+    script = (
+        "import sys, torch\n"
+        "from transfer import create_transport\n"
+        "t = create_transport('nixl', sys.argv[1])\n"
+        "t.register(torch.zeros(4, 64))\n"
+        "print('METADATA', t.local_metadata().hex())\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script, f"gone-{uuid.uuid4().hex[:8]}"], capture_output=True,
+                          text=True, timeout=120, check=True)
+    [line] = [line for line in done.stdout.splitlines() if line.startswith("METADATA ")]
+    dead = NixlPeer.decode(bytes.fromhex(line.split()[1]))
+    return dataclasses.replace(NixlPeer.decode(real_metadata), name=dead.name,
+                               agent_metadata=dead.agent_metadata).encode()
+
+
+def _flip_middle_byte(data: bytes) -> bytes:
+    flipped = bytearray(data)
+    flipped[len(data) // 2] ^= 0x10
+    return bytes(flipped)
+
+
+def _broken_handles(handle: bytes, other_prompts_handle: bytes) -> dict[str, bytes]:
+    from transfer.wire import KVHandle
+
+    real = KVHandle.decode(handle)
+    fingerprint = dataclasses.replace(real.fingerprint, num_layers=real.fingerprint.num_layers + 1)
+    dead = _dead_nixl_peer(real.peer_metadata)
+    return {
+        "truncated": handle[: len(handle) // 2],
+        "flipped-byte": _flip_middle_byte(handle),
+        "fingerprint-mismatch": dataclasses.replace(real, fingerprint=fingerprint).encode(),
+        "another-prompt-same-length": other_prompts_handle,
+        "unreachable-peer": dataclasses.replace(real, engine_id="gone-peer", peer_metadata=dead).encode(),
+    }
+
+
+def test_broken_transfers_recompute_the_colocated_tokens(fault_app, offline):
+    """Every way a handle can go bad ends in a local recompute with the colocated greedy output."""
+    from ray import serve
+
+    from pd import SamplingParams
+    from pd.serve.messages import DecodeChunk, PoolControl, PoolRequest, PrefillResult
+
+    token_ids = offline.tokenizer.encode(LONG)
+    other_ids = list(token_ids)
+    other_ids[5], other_ids[6] = token_ids[6], token_ids[5]  # another prompt of the same length
+    assert other_ids != token_ids
+    expected = offline(token_ids, 8)
+    params = SamplingParams(max_tokens=8, temperature=0)
+    prefill = serve.get_deployment_handle("PrefillServer", "pd")
+    decode = serve.get_deployment_handle("DecodeServer", "pd").options(stream=True)
+
+    def prefilled(request_id: str, ids: list[int]) -> PrefillResult:
+        request = PoolRequest(request_id=request_id, token_ids=ids, sampling=params)
+        return PrefillResult.decode(prefill.prefill.remote(request.encode()).result())
+
+    def release(result: PrefillResult) -> None:
+        control = PoolControl(request_id=result.request_id, target_replica_id=result.replica_id)
+        prefill.release.remote(control.encode()).result()
+
+    fallbacks_before = sum(s["num_recompute_fallbacks"] for s in pool_stats("DecodeServer"))
+    with Load(fault_app, num_streams=6) as load:
+        for kind in ("truncated", "flipped-byte", "fingerprint-mismatch", "another-prompt-same-length",
+                     "unreachable-peer"):
+            real, other = prefilled(f"break-{kind}", token_ids), prefilled(f"other-{kind}", other_ids)
+            broken = _broken_handles(real.kv_handle, other.kv_handle)[kind]
+            request = PoolRequest(request_id=f"break-{kind}", token_ids=token_ids, sampling=params,
+                                  kv_handle=broken, first_token_id=real.first_token_id)
+            tokens, paths = [real.first_token_id], set()
+            for data in decode.generate.remote(request.encode()):
+                chunk = DecodeChunk.decode(data)
+                tokens += chunk.token_ids
+                paths.add(chunk.prefill)
+            assert tokens == expected, kind
+            assert paths == {"recompute"}, (kind, paths)
+            release(real)
+            release(other)
+    assert load.outcomes and set(load.outcomes) == {"done"}, load.outcomes
+    assert sum(s["num_recompute_fallbacks"] for s in pool_stats("DecodeServer")) >= fallbacks_before + 5
+    wait_until(_all_clean, timeout=30)
 
 
 def test_killing_the_prefill_replica_under_load(fault_app):

@@ -1,6 +1,8 @@
-"""API keys: the ingress refuses a missing or wrong key with 401 (no Ray needed)."""
+"""API keys: the ingress refuses a missing or wrong key with 401, and no key reaches a log or a body."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 from starlette.requests import Request
@@ -54,3 +56,57 @@ def test_keys_stay_out_of_errors_and_reprs(ingress):
         ingress._authorize(_request({"Authorization": "Bearer s3cret-guess"}))
     assert "s3cret" not in str(info.value.body())
     assert "s3cret" not in repr(AppArgs(api_keys=["s3cret-key"]))
+
+
+def test_bad_key_config_is_refused_without_echoing_the_key():
+    from pd.serve.args import AppArgs
+
+    for args in ({"api_keys": "s3cret-key"}, {"api_keys": ["s3cret-key", 5]}):
+        with pytest.raises(ValueError, match="api_keys") as info:
+            AppArgs.parse(args)
+        assert "s3cret" not in str(info.value)
+
+
+def _log_files() -> list:
+    import ray
+    from pathlib import Path
+
+    logs = Path(ray._private.worker.global_worker.node.get_logs_dir_path())
+    return [p for p in logs.rglob("*") if p.is_file()]
+
+
+def _logs_mention(text: str) -> list[str]:
+    needle = text.encode()
+    return [str(p) for p in _log_files() if needle in p.read_bytes()]
+
+
+def test_keys_never_reach_logs_or_error_bodies(ray_cluster):
+    """A real app with keys from config and environment: they authorize, and no log or body shows them."""
+    import os
+    import uuid
+
+    from tests.serve.conftest import TEST_KEYS_ENV, Client, ensure_app, wait_until
+
+    config_key, guess, marker = (f"{kind}-{uuid.uuid4().hex}" for kind in ("cfgkey", "guess", "marker"))
+    env_key = os.environ[TEST_KEYS_ENV]  # the Ray nodes' environment holds it (see the ray_cluster fixture)
+    ensure_app("default.yaml", api_keys=[config_key], api_keys_env=TEST_KEYS_ENV)
+    client = Client(ray_cluster["url"])
+    body = {"model": "builtin:tiny-llama", "prompt": "hello", "max_tokens": 2, "temperature": 0}
+
+    def call(key: str | None, payload: dict = body):
+        headers = {"X-Request-Id": marker, **({"Authorization": f"Bearer {key}"} if key else {})}
+        return client.request("POST", "/v1/completions", payload, headers=headers)
+
+    assert wait_until(lambda: call(config_key)[0] == 200, timeout=60)
+    assert call(env_key)[0] == 200
+    for key in (None, guess, config_key[:-1], f"{config_key},{env_key}"):
+        status, text = call(key)
+        assert status == 401 and json.loads(text)["error"]["type"] == "authentication_error"
+        assert config_key not in text and env_key not in text and guess not in text
+    status, text = call(config_key, {**body, "max_tokens": -1})
+    assert status == 400 and config_key not in text
+    # The access log records the requests (so these are the files that would show a leak) ...
+    wait_until(lambda: _logs_mention(marker), timeout=30)
+    # ... and nothing written anywhere in the session's logs names a key or the guess.
+    for secret in (config_key, env_key, guess):
+        assert _logs_mention(secret) == [], secret

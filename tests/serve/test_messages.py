@@ -8,7 +8,7 @@ import pytest
 from pd import SamplingParams
 from pd.serve.messages import DecodeChunk, PoolControl, PoolRequest, PrefillResult
 from router.requests import routing_fields
-from transfer.wire import WireError
+from transfer.wire import WireError, encode_message
 
 REQUEST = PoolRequest(request_id="r1", token_ids=[1, 2, 3], sampling=SamplingParams(max_tokens=5, seed=7),
                       block_hashes=[b"12345678"], target_replica_id="abc", exclude_replica_ids=["x"],
@@ -37,15 +37,16 @@ def test_routers_read_the_routing_fields():
 @pytest.mark.parametrize("data, match", [
     (b"", "not valid msgpack"),
     (REQUEST.encode()[:-3], "not valid msgpack"),
-    (msgpack.packb({"v": 99, "kind": "pool_request", "body": {}}), "wire version 99"),
-    (msgpack.packb({"v": 1, "kind": "decode_chunk", "body": {}}), "expected a pool_request"),
-    (msgpack.packb({"v": 1, "kind": "pool_request", "body": {"request_id": "r"}}), "missing the field"),
-    (msgpack.packb({"v": 1, "kind": "pool_request", "body": {
-        "request_id": "r", "token_ids": ["a"], "block_hashes": [], "exclude_replica_ids": [], "sampling": {}}}),
+    (msgpack.packb({"v": 99, "kind": "pool_request", "body": b"", "digest": b""}), "wire version 99"),
+    (encode_message("decode_chunk", {}), "expected a pool_request"),
+    (encode_message("pool_request", {"request_id": "r"}), "missing the field"),
+    (encode_message("pool_request", {
+        "request_id": "r", "token_ids": ["a"], "block_hashes": [], "exclude_replica_ids": [], "sampling": {}}),
      "token_ids"),
-    (msgpack.packb({"v": 1, "kind": "pool_request", "body": {
+    (encode_message("pool_request", {
         "request_id": "r", "token_ids": [1], "block_hashes": [], "exclude_replica_ids": [],
-        "sampling": {"max_tokens": 0}}}), "max_tokens"),
+        "sampling": {"max_tokens": 0}}), "max_tokens"),
+    (REQUEST.encode().replace(b"r1", b"r2"), "digest check"),
 ])
 def test_garbage_is_refused_with_a_clear_error(data, match):
     with pytest.raises(WireError, match=match):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 
-import msgpack
 import pytest
 import torch
 
@@ -12,6 +11,7 @@ pytest.importorskip("nixl")
 
 from transfer import TransferError, TransferState, WireError, create_transport  # noqa: E402
 from transfer.nixl_backend import NixlPeer, NixlTransport  # noqa: E402
+from transfer.wire import decode_message, encode_message  # noqa: E402
 
 BLOCK_SHAPE = (2, 2, 4, 2, 16)
 
@@ -49,10 +49,10 @@ def test_metadata_round_trips_and_names_the_pool(transports):
 )
 def test_bad_peer_metadata_is_refused(transports, mutate, message):
     transport = transports("meta-b")
-    envelope = msgpack.unpackb(transport.local_metadata())
-    mutate(envelope["body"])
+    body = decode_message(transport.local_metadata(), "nixl_peer")
+    mutate(body)
     with pytest.raises(WireError, match=message):
-        transport.add_peer(msgpack.packb(envelope))
+        transport.add_peer(encode_message("nixl_peer", body))
     with pytest.raises(WireError, match="truncated or garbled"):
         transport.add_peer(transport.local_metadata()[:-7])
 

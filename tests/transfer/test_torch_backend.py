@@ -63,7 +63,7 @@ def test_prefill_metadata_names_its_store(transports):
     "message, error",
     [
         (b"\xc1garbage", "not valid msgpack"),
-        (msgpack.packb({"v": WIRE_VERSION + 1, "kind": "torch_send", "body": {}}), "wire version"),
+        (msgpack.packb({"v": WIRE_VERSION + 1, "kind": "torch_send", "body": b"", "digest": b""}), "wire version"),
         (encode_message("torch_reply", {"ok": True}), "expected a torch_connect or torch_send message"),
         (encode_message("torch_send", send_body(block_ids=[1, 99], run_lengths=[1, 1])), r"block ids \[99\]"),
         (encode_message("torch_send", send_body(run_lengths=[3])), "do not split"),

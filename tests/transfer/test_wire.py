@@ -8,6 +8,7 @@ import msgpack
 import pytest
 
 from transfer import WIRE_VERSION, KVHandle, LayoutFingerprint, WireError
+from transfer.wire import decode_message, encode_message, prompt_digest
 
 FINGERPRINT = LayoutFingerprint(model="builtin:tiny-llama", dtype="float32", num_layers=4, num_kv_heads=2,
                                 head_dim=16, block_size=16)
@@ -18,12 +19,18 @@ def make_handle(**overrides) -> KVHandle:
         request_id="req-1", engine_id="prefill-0", transport="nixl", peer_address="10.0.0.1",
         peer_metadata=b"\x00agent\xff", block_ids=(7, 8, 3), num_tokens=40, block_size=16,
         fingerprint=FINGERPRINT, first_token_id=42, lease_expiry=1_700_000_030.5,
+        prompt_digest=prompt_digest(range(40)),
     )
     return KVHandle(**{**fields, **overrides})
 
 
-def envelope(handle: KVHandle) -> dict:
-    return msgpack.unpackb(handle.encode(), raw=False)
+def body(handle: KVHandle) -> dict:
+    return decode_message(handle.encode(), "kv_handle")
+
+
+def resealed(body: dict) -> bytes:
+    """A well-formed envelope (valid digest) around a hand-edited body."""
+    return encode_message("kv_handle", body)
 
 
 def test_handle_round_trips():
@@ -33,9 +40,29 @@ def test_handle_round_trips():
 
 
 def test_integer_lease_expiry_decodes_as_float():
-    message = envelope(make_handle())
-    message["body"]["lease_expiry"] = 1_700_000_030
-    assert KVHandle.decode(msgpack.packb(message)).lease_expiry == 1_700_000_030.0
+    edited = body(make_handle())
+    edited["lease_expiry"] = 1_700_000_030
+    assert KVHandle.decode(resealed(edited)).lease_expiry == 1_700_000_030.0
+
+
+def test_any_flipped_byte_is_refused():
+    """A handle changed in transit never decodes: it could name the wrong blocks."""
+    data = make_handle().encode()
+    for i in range(len(data)):
+        flipped = bytearray(data)
+        flipped[i] ^= 0x01
+        with pytest.raises(WireError):
+            KVHandle.decode(bytes(flipped))
+    block_ids_moved = data.replace(bytes([7, 8, 3]), bytes([7, 9, 3]))
+    assert block_ids_moved != data
+    with pytest.raises(WireError, match="digest check"):
+        KVHandle.decode(block_ids_moved)
+
+
+def test_prompt_digest_tells_prompts_apart():
+    assert prompt_digest([1, 2, 3]) == prompt_digest((1, 2, 3))
+    assert len({prompt_digest([1, 2, 3]), prompt_digest([1, 2, 4]), prompt_digest([3, 2, 1]),
+                prompt_digest([1, 2]), prompt_digest([2**40, 2, 3])}) == 5
 
 
 @pytest.mark.parametrize("cut", [1, 10, 60, -1])
@@ -57,11 +84,13 @@ def test_garbled_handle_is_refused():
 
 
 def test_wrong_version_and_kind_are_refused():
-    message = envelope(make_handle())
+    message = msgpack.unpackb(make_handle().encode(), raw=False)
     with pytest.raises(WireError, match=f"wire version {WIRE_VERSION + 1}"):
         KVHandle.decode(msgpack.packb({**message, "v": WIRE_VERSION + 1}))
     with pytest.raises(WireError, match="expected a kv_handle message, got 'nixl_peer'"):
         KVHandle.decode(msgpack.packb({**message, "kind": "nixl_peer"}))
+    with pytest.raises(WireError, match="packed body and its digest"):
+        KVHandle.decode(msgpack.packb({**message, "body": body(make_handle())}))
 
 
 @pytest.mark.parametrize(
@@ -77,20 +106,21 @@ def test_wrong_version_and_kind_are_refused():
         ("transport", "carrier-pigeon", "'carrier-pigeon' is not one of"),
         ("block_size", 8, "block_size disagrees with its fingerprint"),
         ("fingerprint", "fp", "'fingerprint' has type str"),
+        ("prompt_digest", "abc", "'prompt_digest' has type str"),
     ],
 )
 def test_wrong_field_types_and_values_are_refused(field, value, error):
-    message = envelope(make_handle())
-    message["body"][field] = value
+    edited = body(make_handle())
+    edited[field] = value
     with pytest.raises(WireError, match=error):
-        KVHandle.decode(msgpack.packb(message))
+        KVHandle.decode(resealed(edited))
 
 
 def test_missing_field_is_named():
-    message = envelope(make_handle())
-    del message["body"]["fingerprint"]["head_dim"]
+    edited = body(make_handle())
+    del edited["fingerprint"]["head_dim"]
     with pytest.raises(WireError, match="missing the field 'head_dim'"):
-        KVHandle.decode(msgpack.packb(message))
+        KVHandle.decode(resealed(edited))
 
 
 def test_fingerprint_mismatch_names_each_differing_field():
