@@ -1,12 +1,18 @@
 """The prefix-affinity router on a real Serve app: hit rates measured by the engines.
 
-``python -m bench.router_e2e [--replicas 4] [--requests 160]`` starts the
-default app with ``--replicas`` prefill replicas of the built-in model, once
-with ``PrefixAffinityRouter`` and once with the power-of-two ``PinnedRequestRouter``,
-replays the same generated multi-tenant trace against the prefill pool (each
-trace block id becomes ``--tokens-per-block`` deterministic tokens), and
-prints one JSON line per router: the prefix hit rate the engines report
-(hit tokens over prompt tokens) and the requests each replica served.
+``python -m bench.router_e2e [--replicas 4] [--requests 160] [--seeds 0,1,2]``
+starts the default app with ``--replicas`` prefill replicas of the built-in
+model, once with ``PrefixAffinityRouter`` and once with the power-of-two
+``PinnedRequestRouter``, replays the same generated multi-tenant trace against
+the prefill pool (each trace block id becomes ``--tokens-per-block``
+deterministic tokens), and prints one JSON line per router and seed: the
+prefix hit rate the engines report (hit tokens over prompt tokens) and the
+requests each replica served. A last line gives the median over seeds of the
+pd/pow2 hit-rate ratio.
+
+Each run is its own process with its own Ray instance: a process that has
+called a deployment keeps that deployment's request router, even after the
+app is deleted and deployed again with another router class.
 """
 
 from __future__ import annotations
@@ -88,24 +94,55 @@ def run(router: str, token_lists: list[list[int]], args) -> dict:
     }
 
 
+def run_in_subprocess(router: str, seed: int, args) -> dict:
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "bench.router_e2e", "--router", router, "--seeds", str(seed),
+               "--replicas", str(args.replicas), "--requests", str(args.requests),
+               "--tokens-per-block", str(args.tokens_per_block), "--kv-cache-mib", str(args.kv_cache_mib),
+               "--concurrency", str(args.concurrency), "--pd-kwargs", args.pd_kwargs]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=1800)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(f"{router} run (seed {seed}) failed with {done.returncode}:\n{done.stderr[-3000:]}")
+    return json.loads(lines[-1])
+
+
 def main() -> None:
+    import statistics
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--replicas", type=int, default=4)
     parser.add_argument("--requests", type=int, default=160)
     parser.add_argument("--tokens-per-block", type=int, default=32, help="tokens per trace block id")
     parser.add_argument("--kv-cache-mib", type=int, default=16, help="KV pool per replica")
     parser.add_argument("--concurrency", type=int, default=4)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seeds", default="0", help="comma-separated trace seeds")
     parser.add_argument("--pd-kwargs", default="{}", help="JSON PolicyConfig overrides for the pd router")
+    parser.add_argument("--router", choices=tuple(ROUTERS), help="run only this router, in this process")
     args = parser.parse_args()
+    seeds = [int(seed) for seed in args.seeds.split(",")]
+    if args.router is None:
+        ratios = []
+        for seed in seeds:
+            results = {router: run_in_subprocess(router, seed, args) for router in ROUTERS}
+            for result in results.values():
+                print(json.dumps(result), flush=True)
+            ratios.append(results["pd"]["engine_hit_rate"] / results["pow2"]["engine_hit_rate"])
+        print(json.dumps({"summary": "pd_over_pow2_hit_rate", "kv_cache_mib": args.kv_cache_mib, "seeds": seeds,
+                          "ratios": [round(r, 3) for r in ratios], "median": round(statistics.median(ratios), 3)}))
+        return
+
     import ray
     from ray import serve
 
-    token_lists = prompts(args.requests, args.tokens_per_block, args.seed)
+    [seed] = seeds
+    token_lists = prompts(args.requests, args.tokens_per_block, seed)
     ray.init(address="local", include_dashboard=False, log_to_driver=False)
     try:
-        for router in ROUTERS:
-            print(json.dumps(run(router, token_lists, args)), flush=True)
+        print(json.dumps({"seed": seed, "kv_cache_mib": args.kv_cache_mib, **run(args.router, token_lists, args)}),
+              flush=True)
     finally:
         serve.shutdown()
         ray.shutdown()
