@@ -36,11 +36,12 @@ bookkeeping for it, measured here), and the per-replica request counts.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import random
 import time
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any, Protocol, Sequence
 
@@ -73,6 +74,7 @@ class ReplayConfig:
     cost_b_s: float = DEFAULT_COST_B_S
     cost_c_s: float = DEFAULT_COST_C_S
     report_interval_s: float = DEFAULT_REPORT_INTERVAL_S
+    num_ingress: int = 1  # pd only: ingress replicas, each with its own router
     seed: int = 0
 
 
@@ -209,12 +211,24 @@ def block_key(hash_id: int) -> bytes:
 
 
 class PdRouter:
-    """``PrefixAffinityPolicy``, fed the queues' loads and the caches' periodic block reports."""
+    """``PrefixAffinityPolicy``, fed the queues' loads and the caches' periodic block reports.
 
-    def __init__(self, config: PolicyConfig, num_replicas: int) -> None:
-        self.policy = PrefixAffinityPolicy(config)
+    With ``num_ingress`` > 1 there is one policy per ingress replica, as in a
+    Serve app with several ingress replicas: requests reach them in turn, each
+    learns only from its own decisions and from the replicas' reports (which
+    every one of them receives).
+    """
+
+    def __init__(self, config: PolicyConfig, num_replicas: int, num_ingress: int = 1) -> None:
+        self.policies = [PrefixAffinityPolicy(dataclasses.replace(config, seed=config.seed + i))
+                         for i in range(num_ingress)]
+        self._next = 0
         self._names = [replica_name(replica) for replica in range(num_replicas)]
         self._replica_by_name = {name: replica for replica, name in enumerate(self._names)}
+
+    @property
+    def reason_counts(self) -> Counter:
+        return sum((policy.reason_counts for policy in self.policies), Counter())
 
     def prepare(self, request: TraceRequest, pool: PoolView) -> tuple[list[bytes], int, list[ReplicaLoad]]:
         loads = [
@@ -226,17 +240,20 @@ class PdRouter:
 
     def route(self, prepared: tuple[list[bytes], int, list[ReplicaLoad]], pool: PoolView) -> int:
         block_hashes, num_tokens, loads = prepared
-        decision = self.policy.choose(block_hashes, num_tokens, loads)
-        self.policy.record_routed(decision, block_hashes)
+        policy = self.policies[self._next]
+        self._next = (self._next + 1) % len(self.policies)
+        decision = policy.choose(block_hashes, num_tokens, loads)
+        policy.record_routed(decision, block_hashes)
         return self._replica_by_name[decision.replica_id]
 
     def report(self, replica: int, events: list[tuple[int, bool]]) -> None:
         name = self._names[replica]
-        for block_id, stored in events:
-            if stored:
-                self.policy.index.insert(name, [block_key(block_id)])
-            else:
-                self.policy.index.evict(name, [block_key(block_id)])
+        for policy in self.policies:
+            for block_id, stored in events:
+                if stored:
+                    policy.index.insert(name, [block_key(block_id)])
+                else:
+                    policy.index.evict(name, [block_key(block_id)])
 
 
 # Fixed length of the string standing for one block. A block's first character
@@ -303,7 +320,7 @@ class RayPrefixRouter(PowerOfTwo):
 
 def make_router(policy: str, config: ReplayConfig, pd_config: PolicyConfig) -> Router:
     if policy == "pd":
-        return PdRouter(pd_config, config.num_replicas)
+        return PdRouter(pd_config, config.num_replicas, config.num_ingress)
     if policy == "round_robin":
         return RoundRobin(config.num_replicas)
     if policy == "pow2":
@@ -374,7 +391,7 @@ def replay(policy: str, trace: list[TraceRequest], config: ReplayConfig, pd_conf
     routed = [queue.num_routed for queue in queues]
     extra = {}
     if isinstance(router, PdRouter):
-        extra["reasons"] = {reason.value: count for reason, count in sorted(router.policy.reason_counts.items())}
+        extra["reasons"] = {reason.value: count for reason, count in sorted(router.reason_counts.items())}
     return PolicyResult(
         policy=policy,
         hit_rate=cached_blocks / total_blocks if total_blocks else 0.0,
@@ -417,6 +434,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cost-c", type=float, default=DEFAULT_COST_C_S, help="c: seconds per output token")
     parser.add_argument("--report-interval", type=float, default=DEFAULT_REPORT_INTERVAL_S,
                         help="seconds between the replicas' stored/evicted block reports to the pd router")
+    parser.add_argument("--ingress", type=int, default=1,
+                        help="ingress replicas, each with its own pd router (requests reach them in turn)")
     parser.add_argument("--policies", default=",".join(POLICIES), help="comma-separated subset of " + ",".join(POLICIES))
     parser.add_argument("--save-trace", help="also write the replayed trace to this JSONL file")
     args = parser.parse_args(argv)
@@ -426,6 +445,7 @@ def main(argv: list[str] | None = None) -> None:
         dump_trace(trace, args.save_trace)
     config = ReplayConfig(num_replicas=args.replicas, cache_blocks=args.cache_blocks, cost_a_s=args.cost_a,
                           cost_b_s=args.cost_b, cost_c_s=args.cost_c, report_interval_s=args.report_interval,
+                          num_ingress=args.ingress,
                           seed=args.seed)
     pd_config = PolicyConfig(block_size=TRACE_BLOCK_TOKENS, seed=args.seed)
     for policy in args.policies.split(","):

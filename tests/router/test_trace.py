@@ -110,6 +110,20 @@ def test_replay_multi_tenant_pd_beats_round_robin():
     assert sum(results["pd"].extra["reasons"].values()) == 300
 
 
+def test_replay_with_several_ingress_routers_still_finds_prefixes_and_balances():
+    """Each ingress replica's router learns from its own decisions and the shared reports."""
+    trace = generate_multi_tenant(SMALL_MULTI_TENANT)
+    config = bench_router.ReplayConfig(num_replicas=4, cache_blocks=64, num_ingress=3)
+    pd_config = PolicyConfig(block_size=TRACE_BLOCK_TOKENS)
+    router = bench_router.make_router("pd", config, pd_config)
+    assert len(router.policies) == 3
+    several = bench_router.replay("pd", trace, config, pd_config)
+    round_robin = bench_router.replay("round_robin", trace, config, pd_config)
+    assert several.hit_rate > 1.5 * round_robin.hit_rate
+    assert several.max_min_load_ratio <= 1.5
+    assert sum(several.extra["reasons"].values()) == 300
+
+
 def test_main_prints_one_json_line_per_policy(capsys, tmp_path):
     path = tmp_path / "trace.jsonl"
     dump_trace(generate_system_prompt(SystemPromptTraceConfig(num_requests=50)), path)
