@@ -45,11 +45,6 @@ class BlockPool:
         self._events: deque[CacheEvent] = deque(maxlen=MAX_CACHE_EVENTS)
         self._next_seq = 0
 
-    def cache_events(self, after_seq: int = -1) -> list[CacheEvent]:
-        """Prefix-cache changes numbered above ``after_seq`` (the oldest may have been dropped)."""
-        events = list(self._events)  # one C-level copy: safe against a step running on another thread
-        return [e for e in events if e.seq > after_seq]
-
     def cache_event_window(self) -> tuple[int, list[CacheEvent]]:
         """``(first_seq, events)``: every change still kept, compacted to each hash's latest.
 

@@ -148,7 +148,8 @@ def describe_errors(exc: ValidationError) -> str:
     for error in exc.errors(include_url=False):
         where = ".".join(str(part) for part in error["loc"]) or "args"
         line = f"  {where}: {error['msg']}"
-        if error["loc"][:1] not in [(name,) for name in SECRET_FIELDS] and "input" in error:
+        secret = bool(error["loc"]) and error["loc"][0] in SECRET_FIELDS
+        if not secret and "input" in error:
             line += f" (got {error['input']!r:.200})"
         lines.append(line)
     return "\n".join(lines)

@@ -103,20 +103,6 @@ def test_allocate_slots_is_all_or_nothing():
     assert pool.num_free_blocks == 3 and manager.block_ids("a") == []
 
 
-def test_cache_events_number_stores_and_evictions_in_order():
-    pool = BlockPool(2)
-    a, b = pool.allocate(2)
-    pool.insert(a, b"a" * 8, [1])
-    pool.insert(b, b"b" * 8, [2])
-    pool.free([a, b])
-    pool.allocate(1)  # evicts block a's prefix
-    events = pool.cache_events()
-    assert [(e.seq, e.block_hash, e.stored) for e in events] == [
-        (0, b"a" * 8, True), (1, b"b" * 8, True), (2, b"a" * 8, False)
-    ]
-    assert [e.seq for e in pool.cache_events(after_seq=1)] == [2]
-
-
 def test_cache_event_window_keeps_each_hashs_latest_event_and_says_where_it_starts(monkeypatch):
     import pd.engine.block_pool as block_pool
 
