@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator
 
 from pd.config import EngineConfig
 from pd.engine.engine import EngineStats, LLMEngine
+from pd.engine.memory import release_free_memory
 from pd.engine.outputs import RequestOutput
 from pd.engine.request import FinishReason
 from pd.sampling_params import SamplingParams
@@ -24,6 +26,9 @@ logger = logging.getLogger(__name__)
 
 # How often leases and pulls are polled while no request is running.
 HOUSEKEEPING_INTERVAL_S = 0.005
+# How often a busy engine gives freed heap memory back to the OS (pd.engine.memory);
+# an engine going idle does it at once.
+MEMORY_RELEASE_INTERVAL_S = 10.0
 
 
 class EngineDeadError(RuntimeError):
@@ -41,6 +46,8 @@ class AsyncLLMEngine:
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
         self._closed = False
+        self._stepped_since_release = False
+        self._last_release = time.monotonic()
 
     @property
     def tokenizer(self):
@@ -151,6 +158,9 @@ class AsyncLLMEngine:
                 self._wakeup.clear()
                 if self._pending_adds or self._pending_aborts or self._pending_releases:
                     continue
+                if self._stepped_since_release:
+                    await self._release_memory(loop)
+                    continue
                 if self.engine.has_pending_transfers():
                     # Leases must expire and notifications land even with nothing to run.
                     try:
@@ -167,6 +177,9 @@ class AsyncLLMEngine:
                 logger.exception("engine step failed; failing in-flight requests")
                 self._fail_all(EngineDeadError(f"engine step failed: {exc!r}"))
                 continue
+            self._stepped_since_release = True
+            if time.monotonic() - self._last_release >= MEMORY_RELEASE_INTERVAL_S:
+                await self._release_memory(loop)
             if not results and not self.engine.scheduler.running and not self.engine.scheduler.waiting:
                 # Only pulls in flight: poll them without spinning the CPU.
                 await asyncio.sleep(HOUSEKEEPING_INTERVAL_S)
@@ -177,6 +190,12 @@ class AsyncLLMEngine:
                 if result.finished:
                     del self._streams[result.request_id]
                 queue.put_nowait(result)
+
+    async def _release_memory(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Between steps, on the step thread: no model work allocates meanwhile."""
+        await loop.run_in_executor(self._executor, release_free_memory)
+        self._stepped_since_release = False
+        self._last_release = time.monotonic()
 
     def _fail_all(self, error: Exception) -> None:
         for request_id, queue in list(self._streams.items()):

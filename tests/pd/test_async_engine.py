@@ -87,3 +87,30 @@ def test_bad_input_raises_before_queueing(model_dir):
         return tokens
 
     assert len(asyncio.run(main())) == 12
+
+
+def test_freed_memory_goes_back_to_the_os_when_idle_and_while_busy(model_dir, monkeypatch):
+    import threading
+
+    import pd.engine.async_engine as async_engine
+    from pd.engine.memory import release_free_memory
+
+    assert release_free_memory()  # glibc on this platform: the call is real
+    calls = []
+    monkeypatch.setattr(async_engine, "release_free_memory", lambda: calls.append(threading.current_thread().name))
+
+    async def main():
+        engine = AsyncLLMEngine(EngineConfig(model=model_dir, num_blocks=64))
+        await _collect(engine.add_request("a", list(range(1, 20)), GREEDY))
+        while not calls:  # the loop goes idle after the request: one release
+            await asyncio.sleep(0.01)
+        idle_calls = len(calls)
+        monkeypatch.setattr(async_engine, "MEMORY_RELEASE_INTERVAL_S", 0.0)  # busy: after every step
+        await _collect(engine.add_request("b", list(range(1, 20)), GREEDY))
+        await engine.shutdown()
+        return idle_calls
+
+    idle_calls = asyncio.run(main())
+    assert idle_calls == 1
+    assert len(calls) >= 1 + GREEDY.max_tokens
+    assert all(name.startswith("pd-engine-step") for name in calls)  # between steps, on the step thread
