@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import statistics
 import tempfile
 import time
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from bench.stats import percentile
 from pd import LLM, SamplingParams
 from pd.model.linear import make_linear
 
@@ -119,7 +119,7 @@ def measure_peaks(repeats: int = 5) -> tuple[float, float]:
             start = time.perf_counter()
             matmul()
             times.append(time.perf_counter() - start)
-        flops = max(flops, 2 * 2048**3 / statistics.median(times[1:]))
+        flops = max(flops, 2 * 2048**3 / percentile(times[1:], 50))
     src = torch.ones(128 * 1024**2)  # 512 MiB
     dst = torch.empty_like(src)
     times = []
@@ -127,7 +127,7 @@ def measure_peaks(repeats: int = 5) -> tuple[float, float]:
         start = time.perf_counter()
         dst.copy_(src)
         times.append(time.perf_counter() - start)
-    copy_bw = 2 * src.numel() * 4 / statistics.median(times[1:])
+    copy_bw = 2 * src.numel() * 4 / percentile(times[1:], 50)
     return flops, copy_bw
 
 
@@ -190,7 +190,7 @@ def main() -> None:
                     w = timed if r == 0 else workload(case, vocab, seed=1 + r)
                     theirs.append(useful_tokens(w) / run_hf(hf, w, batch))
                     ours.append(useful_tokens(w) / run_ours(llm, w))
-                ours_tok_s, hf_tok_s = statistics.median(ours), statistics.median(theirs)
+                ours_tok_s, hf_tok_s = percentile(ours, 50), percentile(theirs, 50)
                 bound = lower_bound_s(MODELS[name], timed, flops_peak, copy_bw)
                 print(json.dumps({
                     "case": case, "model": name,

@@ -27,10 +27,11 @@ import json
 import logging
 import multiprocessing
 import random
-import statistics
 import time
 
 import torch
+
+from bench.stats import percentile
 
 NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 24, 2, 64, 16
 PROMPT_TOKENS = 2048
@@ -165,6 +166,55 @@ def timed_memcpy(dst: torch.Tensor, src: torch.Tensor) -> float:
     return time.perf_counter() - start
 
 
+def time_rounds(transport, raw: RawNixl, remote_ids: list[int], local_ids: list[int], warmup: int,
+                rounds: int) -> dict[str, list[float]]:
+    """Seconds per round of each way to move the blocks, interleaved so that they share the machine's state."""
+    src = torch.ones(TRANSFER_BYTES, dtype=torch.uint8)
+    dst = torch.ones(TRANSFER_BYTES, dtype=torch.uint8)
+    contiguous = list(range(NUM_BLOCKS))
+    times: dict[str, list[float]] = {"ours": [], "raw": [], "memcpy": [], "one_run": []}
+    for i in range(warmup + rounds):
+        sample = {
+            "ours": timed_read(transport, remote_ids, local_ids, f"bench-{i}"),
+            "raw": raw.read(),
+            "memcpy": timed_memcpy(dst, src),
+            "one_run": timed_read(transport, contiguous, contiguous, f"bench-run-{i}"),
+        }
+        if i >= warmup:
+            for name, seconds in sample.items():
+                times[name].append(seconds)
+    return times
+
+
+def verify_read(transport, pool: torch.Tensor, remote_ids: list[int], local_ids: list[int]) -> bool:
+    """Whether one more read lands each remote block's pattern in its local block and touches no other."""
+    pool.view(POOL_BLOCKS, -1).view(torch.int32).fill_(SENTINEL)
+    timed_read(transport, remote_ids, local_ids, "bench-verify")
+    words = pool.view(POOL_BLOCKS, -1).view(torch.int32)
+    verified = torch.equal(words[local_ids], block_words(torch.tensor(remote_ids)))
+    untouched = sorted(set(range(POOL_BLOCKS)) - set(local_ids))
+    return verified and bool((words[untouched] == SENTINEL).all())
+
+
+def summarize(times: dict[str, list[float]]) -> dict[str, float]:
+    """Median bandwidths, and the median over rounds of a baseline's time over ours (above 1: ours is faster)."""
+
+    def gb_per_s(name: str) -> float:
+        return round(TRANSFER_BYTES / percentile(times[name], 50) / 1e9, 3)
+
+    def ratio(name: str) -> float:
+        return round(percentile([t / o for t, o in zip(times[name], times["ours"])], 50), 3)
+
+    return {
+        "gb_per_s": gb_per_s("ours"),
+        "raw_nixl_gb_per_s": gb_per_s("raw"),
+        "memcpy_gb_per_s": gb_per_s("memcpy"),
+        "one_run_gb_per_s": gb_per_s("one_run"),
+        "ratio_vs_raw": ratio("raw"),
+        "ratio_vs_memcpy": ratio("memcpy"),
+    }
+
+
 def run(backend: str, rounds: int, warmup: int) -> dict:
     from transfer import block_runs, create_transport
 
@@ -191,28 +241,8 @@ def run(backend: str, rounds: int, warmup: int) -> dict:
         transport.register(pool)
         transport.add_peer(metadata)
         raw = RawNixl(pool, raw_metadata, peer_address)
-        src = torch.ones(TRANSFER_BYTES, dtype=torch.uint8)
-        dst = torch.ones(TRANSFER_BYTES, dtype=torch.uint8)
-        contiguous = list(range(NUM_BLOCKS))
-
-        times: dict[str, list[float]] = {"ours": [], "raw": [], "memcpy": [], "one_run": []}
-        for i in range(warmup + rounds):
-            sample = {
-                "ours": timed_read(transport, remote_ids, local_ids, f"bench-{i}"),
-                "raw": raw.read(),
-                "memcpy": timed_memcpy(dst, src),
-                "one_run": timed_read(transport, contiguous, contiguous, f"bench-run-{i}"),
-            }
-            if i >= warmup:
-                for name, seconds in sample.items():
-                    times[name].append(seconds)
-
-        pool.view(POOL_BLOCKS, -1).view(torch.int32).fill_(SENTINEL)
-        timed_read(transport, remote_ids, local_ids, "bench-verify")
-        words = pool.view(POOL_BLOCKS, -1).view(torch.int32)
-        verified = torch.equal(words[local_ids], block_words(torch.tensor(remote_ids)))
-        untouched = sorted(set(range(POOL_BLOCKS)) - set(local_ids))
-        verified = verified and bool((words[untouched] == SENTINEL).all())
+        times = time_rounds(transport, raw, remote_ids, local_ids, warmup, rounds)
+        verified = verify_read(transport, pool, remote_ids, local_ids)
 
         expected = 2 * (warmup + rounds) + 1
         deadline, notified = time.monotonic() + 5, []
@@ -232,24 +262,13 @@ def run(backend: str, rounds: int, warmup: int) -> dict:
         if process.is_alive():
             process.kill()
 
-    def gb_per_s(name: str) -> float:
-        return round(TRANSFER_BYTES / statistics.median(times[name]) / 1e9, 3)
-
-    def ratio(name: str) -> float:
-        return round(statistics.median(t / o for t, o in zip(times[name], times["ours"])), 3)
-
     return {
         "backend": backend,
         "bytes": TRANSFER_BYTES,
         "blocks": NUM_BLOCKS,
         "descriptors": len(block_runs(remote_ids, local_ids)),
         "rounds": rounds,
-        "gb_per_s": gb_per_s("ours"),
-        "raw_nixl_gb_per_s": gb_per_s("raw"),
-        "memcpy_gb_per_s": gb_per_s("memcpy"),
-        "one_run_gb_per_s": gb_per_s("one_run"),
-        "ratio_vs_raw": ratio("raw"),
-        "ratio_vs_memcpy": ratio("memcpy"),
+        **summarize(times),
         "verified": verified,
         "notified": len(notified) == expected,
     }

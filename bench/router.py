@@ -1,7 +1,7 @@
 """Trace-driven comparison of prefill routers on a modelled replica pool.
 
 ``python -m bench.router [--trace FILE | --generate {multi_tenant,system_prompt}] [--replicas 8]
-[--cache-blocks 256]`` replays one Mooncake-format trace (``router.trace``)
+[--cache-blocks 256]`` replays one Mooncake-format trace (``bench.trace``)
 through every policy and prints one JSON line per policy:
 
 - ``pd``: this project's ``router.policy.PrefixAffinityPolicy``, which also
@@ -11,9 +11,9 @@ through every policy and prints one JSON line per policy:
 - ``ray_prefix``: Ray Serve LLM's ``PrefixCacheAffinityRouter`` decision logic
   over Ray's own ``PrefixTree`` with Ray's defaults (match threshold 0.1,
   imbalance threshold infinite, smallest-tenant fallback). Each hash id is
-  fed to the tree as a fixed-length synthesized string.
+  fed to the tree as a fixed-length synthesized string (``bench.ray_prefix``).
 
-Replay model, the same for every policy:
+Replay model, the same for every policy (``bench.replica_model``):
 
 - each replica has an LRU prefix cache of ``--cache-blocks`` 512-token blocks.
   A request reuses the leading run of its ``hash_ids`` that its replica's cache
@@ -31,6 +31,7 @@ time), ``max_min_load_ratio`` (most over fewest requests routed to a replica;
 null when some replica got none), ``ttft_p50_s``/``ttft_p99_s`` (modelled),
 ``decide_us_p99`` (wall time of one routing decision plus the router's
 bookkeeping for it, measured here), and the per-replica request counts.
+Percentiles interpolate between ranks, as ``bench.stats`` defines them.
 """
 
 from __future__ import annotations
@@ -38,15 +39,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
-import random
 import time
-from collections import Counter, OrderedDict, deque
+from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence
 
-from router.policy import PolicyConfig, PrefixAffinityPolicy, ReplicaLoad
-from router.trace import (
+from bench.baseline_routers import PowerOfTwo, RoundRobin, Router, replica_name
+from bench.ray_prefix import RayPrefixRouter
+from bench.replica_model import PoolView, ReplicaCache, ReplicaQueue, block_key
+from bench.stats import percentile, percentiles
+from bench.trace import (
     TRACE_BLOCK_TOKENS,
     MultiTenantTraceConfig,
     SystemPromptTraceConfig,
@@ -56,6 +57,9 @@ from router.trace import (
     generate_system_prompt,
     load_trace,
 )
+from router.cache_feed import CacheEventFeed
+from router.policy import PolicyConfig, PrefixAffinityPolicy, ReplicaLoad
+from router.protocol import NO_STATS, RoutingStats
 
 POLICIES = ("pd", "round_robin", "pow2", "ray_prefix")
 DEFAULT_COST_A_S = 0.010  # fixed per-request overhead
@@ -78,140 +82,12 @@ class ReplayConfig:
     seed: int = 0
 
 
-class ReplicaCache:
-    """An LRU prefix cache of block ids that logs what it stores and evicts, for reports."""
-
-    def __init__(self, capacity_blocks: int) -> None:
-        self.capacity_blocks = capacity_blocks
-        self._blocks: OrderedDict[int, None] = OrderedDict()
-        self.events: list[tuple[int, bool]] = []  # (block id, stored), since the last report
-
-    def match(self, hash_ids: Sequence[int]) -> int:
-        """The leading run of ``hash_ids`` held."""
-        for position, block_id in enumerate(hash_ids):
-            if block_id not in self._blocks:
-                return position
-        return len(hash_ids)
-
-    def insert(self, hash_ids: Sequence[int]) -> None:
-        # Last block first, so the prompt's head is the most recently used.
-        for block_id in reversed(hash_ids):
-            if block_id in self._blocks:
-                self._blocks.move_to_end(block_id)
-            else:
-                self._blocks[block_id] = None
-                self.events.append((block_id, True))
-        while len(self._blocks) > self.capacity_blocks:
-            evicted, _ = self._blocks.popitem(last=False)
-            self.events.append((evicted, False))
-
-
-@dataclass
-class _Job:
-    start_s: float
-    prefill_end_s: float
-    finish_s: float
-    uncached_tokens: int
-    num_blocks: int
-
-
-class ReplicaQueue:
-    """One FIFO single-server replica."""
-
-    def __init__(self) -> None:
-        self.jobs: deque[_Job] = deque()
-        self.free_at_s = 0.0
-        self.num_routed = 0
-
-    def retire(self, now_s: float) -> None:
-        while self.jobs and self.jobs[0].finish_s <= now_s:
-            self.jobs.popleft()
-
-    def queued_prefill_tokens(self, now_s: float) -> int:
-        return sum(job.uncached_tokens for job in self.jobs if job.prefill_end_s > now_s)
-
-    def kv_usage(self, now_s: float, cache_blocks: int) -> float:
-        """The running request's blocks over the cache size; waiting requests hold no KV yet."""
-        if not self.jobs or self.jobs[0].start_s > now_s:
-            return 0.0
-        return min(1.0, self.jobs[0].num_blocks / cache_blocks)
-
-    def submit(self, now_s: float, prefill_s: float, decode_s: float, uncached: int, num_blocks: int) -> float:
-        """Queue a request; returns its TTFT."""
-        start_s = max(now_s, self.free_at_s)
-        prefill_end_s = start_s + prefill_s
-        self.free_at_s = prefill_end_s + decode_s
-        self.jobs.append(_Job(start_s, prefill_end_s, self.free_at_s, uncached, num_blocks))
-        self.num_routed += 1
-        return prefill_end_s - now_s
-
-
-@dataclass(frozen=True)
-class PoolView:
-    """What a router may see of the pool when one request arrives."""
-
-    now_s: float
-    queues: list[ReplicaQueue]
-    cache_blocks: int
-
-    def queue_len(self, replica: int) -> int:
-        return len(self.queues[replica].jobs)
-
-
-class Router(Protocol):
-    """One routing policy under test. ``prepare`` is the caller's share of the work (hashing,
-    gathering loads) and is not timed; ``route`` is the decision plus the router's bookkeeping."""
-
-    def prepare(self, request: TraceRequest, pool: PoolView) -> Any: ...
-
-    def route(self, prepared: Any, pool: PoolView) -> int: ...
-
-    def report(self, replica: int, events: list[tuple[int, bool]]) -> None:
-        """The replica's cache stored (True) or evicted (False) these block ids since its last report."""
-
-
-class RoundRobin:
-    def __init__(self, num_replicas: int) -> None:
-        self._num_replicas = num_replicas
-        self._next = 0
-
-    def prepare(self, request: TraceRequest, pool: PoolView) -> None:
-        return None
-
-    def route(self, prepared: None, pool: PoolView) -> int:
-        replica = self._next
-        self._next = (self._next + 1) % self._num_replicas
-        return replica
-
-    def report(self, replica: int, events: list[tuple[int, bool]]) -> None:
-        pass
-
-
-class PowerOfTwo(RoundRobin):
-    """Ray Serve's default: two distinct random replicas, the shorter queue (the first on a tie)."""
-
-    def __init__(self, num_replicas: int, seed: int) -> None:
-        super().__init__(num_replicas)
-        self._rng = random.Random(seed)
-
-    def route(self, prepared: None, pool: PoolView) -> int:
-        if self._num_replicas == 1:
-            return 0
-        first, second = self._rng.sample(range(self._num_replicas), 2)
-        return second if pool.queue_len(second) < pool.queue_len(first) else first
-
-
-def replica_name(replica: int) -> str:
-    return f"replica-{replica}"
-
-
-def block_key(hash_id: int) -> bytes:
-    """A trace block id as the 8-byte hash the index keys on."""
-    return hash_id.to_bytes(8, "big", signed=True)
-
-
 class PdRouter:
-    """``PrefixAffinityPolicy``, fed the queues' loads and the caches' periodic block reports.
+    """``PrefixAffinityPolicy``, fed the queues' loads and the caches' periodic reports.
+
+    As in ``router.serve.PrefixAffinityRouter``: every decision first brings
+    the policy's index up to the replicas' latest reports through a
+    ``CacheEventFeed``, then chooses; both are timed.
 
     With ``num_ingress`` > 1 there is one policy per ingress replica, as in a
     Serve app with several ingress replicas: requests reach them in turn, each
@@ -222,9 +98,11 @@ class PdRouter:
     def __init__(self, config: PolicyConfig, num_replicas: int, num_ingress: int = 1) -> None:
         self.policies = [PrefixAffinityPolicy(dataclasses.replace(config, seed=config.seed + i))
                          for i in range(num_ingress)]
+        self.feeds = [CacheEventFeed(policy.index) for policy in self.policies]
         self._next = 0
         self._names = [replica_name(replica) for replica in range(num_replicas)]
         self._replica_by_name = {name: replica for replica, name in enumerate(self._names)}
+        self._reports = {name: NO_STATS for name in self._names}
 
     @property
     def reason_counts(self) -> Counter:
@@ -240,82 +118,16 @@ class PdRouter:
 
     def route(self, prepared: tuple[list[bytes], int, list[ReplicaLoad]], pool: PoolView) -> int:
         block_hashes, num_tokens, loads = prepared
-        policy = self.policies[self._next]
+        policy, feed = self.policies[self._next], self.feeds[self._next]
         self._next = (self._next + 1) % len(self.policies)
+        for name, stats in self._reports.items():
+            feed.apply(name, stats)
         decision = policy.choose(block_hashes, num_tokens, loads)
         policy.record_routed(decision, block_hashes)
         return self._replica_by_name[decision.replica_id]
 
-    def report(self, replica: int, events: list[tuple[int, bool]]) -> None:
-        name = self._names[replica]
-        for policy in self.policies:
-            for block_id, stored in events:
-                if stored:
-                    policy.index.insert(name, [block_key(block_id)])
-                else:
-                    policy.index.evict(name, [block_key(block_id)])
-
-
-# Fixed length of the string standing for one block. A block's first character
-# is its id's lowest base-0xD000 digit (code points below the surrogates), so
-# blocks diverge at their first character and the tree never matches part of one.
-RAY_BLOCK_CHARS = 4
-_RAY_ALPHABET = 0xD000
-
-
-def ray_block_text(hash_id: int) -> str:
-    chars = []
-    value = hash_id
-    for _ in range(RAY_BLOCK_CHARS):
-        value, digit = divmod(value, _RAY_ALPHABET)
-        chars.append(chr(digit))
-    return "".join(chars)
-
-
-class RayPrefixRouter(PowerOfTwo):
-    """Ray Serve LLM's ``PrefixCacheAffinityRouter`` decision over Ray's own ``PrefixTree``.
-
-    Mirrors ray 2.60 ``_prefix_match_best_replicas`` and ``choose_replicas``:
-    draw the power-of-two fallback; if the spread of queue lengths is within
-    the imbalance threshold, match the prompt in the tree; below the match-rate
-    threshold take the tenants with the fewest characters in the tree, else the
-    tenants owning the deepest matched node; with no candidates, the fallback.
-    Serve then sends the request to the candidate with the shortest queue (the
-    first on a tie), and ``on_request_routed`` inserts the prompt for it. The
-    tree never hears of cache evictions: Ray's eviction loop is off by default,
-    and trims by size rather than from replica reports.
-    """
-
-    def __init__(self, num_replicas: int, seed: int, imbalanced_threshold: float = math.inf,
-                 match_rate_threshold: float = 0.1) -> None:
-        from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_tree import PrefixTree
-
-        super().__init__(num_replicas, seed)
-        self.tree = PrefixTree()
-        self._names = [replica_name(replica) for replica in range(num_replicas)]
-        self._replica_by_name = {name: replica for replica, name in enumerate(self._names)}
-        self.tree.add_tenants(self._names, 0.0)
-        self._imbalanced_threshold = imbalanced_threshold
-        self._match_rate_threshold = match_rate_threshold
-
-    def prepare(self, request: TraceRequest, pool: PoolView) -> str:
-        return "".join(ray_block_text(h) for h in request.hash_ids)
-
-    def route(self, text: str, pool: PoolView) -> int:
-        fallback = super().route(None, pool)
-        queue_lens = [pool.queue_len(replica) for replica in range(len(self._names))]
-        chosen_names: list[str] = []
-        if max(queue_lens) - min(queue_lens) <= self._imbalanced_threshold:
-            matched_text, matched_names = self.tree.prefix_match(text, self._names)
-            if len(matched_text) / len(text) < self._match_rate_threshold:
-                chosen_names = self.tree.get_smallest_tenants() or []
-            else:
-                chosen_names = matched_names or []
-        replica = fallback
-        if chosen_names:
-            replica = min((self._replica_by_name[name] for name in chosen_names), key=lambda r: queue_lens[r])
-        self.tree.insert(text, self._names[replica], pool.now_s)
-        return replica
+    def report(self, replica: int, stats: RoutingStats) -> None:
+        self._reports[self._names[replica]] = stats
 
 
 def make_router(policy: str, config: ReplayConfig, pd_config: PolicyConfig) -> Router:
@@ -350,11 +162,6 @@ class PolicyResult:
         return json.dumps(record)
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 def replay(policy: str, trace: list[TraceRequest], config: ReplayConfig, pd_config: PolicyConfig) -> PolicyResult:
     """Route every request of ``trace`` with ``policy`` through the modelled pool."""
     router = make_router(policy, config, pd_config)
@@ -370,8 +177,7 @@ def replay(policy: str, trace: list[TraceRequest], config: ReplayConfig, pd_conf
             queue.retire(now_s)
         while now_s >= next_report_s:
             for replica, cache in enumerate(caches):
-                router.report(replica, cache.events)
-                cache.events = []
+                router.report(replica, cache.report())
             next_report_s += config.report_interval_s
         pool = PoolView(now_s, queues, config.cache_blocks)
         prepared = router.prepare(request, pool)
@@ -389,6 +195,7 @@ def replay(policy: str, trace: list[TraceRequest], config: ReplayConfig, pd_conf
         ttfts.append(queues[replica].submit(now_s, prefill_s, decode_s, uncached, len(request.hash_ids)))
 
     routed = [queue.num_routed for queue in queues]
+    ttft_p50_s, ttft_p99_s = percentiles(ttfts, [50, 99])
     extra = {}
     if isinstance(router, PdRouter):
         extra["reasons"] = {reason.value: count for reason, count in sorted(router.reason_counts.items())}
@@ -396,9 +203,9 @@ def replay(policy: str, trace: list[TraceRequest], config: ReplayConfig, pd_conf
         policy=policy,
         hit_rate=cached_blocks / total_blocks if total_blocks else 0.0,
         max_min_load_ratio=max(routed) / min(routed) if min(routed) > 0 else None,
-        ttft_p50_s=percentile(ttfts, 0.50),
-        ttft_p99_s=percentile(ttfts, 0.99),
-        decide_us_p99=percentile(decide_ns, 0.99) / 1000.0,
+        ttft_p50_s=ttft_p50_s,
+        ttft_p99_s=ttft_p99_s,
+        decide_us_p99=percentile(decide_ns, 99) / 1000.0,
         routed_per_replica=routed,
         extra=extra,
     )

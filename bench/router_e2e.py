@@ -26,8 +26,9 @@ from pathlib import Path
 
 import yaml
 
+from bench.stats import percentile
+from bench.trace import MultiTenantTraceConfig, generate_multi_tenant
 from router.hashing import hash_block_tokens
-from router.trace import MultiTenantTraceConfig, generate_multi_tenant
 
 ROUTERS = {"pd": "router.serve:PrefixAffinityRouter", "pow2": "router.serve:PinnedRequestRouter"}
 CONFIG = Path(__file__).resolve().parents[1] / "serve_configs" / "default.yaml"
@@ -45,7 +46,8 @@ def prompts(num_requests: int, tokens_per_block: int, seed: int) -> list[list[in
 
 async def replay(handle, token_lists: list[list[int]], concurrency: int) -> Counter:
     from pd import SamplingParams
-    from pd.serve.messages import PoolControl, PoolRequest, PrefillResult
+    from pd.serve.protocol import PoolControl, PoolRequest, PrefillResult
+    from router.protocol import RouteHints
 
     placed: Counter = Counter()
     queue = list(enumerate(token_lists))
@@ -54,11 +56,13 @@ async def replay(handle, token_lists: list[list[int]], concurrency: int) -> Coun
     async def worker() -> None:
         while queue:
             index, token_ids = queue.pop(0)
-            request = PoolRequest(request_id=f"trace-{index}", token_ids=token_ids, sampling=params,
-                                  block_hashes=hash_block_tokens(token_ids, 16))
-            result = PrefillResult.decode(await handle.prefill.remote(request.encode()))
-            await handle.release.remote(PoolControl(request_id=request.request_id,
-                                                    target_replica_id=result.replica_id).encode())
+            request_id = f"trace-{index}"
+            request = PoolRequest(request_id=request_id, token_ids=tuple(token_ids), sampling=params)
+            hints = RouteHints(request_id=request_id, num_prompt_tokens=len(token_ids),
+                               block_hashes=tuple(hash_block_tokens(token_ids, 16)))
+            result = PrefillResult.decode(await handle.prefill.remote(hints.encode(), request.encode()))
+            release = RouteHints(request_id=request_id, target_replica_id=result.replica_id)
+            await handle.release.remote(release.encode(), PoolControl(request_id=request_id).encode())
             placed[result.replica_id] += 1
 
     await asyncio.gather(*[worker() for _ in range(concurrency)])
@@ -78,9 +82,9 @@ def run(router: str, token_lists: list[list[int]], args) -> dict:
     serve.run(build_app(app_args), name="pd", route_prefix="/")
     handle = serve.get_deployment_handle("PrefillServer", "pd")
     placed = asyncio.run(replay(handle, token_lists, args.concurrency))
-    from pd.serve.messages import PoolControl
+    from router.protocol import RouteHints
 
-    stats = [handle.stats_of.remote(PoolControl(request_id="", target_replica_id=r).encode()).result()
+    stats = [handle.stats_of.remote(RouteHints(request_id="", target_replica_id=r).encode()).result()
              for r in placed]
     serve.delete("pd")
     hits = sum(s["num_prefix_hit_tokens"] for s in stats)
@@ -110,8 +114,6 @@ def run_in_subprocess(router: str, seed: int, args) -> dict:
 
 
 def main() -> None:
-    import statistics
-
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--replicas", type=int, default=4)
     parser.add_argument("--requests", type=int, default=160)
@@ -131,7 +133,7 @@ def main() -> None:
                 print(json.dumps(result), flush=True)
             ratios.append(results["pd"]["engine_hit_rate"] / results["pow2"]["engine_hit_rate"])
         print(json.dumps({"summary": "pd_over_pow2_hit_rate", "kv_cache_mib": args.kv_cache_mib, "seeds": seeds,
-                          "ratios": [round(r, 3) for r in ratios], "median": round(statistics.median(ratios), 3)}))
+                          "ratios": [round(r, 3) for r in ratios], "median": round(percentile(ratios, 50), 3)}))
         return
 
     import ray

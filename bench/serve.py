@@ -11,57 +11,77 @@ with the disaggregated/colocated ratios of those medians.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import random
-import statistics
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from queue import Empty, SimpleQueue
+from typing import Iterable, Iterator
 
+import requests
 import yaml
+
+from bench.stats import percentile
 
 CONFIGS = {"disaggregated": "default.yaml", "colocated": "colocated.yaml"}
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "serve_configs"
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+def sse_events(lines: Iterable[bytes]) -> Iterator[dict]:
+    """The JSON events of a server-sent event stream's lines, up to ``data: [DONE]``.
+
+    Lines other than ``data:`` ones (blank separators, comments) are skipped;
+    an event carrying ``error`` raises ``RuntimeError``.
+    """
+    for line in lines:
+        if not line.startswith(b"data:"):
+            continue
+        data = line.removeprefix(b"data:").strip()
+        if data == b"[DONE]":
+            return
+        event = json.loads(data)
+        if "error" in event:
+            raise RuntimeError(event["error"])
+        yield event
 
 
-async def stream_one(port: int, prompt: str, max_tokens: int) -> tuple[float, list[float]]:
-    """(TTFT, inter-token gaps) of one streamed completion over raw HTTP."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    body = json.dumps({"model": "builtin:tiny-llama", "prompt": prompt, "max_tokens": max_tokens,
-                       "temperature": 0, "ignore_eos": True, "stream": True}).encode()
-    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
-                 + f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body)
-    await writer.drain()
+def stream_one(session: requests.Session, url: str, prompt: str, max_tokens: int) -> tuple[float, list[float]]:
+    """(TTFT, inter-token gaps) of one streamed completion, each event stamped as its line arrives."""
+    body = {"model": "builtin:tiny-llama", "prompt": prompt, "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True, "stream": True}
     start = time.perf_counter()
-    stamps = []
-    async for line in reader:
-        if line.startswith(b"data: ") and not line.startswith(b"data: [DONE]"):
-            event = json.loads(line[6:])
-            if "error" in event:
-                raise RuntimeError(event["error"])
-            stamps.append(time.perf_counter())
-    writer.close()
+    # stream=True hands over each chunk as it arrives; iter_lines undoes the chunked framing.
+    with session.post(url, json=body, stream=True) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"HTTP {response.status_code}: {response.text[:500]}")
+        stamps = [time.perf_counter() for _ in sse_events(response.iter_lines())]
     if not stamps:
         raise RuntimeError("empty stream")
     return stamps[0] - start, [b - a for a, b in zip(stamps, stamps[1:])]
 
 
-async def load(port: int, prompts: list[str], max_tokens: int, concurrency: int) -> tuple[list[float], list[float]]:
-    queue = list(prompts)
+def load(url: str, prompts: list[str], max_tokens: int, concurrency: int) -> tuple[list[float], list[float]]:
+    """Stream every prompt, ``concurrency`` at a time; (every TTFT, every inter-token gap)."""
+    pending: SimpleQueue[str] = SimpleQueue()
+    for prompt in prompts:
+        pending.put(prompt)
     ttfts, gaps = [], []
 
-    async def worker() -> None:
-        while queue:
-            ttft, itl = await stream_one(port, queue.pop(), max_tokens)
-            ttfts.append(ttft)
-            gaps.extend(itl)
+    def worker() -> None:
+        with requests.Session() as session:  # one per thread: a Session is not thread-safe
+            while True:
+                try:
+                    prompt = pending.get_nowait()
+                except Empty:
+                    return
+                ttft, itl = stream_one(session, url, prompt, max_tokens)
+                ttfts.append(ttft)
+                gaps.extend(itl)
 
-    await asyncio.gather(*[worker() for _ in range(concurrency)])
+    with ThreadPoolExecutor(concurrency) as pool:
+        for done in [pool.submit(worker) for _ in range(concurrency)]:
+            done.result()  # re-raises a worker's failure
     return ttfts, gaps
 
 
@@ -74,13 +94,14 @@ def run_mode(mode: str, prompts: list[str], args) -> dict:
     port = config["http_options"]["port"]
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(config["applications"][0]["args"]), name="pd", route_prefix="/")
-    asyncio.run(load(port, prompts[:4], args.max_tokens, args.concurrency))  # warm-up
-    ttfts, gaps = asyncio.run(load(port, prompts[4:], args.max_tokens, args.concurrency))
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    load(url, prompts[:4], args.max_tokens, args.concurrency)  # warm-up
+    ttfts, gaps = load(url, prompts[4:], args.max_tokens, args.concurrency)
     serve.delete("pd")
     return {
         "mode": mode, "requests": len(ttfts),
-        "ttft_p50_ms": round(1e3 * statistics.median(ttfts), 1), "ttft_p90_ms": round(1e3 * percentile(ttfts, 0.9), 1),
-        "itl_p50_ms": round(1e3 * statistics.median(gaps), 2), "itl_p90_ms": round(1e3 * percentile(gaps, 0.9), 2),
+        "ttft_p50_ms": round(1e3 * percentile(ttfts, 50), 1), "ttft_p90_ms": round(1e3 * percentile(ttfts, 90), 1),
+        "itl_p50_ms": round(1e3 * percentile(gaps, 50), 2), "itl_p90_ms": round(1e3 * percentile(gaps, 90), 2),
     }
 
 

@@ -7,11 +7,12 @@ config in a sweep) form one series over offered load.
 
 Definitions:
 
-- Percentiles are p50/p90/p99. TTFT and ITL count every request that did not
-  fail, so that the slowest do not drop out under overload: a request cut off
-  by the end of the run adds its gaps, and its TTFT, or if it had no first
-  token yet its wait so far (then the TTFT percentiles are lower bounds).
-  TPOT and E2E are over successful requests.
+- Percentiles are p50/p90/p99, interpolated linearly between ranks
+  (``bench.stats``, the one definition the benchmarks use too). TTFT and ITL
+  count every request that did not fail, so that the slowest do not drop out
+  under overload: a request cut off by the end of the run adds its gaps, and
+  its TTFT, or if it had no first token yet its wait so far (then the TTFT
+  percentiles are lower bounds). TPOT and E2E are over successful requests.
 - A request meets the SLO if it succeeded, its TTFT is within the TTFT SLO and
   its TPOT within the per-token SLO. Attainment is the fraction that meet it
   of the answered requests (successes and failures) plus the requests cut off
@@ -37,8 +38,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import numpy as np
-
+from bench.stats import percentiles
 from loadtest.records import META_SUFFIX, REQUESTS_SUFFIX, STATS_SUFFIX, RequestRecord, RunMeta, Status, read_requests
 
 ATTAINMENT_TARGET = 0.9
@@ -57,8 +57,7 @@ class Percentiles:
         finite = [v for v in values if not math.isnan(v)]
         if not finite:
             return cls(math.nan, math.nan, math.nan)
-        p50, p90, p99 = np.percentile(finite, [50, 90, 99])
-        return cls(float(p50), float(p90), float(p99))
+        return cls(*percentiles(finite, [50, 90, 99]))
 
 
 @dataclass(frozen=True)

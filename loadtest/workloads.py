@@ -20,10 +20,10 @@ Kinds:
 - ``short-long``: short prompt, long output (decode-heavy).
 - ``mixed``: each request is one of the three above, drawn by weight.
 - ``trace``: replay of a Mooncake-format JSONL trace (``timestamp`` in ms,
-  ``input_length``, ``output_length``, ``hash_ids``). Each hash id stands for
-  one block of ``block_size`` tokens; equal hash ids give equal token ids, so
-  the trace's prefix sharing is reproduced. Prompts are token ids, sent to
-  ``/v1/completions``.
+  ``input_length``, ``output_length``, ``hash_ids``), read by ``bench.trace``.
+  Each hash id stands for one block of ``block_size`` tokens; equal hash ids
+  give equal token ids, so the trace's prefix sharing is reproduced. Prompts
+  are token ids, sent to ``/v1/completions``.
 
 Lengths are in tokens. Text prompts are built from common English words that
 are one token each (with their leading space) for ``builtin:tiny-llama`` and
@@ -36,11 +36,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-import json
 import random
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Iterator, Protocol
+
+from bench.trace import TRACE_BLOCK_TOKENS, TraceRequest, read_trace
 
 # Each is one token, with its leading space, in builtin:tiny-llama's vocabulary.
 WORDS = (
@@ -53,9 +53,6 @@ WORDS = (
     "request requests river salt school seven short small so stick system table that the them then there they "
     "through time to token tokens town two until upon user valley was water week were which with you"
 ).split()
-
-# Mooncake's published traces hash 512-token blocks.
-MOONCAKE_BLOCK_SIZE = 512
 
 
 @dataclass(frozen=True)
@@ -205,31 +202,6 @@ class MixedWorkload:
 
 
 @dataclass(frozen=True)
-class TraceRecord:
-    timestamp_ms: float
-    input_length: int
-    output_length: int
-    hash_ids: tuple[int, ...]
-
-
-def read_trace(path: str | Path) -> list[TraceRecord]:
-    """Records of a Mooncake-format JSONL trace, in file order."""
-    records = []
-    for line_no, line in enumerate(Path(path).read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-            records.append(TraceRecord(float(row["timestamp"]), int(row["input_length"]),
-                                       int(row["output_length"]), tuple(int(h) for h in row["hash_ids"])))
-        except (ValueError, KeyError, TypeError) as exc:
-            raise ValueError(f"{path}:{line_no}: not a Mooncake trace record: {exc!r}") from None
-    if not records:
-        raise ValueError(f"{path}: the trace is empty")
-    return records
-
-
-@dataclass(frozen=True)
 class TraceWorkload:
     """Replay of a Mooncake-format trace with synthesized token-id prompts.
 
@@ -244,7 +216,7 @@ class TraceWorkload:
 
     path: str
     seed: int = 0
-    block_size: int = MOONCAKE_BLOCK_SIZE
+    block_size: int = TRACE_BLOCK_TOKENS
     token_id_low: int = 0
     token_id_high: int = 1000
     max_input_len: int | None = None
@@ -253,7 +225,8 @@ class TraceWorkload:
     name: str = "trace"
 
     @functools.cached_property
-    def records(self) -> list[TraceRecord]:
+    def records(self) -> list[TraceRequest]:
+        """The trace's requests in file order; a bad line fails with its line number and field."""
         return read_trace(self.path)
 
     @property

@@ -1,15 +1,22 @@
 """Engine configuration: frozen dataclasses, validated on construction, no I/O.
 
-The serving layer's pydantic models (at the HTTP and YAML edges) build these.
+These are the one source of the engine's fields, defaults and choices: the
+serving layer's pydantic model for the YAML edge is generated from
+``EngineConfig`` (``pd.serve.args``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
-DEFAULT_KV_CACHE_BYTES = 2 * 1024**3
-DEFAULT_DTYPES = ("auto", "float32", "bfloat16", "float16")
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
+from kernels import BACKENDS as ATTENTION_BACKENDS
+
+# The dtypes a KV pool and weights may have; "auto" takes the checkpoint's.
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+DTYPES = ("auto", *DTYPE_NAMES)
+Dtype = Literal[DTYPES]
+AttentionBackend = Literal[ATTENTION_BACKENDS]
 
 
 @dataclass(frozen=True)
@@ -22,15 +29,15 @@ class EngineConfig:
     """
 
     model: str = "builtin:tiny-llama"
-    dtype: str = "float32"
+    dtype: Dtype = "float32"
     device: str = "cpu"
     block_size: int = 16
     num_blocks: int | None = None
-    kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
+    kv_cache_bytes: int = 2 * 1024**3
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     max_model_len: int | None = None
-    attention_backend: str = "auto"
+    attention_backend: AttentionBackend = "auto"
     seed: int = 0
     # Prefill role: how long a finished prompt's blocks stay pinned for a decode replica.
     kv_lease_s: float = 30.0
@@ -38,8 +45,8 @@ class EngineConfig:
     kv_read_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
-        if self.dtype not in DEFAULT_DTYPES:
-            raise ValueError(f"dtype must be one of {DEFAULT_DTYPES}, got {self.dtype!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "kv_cache_bytes"):

@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import msgspec
 
 
-@dataclass(frozen=True)
-class SamplingParams:
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """How to pick tokens and when to stop.
 
     ``temperature=0`` is greedy; ``top_k=None`` means no top-k; ``seed`` makes a
     sampled request reproducible whatever else is in the batch. ``logprobs``
     asks for the log-probability of each sampled token (any value >= 0).
+    A msgspec struct: it crosses processes inside pool requests, decoded as
+    strictly as every other wire message.
     """
 
     max_tokens: int = 16
@@ -24,7 +25,7 @@ class SamplingParams:
     logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
@@ -34,9 +35,13 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 1 or None, got {self.top_k}")
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must be >= 0 or None, got {self.logprobs}")
-        if self.stop_token_ids is not None:
-            object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, tuple):
+            msgspec.structs.force_setattr(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    def replace(self, **changes) -> "SamplingParams":
+        """A copy with ``changes`` applied (and checked)."""
+        return msgspec.structs.replace(self, **changes)

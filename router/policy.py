@@ -96,10 +96,11 @@ class RoutingDecision:
 class PolicyConfig:
     """Weights and bounds of prefix-affinity placement; token quantities are prompt tokens.
 
+    ``block_size`` is the engines' (the app sets it from the engine config).
     The defaults are tuned on ``python -m bench.router`` (see its docstring).
     """
 
-    block_size: int = 16
+    block_size: int
     w_prefix: float = 8.0
     w_load: float = 1.0
     request_load_tokens: float = 256.0  # load of one active request
@@ -141,6 +142,11 @@ class PolicyConfig:
 def matched_tokens(num_matched_blocks: int, block_size: int, num_prompt_tokens: int) -> int:
     """Prompt tokens a replica can reuse. The last prompt token is always computed, to sample from."""
     return max(0, min(num_matched_blocks * block_size, num_prompt_tokens - 1))
+
+
+def uncached_tokens(matches: Mapping[str, int], block_size: int, num_prompt_tokens: int) -> int:
+    """Prompt tokens left to compute on the replica holding the longest prefix (``PrefixIndex.match``)."""
+    return num_prompt_tokens - matched_tokens(max(matches.values(), default=0), block_size, num_prompt_tokens)
 
 
 class RecentRouted:
@@ -309,8 +315,7 @@ class PrefixAffinityPolicy:
         if replica_ids is not None:
             allowed = set(replica_ids)
             matches = {replica_id: n for replica_id, n in matches.items() if replica_id in allowed}
-        best_blocks = max(matches.values(), default=0)
-        return num_prompt_tokens - matched_tokens(best_blocks, self.config.block_size, num_prompt_tokens)
+        return uncached_tokens(matches, self.config.block_size, num_prompt_tokens)
 
     def remove_replica(self, replica_id: str) -> None:
         """Forget a replica that left the pool."""
@@ -320,19 +325,25 @@ class PrefixAffinityPolicy:
 
 @dataclass(frozen=True)
 class DecodePolicyConfig:
-    """Weights and bounds of decode placement; costs are in units of one active decode."""
+    """Weights and bounds of decode placement; costs are in units of one active decode.
 
-    block_size: int = 16
+    ``block_size`` is the engines' (the app sets it from the engine config).
+    """
+
+    block_size: int
     w_active: float = 1.0  # per active request
     w_kv_usage: float = 8.0  # a full KV cache weighs like this many active requests
     w_prefix_hit: float = 2.0  # bonus for already holding the whole prompt, scaled by the fraction held
     max_kv_usage: float | None = 0.95
     max_active_requests: int | None = None
+    index_max_blocks: int = 1 << 20  # (block hash, replica) entries in the decode pool's prefix index
     seed: int = 0
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.index_max_blocks < 1:
+            raise ValueError(f"index_max_blocks must be >= 1, got {self.index_max_blocks}")
         for name in ("w_active", "w_kv_usage", "w_prefix_hit"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")

@@ -3,16 +3,42 @@
 The decode side pulls: it reads blocks out of the prefill side's pool into
 its own. The prefill side learns a read finished through a notification that
 carries the request id, so it frees exactly that request's pinned blocks.
+
+The one invariant every backend keeps, and every caller relies on:
+
+    Bytes of a read land only in the local blocks it names, and only until
+    the read is *quiesced*. A read is quiesced once ``quiesced()`` says so:
+    at once when it is DONE or never started moving bytes; after a failure,
+    a timeout or ``release()``, only when the backend can prove no byte can
+    still arrive. ``release()`` never blocks, so it does not end the read by
+    itself. Whoever owns the local blocks keeps them out of the free list
+    until ``quiesced()`` is True (the engine's ``KVConnector`` holds a
+    reference on them for exactly that long).
+
+Each backend's proof: NIXL, the request has left ``PROC`` (done or failed) and
+was freed; a NIXL cancel that "succeeds" on a request in flight does not stop
+UCX from writing later, so an active request is never cancelled. torch, every
+receive posted for the read has completed, or its connection was closed (the
+group's timeout closes it).
 """
 
 from __future__ import annotations
 
 import abc
 import enum
+import logging
 import numbers
-from typing import Sequence
+import threading
+import time
+from typing import Generic, Protocol, Sequence, TypeVar
 
 import torch
+
+
+logger = logging.getLogger(__name__)
+
+# (remote_start, local_start, num_blocks): a run of consecutive block ids on both sides.
+Run = tuple[int, int, int]
 
 
 class TransferError(RuntimeError):
@@ -26,7 +52,7 @@ class TransferState(enum.Enum):
 
 
 class TransferHandle(abc.ABC):
-    """One in-flight read. ``poll`` never blocks; ``wait`` blocks up to a timeout."""
+    """One in-flight read. ``poll`` and ``quiesced`` never block; ``wait`` blocks up to a timeout."""
 
     @abc.abstractmethod
     def poll(self) -> TransferState: ...
@@ -36,9 +62,15 @@ class TransferHandle(abc.ABC):
     def error(self) -> str | None:
         """Why the transfer failed, once ``poll`` says FAILED."""
 
-    def wait(self, timeout: float) -> TransferState:
-        import time
+    @abc.abstractmethod
+    def release(self) -> None:
+        """Give the read up (FAILED if still pending); idempotent, never blocks. See ``quiesced``."""
 
+    @abc.abstractmethod
+    def quiesced(self) -> bool:
+        """True once no byte of this read can land in its local blocks any more (module docstring)."""
+
+    def wait(self, timeout: float) -> TransferState:
         deadline = time.monotonic() + timeout
         while (state := self.poll()) is TransferState.PENDING:
             if time.monotonic() >= deadline:
@@ -46,40 +78,105 @@ class TransferHandle(abc.ABC):
             time.sleep(0.0005)
         return state
 
-    @abc.abstractmethod
+
+class FinishedHandle(TransferHandle):
+    """A read with no blocks to move."""
+
+    error = None
+
+    def poll(self) -> TransferState:
+        return TransferState.DONE
+
     def release(self) -> None:
-        """Free the handle's resources; idempotent. Cancels it if still pending."""
+        pass
+
+    def quiesced(self) -> bool:
+        return True
 
 
-class KVTransport(abc.ABC):
+class Peer(Protocol):
+    """What a transport knows of a peer's pool, from its ``local_metadata()``."""
+
+    name: str
+    block_bytes: int
+    num_blocks: int
+
+
+P = TypeVar("P", bound=Peer)
+
+
+class KVTransport(abc.ABC, Generic[P]):
     """Moves whole blocks of a block-major KV pool ``[num_blocks, ...]``.
 
     Each block is one contiguous byte range, so a run of consecutive block
-    ids is one contiguous range too.
+    ids is one contiguous range too. This class does what every backend does
+    before a byte moves (unknown peers, block sizes, ids, empty reads,
+    restarted peers); a backend supplies the ``_``-prefixed steps.
     """
 
     kind: str
 
-    @abc.abstractmethod
+    def __init__(self, engine_id: str):
+        self.engine_id = engine_id
+        self._lock = threading.RLock()
+        self._peers: dict[str, P] = {}
+        self._pool: torch.Tensor | None = None
+        self._block_bytes = 0
+        self._closed = False
+
     def register(self, kv_cache: torch.Tensor) -> None:
         """Register this engine's whole KV pool, once."""
+        self._check_open()
+        if self._pool is not None:
+            raise TransferError(f"{self.engine_id}: the KV pool is already registered")
+        _, self._block_bytes = pool_geometry(kv_cache)
+        self._register(kv_cache)
+        self._pool = kv_cache
 
     @abc.abstractmethod
     def local_metadata(self) -> bytes:
         """What a peer needs to reach this pool (sent inline in ``KVHandle``)."""
 
-    @abc.abstractmethod
     def add_peer(self, metadata: bytes) -> str:
         """Learn a peer from its ``local_metadata()``; returns its name.
 
         Idempotent; new metadata under a known name (a restarted peer) replaces the old.
         """
+        self._check_open()
+        peer = self._decode_peer(metadata)
+        if peer.name == self.engine_id:
+            raise TransferError(f"{self.engine_id}: a peer cannot have this engine's own name")
+        with self._lock:
+            known = self._peers.get(peer.name)
+            if known == peer:
+                return peer.name
+            if known is not None:  # restarted under the same name: its old state is dead
+                logger.info("%s: peer %s changed its metadata; replacing it", self.engine_id, peer.name)
+                self._forget_peer(peer.name)
+                del self._peers[peer.name]
+            self._connect_peer(peer)
+            self._peers[peer.name] = peer
+        return peer.name
 
-    @abc.abstractmethod
     def read_blocks(
         self, peer: str, remote_block_ids: Sequence[int], local_block_ids: Sequence[int], notify: str
     ) -> TransferHandle:
         """Start copying ``peer``'s blocks into ours, pairwise; ``notify`` reaches the peer when done."""
+        pool = self._require_pool()
+        remote = self._peers.get(peer)
+        if remote is None:
+            raise TransferError(f"{self.engine_id}: unknown peer {peer!r}; add_peer its metadata first")
+        if remote.block_bytes != self._block_bytes:
+            raise TransferError(f"peer {peer!r} has {remote.block_bytes}-byte blocks, ours are {self._block_bytes}")
+        runs = check_read(remote_block_ids, local_block_ids, peer=peer, remote_num_blocks=remote.num_blocks,
+                          engine=self.engine_id, local_num_blocks=pool.shape[0])
+        if not runs:  # all prefix hits: nothing moves, but the owner still frees its lease
+            try:
+                self._notify(remote, notify)
+            except Exception as exc:  # noqa: BLE001 - the lease expires on its own; nothing is lost
+                logger.warning("%s: notifying %s of %s failed: %s", self.engine_id, peer, notify, exc)
+            return FinishedHandle()
+        return self._read(remote, runs, notify)
 
     @abc.abstractmethod
     def poll_notifications(self) -> list[str]:
@@ -89,8 +186,45 @@ class KVTransport(abc.ABC):
     def close(self) -> None:
         """Release everything; idempotent."""
 
+    # -- the backend's steps ---------------------------------------------------
 
-def block_runs(remote_block_ids: Sequence[int], local_block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
+    def _register(self, kv_cache: torch.Tensor) -> None:
+        """Make the pool reachable (the base has checked it is block-major)."""
+
+    @abc.abstractmethod
+    def _decode_peer(self, metadata: bytes) -> P:
+        """The peer a ``local_metadata()`` describes; ``WireError`` or ``TransferError`` if unusable."""
+
+    @abc.abstractmethod
+    def _connect_peer(self, peer: P) -> None:
+        """Prepare to read from a new peer (under the lock)."""
+
+    @abc.abstractmethod
+    def _forget_peer(self, name: str) -> None:
+        """Drop what ``_connect_peer`` made (under the lock)."""
+
+    @abc.abstractmethod
+    def _notify(self, peer: P, notify: str) -> None:
+        """Deliver ``notify`` to a peer when no block moves."""
+
+    @abc.abstractmethod
+    def _read(self, peer: P, runs: list[Run], notify: str) -> TransferHandle:
+        """Start moving ``runs`` (checked, non-empty) from ``peer``."""
+
+    # -- helpers ---------------------------------------------------------------
+
+    def _require_pool(self) -> torch.Tensor:
+        self._check_open()
+        if self._pool is None:
+            raise TransferError(f"{self.engine_id}: register the KV pool first")
+        return self._pool
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TransferError(f"{self.engine_id}: the transport is closed")
+
+
+def block_runs(remote_block_ids: Sequence[int], local_block_ids: Sequence[int]) -> list[Run]:
     """Merge a pairwise block list into ``(remote_start, local_start, num_blocks)`` runs.
 
     A run grows while both sides' ids advance by one:
@@ -100,7 +234,7 @@ def block_runs(remote_block_ids: Sequence[int], local_block_ids: Sequence[int]) 
     """
     if len(remote_block_ids) != len(local_block_ids):
         raise ValueError(f"{len(remote_block_ids)} remote blocks but {len(local_block_ids)} local blocks")
-    runs: list[tuple[int, int, int]] = []
+    runs: list[Run] = []
     for remote, local in zip(remote_block_ids, local_block_ids):
         if runs and remote == runs[-1][0] + runs[-1][2] and local == runs[-1][1] + runs[-1][2]:
             runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
@@ -119,7 +253,7 @@ def pool_geometry(kv_cache: torch.Tensor) -> tuple[int, int]:
 def check_read(
     remote_block_ids: Sequence[int], local_block_ids: Sequence[int], *,
     peer: str, remote_num_blocks: int, engine: str, local_num_blocks: int,
-) -> list[tuple[int, int, int]]:
+) -> list[Run]:
     """Refuse a read before any bytes move; returns its ``block_runs``.
 
     Ids must be ints inside their pool, and no local block may be written twice.
@@ -135,6 +269,11 @@ def check_read(
     return block_runs([int(b) for b in remote_block_ids], [int(b) for b in local_block_ids])
 
 
-
 def _is_block_id(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+__all__ = [
+    "FinishedHandle", "KVTransport", "Peer", "Run", "TransferError", "TransferHandle", "TransferState",
+    "block_runs", "check_read", "pool_geometry",
+]

@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator
 
 from pd.config import EngineConfig
+from pd.engine.block_pool import CacheEvent
 from pd.engine.engine import EngineStats, LLMEngine
 from pd.engine.memory import release_free_memory
 from pd.engine.outputs import RequestOutput
@@ -119,6 +120,14 @@ class AsyncLLMEngine:
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
+    def cache_events(self) -> tuple[int, list[CacheEvent]]:
+        """The prefix cache's numbered events (``LLMEngine.cache_events``); safe while a step runs."""
+        return self.engine.cache_events()
+
+    def open_kv_handle(self, data: bytes, prompt_token_ids: list[int]) -> KVHandle | None:
+        """See ``LLMEngine.open_kv_handle``."""
+        return self.engine.open_kv_handle(data, prompt_token_ids)
+
     def _ensure_loop(self) -> None:
         if self._loop_task is None or self._loop_task.done():
             self._wakeup = asyncio.Event()
@@ -167,7 +176,7 @@ class AsyncLLMEngine:
                         await asyncio.wait_for(self._wakeup.wait(), HOUSEKEEPING_INTERVAL_S)
                     except asyncio.TimeoutError:
                         pass
-                    self.engine.connector.poll()
+                    self.engine.poll_transfers()
                 else:
                     await self._wakeup.wait()
                 continue
@@ -180,7 +189,7 @@ class AsyncLLMEngine:
             self._stepped_since_release = True
             if time.monotonic() - self._last_release >= MEMORY_RELEASE_INTERVAL_S:
                 await self._release_memory(loop)
-            if not results and not self.engine.scheduler.running and not self.engine.scheduler.waiting:
+            if not results and not self.engine.has_runnable_requests():
                 # Only pulls in flight: poll them without spinning the CPU.
                 await asyncio.sleep(HOUSEKEEPING_INTERVAL_S)
             for result in results:

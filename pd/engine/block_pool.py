@@ -28,6 +28,29 @@ class CacheEvent:
     stored: bool
 
 
+class CacheEventLog:
+    """Numbered prefix-cache events, the newest ``max_events`` of them, for routers to read."""
+
+    def __init__(self, max_events: int = MAX_CACHE_EVENTS):
+        self._events: deque[CacheEvent] = deque(maxlen=max_events)
+        self._next_seq = 0
+
+    def record(self, block_hash: bytes, stored: bool) -> None:
+        self._events.append(CacheEvent(self._next_seq, block_hash, stored))
+        self._next_seq += 1
+
+    def window(self) -> tuple[int, list[CacheEvent]]:
+        """``(first_seq, events)``: every change still kept, compacted to each hash's latest.
+
+        The window covers every event numbered ``first_seq`` or later; a reader
+        that has applied events only up to ``first_seq - 2`` missed some.
+        """
+        events = list(self._events)  # one C-level copy: safe against a step running on another thread
+        first_seq = events[0].seq if events else self._next_seq
+        latest = {e.block_hash: e for e in events}
+        return first_seq, sorted(latest.values(), key=lambda e: e.seq)
+
+
 class NoFreeBlocksError(RuntimeError):
     """Raised when an allocation asks for more blocks than are free."""
 
@@ -42,23 +65,11 @@ class BlockPool:
         self._hash_to_block: dict[bytes, int] = {}
         self._block_hash: dict[int, bytes] = {}
         self._block_tokens: dict[int, tuple[int, ...]] = {}
-        self._events: deque[CacheEvent] = deque(maxlen=MAX_CACHE_EVENTS)
-        self._next_seq = 0
+        self.events = CacheEventLog()
 
     def cache_event_window(self) -> tuple[int, list[CacheEvent]]:
-        """``(first_seq, events)``: every change still kept, compacted to each hash's latest.
-
-        The window covers every event numbered ``first_seq`` or later; a reader
-        that has applied events only up to ``first_seq - 2`` missed some.
-        """
-        events = list(self._events)  # one C-level copy: safe against a step running on another thread
-        first_seq = events[0].seq if events else self._next_seq
-        latest = {e.block_hash: e for e in events}
-        return first_seq, sorted(latest.values(), key=lambda e: e.seq)
-
-    def _record(self, block_hash: bytes, stored: bool) -> None:
-        self._events.append(CacheEvent(self._next_seq, block_hash, stored))
-        self._next_seq += 1
+        """See ``CacheEventLog.window``."""
+        return self.events.window()
 
     @property
     def num_free_blocks(self) -> int:
@@ -134,19 +145,19 @@ class BlockPool:
         self._hash_to_block[block_hash] = block_id
         self._block_hash[block_id] = block_hash
         self._block_tokens[block_id] = tuple(token_ids)
-        self._record(block_hash, stored=True)
+        self.events.record(block_hash, stored=True)
 
     def _evict(self, block_id: int) -> None:
         block_hash = self._block_hash.pop(block_id, None)
         if block_hash is not None:
             del self._hash_to_block[block_hash]
             del self._block_tokens[block_id]
-            self._record(block_hash, stored=False)
+            self.events.record(block_hash, stored=False)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (used blocks keep their contents)."""
         for block_hash in self._hash_to_block:
-            self._record(block_hash, stored=False)
+            self.events.record(block_hash, stored=False)
         self._hash_to_block.clear()
         self._block_hash.clear()
         self._block_tokens.clear()

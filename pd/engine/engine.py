@@ -8,20 +8,20 @@ import uuid
 from dataclasses import dataclass
 
 from pd.config import EngineConfig, SchedulerConfig
-from pd.engine.block_pool import BlockPool
+from pd.engine.block_pool import BlockPool, CacheEvent
 from pd.engine.kv_cache_manager import KVCacheManager
 from pd.engine.kv_connector import KVConnector
 from pd.engine.model_runner import ModelRunner, kv_block_bytes
 from pd.engine.outputs import RequestOutput
 from pd.engine.request import KVSource, Request, RequestStatus
 from pd.engine.scheduler import Scheduler
-from pd.model.builtin import resolve_model_path
 from pd.model.config import load_model_config
 from pd.model.loader import resolve_dtype
+from pd.model.paths import resolve_model_path
 from pd.model.tokenizer import Tokenizer
 from pd.sampling_params import SamplingParams
 from transfer.base import KVTransport
-from transfer.wire import KVHandle, LayoutFingerprint
+from transfer.wire import KVHandle, LayoutFingerprint, WireError
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +44,7 @@ class EngineStats:
     num_pulled_bytes: int
     pull_seconds_total: float
     num_recompute_fallbacks: int
+    num_quarantined_blocks: int  # blocks of given-up pulls, held until no byte can land in them
 
 
 class LLMEngine:
@@ -148,7 +149,7 @@ class LLMEngine:
         self.validate(prompt_token_ids, params)
         if pin_kv:
             self.connector.require_transport()
-            params = dataclasses.replace(params, max_tokens=1)
+            params = params.replace(max_tokens=1)
         request = Request(request_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids, pin_kv=pin_kv)
         if remote_kv is not None:
             if first_token_id is not None and first_token_id != remote_kv.first_token_id:
@@ -179,15 +180,42 @@ class LLMEngine:
         """Prefill role: end a lease early (no decode will pull it); idempotent."""
         return self.connector.release(request_id)
 
+    def open_kv_handle(self, data: bytes, prompt_token_ids: list[int]) -> KVHandle | None:
+        """Decode role: the ``KVHandle`` in ``data`` if this engine can pull ``prompt_token_ids``' KV with it.
+
+        None when the handle is unusable (garbled, another layout, transport or
+        prompt): the prompt is then recomputed here, counted as a fallback.
+        """
+        try:
+            handle = KVHandle.decode(data)
+            self.connector.check(handle, prompt_token_ids)
+        except WireError as exc:
+            logger.warning("unusable KV handle (%s); recomputing the prompt locally", exc)
+            self.connector.note_fallback()
+            return None
+        return handle
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished
+
+    def has_runnable_requests(self) -> bool:
+        """Requests the scheduler can run now (not only waiting for their KV to arrive)."""
+        return bool(self.scheduler.running or self.scheduler.waiting)
 
     def has_pending_transfers(self) -> bool:
         """Leases to expire or pulls to poll, which need ``step`` calls even when idle."""
         return self.connector.has_pending_work
 
-    def step(self) -> list[RequestOutput]:
+    def poll_transfers(self) -> None:
+        """Leases, notifications and pulls, between steps."""
         self.connector.poll()
+
+    def cache_events(self) -> tuple[int, list[CacheEvent]]:
+        """``(first_seq, events)`` of the prefix cache (see ``BlockPool.cache_event_window``)."""
+        return self.block_pool.cache_event_window()
+
+    def step(self) -> list[RequestOutput]:
+        self.poll_transfers()
         out = self.scheduler.schedule()
         self.connector.start_pulls(out.remote_reads)
         if out.is_empty:

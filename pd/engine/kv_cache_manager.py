@@ -90,6 +90,14 @@ class KVCacheManager:
             self.pool.insert(blocks[index], request.block_hashes[index], request.token_ids[index * bs : (index + 1) * bs])
         self._num_cached_blocks[request.request_id] = num_full
 
+    def touch_blocks(self, block_ids: list[int]) -> None:
+        """Hold one more reference on each block (a transfer writing into them)."""
+        self.pool.touch(block_ids)
+
+    def free_blocks(self, block_ids: list[int]) -> None:
+        """Drop a reference taken with ``touch_blocks``."""
+        self.pool.free(block_ids)
+
     def free(self, request: Request) -> None:
         """Release the request's blocks, last block first so a prompt's tail is evicted before its head."""
         blocks = self._blocks.pop(request.request_id, [])

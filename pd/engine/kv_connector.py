@@ -10,10 +10,12 @@ allocated, and the blocks this engine's own prefix cache lacks are pulled from
 the prefill replica. A pull that fails, times out or meets an expired lease
 sends the request back to compute its prompt here; that is counted.
 
-Safety: a pull is abandoned (its handle released, which cancels or waits for
-it) before its local blocks are freed, so late bytes never land in blocks
-another request owns. A pull's deadline never passes its lease's expiry, so
-the prefill side never frees blocks that a pull still counts on.
+Safety: a pull holds its own reference on the local blocks it writes, from
+its start until its handle is quiesced (``transfer.base``). A pull given up
+(an abort, its deadline) releases its handle, and its blocks stay out of the
+free list until no byte can still land in them, so late bytes never land in
+blocks another request owns. A pull's deadline never passes its lease's
+expiry, so the prefill side never frees blocks that a pull still counts on.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ class _Pull:
     handle: TransferHandle
     started: float  # time.monotonic()
     deadline: float
-    num_blocks: int
+    block_ids: list[int]  # the local blocks it writes, each with a reference held by the pull
 
 
 @dataclass
@@ -53,6 +55,7 @@ class ConnectorStats:
     num_pulled_bytes: int = 0
     pull_seconds_total: float = 0.0
     num_recompute_fallbacks: int = 0
+    num_quarantined_blocks: int = 0  # blocks of given-up pulls, held until no byte can land
 
 
 class KVConnector:
@@ -78,13 +81,14 @@ class KVConnector:
         self.leases = LeaseTable()
         self._pinned: dict[str, Request] = {}
         self._pulls: dict[str, _Pull] = {}
+        self._quarantine: list[_Pull] = []  # given up, not yet quiesced
         self._peer_metadata: dict[str, bytes] = {}
         self._peer_names: dict[str, str] = {}
         self.stats = ConnectorStats()
 
     @property
     def has_pending_work(self) -> bool:
-        return bool(self._pinned or self._pulls)
+        return bool(self._pinned or self._pulls or self._quarantine)
 
     def require_transport(self) -> KVTransport:
         if self.transport is None:
@@ -104,7 +108,6 @@ class KVConnector:
             request_id=request.request_id,
             engine_id=self.engine_id,
             transport=transport.kind,
-            peer_address=self.engine_id,
             peer_metadata=transport.local_metadata(),
             block_ids=tuple(self.kv_cache.block_ids(request.request_id)[: self._num_prompt_blocks(request)]),
             num_tokens=request.num_prompt_tokens,
@@ -172,7 +175,8 @@ class KVConnector:
         started = time.monotonic()
         deadline = started + min(self.read_timeout_s, max(lease_left, 0.0))
         transfer = transport.read_blocks(peer, remote, local, notify=request.request_id)
-        self._pulls[request.request_id] = _Pull(request, transfer, started, deadline, len(remote))
+        self.kv_cache.touch_blocks(local)
+        self._pulls[request.request_id] = _Pull(request, transfer, started, deadline, list(local))
         self.stats.num_remote_pulls += 1
 
     def _peer(self, handle: KVHandle) -> str:
@@ -190,15 +194,35 @@ class KVConnector:
         self.scheduler.finish_remote_read(request, succeeded=False)
 
     def abort(self, request_id: str) -> None:
-        """Stop a pull (before its blocks are freed) or end a lease."""
+        """Give up a pull (its blocks stay held until it is quiesced) or end a lease."""
         pull = self._pulls.pop(request_id, None)
         if pull is not None:
-            pull.handle.release()
+            self._end_pull(pull)
         self.release(request_id)
+
+    def _end_pull(self, pull: _Pull) -> None:
+        """Drop the pull's hold on its blocks now, or once no byte can still land in them."""
+        pull.handle.release()
+        if pull.handle.quiesced():
+            self.kv_cache.free_blocks(pull.block_ids)
+            return
+        self._quarantine.append(pull)
+        self.stats.num_quarantined_blocks += len(pull.block_ids)
+
+    def _drain_quarantine(self) -> None:
+        held = []
+        for pull in self._quarantine:
+            if pull.handle.quiesced():
+                self.kv_cache.free_blocks(pull.block_ids)
+                self.stats.num_quarantined_blocks -= len(pull.block_ids)
+            else:
+                held.append(pull)
+        self._quarantine = held
 
     # Housekeeping, once per step and while idle -----------------------------
 
     def poll(self) -> None:
+        self._drain_quarantine()
         if self.transport is not None:
             for request_id in self.transport.poll_notifications():
                 self.release(request_id)
@@ -213,10 +237,10 @@ class KVConnector:
             if state is TransferState.PENDING and mono < pull.deadline:
                 continue
             del self._pulls[request_id]
-            pull.handle.release()
+            self._end_pull(pull)
             if state is TransferState.DONE:
-                self.stats.num_pulled_blocks += pull.num_blocks
-                self.stats.num_pulled_bytes += pull.num_blocks * self.block_bytes
+                self.stats.num_pulled_blocks += len(pull.block_ids)
+                self.stats.num_pulled_bytes += len(pull.block_ids) * self.block_bytes
                 self.stats.pull_seconds_total += mono - pull.started
                 self.scheduler.finish_remote_read(pull.request, succeeded=True)
             else:

@@ -32,6 +32,24 @@ class FinishReason(enum.Enum):
     ABORT = "abort"
 
 
+def finish_reason(
+    params: SamplingParams, token_id: int, num_output_tokens: int, num_tokens: int, max_model_len: int,
+    eos_token_ids: tuple[int, ...],
+) -> FinishReason | None:
+    """Whether sampling ``token_id`` ends a request, and why.
+
+    ``num_output_tokens`` and ``num_tokens`` count it already. The scheduler
+    and the ingress (for a remote prefill's first token) both decide with this.
+    """
+    if params.stop_token_ids and token_id in params.stop_token_ids:
+        return FinishReason.STOP
+    if not params.ignore_eos and token_id in eos_token_ids:
+        return FinishReason.STOP
+    if num_output_tokens >= params.max_tokens or num_tokens >= max_model_len:
+        return FinishReason.LENGTH
+    return None
+
+
 @dataclass(eq=False)
 class Request:
     """One generation request.

@@ -22,7 +22,7 @@ from collections import deque
 from pd.config import SchedulerConfig
 from pd.engine.kv_cache_manager import NO_MATCH, KVCacheManager
 from pd.engine.outputs import ForwardOutput, RequestOutput, ScheduledRequest, SchedulerOutput
-from pd.engine.request import FinishReason, KVSource, Request, RequestStatus
+from pd.engine.request import FinishReason, KVSource, Request, RequestStatus, finish_reason
 
 
 class Scheduler:
@@ -158,7 +158,8 @@ class Scheduler:
             logprob = forward.logprobs[sample_index] if forward.logprobs is not None else None
             sample_index += 1
             request.append_output(token_id, logprob)
-            reason = self._finish_reason(request, token_id)
+            reason = finish_reason(request.sampling_params, token_id, len(request.output_token_ids),
+                                   request.num_tokens, self.config.max_model_len, request.eos_token_ids)
             if reason is not None:
                 self._finish(request, reason)
             results.append(
@@ -176,16 +177,6 @@ class Scheduler:
         if any(r.finished for r in results):
             self.running = [r for r in self.running if not r.is_finished]
         return results
-
-    def _finish_reason(self, request: Request, token_id: int) -> FinishReason | None:
-        params = request.sampling_params
-        if params.stop_token_ids and token_id in params.stop_token_ids:
-            return FinishReason.STOP
-        if not params.ignore_eos and token_id in request.eos_token_ids:
-            return FinishReason.STOP
-        if len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.config.max_model_len:
-            return FinishReason.LENGTH
-        return None
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
         request.status = RequestStatus.FINISHED

@@ -3,15 +3,18 @@
 `builtin:tiny-llama` is an ordinary Hugging Face Llama directory (config.json,
 model.safetensors, tokenizer.json, tokenizer_config.json,
 generation_config.json) with random weights and a byte-level BPE tokenizer
-learned from the text below. It lets tests and demos run the whole stack
-without downloading anything. Generation is deterministic: the files are
-byte-identical across runs and machines with the same torch version.
+learned from ``data/tokenizer_corpus.txt``. It lets tests and demos run the
+whole stack without downloading anything. Generation is deterministic: the
+files are byte-identical across runs and machines with the same torch version.
+``pd.model.paths`` maps a model argument (``builtin:<name>`` or a directory)
+to its checkpoint.
 """
 
 from __future__ import annotations
 
 import collections
 import functools
+import importlib.resources
 import json
 import os
 import shutil
@@ -48,62 +51,6 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
 )
-
-# The BPE merges are learned from this text. Changing it changes the
-# tokenizer, so bump the model's version with it.
-TOKENIZER_TRAINING_TEXT = """\
-The quick brown fox jumps over the lazy dog. A small model can still say hello to the world.
-Hello! How are you today? I am fine, thank you. What would you like to talk about?
-You are a helpful assistant. The user asks a question and the assistant gives a short answer.
-The system message tells the assistant how to behave. Please answer in one or two sentences.
-Once upon a time there was a little town by the sea. Every morning the fishermen went out in
-their boats, and every evening they came back with baskets full of fish. The children ran down
-to the harbor to watch them arrive, and the old women sat on the benches and talked about the
-weather. In the summer the water was warm and blue; in the winter the wind was cold and the
-waves were high. Nobody in the town was rich, but nobody was hungry either.
-One day a stranger walked into the town. He carried a heavy bag on his back and a wooden stick
-in his hand. He asked the baker for a piece of bread and the baker gave him two. He asked the
-teacher for a place to sleep and the teacher opened the door of the school. In the morning the
-stranger was gone, but on the table in the school there was a small box, and in the box there
-was a map of the islands beyond the horizon.
-A language model reads a sequence of tokens and predicts the next token. The prompt is split
-into tokens by the tokenizer, the tokens are turned into vectors by the embedding table, and
-the vectors pass through many layers of attention and feed forward networks. Each attention
-layer lets every position look at the positions before it. The keys and values of earlier
-positions are kept in a cache, so that generating a new token does not recompute the whole
-prompt. Serving many requests at once means sharing the memory of the cache between them.
-The scheduler decides which requests run in each step. A request first has its prompt
-processed, which is called prefill, and then it produces one token at a time, which is called
-decode. Prefill is limited by compute, while decode is limited by memory bandwidth. Putting
-prefill and decode on different machines lets each one be tuned for its own work, but then the
-cache has to be transferred from the prefill machine to the decode machine over the network.
-The numbers one, two, three, four, five, six, seven, eight, nine and ten are written here so
-that the tokenizer learns them: 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 100, 1000, 2024, 3.14, 42.
-Cooking a good soup takes time. Start with an onion, a carrot and a stick of celery, cut into
-small pieces. Warm some oil in a large pot and cook the vegetables slowly until they are soft.
-Add water or stock, a few potatoes, salt and pepper, and let everything simmer for an hour.
-Taste it, add more salt if it needs it, and serve it hot with fresh bread and butter.
-The river runs through the valley and past the mill. In spring the snow melts on the mountains
-and the river rises; in autumn the leaves fall into the water and float away. People have
-lived in this valley for a thousand years. They planted wheat in the fields and apples in the
-orchards, they built houses of stone and roofs of slate, and they told stories to their
-children about the winters that were colder and the harvests that were better long ago.
-Questions and answers: What is the capital of France? The capital of France is Paris. What is
-the largest planet? The largest planet in the solar system is Jupiter. How many days are there
-in a week? There are seven days in a week. Which is heavier, a kilogram of iron or a kilogram
-of feathers? They weigh the same. Why is the sky blue? Because air scatters blue light more
-than red light. Can you write a poem? Yes, here is a short poem about the moon and the stars.
-def add(a, b):
-    return a + b
-
-for i in range(10):
-    print(i, add(i, i))
-
-if __name__ == "__main__":
-    main()
-Good morning, good afternoon, good evening and good night. Thanks for reading, and see you soon!
-"""
-
 
 @dataclass(frozen=True)
 class BuiltinModelSpec:
@@ -153,27 +100,6 @@ def cache_dir() -> Path:
     """Where generated files live: $PD_CACHE_DIR, else ~/.cache/pd."""
     configured = os.environ.get(CACHE_DIR_ENV)
     return Path(configured) if configured else Path.home() / ".cache" / "pd"
-
-
-def resolve_model_path(model: str) -> Path:
-    """Map a model argument to a checkpoint directory.
-
-    `builtin:<name>` yields the generated checkpoint, created on first use;
-    anything else must be an existing directory.
-    """
-    if model.startswith(BUILTIN_PREFIX):
-        name = model.removeprefix(BUILTIN_PREFIX)
-        if name not in BUILTIN_MODELS:
-            raise ValueError(f"unknown built-in model {model!r}; known: {_known_models()}")
-        return ensure_builtin_model(BUILTIN_MODELS[name])
-    path = Path(model).expanduser()
-    if not path.is_dir():
-        raise ValueError(f"model directory {str(path)!r} does not exist (built-in models: {_known_models()})")
-    return path
-
-
-def _known_models() -> str:
-    return ", ".join(BUILTIN_PREFIX + name for name in sorted(BUILTIN_MODELS))
 
 
 def ensure_builtin_model(spec: BuiltinModelSpec) -> Path:
@@ -277,9 +203,18 @@ def _random_weights(spec: BuiltinModelSpec) -> dict[str, torch.Tensor]:
     return weights
 
 
+def tokenizer_training_text() -> str:
+    """The text the built-in tokenizer's merges are learned from: ``data/tokenizer_corpus.txt``, package data.
+
+    Changing the file changes the tokenizer, so bump the model's version with it.
+    """
+    # Bytes, not read_text: text mode would translate line endings and so change the merges.
+    return (importlib.resources.files(__package__) / "data" / "tokenizer_corpus.txt").read_bytes().decode("utf-8")
+
+
 def build_tokenizer(vocab_size: int) -> tokenizers.Tokenizer:
     """The byte-level BPE tokenizer with `vocab_size` ids, special tokens last."""
-    vocab, merges = learn_bpe(TOKENIZER_TRAINING_TEXT, vocab_size - len(SPECIAL_TOKENS))
+    vocab, merges = learn_bpe(tokenizer_training_text(), vocab_size - len(SPECIAL_TOKENS))
     tokenizer = tokenizers.Tokenizer(models.BPE(vocab=dict(vocab), merges=list(merges)))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()

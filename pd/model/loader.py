@@ -8,11 +8,12 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from pd.config import DTYPE_NAMES
 from pd.model.config import ModelConfig
 from pd.model.linear import make_linear
 from pd.model.llama import LayerWeights, ModelWeights
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 
 def resolve_dtype(dtype: str, config: ModelConfig) -> torch.dtype:

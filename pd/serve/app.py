@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pd.serve.args import DECODE_ROUTER, PREFILL_ROUTER, AppArgs
+from pd.serve.args import AppArgs
 
 
 def build_app(args: dict[str, Any] | None = None):
@@ -20,8 +20,8 @@ def build_app(args: dict[str, Any] | None = None):
     pools = parsed.for_pools()
     prefill = None
     if parsed.mode == "disaggregated":
-        prefill = PrefillServer.options(**parsed.prefill.deployment_options(PREFILL_ROUTER)).bind(pools)
+        prefill = PrefillServer.options(**parsed.deployment_options("prefill")).bind(pools)
     decode_prefill = prefill if parsed.transfer_backend == "torch" else None
-    decode = DecodeServer.options(**parsed.decode.deployment_options(DECODE_ROUTER)).bind(pools, decode_prefill)
+    decode = DecodeServer.options(**parsed.deployment_options("decode")).bind(pools, decode_prefill)
     ingress_options = parsed.ingress.model_dump()
     return Ingress.options(**ingress_options).bind(parsed.model_dump(), prefill, decode)

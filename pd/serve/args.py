@@ -6,47 +6,101 @@ Pydantic with ``extra="forbid"`` everywhere, so a typo in a YAML file fails
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
+import typing
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
 
 from pd.config import EngineConfig
+from router.shared import DECODE_SCOPE, PREFILL_SCOPE
 
 PREFILL_ROUTER = "router.serve:PrefixAffinityRouter"
 DECODE_ROUTER = "router.serve:DecodeLoadRouter"
+# EngineConfig fields set once for the whole app, not under ``engine:``.
+APP_LEVEL_ENGINE_FIELDS = ("kv_lease_s", "kv_read_timeout_s")
+# Router kwargs the app sets itself: the engines' block size and the pool's routing scope.
+APP_ROUTER_KWARGS = ("block_size", "routing_scope")
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class EngineArgs(_Strict):
-    """Fields of ``pd.config.EngineConfig`` that a deployment may set."""
-
-    model: str = "builtin:tiny-llama"
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
-    device: str = "cpu"
-    block_size: int = Field(16, ge=1)
-    num_blocks: int | None = Field(None, ge=1)
-    kv_cache_bytes: int = Field(512 * 1024**2, ge=1)
-    max_num_batched_tokens: int = Field(2048, ge=1)
-    max_num_seqs: int = Field(256, ge=1)
-    max_model_len: int | None = Field(None, ge=1)
-    attention_backend: Literal["auto", "torch", "triton"] = "auto"
-    seed: int = 0
+class _EngineArgsBase(_Strict):
+    @model_validator(mode="after")
+    def _valid_engine(self) -> "_EngineArgsBase":
+        EngineConfig(**self.model_dump())  # the engine's own checks, with its messages
+        return self
 
     def engine_config(self, kv_lease_s: float, kv_read_timeout_s: float) -> EngineConfig:
         return EngineConfig(**self.model_dump(), kv_lease_s=kv_lease_s, kv_read_timeout_s=kv_read_timeout_s)
 
 
+def _engine_args_model() -> type[_EngineArgsBase]:
+    """``EngineArgs``: the fields, types and defaults of ``EngineConfig``, checked by it."""
+    hints = typing.get_type_hints(EngineConfig)
+    fields = {
+        f.name: (hints[f.name], f.default)
+        for f in dataclasses.fields(EngineConfig) if f.name not in APP_LEVEL_ENGINE_FIELDS
+    }
+    model = create_model("EngineArgs", __base__=_EngineArgsBase, **fields)
+    model.__doc__ = "The fields of ``pd.config.EngineConfig`` that a deployment may set, under ``engine:``."
+    return model
+
+
+EngineArgs = _engine_args_model()
+
+
 class RouterArgs(_Strict):
-    """A Ray Serve ``RequestRouter`` for one pool, as ``module:Class`` plus its kwargs."""
+    """A Ray Serve ``RequestRouter`` for one pool, as ``module:Class`` plus its kwargs.
+
+    For this project's routers the kwargs are the fields of the router's
+    ``policy_config`` (checked when the args are), less ``block_size``, which
+    comes from ``engine.block_size``.
+    """
 
     request_router_class: str | None = Field(
         None, description="module:Class; defaults to PrefixAffinityRouter (prefill) or DecodeLoadRouter (decode)"
     )
     request_router_kwargs: dict[str, Any] = Field(default_factory=dict)
     request_routing_stats_period_s: float = Field(1.0, gt=0)
+
+    def router_class(self, default: str) -> type:
+        path = self.request_router_class or default
+        module, _, name = path.partition(":")
+        try:
+            return getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError, ValueError) as exc:
+            raise ValueError(f"request_router_class {path!r} cannot be imported: {exc}") from None
+
+    def router_kwargs(self, default: str, block_size: int, routing_scope: str) -> dict[str, Any]:
+        """The kwargs Serve passes the router; ``ValueError`` naming a field its policy does not take."""
+        from router.serve import PinnedRequestRouter
+
+        router_class = self.router_class(default)
+        kwargs = dict(self.request_router_kwargs)
+        if not (isinstance(router_class, type) and issubclass(router_class, PinnedRequestRouter)):
+            return kwargs  # a foreign router: its kwargs are its own business
+        for name in APP_ROUTER_KWARGS:
+            if name in kwargs:
+                raise ValueError(f"request_router_kwargs.{name} is set by the app (from engine.block_size "
+                                 "and the pool); remove it")
+        config_class = router_class.policy_config
+        known = {f.name for f in dataclasses.fields(config_class)} - set(APP_ROUTER_KWARGS) if config_class else set()
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValueError(f"request_router_kwargs.{unknown[0]}: not a field of {router_class.__name__}'s policy "
+                             f"(its fields: {', '.join(sorted(known)) or 'none'})")
+        if config_class is not None:
+            try:
+                config_class(**kwargs, block_size=block_size)
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"request_router_kwargs: {exc}") from None
+            kwargs["block_size"] = block_size
+        kwargs["routing_scope"] = routing_scope
+        return kwargs
 
 
 class PoolArgs(_Strict):
@@ -63,7 +117,7 @@ class PoolArgs(_Strict):
             raise ValueError("set num_replicas or autoscaling_config, not both")
         return self
 
-    def deployment_options(self, default_router: str) -> dict[str, Any]:
+    def deployment_options(self, default_router: str, block_size: int, routing_scope: str) -> dict[str, Any]:
         from ray.serve.config import RequestRouterConfig
 
         options: dict[str, Any] = {
@@ -72,7 +126,7 @@ class PoolArgs(_Strict):
             "max_queued_requests": self.max_queued_requests,
             "request_router_config": RequestRouterConfig(
                 request_router_class=self.router.request_router_class or default_router,
-                request_router_kwargs=dict(self.router.request_router_kwargs),
+                request_router_kwargs=self.router.router_kwargs(default_router, block_size, routing_scope),
                 request_routing_stats_period_s=self.router.request_routing_stats_period_s,
             ),
         }
@@ -119,6 +173,24 @@ class AppArgs(_Strict):
     # A request still running after this long is cancelled on every replica (504 or an error event).
     request_timeout_s: float = Field(600.0, gt=0)
 
+    @model_validator(mode="after")
+    def _valid_routers(self) -> "AppArgs":
+        for name, pool, default, scope in self.pools():
+            try:
+                pool.router.router_kwargs(default, self.engine.block_size, scope)
+            except ValueError as exc:
+                raise ValueError(f"{name}.router.{exc}") from None
+        return self
+
+    def pools(self) -> list[tuple[str, "PoolArgs", str, str]]:
+        """``(name, args, default router, routing scope)`` of each pool."""
+        return [("prefill", self.prefill, PREFILL_ROUTER, PREFILL_SCOPE), ("decode", self.decode, DECODE_ROUTER, DECODE_SCOPE)]
+
+    def deployment_options(self, pool: str) -> dict[str, Any]:
+        """Serve options of the ``"prefill"`` or ``"decode"`` deployment, routers included."""
+        [(_, args, default, scope)] = [entry for entry in self.pools() if entry[0] == pool]
+        return args.deployment_options(default, self.engine.block_size, scope)
+
     @classmethod
     def parse(cls, args: dict[str, Any] | None) -> "AppArgs":
         """Validated args; ``ValueError`` naming every bad field (never echoing an API key)."""
@@ -148,8 +220,9 @@ def describe_errors(exc: ValidationError) -> str:
     for error in exc.errors(include_url=False):
         where = ".".join(str(part) for part in error["loc"]) or "args"
         line = f"  {where}: {error['msg']}"
-        secret = bool(error["loc"]) and error["loc"][0] in SECRET_FIELDS
-        if not secret and "input" in error:
+        # A model-wide error's input is the whole args, secrets included: never echoed.
+        echo = bool(error["loc"]) and error["loc"][0] not in SECRET_FIELDS
+        if echo and "input" in error:
             line += f" (got {error['input']!r:.200})"
         lines.append(line)
     return "\n".join(lines)

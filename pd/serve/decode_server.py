@@ -9,8 +9,8 @@ from typing import AsyncIterator
 from ray import serve
 
 from pd.serve.engine_server import EngineServer
-from pd.serve.messages import DecodeChunk, PoolControl, PoolRequest
-from transfer.wire import KVHandle, WireError
+from pd.serve.protocol import DecodeChunk, PoolControl, PoolRequest
+from router.protocol import RouteHints
 
 logger = logging.getLogger(__name__)
 
@@ -25,10 +25,11 @@ class DecodeServer(EngineServer):
 
     def _control(self, peer: str, payload: bytes) -> bytes:
         """Deliver torch-transport control bytes to the prefill replica ``peer`` (blocking)."""
-        message = PoolControl(request_id="", target_replica_id=peer, payload=payload).encode()
-        return self._prefill.handle_control.remote(message).result(timeout_s=self.args.kv_read_timeout_s)
+        hints = RouteHints(request_id="", target_replica_id=peer).encode()
+        call = self._prefill.handle_control.remote(hints, PoolControl(payload=payload).encode())
+        return call.result(timeout_s=self.args.kv_read_timeout_s)
 
-    async def generate(self, data: bytes) -> AsyncIterator[bytes]:
+    async def generate(self, hints: bytes, data: bytes) -> AsyncIterator[bytes]:
         """Stream encoded ``DecodeChunk``s for an encoded ``PoolRequest``.
 
         With a ``kv_handle`` the prompt KV is pulled from the prefill replica and
@@ -37,28 +38,21 @@ class DecodeServer(EngineServer):
         the request and frees its blocks.
         """
         request = PoolRequest.decode(data)
+        token_ids = list(request.token_ids)
         remote_kv = None
         if request.kv_handle is not None:
-            try:
-                remote_kv = KVHandle.decode(request.kv_handle)
-                self.engine.engine.connector.check(remote_kv, request.token_ids)
-            except WireError as exc:
-                logger.warning("request %s: unusable KV handle (%s); recomputing locally", request.request_id, exc)
-                self.engine.engine.connector.note_fallback()
-                remote_kv = None
-        stream = self.engine.add_request(
-            request.request_id, request.token_ids, request.sampling,
-            remote_kv=remote_kv, first_token_id=request.first_token_id,
-        )
+            remote_kv = self.engine.open_kv_handle(request.kv_handle, token_ids)
+        stream = self.engine.add_request(request.request_id, token_ids, request.sampling,
+                                         remote_kv=remote_kv, first_token_id=request.first_token_id)
         async with contextlib.aclosing(stream):
             async for out in stream:
                 if out.finished:
                     self.metrics.queue.observe(out.queue_seconds)
                 yield DecodeChunk(
                     request_id=request.request_id,
-                    token_ids=out.new_token_ids,
-                    logprobs=out.new_logprobs,
-                    finish_reason=out.finish_reason.value if out.finish_reason else None,
+                    token_ids=tuple(out.new_token_ids),
+                    logprobs=tuple(out.new_logprobs),
+                    finish_reason=out.finish_reason,
                     num_cached_tokens=out.num_cached_tokens,
-                    prefill=out.kv_source.value,
+                    kv_source=out.kv_source,
                 ).encode()

@@ -10,6 +10,7 @@ from ray import serve
 from pd.engine.async_engine import AsyncLLMEngine
 from pd.serve.args import AppArgs
 from pd.serve.metrics import ReplicaMetrics
+from router.protocol import RoutingStats
 from transfer import KVTransport, create_transport
 
 logger = logging.getLogger(__name__)
@@ -57,23 +58,20 @@ class EngineServer:
         self.metrics = ReplicaMetrics(self.role, self.replica_id)
         logger.info("%s replica %s ready", self.role, self.replica_id)
 
-    def record_routing_stats(self) -> dict[str, Any]:
-        """Reaches this deployment's request routers as ``replica.routing_stats``."""
+    def record_routing_stats(self) -> dict[str, bytes]:
+        """Reaches this deployment's request routers as ``replica.routing_stats`` (``RoutingStats``)."""
         stats = self.engine.stats()
         total = stats.num_free_blocks + stats.num_used_blocks
         self.metrics.record_state(stats)
-        first_seq, events = self.engine.engine.block_pool.cache_event_window()
-        return {
-            "num_running": stats.num_running,
-            "num_waiting": stats.num_waiting,
-            "num_waiting_tokens": stats.num_waiting_tokens,
-            "kv_usage": stats.num_used_blocks / total if total else 0.0,
-            "num_free_blocks": stats.num_free_blocks,
-            # Prefix-cache changes, numbered so routers apply each once, and where they start,
-            # so a router that missed some (a report came too late) knows it.
-            "cache_events": [(e.seq, e.block_hash, e.stored) for e in events],
-            "cache_events_from": first_seq,
-        }
+        first_seq, events = self.engine.cache_events()
+        return RoutingStats.of(
+            first_seq, events,
+            num_running=stats.num_running,
+            num_waiting=stats.num_waiting,
+            num_waiting_tokens=stats.num_waiting_tokens,
+            kv_usage=stats.num_used_blocks / total if total else 0.0,
+            num_free_blocks=stats.num_free_blocks,
+        ).publish()
 
     async def stats(self) -> dict[str, Any]:
         """Engine counters, the replica id and its node, for tests and operators."""
@@ -88,8 +86,8 @@ class EngineServer:
             **dataclasses.asdict(self.engine.stats()),
         }
 
-    async def stats_of(self, data: bytes) -> dict[str, Any]:
-        """``stats`` of the replica an encoded ``PoolControl`` targets (the router pins it)."""
+    async def stats_of(self, hints: bytes) -> dict[str, Any]:
+        """``stats`` of the replica encoded ``RouteHints`` target (the router pins it)."""
         return await self.stats()
 
     async def check_health(self) -> None:

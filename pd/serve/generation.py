@@ -9,24 +9,29 @@ The first token of a remote prefill is streamed at once. A prefill call that
 fails or passes its deadline is retried once on another replica; after that
 the decode replica prefills locally, so a dead prefill pool slows requests
 down but never fails them.
+
+Three parts: ``PoolClient.generate`` plans and runs the calls; ``StreamTracker``
+turns tokens into text and latency metrics; ``Lease`` owns a remote prefill's
+pinned blocks and releases them exactly once.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 from dataclasses import dataclass
 from typing import AsyncIterator
 
+from pd.engine.request import FinishReason, KVSource, finish_reason
 from pd.sampling_params import SamplingParams
 from pd.serve.args import AppArgs
-from pd.serve.messages import PREFILL_RECOMPUTE, DecodeChunk, PoolControl, PoolRequest, PrefillResult
 from pd.serve.metrics import RequestMetrics
+from pd.serve.protocol import DecodeChunk, PoolControl, PoolRequest, PrefillResult
 from pd.serve.text import TextStream
 from router.hashing import hash_block_tokens
-from router.serve import estimate_uncached_tokens, routed_replica
+from router.protocol import RouteHints
+from router.shared import DECODE_SCOPE, PREFILL_SCOPE, RoutingScopes
 
 logger = logging.getLogger(__name__)
 
@@ -45,20 +50,97 @@ class GenerationEvent:
     num_output_tokens: int
 
 
-class PoolClient:
-    """The ingress's view of the two pools."""
+class StreamTracker:
+    """One request's output: incremental text with stop strings, and its latency metrics."""
 
-    def __init__(self, args: AppArgs, prefill_handle, decode_handle, tokenizer, eos_token_ids: tuple[int, ...]):
+    def __init__(self, metrics: RequestMetrics, text: TextStream, num_prompt_tokens: int):
+        self.metrics = metrics
+        self.text = text
+        self.num_prompt_tokens = num_prompt_tokens
+        self.num_output_tokens = 0
+        self.started = self.last_token_at = time.monotonic()
+        self.first_token_at: float | None = None
+
+    def add(self, token_ids: list[int], logprobs: list[float], reason: FinishReason | None) -> GenerationEvent:
+        """The event for new tokens; ``reason`` is the engine's. A stop string may end the request first."""
+        now = time.monotonic()
+        if self.first_token_at is None:
+            if token_ids:
+                self.metrics.ttft.observe(now - self.started)
+                self.first_token_at = now
+        elif token_ids:
+            self.metrics.itl.observe(now - self.last_token_at)
+        self.last_token_at = now
+        self.num_output_tokens += len(token_ids)
+        delta = self.text.add(token_ids)
+        text = delta.text
+        if delta.stopped:
+            out_reason = "stop"
+        elif reason is not None:
+            out_reason = "stop" if reason is FinishReason.STOP else "length"
+            text += self.text.finish().text
+        else:
+            out_reason = None
+        if out_reason is not None:
+            self.metrics.e2e.observe(now - self.started)
+            if self.first_token_at is not None:
+                self.metrics.decode.observe(now - self.first_token_at)
+        return GenerationEvent(token_ids, text, logprobs, out_reason, self.num_prompt_tokens, self.num_output_tokens)
+
+
+class Lease:
+    """A remote prefill's pinned blocks, released exactly once (``with`` ends it).
+
+    The decode replica's first chunk settles it: a pull (``KVSource.REMOTE``)
+    makes the prefill replica free the blocks itself; anything else releases
+    them now.
+    """
+
+    def __init__(self, client: "PoolClient", result: PrefillResult):
+        self._client = client
+        self.result = result
+        self._open = True
+
+    def settle(self, kv_source: KVSource) -> None:
+        if kv_source is KVSource.REMOTE:
+            self._open = False
+        else:
+            self.release()
+
+    def release(self) -> None:
+        if self._open:
+            self._open = False
+            self._client.release_lease(self.result)
+
+    def __enter__(self) -> "Lease":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.release()
+
+
+class PoolClient:
+    """The ingress's view of the two pools.
+
+    ``routing_scopes`` is the ingress's: its request routers share with it
+    where calls went and what the decode pool caches (``router.shared``).
+    """
+
+    def __init__(self, args: AppArgs, prefill_handle, decode_handle, tokenizer, eos_token_ids: tuple[int, ...],
+                 max_model_len: int, routing_scopes: RoutingScopes):
         self.args = args
         self.prefill = prefill_handle
         self.decode = decode_handle
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
         self.metrics = RequestMetrics(args.served_model_name)
+        self.prefill_routing = routing_scopes.open(PREFILL_SCOPE)
+        self.decode_routing = routing_scopes.open(DECODE_SCOPE)
         self.prefill_in_flight = 0
         self.prefill_pool_down_until = 0.0
 
-    def wants_remote_prefill(self, token_ids: list[int], block_hashes: list[bytes]) -> bool:
+    def wants_remote_prefill(self, hints: RouteHints) -> bool:
         """Remote when the uncached prompt is long and the prefill pool has room.
 
         "Uncached" is what the decode replica would compute itself, estimated
@@ -67,22 +149,22 @@ class PoolClient:
         """
         if self.args.mode != "disaggregated" or self.prefill is None:
             return False
-        if len(token_ids) <= self.args.remote_prefill_threshold:
+        if hints.num_prompt_tokens <= self.args.remote_prefill_threshold:
             return False
-        uncached = estimate_uncached_tokens("DecodeServer", block_hashes, len(token_ids))
+        uncached = self.decode_routing.estimate_uncached_tokens(hints.block_hashes, hints.num_prompt_tokens)
         return (
             uncached > self.args.remote_prefill_threshold
             and self.prefill_in_flight < self.args.prefill_queue_bound
             and time.monotonic() >= self.prefill_pool_down_until
         )
 
-    async def remote_prefill(self, request: PoolRequest) -> PrefillResult | None:
+    async def remote_prefill(self, request: PoolRequest, hints: RouteHints) -> PrefillResult | None:
         """Prefill on the pool, retrying once elsewhere; None means prefill locally."""
         excluded: list[str] = []
         for attempt in range(2):
-            call = dataclasses.replace(request, exclude_replica_ids=list(excluded))
+            call_hints = hints.replace(exclude_replica_ids=tuple(excluded))
             self.prefill_in_flight += 1
-            response = self.prefill.prefill.remote(call.encode())
+            response = self.prefill.prefill.remote(call_hints.encode(), request.encode())
             start = time.monotonic()
             try:
                 result = PrefillResult.decode(await asyncio.wait_for(response, self.args.prefill_timeout_s))
@@ -93,7 +175,7 @@ class PoolClient:
                 raise
             except Exception as exc:  # noqa: BLE001 - any failure: try elsewhere, then locally
                 response.cancel()
-                failed = routed_replica(request.request_id)
+                failed = self.prefill_routing.routed_replica(request.request_id)
                 if failed is not None:
                     excluded.append(failed)
                 logger.warning("request %s: prefill attempt %d failed on %s: %r",
@@ -106,100 +188,56 @@ class PoolClient:
         return None
 
     def release_lease(self, result: PrefillResult) -> None:
-        message = PoolControl(request_id=result.request_id, target_replica_id=result.replica_id).encode()
-        self.prefill.release.remote(message)
+        hints = RouteHints(request_id=result.request_id, target_replica_id=result.replica_id)
+        self.prefill.release.remote(hints.encode(), PoolControl(request_id=result.request_id).encode())
 
     async def generate(
         self, request_id: str, token_ids: list[int], params: SamplingParams, stop: list[str]
     ) -> AsyncIterator[GenerationEvent]:
         """Run one request; the last event carries the finish reason."""
-        start = time.monotonic()
-        text = TextStream(self.tokenizer, token_ids, stop)
-        request = PoolRequest(
-            request_id=request_id,
-            token_ids=token_ids,
-            sampling=params,
-            block_hashes=hash_block_tokens(token_ids, self.args.engine.block_size),
-        )
-        prefilled: PrefillResult | None = None
-        if self.wants_remote_prefill(token_ids, request.block_hashes):
-            prefilled = await self.remote_prefill(request)
-        num_output = 0
-        last_token_at = start
-        first_token_at = None
-        if prefilled is not None:
-            self.metrics.ttft.observe(time.monotonic() - start)
-            num_output = 1
-            last_token_at = first_token_at = time.monotonic()
-            delta = text.add([prefilled.first_token_id])
+        tracker = StreamTracker(self.metrics, TextStream(self.tokenizer, token_ids, stop), len(token_ids))
+        hints = RouteHints(request_id=request_id, num_prompt_tokens=len(token_ids),
+                           block_hashes=tuple(hash_block_tokens(token_ids, self.args.engine.block_size)))
+        request = PoolRequest(request_id=request_id, token_ids=tuple(token_ids), sampling=params)
+        prefilled = await self.remote_prefill(request, hints) if self.wants_remote_prefill(hints) else None
+        if prefilled is None:
+            async for event in self._decode(request, hints, tracker, None):
+                yield event
+            return
+        with Lease(self, prefilled) as lease:
             first = prefilled.first_token_id
-            done = (
-                params.max_tokens == 1
-                or delta.stopped
-                or first in (params.stop_token_ids or ())
-                or (not params.ignore_eos and first in self.eos_token_ids)
-            )
-            if done:
-                self.release_lease(prefilled)
-                reason = "length" if params.max_tokens == 1 and not delta.stopped else "stop"
-                tail = text.finish().text if not delta.stopped else ""
-                self.metrics.prefill_path.inc(tags={"path": "remote"})
-                self.metrics.e2e.observe(time.monotonic() - start)
-                yield GenerationEvent([first], delta.text + tail, _logprobs(prefilled.first_logprob), reason,
-                                      len(token_ids), 1)
+            reason = finish_reason(params, first, 1, len(token_ids) + 1, self.max_model_len, self.eos_token_ids)
+            logprobs = [prefilled.first_logprob] if prefilled.first_logprob is not None else []
+            event = tracker.add([first], logprobs, reason)
+            if event.finish_reason is not None:
+                self.metrics.prefill_path.inc(tags={"path": KVSource.REMOTE.value})
+                yield event
                 return
-            try:
-                yield GenerationEvent([first], delta.text, _logprobs(prefilled.first_logprob), None, len(token_ids), 1)
-            except BaseException:  # the client left before decode started: free the pinned blocks now
-                self.release_lease(prefilled)
-                raise
-            request = dataclasses.replace(request, kv_handle=prefilled.kv_handle,
-                                          first_token_id=prefilled.first_token_id)
-        stream = self.decode.options(stream=True).generate.remote(request.encode())
-        finished = False
-        path_counted = False
+            yield event  # a client leaving here ends the lease on the way out
+            request = request.replace(kv_handle=prefilled.kv_handle, first_token_id=first)
+            async for event in self._decode(request, hints, tracker, lease):
+                yield event
+
+    async def _decode(self, request: PoolRequest, hints: RouteHints, tracker: StreamTracker,
+                      lease: Lease | None) -> AsyncIterator[GenerationEvent]:
+        stream = self.decode.options(stream=True).generate.remote(hints.encode(), request.encode())
+        engine_finished = first_chunk = False
         try:
             async for data in stream:
                 chunk = DecodeChunk.decode(data)
-                if chunk.finish_reason == "abort":
-                    raise RuntimeError(f"request {request_id} was aborted by its decode replica")
-                now = time.monotonic()
-                if not path_counted:
-                    self.metrics.prefill_path.inc(tags={"path": chunk.prefill})
-                    path_counted = True
-                    if prefilled is not None and chunk.prefill == PREFILL_RECOMPUTE:
-                        self.release_lease(prefilled)  # the decode replica will not pull it: free it now
-                if num_output == 0:
-                    self.metrics.ttft.observe(now - start)
-                    first_token_at = now
-                elif chunk.token_ids:
-                    self.metrics.itl.observe(now - last_token_at)
-                last_token_at = now
-                num_output += len(chunk.token_ids)
-                delta = text.add(chunk.token_ids)
-                reason = "stop" if delta.stopped else chunk.finish_reason
-                if reason is not None:
-                    out_text = delta.text if delta.stopped else delta.text + text.finish().text
-                    # A stop string can end the request before the engine does.
-                    finished = chunk.finish_reason is not None
-                    self.metrics.e2e.observe(time.monotonic() - start)
-                    if first_token_at is not None:
-                        self.metrics.decode.observe(time.monotonic() - first_token_at)
-                    yield GenerationEvent(chunk.token_ids, out_text, chunk.logprobs, _openai_reason(reason),
-                                          len(token_ids), num_output)
+                if chunk.finish_reason is FinishReason.ABORT:
+                    raise RuntimeError(f"request {request.request_id} was aborted by its decode replica")
+                if not first_chunk:
+                    first_chunk = True
+                    self.metrics.prefill_path.inc(tags={"path": chunk.kv_source.value})
+                    if lease is not None:
+                        lease.settle(chunk.kv_source)
+                event = tracker.add(list(chunk.token_ids), list(chunk.logprobs), chunk.finish_reason)
+                engine_finished = chunk.finish_reason is not None
+                yield event
+                if event.finish_reason is not None:
                     return
-                yield GenerationEvent(chunk.token_ids, delta.text, chunk.logprobs, None, len(token_ids), num_output)
-            raise RuntimeError(f"decode stream for {request_id} ended without a finish reason")
+            raise RuntimeError(f"decode stream for {request.request_id} ended without a finish reason")
         finally:
-            if not finished:
+            if not engine_finished:
                 stream.cancel()  # the decode replica aborts the request and frees its blocks
-                if prefilled is not None:
-                    self.release_lease(prefilled)
-
-
-def _logprobs(value: float | None) -> list[float]:
-    return [value] if value is not None else []
-
-
-def _openai_reason(reason: str) -> str:
-    return "stop" if reason == "stop" else "length"

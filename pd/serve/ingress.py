@@ -18,8 +18,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from ray import serve
 
-from pd.model.builtin import resolve_model_path
 from pd.model.config import load_model_config
+from pd.model.paths import resolve_model_path
 from pd.model.tokenizer import Tokenizer
 from pd.sampling_params import SamplingParams
 from pd.serve.args import AppArgs
@@ -33,6 +33,7 @@ from pd.serve.openai_protocol import (
     now,
     usage,
 )
+from router.shared import RoutingScopes
 
 logger = logging.getLogger(__name__)
 
@@ -149,7 +150,10 @@ class Ingress:
         eos = model_config.eos_token_ids or (
             (self.tokenizer.eos_token_id,) if self.tokenizer and self.tokenizer.eos_token_id is not None else ()
         )
-        self.pools = PoolClient(self.args, prefill_handle, decode_handle, self.tokenizer, eos)
+        # Its request routers find this through Serve's replica context (router.shared).
+        self.routing_scopes = RoutingScopes()
+        self.pools = PoolClient(self.args, prefill_handle, decode_handle, self.tokenizer, eos, self.max_model_len,
+                                self.routing_scopes)
         self._api_keys = configured_api_keys(self.args.api_keys, os.environ.get(self.args.api_keys_env, ""))
         app.state.max_request_body_bytes = self.args.max_request_body_bytes
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 
@@ -9,7 +10,7 @@ from ray import serve
 
 from pd.engine.request import FinishReason
 from pd.serve.engine_server import EngineServer
-from pd.serve.messages import PoolControl, PoolRequest, PrefillResult
+from pd.serve.protocol import PoolControl, PoolRequest, PrefillResult
 
 logger = logging.getLogger(__name__)
 
@@ -18,13 +19,14 @@ logger = logging.getLogger(__name__)
 class PrefillServer(EngineServer):
     role = "prefill"
 
-    async def prefill(self, data: bytes) -> bytes:
+    async def prefill(self, hints: bytes, data: bytes) -> bytes:
         """Prefill one prompt: an encoded ``PoolRequest`` in, an encoded ``PrefillResult`` out.
 
-        Cancelling the call aborts the request and frees its blocks.
+        ``hints`` (``RouteHints``) are for the request router. Cancelling the
+        call aborts the request and frees its blocks.
         """
         request = PoolRequest.decode(data)
-        stream = self.engine.add_request(request.request_id, request.token_ids, request.sampling, pin_kv=True)
+        stream = self.engine.add_request(request.request_id, list(request.token_ids), request.sampling, pin_kv=True)
         last = None
         async with contextlib.aclosing(stream):
             async for out in stream:
@@ -39,17 +41,14 @@ class PrefillServer(EngineServer):
             first_logprob=last.new_logprobs[0] if last.new_logprobs else None,
             kv_handle=last.kv_handle,
             num_cached_tokens=last.num_cached_tokens,
-            finish_reason=last.finish_reason.value if last.finish_reason else None,
         ).encode()
 
-    async def release(self, data: bytes) -> None:
+    async def release(self, hints: bytes, data: bytes) -> None:
         """End a lease early (an encoded ``PoolControl``): no decode will pull it."""
         self.engine.release_kv(PoolControl.decode(data).request_id)
 
-    async def handle_control(self, data: bytes) -> bytes:
+    async def handle_control(self, hints: bytes, data: bytes) -> bytes:
         """The torch transport's control channel (an encoded ``PoolControl``)."""
-        import asyncio
-
         payload = PoolControl.decode(data).payload
         # The transport may block while it sends; keep the event loop free.
         return await asyncio.get_running_loop().run_in_executor(None, self.transport.handle_control, payload)

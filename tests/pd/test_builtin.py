@@ -13,10 +13,10 @@ from pd.model.builtin import (
     BUILTIN_MODELS,
     EOT_TOKEN,
     SPECIAL_TOKENS,
-    TOKENIZER_TRAINING_TEXT,
     cache_dir,
-    resolve_model_path,
+    tokenizer_training_text,
 )
+from pd.model.paths import resolve_model_path
 from pd.model.tokenizer import Tokenizer
 
 MODEL = "builtin:tiny-llama"
@@ -130,7 +130,8 @@ def test_tokenizer_files(model_dir):
     assert all(symbol in vocab and vocab[symbol] < 256 for symbol in byte_symbols)
     assert [raw.id_to_token(1019 + i) for i in range(len(SPECIAL_TOKENS))] == list(SPECIAL_TOKENS)
     # The learned merges compress the text they were learned from.
-    assert len(raw.encode(TOKENIZER_TRAINING_TEXT).ids) < len(TOKENIZER_TRAINING_TEXT.encode()) / 3
+    text = tokenizer_training_text()
+    assert len(raw.encode(text).ids) < len(text.encode()) / 3
 
     tokenizer = Tokenizer.from_dir(model_dir)
     assert tokenizer.eos_token_id == raw.token_to_id(EOT_TOKEN)
@@ -145,6 +146,14 @@ def test_tokenizer_files(model_dir):
     prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
     assert prompt_ids.count(tokenizer.bos_token_id) == 1
     assert prompt_ids.count(tokenizer.eos_token_id) == 1
+
+
+def test_tokenizer_corpus_is_the_one_tiny_llama_v1_was_learned_from():
+    # A changed corpus (an edit, or line endings rewritten on checkout) changes
+    # the tokenizer: bump the model's version and this digest together.
+    assert BUILTIN_MODELS["tiny-llama"].version == 1
+    digest = hashlib.sha256(tokenizer_training_text().encode()).hexdigest()
+    assert digest == "f564683557b07f645dc6a69c5e5cd34107f70b7865069ff78246f4f38ec3d175"
 
 
 def test_loads_in_transformers(model_dir):

@@ -203,7 +203,7 @@ def test_no_candidates_is_an_error():
     with pytest.raises(ValueError):
         make_policy().choose([], 10, [])
     with pytest.raises(ValueError):
-        DecodePolicy(DecodePolicyConfig()).choose([], {}, 10)
+        DecodePolicy(DecodePolicyConfig(block_size=BLOCK)).choose([], {}, 10)
 
 
 @pytest.mark.parametrize("overrides", [
@@ -213,12 +213,12 @@ def test_no_candidates_is_an_error():
 ])
 def test_config_rejects_invalid_values(overrides):
     with pytest.raises(ValueError):
-        PolicyConfig(**overrides)
+        PolicyConfig(**{"block_size": BLOCK, **overrides})
 
 
 def test_config_is_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
-        PolicyConfig().w_prefix = 2.0
+        PolicyConfig(block_size=BLOCK).w_prefix = 2.0
 
 
 @pytest.mark.parametrize("fields", [dict(kv_usage=1.5), dict(kv_usage=-0.1), dict(num_active_requests=-1),
@@ -273,7 +273,7 @@ def test_policy_module_does_not_import_ray():
     import subprocess
     import sys
 
-    code = "import sys, router.policy, router.prefix_index, router.trace; print('ray' in sys.modules)"
+    code = "import sys, router.policy, router.prefix_index; print('ray' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"
 

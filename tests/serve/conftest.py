@@ -158,11 +158,11 @@ def pool_stats(deployment: str, app: str = "pd") -> list[dict]:
     """Stats of every replica of a pool (calls reach each replica by its id)."""
     from ray import serve
 
-    from pd.serve.messages import PoolControl
+    from router.protocol import RouteHints
 
     handle = serve.get_deployment_handle(deployment, app)
     ids = replica_ids(app, deployment)
-    return [handle.stats_of.remote(PoolControl(request_id="", target_replica_id=rid).encode()).result() for rid in ids]
+    return [handle.stats_of.remote(RouteHints(request_id="", target_replica_id=rid).encode()).result() for rid in ids]
 
 
 def replica_ids(app: str, deployment: str) -> list[str]:

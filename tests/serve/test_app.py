@@ -111,24 +111,26 @@ def test_neutral_unimplemented_fields_are_accepted(app):
 def test_recompute_fallback_after_an_expired_lease_gives_the_same_output(app, offline):
     from ray import serve
 
-    from pd.serve.messages import DecodeChunk, PoolRequest, PrefillResult
+    from pd.engine.request import KVSource
+    from pd.serve.protocol import DecodeChunk, PoolRequest, PrefillResult
+    from router.protocol import RouteHints
 
     token_ids = offline.tokenizer.encode(LONG)
     params = SamplingParams(max_tokens=8, temperature=0)
-    request = PoolRequest(request_id="expired-lease", token_ids=token_ids, sampling=params)
+    request = PoolRequest(request_id="expired-lease", token_ids=tuple(token_ids), sampling=params)
+    hints = RouteHints(request_id="expired-lease").encode()
     prefill = serve.get_deployment_handle("PrefillServer", "pd")
-    result = PrefillResult.decode(prefill.prefill.remote(request.encode()).result())
+    result = PrefillResult.decode(prefill.prefill.remote(hints, request.encode()).result())
     # Lease expiry on the prefill replica is the event under test: wait for it.
     wait_until(lambda: _totals("PrefillServer", "num_leases_expired") >= 1, timeout=15)
     fallbacks = _totals("DecodeServer", "num_recompute_fallbacks")
     decode = serve.get_deployment_handle("DecodeServer", "pd").options(stream=True)
-    remote = PoolRequest(request_id="expired-lease", token_ids=token_ids, sampling=params,
-                         kv_handle=result.kv_handle, first_token_id=result.first_token_id)
+    remote = request.replace(kv_handle=result.kv_handle, first_token_id=result.first_token_id)
     tokens = [result.first_token_id]
-    for data in decode.generate.remote(remote.encode()):
+    for data in decode.generate.remote(hints, remote.encode()):
         chunk = DecodeChunk.decode(data)
         tokens += chunk.token_ids
-        assert chunk.prefill == "recompute"
+        assert chunk.kv_source is KVSource.RECOMPUTE
     assert tokens == offline(token_ids, 8)
     assert _totals("DecodeServer", "num_recompute_fallbacks") == fallbacks + 1
 

@@ -21,7 +21,7 @@ def test_config_validates(name):
     from ray.serve.config import RequestRouterConfig
 
     for pool in (args.prefill, args.decode):
-        options = pool.deployment_options("router.serve:PinnedRequestRouter")
+        options = pool.deployment_options("router.serve:PinnedRequestRouter", args.engine.block_size, "prefill")
         assert isinstance(options["request_router_config"], RequestRouterConfig)
 
 
@@ -55,3 +55,53 @@ def test_typos_and_bad_types_name_the_field(mutate, field):
     mutate(args)
     with pytest.raises(ValueError, match=field):
         build_app(args)
+
+
+@pytest.mark.parametrize(
+    "pool, kwargs, field",
+    [
+        ("prefill", {"w_prefx": 2.0}, "w_prefx"),
+        ("decode", {"w_actve": 1.0}, "w_actve"),
+        ("prefill", {"w_prefix": -1.0}, "w_prefix must be >= 0"),
+        ("decode", {"block_size": 32}, "block_size is set by the app"),
+    ],
+)
+def test_router_kwargs_are_checked_before_anything_starts(pool, kwargs, field):
+    args = config_args("default.yaml")
+    args[pool]["router"] = {"request_router_kwargs": kwargs}
+    with pytest.raises(ValueError, match=f"{pool}.router.request_router_kwargs.*{field}"):
+        build_app(args)
+
+
+def test_router_kwargs_errors_never_echo_api_keys():
+    args = {**config_args("default.yaml"), "api_keys": ["sk-secret-key"]}
+    args["prefill"]["router"] = {"request_router_kwargs": {"w_prefx": 2.0}}
+    with pytest.raises(ValueError) as refused:
+        build_app(args)
+    assert "sk-secret-key" not in str(refused.value)
+
+
+def test_the_routers_get_the_engines_block_size():
+    args = config_args("default.yaml")
+    args["engine"]["block_size"] = 32
+    parsed = AppArgs.parse(args)
+    for pool in ("prefill", "decode"):
+        kwargs = parsed.deployment_options(pool)["request_router_config"].request_router_kwargs
+        assert kwargs["block_size"] == 32 and kwargs["routing_scope"] == pool
+
+
+def test_engine_defaults_and_choices_have_one_source():
+    """The YAML edge is the engine dataclass: same fields (less the app-level ones), same defaults."""
+    import dataclasses
+    import typing
+
+    from pd.config import EngineConfig
+    from pd.serve.args import APP_LEVEL_ENGINE_FIELDS, EngineArgs
+
+    engine_fields = {f.name: f for f in dataclasses.fields(EngineConfig) if f.name not in APP_LEVEL_ENGINE_FIELDS}
+    assert set(EngineArgs.model_fields) == set(engine_fields)
+    hints = typing.get_type_hints(EngineConfig)
+    for name, field in engine_fields.items():
+        assert EngineArgs.model_fields[name].default == field.default, name
+        assert EngineArgs.model_fields[name].annotation == hints[name], name
+    assert EngineArgs().engine_config(30.0, 10.0) == EngineConfig()

@@ -5,7 +5,6 @@ Destructive: these run last (see tests/conftest.py), on their own app.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import subprocess
 import sys
@@ -123,8 +122,7 @@ def _dead_nixl_peer(real_metadata: bytes) -> bytes:
                           text=True, timeout=120, check=True)
     [line] = [line for line in done.stdout.splitlines() if line.startswith("METADATA ")]
     dead = NixlPeer.decode(bytes.fromhex(line.split()[1]))
-    return dataclasses.replace(NixlPeer.decode(real_metadata), name=dead.name,
-                               agent_metadata=dead.agent_metadata).encode()
+    return NixlPeer.decode(real_metadata).replace(name=dead.name, agent_metadata=dead.agent_metadata).encode()
 
 
 def _flip_middle_byte(data: bytes) -> bytes:
@@ -145,10 +143,10 @@ def _broken_handle(kind: str, handle: bytes, other_prompts_handle: bytes) -> byt
         return other_prompts_handle
     real = KVHandle.decode(handle)
     if kind == "fingerprint-mismatch":
-        fingerprint = dataclasses.replace(real.fingerprint, num_layers=real.fingerprint.num_layers + 1)
-        return dataclasses.replace(real, fingerprint=fingerprint).encode()
+        fingerprint = real.fingerprint.replace(num_layers=real.fingerprint.num_layers + 1)
+        return real.replace(fingerprint=fingerprint).encode()
     assert kind == "unreachable-peer", kind
-    return dataclasses.replace(real, engine_id="gone-peer", peer_metadata=_dead_nixl_peer(real.peer_metadata)).encode()
+    return real.replace(engine_id="gone-peer", peer_metadata=_dead_nixl_peer(real.peer_metadata)).encode()
 
 
 BREAKS = ("truncated", "flipped-byte", "fingerprint-mismatch", "another-prompt-same-length", "unreachable-peer")
@@ -159,7 +157,9 @@ def test_broken_transfers_recompute_the_colocated_tokens(fault_app, offline):
     from ray import serve
 
     from pd import SamplingParams
-    from pd.serve.messages import DecodeChunk, PoolControl, PoolRequest, PrefillResult
+    from pd.engine.request import KVSource
+    from pd.serve.protocol import DecodeChunk, PoolControl, PoolRequest, PrefillResult
+    from router.protocol import RouteHints
 
     token_ids = offline.tokenizer.encode(LONG)
     other_ids = list(token_ids)
@@ -171,27 +171,28 @@ def test_broken_transfers_recompute_the_colocated_tokens(fault_app, offline):
     decode = serve.get_deployment_handle("DecodeServer", "pd").options(stream=True)
 
     def prefilled(request_id: str, ids: list[int]) -> PrefillResult:
-        request = PoolRequest(request_id=request_id, token_ids=ids, sampling=params)
-        return PrefillResult.decode(prefill.prefill.remote(request.encode()).result())
+        request = PoolRequest(request_id=request_id, token_ids=tuple(ids), sampling=params)
+        return PrefillResult.decode(prefill.prefill.remote(RouteHints(request_id=request_id).encode(),
+                                                           request.encode()).result())
 
     def release(result: PrefillResult) -> None:
-        control = PoolControl(request_id=result.request_id, target_replica_id=result.replica_id)
-        prefill.release.remote(control.encode()).result()
+        hints = RouteHints(request_id=result.request_id, target_replica_id=result.replica_id)
+        prefill.release.remote(hints.encode(), PoolControl(request_id=result.request_id).encode()).result()
 
     fallbacks_before = sum(s["num_recompute_fallbacks"] for s in pool_stats("DecodeServer"))
     with Load(fault_app, num_streams=6) as load:
         for kind in BREAKS:
             real, other = prefilled(f"break-{kind}", token_ids), prefilled(f"other-{kind}", other_ids)
             broken = _broken_handle(kind, real.kv_handle, other.kv_handle)
-            request = PoolRequest(request_id=f"break-{kind}", token_ids=token_ids, sampling=params,
+            request = PoolRequest(request_id=f"break-{kind}", token_ids=tuple(token_ids), sampling=params,
                                   kv_handle=broken, first_token_id=real.first_token_id)
             tokens, paths = [real.first_token_id], set()
-            for data in decode.generate.remote(request.encode()):
+            for data in decode.generate.remote(RouteHints(request_id=request.request_id).encode(), request.encode()):
                 chunk = DecodeChunk.decode(data)
                 tokens += chunk.token_ids
-                paths.add(chunk.prefill)
+                paths.add(chunk.kv_source)
             assert tokens == expected, kind
-            assert paths == {"recompute"}, (kind, paths)
+            assert paths == {KVSource.RECOMPUTE}, (kind, paths)
             release(real)
             release(other)
     assert load.outcomes and set(load.outcomes) == {"done"}, load.outcomes

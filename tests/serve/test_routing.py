@@ -5,20 +5,23 @@ from __future__ import annotations
 from collections import Counter
 
 from pd import SamplingParams
-from pd.serve.messages import PoolControl, PoolRequest, PrefillResult
+from pd.serve.protocol import PoolControl, PoolRequest, PrefillResult
 from router.hashing import hash_block_tokens
+from router.protocol import RouteHints
 from tests.serve.conftest import ensure_app
 
 BLOCK = 16
 PARAMS = SamplingParams(max_tokens=1, temperature=0)
 
 
-def _prefill(handle, request_id: str, token_ids: list[int]) -> str:
+def _prefill(handle, request_id: str, token_ids: list[int], block_size: int = BLOCK) -> str:
     """Prefill through the router; release the lease; return the replica that served it."""
-    request = PoolRequest(request_id=request_id, token_ids=token_ids, sampling=PARAMS,
-                          block_hashes=hash_block_tokens(token_ids, BLOCK))
-    result = PrefillResult.decode(handle.prefill.remote(request.encode()).result())
-    handle.release.remote(PoolControl(request_id=request_id, target_replica_id=result.replica_id).encode()).result()
+    request = PoolRequest(request_id=request_id, token_ids=tuple(token_ids), sampling=PARAMS)
+    hints = RouteHints(request_id=request_id, num_prompt_tokens=len(token_ids),
+                       block_hashes=tuple(hash_block_tokens(token_ids, block_size)))
+    result = PrefillResult.decode(handle.prefill.remote(hints.encode(), request.encode()).result())
+    release_hints = RouteHints(request_id=request_id, target_replica_id=result.replica_id)
+    handle.release.remote(release_hints.encode(), PoolControl(request_id=request_id).encode()).result()
     return result.replica_id
 
 
@@ -39,3 +42,25 @@ def test_shared_prefixes_land_on_their_holder_and_spill_over_when_it_is_busy(ray
     # One prefix shared by every request must not pin all traffic to one replica.
     placed = Counter(_prefill(handle, f"s{i}", prefix_a + [100 + i]) for i in range(8))
     assert len(placed) == 2 and max(placed.values()) <= 6, placed
+
+
+def test_the_router_counts_prefix_tokens_in_the_engines_block_size(ray_cluster):
+    """With 32-token blocks, a sibling goes to the holder of its 10-block prefix.
+
+    The weights leave only two terms: the prefix (1 per matched token) and this
+    router's own recent requests (256 tokens per request beyond the least-sent
+    replica's). The holder got one request more, so it wins only if its 320
+    matched tokens are counted as 320; counted in 16-token blocks they are 160.
+    """
+    from ray import serve
+
+    block = 32
+    weights = {"w_prefix": 1.0, "request_load_tokens": 0.0, "kv_usage_load_tokens": 0.0,
+               "recent_prefill_weight": 0.0, "max_routed_ratio": None}
+    ensure_app("default.yaml", engine={"block_size": block, "kv_cache_bytes": 64 * 1024**2},
+               prefill={"num_replicas": 2, "ray_actor_options": {"num_cpus": 0.25},
+                        "router": {"request_router_kwargs": weights}})
+    handle = serve.get_deployment_handle("PrefillServer", "pd")
+    prefix = list(range(10, 10 + 10 * block))
+    holder = _prefill(handle, "p0", prefix + [1], block)
+    assert _prefill(handle, "p1", prefix + [2, 3], block) == holder

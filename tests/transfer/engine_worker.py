@@ -7,21 +7,32 @@ Commands (tuples) on ``conn``:
     ("stop",)                            -> exits
 Control messages for the torch transport arrive on ``control_conn`` as bytes
 and are answered with ``transport.handle_control``'s bytes.
+
+A slow peer, on purpose: ``send_pause_s`` makes a torch prefill pause before
+sending each run of blocks; ``ucx_tls`` restricts a NIXL prefill's UCX
+transports (with ``"tcp"``, a READ cannot complete while this process is
+stopped, since the target must make progress).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 
 
-def prefill_worker(conn, control_conn, model_dir: str, transport_kind: str, engine_kwargs: dict) -> None:
+def prefill_worker(conn, control_conn, model_dir: str, transport_kind: str, engine_kwargs: dict,
+                   send_pause_s: float = 0.0, ucx_tls: str | None = None) -> None:
+    if ucx_tls is not None:
+        os.environ["UCX_TLS"] = ucx_tls
     from pd import SamplingParams
     from pd.config import EngineConfig
     from pd.engine.engine import LLMEngine
     from transfer import create_transport
 
     options = {"role": "prefill"} if transport_kind == "torch" else {}
+    if send_pause_s > 0:
+        options["new_group"] = paused_sends(send_pause_s)
     transport = create_transport(transport_kind, f"prefill-{transport_kind}", **options)
     engine = LLMEngine(EngineConfig(model=model_dir, **engine_kwargs), transport)
     conn.send(("ready", engine.engine_id))
@@ -61,3 +72,28 @@ def prefill_worker(conn, control_conn, model_dir: str, transport_kind: str, engi
                 conn.send(handle)
     finally:
         transport.close()
+
+
+class _PausedSends:
+    """A process group whose every ``send`` starts ``pause_s`` after it is asked for."""
+
+    def __init__(self, group, pause_s: float):
+        self._group = group
+        self._pause_s = pause_s
+
+    def send(self, tensors, rank: int, tag: int):
+        time.sleep(self._pause_s)
+        return self._group.send(tensors, rank, tag)
+
+    def __getattr__(self, name: str):
+        return getattr(self._group, name)
+
+
+def paused_sends(pause_s: float):
+    """A ``new_group`` for ``TorchTransport`` whose groups pause before each send."""
+    from transfer.torch import new_pair_group
+
+    def new_group(*args, **kwargs):
+        return _PausedSends(new_pair_group(*args, **kwargs), pause_s)
+
+    return new_group

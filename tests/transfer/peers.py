@@ -145,6 +145,25 @@ def _serve(conn, kind: str, name: str, role: str, seed: int | None, timeout_s: f
         listener = Listener(address, family="AF_UNIX")
         die_on_send = threading.Event()
         threading.Thread(target=_serve_control, args=(transport, listener, die_on_send), daemon=True).start()
+    commands = {
+        **_transport_commands(transport),
+        "control_address": lambda: listener.address if listener is not None else None,
+        "set_control": lambda peer, address: control.addresses.__setitem__(peer, address),
+        "blocks": lambda ids: [pool[b].view(-1).view(torch.uint8).numpy().tobytes() for b in ids],
+        "zero": lambda: pool.zero_().sum().item(),
+        "die_on_send": lambda: die_on_send.set(),
+    }
+    try:
+        _run_commands(conn, commands)
+    finally:
+        transport.close()
+        if listener is not None:
+            listener.close()
+            shutil.rmtree(os.path.dirname(listener.address), ignore_errors=True)
+
+
+def _transport_commands(transport) -> dict:
+    """The commands that drive the transport itself."""
 
     def read(specs, wait_s):
         """Start every ``(peer, remote_ids, local_ids, notify)`` read, then wait for all."""
@@ -174,31 +193,20 @@ def _serve(conn, kind: str, name: str, role: str, seed: int | None, timeout_s: f
             return type(exc).__name__
         return None
 
-    commands = {
-        "metadata": transport.local_metadata,
-        "control_address": lambda: listener.address if listener is not None else None,
-        "add_peer": transport.add_peer,
-        "set_control": lambda peer, address: control.addresses.__setitem__(peer, address),
-        "read": read,
-        "notifications": notifications,
-        "blocks": lambda ids: [pool[b].view(-1).view(torch.uint8).numpy().tobytes() for b in ids],
-        "zero": lambda: pool.zero_().sum().item(),
-        "die_on_send": lambda: die_on_send.set(),
-        "close_twice": close_twice,
-    }
+    return {"metadata": transport.local_metadata, "add_peer": transport.add_peer, "read": read,
+            "notifications": notifications, "close_twice": close_twice}
+
+
+def _run_commands(conn, commands: dict) -> None:
+    """Answer ``(command, args)`` from ``conn`` until ``exit`` or the pipe closes."""
     try:
         while True:
             command, args = conn.recv()
             if command == "exit":
-                break
+                return
             try:
                 conn.send((True, commands[command](*args)))
             except Exception as exc:
                 conn.send((False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=3)}"))
     except (EOFError, OSError):
         pass
-    finally:
-        transport.close()
-        if listener is not None:
-            listener.close()
-            shutil.rmtree(os.path.dirname(listener.address), ignore_errors=True)

@@ -27,12 +27,14 @@ PROMPTS = {
 
 
 class PrefillProcess:
-    def __init__(self, model_dir: str, kind: str, **engine_kwargs):
+    def __init__(self, model_dir: str, kind: str, *, send_pause_s: float = 0.0, ucx_tls: str | None = None,
+                 **engine_kwargs):
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.control, control_child = ctx.Pipe() if kind == "torch" else (None, None)
         self.process = ctx.Process(
-            target=prefill_worker, args=(child, control_child, model_dir, kind, {**ENGINE_KWARGS, **engine_kwargs}),
+            target=prefill_worker,
+            args=(child, control_child, model_dir, kind, {**ENGINE_KWARGS, **engine_kwargs}, send_pause_s, ucx_tls),
             daemon=True,
         )
         self.process.start()

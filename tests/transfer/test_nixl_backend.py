@@ -10,8 +10,8 @@ import torch
 pytest.importorskip("nixl")
 
 from transfer import TransferError, TransferState, WireError, create_transport  # noqa: E402
+from tests.wire import body_of, sealed  # noqa: E402
 from transfer.nixl_backend import NixlPeer, NixlTransport  # noqa: E402
-from transfer.wire import decode_message, encode_message  # noqa: E402
 
 BLOCK_SHAPE = (2, 2, 4, 2, 16)
 
@@ -34,26 +34,27 @@ def transports():
 def test_metadata_round_trips_and_names_the_pool(transports):
     transport = transports("meta-a", num_blocks=8)
     peer = NixlPeer.decode(transport.local_metadata())
-    assert (peer.name, peer.num_blocks, peer.block_bytes, peer.mem_type) == ("meta-a", 8, 2048, "DRAM")
+    assert (peer.name, peer.num_blocks, peer.block_bytes, peer.mem_type.value) == ("meta-a", 8, 2048, "DRAM")
     assert peer.agent_metadata and peer.base_address > 0
 
 
 @pytest.mark.parametrize(
     "mutate, message",
     [
-        (lambda body: body.pop("agent_metadata"), "missing the field 'agent_metadata'"),
-        (lambda body: body.update(num_blocks="8"), "'num_blocks' has type str"),
-        (lambda body: body.update(mem_type="HBM"), "mem_type 'HBM'"),
-        (lambda body: body.update(block_bytes=0), "non-positive"),
+        (lambda body: body.pop("agent_metadata"), "missing required field `agent_metadata`"),
+        (lambda body: body.update(num_blocks="8"), r"Expected `int`, got `str` - at `\$.num_blocks`"),
+        (lambda body: body.update(mem_type="HBM"), r"Invalid enum value 'HBM' - at `\$.mem_type`"),
+        (lambda body: body.update(block_bytes=0), r"Expected `int` >= 1 - at `\$.block_bytes`"),
+        (lambda body: body.update(name=""), r"Expected `str` of length >= 1 - at `\$.name`"),
     ],
 )
 def test_bad_peer_metadata_is_refused(transports, mutate, message):
     transport = transports("meta-b")
-    body = decode_message(transport.local_metadata(), "nixl_peer")
+    body = body_of(transport.local_metadata())
     mutate(body)
     with pytest.raises(WireError, match=message):
-        transport.add_peer(encode_message("nixl_peer", body))
-    with pytest.raises(WireError, match="truncated or garbled"):
+        transport.add_peer(sealed("nixl_peer", body))
+    with pytest.raises(WireError, match="not a valid message envelope"):
         transport.add_peer(transport.local_metadata()[:-7])
 
 
@@ -68,10 +69,16 @@ def test_add_peer_is_idempotent_and_refuses_its_own_name(transports):
 def test_a_read_pending_past_its_deadline_fails(transports, monkeypatch):
     reader, owner = transports("slow-reader", timeout_s=0.1), transports("slow-owner")
     reader.add_peer(owner.local_metadata())
-    monkeypatch.setattr(reader._agent, "check_xfer_state", lambda xfer: "PROC")
+    monkeypatch.setattr(reader._agent.nixl, "check_xfer_state", lambda xfer: "PROC")
     handle = reader.read_blocks("slow-owner", [1, 2], [3, 4], notify="slow")
     assert handle.wait(2.0) is TransferState.FAILED
     assert "still pending after 0.1s" in handle.error
+    assert not handle.quiesced()  # still in flight as far as NIXL says: its blocks stay held
+    monkeypatch.undo()
+    deadline = time.monotonic() + 5.0
+    while not handle.quiesced():
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
 
 
 def test_an_empty_read_is_done_and_still_notifies_the_owner(transports):

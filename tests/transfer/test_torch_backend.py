@@ -9,9 +9,10 @@ import msgpack
 import pytest
 import torch
 
+from tests.wire import body_of, sealed
 from transfer import TransferError, TransferState, WireError, create_transport
-from transfer.torch_backend import TorchPeer, TorchTransport
-from transfer.wire import WIRE_VERSION, decode_message, encode_message
+from transfer.torch import TorchPeer, TorchTransport
+from transfer.wire import WIRE_VERSION
 
 BLOCK_SHAPE = (2, 2, 4, 2, 16)
 
@@ -36,7 +37,7 @@ def transports():
 
 
 def reply(transport: TorchTransport, kind: str, body: dict) -> dict:
-    return decode_message(transport.handle_control(encode_message(kind, body)), "torch_reply")
+    return body_of(transport.handle_control(sealed(kind, body)))
 
 
 def send_body(**overrides) -> dict:
@@ -62,22 +63,22 @@ def test_prefill_metadata_names_its_store(transports):
 @pytest.mark.parametrize(
     "message, error",
     [
-        (b"\xc1garbage", "not valid msgpack"),
+        (b"\xc1garbage", "not a valid message envelope"),
         (msgpack.packb({"v": WIRE_VERSION + 1, "kind": "torch_send", "body": b"", "digest": b""}), "wire version"),
-        (encode_message("torch_reply", {"ok": True}), "expected a torch_connect or torch_send message"),
-        (encode_message("torch_send", send_body(block_ids=[1, 99], run_lengths=[1, 1])), r"block ids \[99\]"),
-        (encode_message("torch_send", send_body(run_lengths=[3])), "do not split"),
-        (encode_message("torch_send", send_body(block_ids=[1, 3])), "not one consecutive run"),
-        (encode_message("torch_send", send_body(request_id=7)), "'request_id' has type int"),
-        (encode_message("torch_send", send_body()), "no group 'g' with 'd'; reconnect"),
-        (encode_message("torch_connect", {"decode": "d", "group": "g", "device": "cuda"}), "cuda pool"),
+        (sealed("torch_reply", {"ok": True}), "expected a torch_connect or torch_send message"),
+        (sealed("torch_send", send_body(block_ids=[1, 99], run_lengths=[1, 1])), r"block ids \[99\]"),
+        (sealed("torch_send", send_body(run_lengths=[3])), "do not split"),
+        (sealed("torch_send", send_body(block_ids=[1, 3])), "not one consecutive run"),
+        (sealed("torch_send", send_body(request_id=7)), r"Expected `str`, got `int` - at `\$.request_id`"),
+        (sealed("torch_send", send_body()), "no group 'g' with 'd'; reconnect"),
+        (sealed("torch_connect", {"decode": "d", "group": "g", "device": "cuda"}), "cuda pool"),
     ],
     ids=["garbled", "version", "wrong-kind", "bad-ids", "bad-runs", "not-a-run", "wrong-type", "no-group",
          "device-mismatch"],
 )
 def test_handle_control_refuses_bad_messages_with_a_reply(transports, message, error):
     prefill = transports("strict-prefill", "prefill")
-    body = decode_message(prefill.handle_control(message), "torch_reply")
+    body = body_of(prefill.handle_control(message))
     assert body["ok"] is False
     assert re.search(error, body["error"]), body["error"]
     assert prefill.poll_notifications() == []
@@ -104,7 +105,7 @@ def test_a_read_stuck_before_receiving_fails_at_its_deadline(transports):
 
     def slow_control(peer: str, message: bytes) -> bytes:
         time.sleep(1.0)
-        return encode_message("torch_reply", {"ok": False, "error": "too late"})
+        return sealed("torch_reply", {"ok": False, "error": "too late"})
 
     decode = transports("slow-decode", "decode", control=slow_control, timeout_s=0.2)
     decode.add_peer(prefill.local_metadata())

@@ -9,6 +9,9 @@ prompt's 512-token blocks, ``ceil(input_length / 512)`` of them, the last one
 possibly partial. An id stands for a block *and everything before it*: equal
 prefixes share leading ids, and an id never reappears after a different prefix.
 
+This is the one reader of the format: the router benchmarks replay traces
+through it and ``loadtest``'s trace workload turns its requests into prompts.
+
 Generators (seeded, deterministic):
 
 - ``generate_multi_tenant``: tenants of Zipf popularity, each with its own long
@@ -28,16 +31,33 @@ import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import Annotated, Iterable
 
+import msgspec
+
+# Mooncake's published traces hash 512-token blocks.
 TRACE_BLOCK_TOKENS = 512
+
+_Count = Annotated[int, msgspec.Meta(ge=0)]
+
+
+class _MooncakeRecord(msgspec.Struct):
+    """One line of a trace as written; other keys on the line are ignored."""
+
+    timestamp: int | float  # milliseconds; an integer stays one, so a trace round-trips unchanged
+    input_length: _Count
+    output_length: _Count
+    hash_ids: list[int]
+
+
+_record_decoder = msgspec.json.Decoder(_MooncakeRecord)
 
 
 @dataclass(frozen=True)
 class TraceRequest:
     """One request of a trace."""
 
-    timestamp_ms: int
+    timestamp_ms: float
     input_length: int
     output_length: int
     hash_ids: tuple[int, ...]
@@ -51,24 +71,38 @@ class TraceRequest:
         })
 
     @classmethod
-    def from_json(cls, line: str) -> TraceRequest:
-        record = json.loads(line)
-        return cls(
-            timestamp_ms=int(record["timestamp"]),
-            input_length=int(record["input_length"]),
-            output_length=int(record["output_length"]),
-            hash_ids=tuple(int(h) for h in record["hash_ids"]),
-        )
+    def from_json(cls, line: str | bytes) -> TraceRequest:
+        """Decode one line; ``msgspec.DecodeError`` (a ``ValueError``) names the field that is wrong."""
+        record = _record_decoder.decode(line)
+        return cls(record.timestamp, record.input_length, record.output_length, tuple(record.hash_ids))
+
+
+def read_trace(path: str | Path) -> list[TraceRequest]:
+    """The requests of a Mooncake JSONL trace, in file order.
+
+    Raises ``ValueError`` naming the file, the line and the field of the first
+    bad record, or saying that the file holds none.
+    """
+    requests = []
+    for line_no, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            requests.append(TraceRequest.from_json(line))
+        except msgspec.DecodeError as exc:
+            raise ValueError(f"{path}:{line_no}: not a Mooncake trace record: {exc}") from None
+    if not requests:
+        raise ValueError(f"{path}: the trace is empty")
+    return requests
 
 
 def load_trace(path: str | Path) -> list[TraceRequest]:
-    """The requests of a Mooncake JSONL trace, in arrival order."""
-    with open(path) as lines:
-        requests = [TraceRequest.from_json(line) for line in lines if line.strip()]
-    return sorted(requests, key=lambda request: request.timestamp_ms)
+    """The requests of a Mooncake JSONL trace in arrival order (equal timestamps keep file order)."""
+    return sorted(read_trace(path), key=lambda request: request.timestamp_ms)
 
 
 def dump_trace(requests: Iterable[TraceRequest], path: str | Path) -> None:
+    """Write ``requests`` as a Mooncake JSONL trace, one line each, in the order given."""
     with open(path, "w") as out:
         for request in requests:
             out.write(request.to_json() + "\n")

@@ -4,8 +4,8 @@ import math
 import pytest
 
 from bench import router as bench_router
-from router.policy import PolicyConfig
-from router.trace import (
+from bench.ray_prefix import RAY_BLOCK_CHARS, ray_block_text
+from bench.trace import (
     TRACE_BLOCK_TOKENS,
     MultiTenantTraceConfig,
     SystemPromptTraceConfig,
@@ -14,7 +14,9 @@ from router.trace import (
     generate_multi_tenant,
     generate_system_prompt,
     load_trace,
+    read_trace,
 )
+from router.policy import PolicyConfig
 
 SMALL_MULTI_TENANT = MultiTenantTraceConfig(num_requests=300, num_tenants=12, rate_per_s=10.0, think_time_s=5.0)
 SMALL_SYSTEM_PROMPT = SystemPromptTraceConfig(num_requests=200)
@@ -36,6 +38,38 @@ def test_jsonl_round_trip_in_arrival_order(tmp_path):
     first_line = json.loads(path.read_text().splitlines()[0])
     assert first_line == {"timestamp": 20, "input_length": 600, "output_length": 7, "hash_ids": [3, 4]}
     assert load_trace(path) == [requests[1], requests[0]]
+    assert read_trace(path) == requests
+
+
+def test_read_trace_keeps_fractional_timestamps_and_ignores_other_keys(tmp_path):
+    path = tmp_path / "trace.jsonl"
+    path.write_text('{"timestamp": 1.5, "input_length": 3, "output_length": 0, "hash_ids": [-2], "x": 1}\n\n')
+    assert read_trace(path) == [TraceRequest(1.5, 3, 0, (-2,))]
+
+
+@pytest.mark.parametrize("line, names", [
+    ('{"timestamp": 1}', "`input_length`"),
+    ('{"timestamp": "1", "input_length": 3, "output_length": 1, "hash_ids": []}', "`$.timestamp`"),
+    ('{"timestamp": 1, "input_length": -3, "output_length": 1, "hash_ids": []}', "`$.input_length`"),
+    ('{"timestamp": 1, "input_length": 3, "output_length": 1.5, "hash_ids": []}', "`$.output_length`"),
+    ('{"timestamp": 1, "input_length": 3, "output_length": 1, "hash_ids": [4, true]}', "`$.hash_ids[1]`"),
+    ("[1, 2]", "object"),
+    ("{not json", "malformed"),
+])
+def test_read_trace_names_the_line_and_field_of_a_bad_record(tmp_path, line, names):
+    path = tmp_path / "trace.jsonl"
+    path.write_text('{"timestamp": 0, "input_length": 1, "output_length": 1, "hash_ids": [0]}\n\n' + line + "\n")
+    with pytest.raises(ValueError, match="not a Mooncake trace record") as error:
+        read_trace(path)
+    assert str(error.value).startswith(f"{path}:3: ")
+    assert names in str(error.value)
+
+
+def test_read_trace_rejects_an_empty_file(tmp_path):
+    path = tmp_path / "trace.jsonl"
+    path.write_text("\n")
+    with pytest.raises(ValueError, match="the trace is empty"):
+        read_trace(path)
 
 
 def test_multi_tenant_trace_shares_contexts_and_extends_conversations():
@@ -79,8 +113,8 @@ def test_trace_configs_reject_invalid_values(config):
 
 
 def test_ray_block_text_is_fixed_length_and_diverges_at_the_first_character():
-    texts = [bench_router.ray_block_text(block_id) for block_id in range(5000)]
-    assert {len(text) for text in texts} == {bench_router.RAY_BLOCK_CHARS}
+    texts = [ray_block_text(block_id) for block_id in range(5000)]
+    assert {len(text) for text in texts} == {RAY_BLOCK_CHARS}
     assert len({text[0] for text in texts}) == 5000
 
 

@@ -1,0 +1,95 @@
+"""What crosses a process to reach a request router: a call's routing hints and replicas' reports.
+
+``RouteHints`` is the first argument of every call to an engine pool, encoded
+(the payload follows as the second). Request routers read only this, never
+the payload, so routing never depends on what the engines' messages hold.
+
+``RoutingStats`` is what each replica publishes through Serve's
+``record_routing_stats`` (under ``ROUTING_STATS_KEY``), refreshed every
+``request_routing_stats_period_s``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from transfer.wire import NonNegativeInt, WireError, WireMessage
+
+ROUTING_STATS_KEY = "pd_routing_stats"
+
+
+class RouteHints(WireMessage, frozen=True, kw_only=True):
+    """Where a call may go. Routers honour ``target_replica_id`` and ``exclude_replica_ids`` first.
+
+    ``block_hashes`` are the prompt's chained block hashes in the engines'
+    block size (``router.hashing``); ``num_prompt_tokens`` its length.
+    """
+
+    KIND: ClassVar[str] = "route_hints"
+
+    request_id: str
+    num_prompt_tokens: NonNegativeInt = 0
+    block_hashes: tuple[bytes, ...] = ()
+    target_replica_id: str | None = None
+    exclude_replica_ids: tuple[str, ...] = ()
+
+
+class CacheEvent(WireMessage, frozen=True, kw_only=True):
+    """A block hash entering (``stored``) or leaving a replica's prefix cache, numbered in order."""
+
+    KIND: ClassVar[str] = "cache_event"
+
+    seq: NonNegativeInt
+    block_hash: bytes
+    stored: bool
+
+
+class RoutingStats(WireMessage, frozen=True, kw_only=True):
+    """One replica's load and the prefix-cache events still in its window.
+
+    ``cache_events`` are compacted to each hash's latest event, in ``seq``
+    order; they cover every event numbered ``cache_events_from`` or later, so
+    a reader that applied events only up to ``cache_events_from - 2`` missed some.
+    """
+
+    KIND: ClassVar[str] = "routing_stats"
+
+    num_running: NonNegativeInt = 0
+    num_waiting: NonNegativeInt = 0
+    num_waiting_tokens: NonNegativeInt = 0
+    kv_usage: float = 0.0
+    num_free_blocks: NonNegativeInt = 0
+    cache_events_from: NonNegativeInt = 0
+    cache_events: tuple[CacheEvent, ...] = ()
+
+    def validate(self) -> None:
+        if not 0.0 <= self.kv_usage <= 1.0:
+            raise ValueError(f"kv_usage must be in [0, 1], got {self.kv_usage}")
+
+    @classmethod
+    def of(cls, first_seq: int, events, **load: Any) -> "RoutingStats":
+        """Stats with ``load`` fields and an event window (objects with ``seq``, ``block_hash``, ``stored``)."""
+        return cls(cache_events_from=first_seq, **load, cache_events=tuple(
+            CacheEvent(seq=e.seq, block_hash=e.block_hash, stored=e.stored) for e in events))
+
+    @property
+    def last_seq(self) -> int | None:
+        """The newest event's number; None when the window is empty."""
+        return self.cache_events[-1].seq if self.cache_events else None
+
+    def publish(self) -> dict[str, bytes]:
+        """What ``record_routing_stats`` returns."""
+        return {ROUTING_STATS_KEY: self.encode()}
+
+
+NO_STATS = RoutingStats()
+
+
+def read_route_hints(data: Any) -> RouteHints | None:
+    """The hints of a call's first argument; None for a call that carries none (route by policy alone)."""
+    if not isinstance(data, (bytes, bytearray)):
+        return None
+    try:
+        return RouteHints.decode(data)
+    except WireError:
+        return None

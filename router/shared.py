@@ -1,0 +1,67 @@
+"""What one pool's request routers share with their caller in the same process.
+
+Ray Serve builds request routers inside the process that calls a deployment
+(the ingress), from kwargs it serializes, so no live object can be handed to
+them. The caller owns a ``RoutingScopes`` instead, as its ``routing_scopes``
+attribute, and the app gives each pool's routers the name of their scope in
+their kwargs. A router finds its caller through Serve's replica context
+(``servable_object``) and opens the pool's ``PoolRouting`` there; the caller
+asks the same object which replica a call went to and how much of a prompt
+the pool already holds. A router running anywhere else keeps a private one.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Sequence
+
+from router.policy import uncached_tokens
+from router.prefix_index import PrefixIndex
+
+# Request ids whose routed replica is remembered, per pool.
+MAX_REMEMBERED = 4096
+# The scope names of the app's two pools.
+PREFILL_SCOPE = "prefill"
+DECODE_SCOPE = "decode"
+
+
+class PoolRouting:
+    """One pool's routing knowledge in this process: where calls went, and the pool's prefix index."""
+
+    def __init__(self) -> None:
+        self._routed: OrderedDict[str, str] = OrderedDict()
+        self._index: PrefixIndex | None = None
+        self._block_size = 0
+
+    def note_routed(self, request_id: str, replica_id: str) -> None:
+        self._routed[request_id] = replica_id
+        self._routed.move_to_end(request_id)
+        while len(self._routed) > MAX_REMEMBERED:
+            self._routed.popitem(last=False)
+
+    def routed_replica(self, request_id: str) -> str | None:
+        """The replica the last call for ``request_id`` was routed to."""
+        return self._routed.get(request_id)
+
+    def share_index(self, index: PrefixIndex, block_size: int) -> None:
+        """A router's prefix index of this pool, kept up to date by that router."""
+        self._index, self._block_size = index, block_size
+
+    def estimate_uncached_tokens(self, block_hashes: Sequence[bytes], num_prompt_tokens: int) -> int:
+        """Prompt tokens the best-placed replica would compute itself; all of them until a router shared its index."""
+        if self._index is None or not block_hashes:
+            return num_prompt_tokens
+        return uncached_tokens(self._index.match(block_hashes), self._block_size, num_prompt_tokens)
+
+
+class RoutingScopes:
+    """The ``PoolRouting`` of each scope name, owned by the caller of the pools."""
+
+    def __init__(self) -> None:
+        self._pools: dict[str, PoolRouting] = {}
+
+    def open(self, scope: str) -> PoolRouting:
+        """The scope's pool routing, made on first use."""
+        if not scope:
+            raise ValueError("a routing scope needs a name")
+        return self._pools.setdefault(scope, PoolRouting())
