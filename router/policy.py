@@ -303,20 +303,6 @@ class PrefixAffinityPolicy:
         self.recent.record(decision.replica_id, decision.uncached_tokens)
         self.reason_counts[decision.reason] += 1
 
-    def estimate_uncached_tokens(
-        self, block_hashes: Sequence[bytes], num_prompt_tokens: int, replica_ids: Sequence[str] | None = None
-    ) -> int:
-        """Prompt tokens left to compute on the replica holding the longest prefix.
-
-        ``replica_ids`` limits the replicas considered (None: any in the index).
-        The ingress compares this with its threshold for remote prefill.
-        """
-        matches = self.index.match(block_hashes)
-        if replica_ids is not None:
-            allowed = set(replica_ids)
-            matches = {replica_id: n for replica_id, n in matches.items() if replica_id in allowed}
-        return uncached_tokens(matches, self.config.block_size, num_prompt_tokens)
-
     def remove_replica(self, replica_id: str) -> None:
         """Forget a replica that left the pool."""
         self.index.remove_replica(replica_id)

@@ -28,8 +28,10 @@ class RouteHints(WireMessage, frozen=True, kw_only=True):
     KIND: ClassVar[str] = "route_hints"
 
     request_id: str
+    # The prompt, for prefix-aware placement.
     num_prompt_tokens: NonNegativeInt = 0
     block_hashes: tuple[bytes, ...] = ()
+    # Where the call must or must not go.
     target_replica_id: str | None = None
     exclude_replica_ids: tuple[str, ...] = ()
 
@@ -54,11 +56,13 @@ class RoutingStats(WireMessage, frozen=True, kw_only=True):
 
     KIND: ClassVar[str] = "routing_stats"
 
+    # Load, as the policies weigh it.
     num_running: NonNegativeInt = 0
     num_waiting: NonNegativeInt = 0
-    num_waiting_tokens: NonNegativeInt = 0
+    num_waiting_tokens: NonNegativeInt = 0  # prompt tokens queued or running, not yet computed
     kv_usage: float = 0.0
     num_free_blocks: NonNegativeInt = 0
+    # The prefix cache's event window.
     cache_events_from: NonNegativeInt = 0
     cache_events: tuple[CacheEvent, ...] = ()
 

@@ -30,9 +30,11 @@ import logging
 import numbers
 import threading
 import time
-from typing import Generic, Protocol, Sequence, TypeVar
+from typing import Generic, Sequence, TypeVar
 
 import torch
+
+from transfer.wire import PoolMetadata
 
 
 logger = logging.getLogger(__name__)
@@ -94,15 +96,7 @@ class FinishedHandle(TransferHandle):
         return True
 
 
-class Peer(Protocol):
-    """What a transport knows of a peer's pool, from its ``local_metadata()``."""
-
-    name: str
-    block_bytes: int
-    num_blocks: int
-
-
-P = TypeVar("P", bound=Peer)
+P = TypeVar("P", bound=PoolMetadata)
 
 
 class KVTransport(abc.ABC, Generic[P]):
@@ -274,6 +268,6 @@ def _is_block_id(value) -> bool:
 
 
 __all__ = [
-    "FinishedHandle", "KVTransport", "Peer", "Run", "TransferError", "TransferHandle", "TransferState",
+    "FinishedHandle", "KVTransport", "Run", "TransferError", "TransferHandle", "TransferState",
     "block_runs", "check_read", "pool_geometry",
 ]

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from transfer.base import KVTransport, Run, TransferError, TransferHandle, TransferState
-from transfer.wire import NonEmptyStr, NonNegativeInt, PositiveInt, WireMessage
+from transfer.wire import NonNegativeInt, PoolMetadata, PositiveInt
 
 try:
     from nixl._api import nixl_agent, nixl_agent_config
@@ -52,16 +52,13 @@ class MemType(str, enum.Enum):
     VRAM = "VRAM"
 
 
-class NixlPeer(WireMessage, frozen=True, kw_only=True):
+class NixlPeer(PoolMetadata, frozen=True, kw_only=True):
     """A pool reachable over NIXL: what ``local_metadata()`` carries."""
 
     KIND: ClassVar[str] = "nixl_peer"
 
-    name: NonEmptyStr
-    agent_metadata: bytes
+    agent_metadata: bytes  # the NIXL agent's own metadata, loaded with add_remote_agent
     base_address: PositiveInt
-    block_bytes: PositiveInt
-    num_blocks: PositiveInt
     mem_type: MemType
     device_id: NonNegativeInt
 
@@ -230,11 +227,12 @@ class _NixlRead(TransferHandle):
     def __init__(self, agent: _Agent, live: set, xfer, peer: str, num_descriptors: int, timeout_s: float):
         self.peer = peer
         self.num_descriptors = num_descriptors
-        self._agent = agent
-        self._live = live
-        self._xfer = xfer
         self._timeout_s = timeout_s
         self._deadline = time.monotonic() + timeout_s
+        # The request, and the transport's agent and set of live reads it belongs to.
+        self._xfer = xfer
+        self._agent = agent
+        self._live = live
         self._state = TransferState.PENDING
         self._error: str | None = None
 

@@ -76,6 +76,14 @@ def decode_one_of(data: Any, types: tuple[type[M], ...]) -> M:
     return _decode_body(by_kind[kind], body)
 
 
+class PoolMetadata(WireMessage, frozen=True, kw_only=True):
+    """What every transport's ``local_metadata()`` says of its pool; each backend adds how to reach it."""
+
+    name: NonEmptyStr  # the engine id, which names its transport endpoint
+    block_bytes: PositiveInt
+    num_blocks: PositiveInt
+
+
 class TransportKind(str, enum.Enum):
     NIXL = "nixl"
     TORCH = "torch"

@@ -71,20 +71,23 @@ class KVConnector:
         block_bytes: int,
     ):
         self.engine_id = engine_id
-        self.block_bytes = block_bytes
         self.transport = transport
         self.fingerprint = fingerprint
+        self.block_bytes = block_bytes
+        # The engine's own state that requests and blocks move through.
         self.kv_cache = kv_cache
         self.scheduler = scheduler
+        self.stats = ConnectorStats()
+        # Prefill role: finished prompts whose blocks stay pinned under a lease.
         self.lease_s = lease_s
-        self.read_timeout_s = read_timeout_s
         self.leases = LeaseTable()
         self._pinned: dict[str, Request] = {}
+        # Decode role: pulls in flight, given-up pulls not yet quiesced, and the peers pulled from.
+        self.read_timeout_s = read_timeout_s
         self._pulls: dict[str, _Pull] = {}
-        self._quarantine: list[_Pull] = []  # given up, not yet quiesced
+        self._quarantine: list[_Pull] = []
         self._peer_metadata: dict[str, bytes] = {}
         self._peer_names: dict[str, str] = {}
-        self.stats = ConnectorStats()
 
     @property
     def has_pending_work(self) -> bool:

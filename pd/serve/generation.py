@@ -131,10 +131,11 @@ class PoolClient:
         self.args = args
         self.prefill = prefill_handle
         self.decode = decode_handle
+        self.metrics = RequestMetrics(args.served_model_name)
+        # What finishing a remote prefill's first token needs to know of the model.
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
-        self.metrics = RequestMetrics(args.served_model_name)
         self.prefill_routing = routing_scopes.open(PREFILL_SCOPE)
         self.decode_routing = routing_scopes.open(DECODE_SCOPE)
         self.prefill_in_flight = 0

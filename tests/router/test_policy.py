@@ -12,7 +12,9 @@ from router.policy import (
     ReplicaLoad,
     RoutingDecision,
     RoutingReason,
+    uncached_tokens,
 )
+from router.prefix_index import PrefixIndex
 
 BLOCK = 16
 
@@ -180,15 +182,16 @@ def test_recent_routing_counts_as_load():
     assert second.replica_id != first.replica_id
 
 
-def test_estimate_uncached_tokens_uses_the_best_holder():
+def test_uncached_tokens_counts_from_the_best_holder():
     block_hashes, num_tokens = prompt(100)
-    policy = make_policy()
-    assert policy.estimate_uncached_tokens(block_hashes, num_tokens) == 100
-    policy.index.insert("a", block_hashes[:2])
-    policy.index.insert("b", block_hashes[:5])
-    assert policy.estimate_uncached_tokens(block_hashes, num_tokens) == 20
-    assert policy.estimate_uncached_tokens(block_hashes, num_tokens, replica_ids=["a", "c"]) == 68
-    assert policy.estimate_uncached_tokens(block_hashes, num_tokens, replica_ids=[]) == 100
+    index = PrefixIndex(100)
+    assert uncached_tokens(index.match(block_hashes), BLOCK, num_tokens) == 100
+    index.insert("a", block_hashes[:2])
+    index.insert("b", block_hashes[:5])
+    assert uncached_tokens(index.match(block_hashes), BLOCK, num_tokens) == 20
+    assert uncached_tokens({"a": 2}, BLOCK, num_tokens) == 68
+    assert uncached_tokens({}, BLOCK, num_tokens) == 100
+    assert uncached_tokens({"b": 7}, BLOCK, num_tokens) == 1  # the last token is always computed
 
 
 def test_remove_replica_forgets_its_blocks():

@@ -16,7 +16,7 @@ from typing import Annotated, ClassVar
 
 import msgspec
 
-from transfer.wire import NonEmptyStr, NonNegativeInt, PositiveInt, WireMessage
+from transfer.wire import NonEmptyStr, NonNegativeInt, PoolMetadata, PositiveInt, WireMessage
 
 Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
 
@@ -26,17 +26,14 @@ class Role(str, enum.Enum):
     DECODE = "decode"
 
 
-class TorchPeer(WireMessage, frozen=True, kw_only=True):
+class TorchPeer(PoolMetadata, frozen=True, kw_only=True):
     """A pool reachable over a pairwise torch.distributed group."""
 
     KIND: ClassVar[str] = "torch_peer"
 
-    name: NonEmptyStr
     role: Role
-    host: str
+    host: str  # where a prefill's store listens
     port: Port
-    block_bytes: PositiveInt
-    num_blocks: PositiveInt
     device: str
 
 

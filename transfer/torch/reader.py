@@ -99,11 +99,13 @@ class Link:
         self.engine_id = engine_id
         self.peer = peer
         self._pool = pool
+        self._timeout_s = timeout_s
+        self._timeout = datetime.timedelta(seconds=timeout_s)
+        # How to reach the peer, and to build a group with it.
         self._control = control
         self._new_group = new_group
         self._host = host
-        self._timeout = datetime.timedelta(seconds=timeout_s)
-        self._timeout_s = timeout_s
+        # The current group, if any; a failed read drops it and the next read builds a new one.
         self._group_name: str | None = None
         self._group = None
         self._next_tag = 0

@@ -28,11 +28,12 @@ class Pair:
                  on_sent: Callable[[str], None], on_broken: Callable[["Pair"], None]):
         self.decode = decode
         self.group = group
-        self._make_group = make_group
         self._pool = pool
+        self._process_group = None
+        # Passed in by the transport: the group factory and what to do after each send.
+        self._make_group = make_group
         self._on_sent = on_sent
         self._on_broken = on_broken
-        self._process_group = None
         self._queue: queue.Queue = queue.Queue()
         self.thread = threading.Thread(target=self._run, name=f"kv-pair-{decode}", daemon=True)
 
