@@ -34,7 +34,7 @@ from typing import Generic, Sequence, TypeVar
 
 import torch
 
-from transfer.wire import PoolMetadata
+from transfer.wire import PoolMetadata, TransportKind
 
 
 logger = logging.getLogger(__name__)
@@ -108,7 +108,7 @@ class KVTransport(abc.ABC, Generic[P]):
     restarted peers); a backend supplies the ``_``-prefixed steps.
     """
 
-    kind: str
+    kind: TransportKind
 
     def __init__(self, engine_id: str):
         self.engine_id = engine_id

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from transfer.base import KVTransport, Run, TransferError, TransferHandle, TransferState
-from transfer.wire import NonNegativeInt, PoolMetadata, PositiveInt
+from transfer.wire import NonNegativeInt, PoolMetadata, PositiveInt, TransportKind
 
 try:
     from nixl._api import nixl_agent, nixl_agent_config
@@ -105,7 +105,7 @@ class NixlTransport(KVTransport[NixlPeer]):
     FAILED (and kept until it leaves ``PROC``; see the module docstring).
     """
 
-    kind = "nixl"
+    kind = TransportKind.NIXL
 
     def __init__(self, engine_id: str, *, backends: Sequence[str] = ("UCX",), timeout_s: float = 10.0):
         if timeout_s <= 0:

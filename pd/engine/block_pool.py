@@ -12,16 +12,17 @@ until it is taken for a new allocation, which evicts it.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Iterable, NamedTuple, Sequence
 
 # How many prefix-cache events a pool keeps for routers to read.
 MAX_CACHE_EVENTS = 4096
 
 
-@dataclass(frozen=True)
-class CacheEvent:
-    """A block hash entering (``stored``) or leaving the prefix cache, numbered in order."""
+class CacheEvent(NamedTuple):
+    """A block hash entering (``stored``) or leaving the prefix cache, numbered in order.
+
+    A tuple of atoms, so the garbage collector stops tracking the thousands a pool keeps.
+    """
 
     seq: int
     block_hash: bytes
@@ -56,7 +57,7 @@ class NoFreeBlocksError(RuntimeError):
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int):
+    def __init__(self, num_blocks: int, max_cache_events: int = MAX_CACHE_EVENTS):
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -65,7 +66,7 @@ class BlockPool:
         self._hash_to_block: dict[bytes, int] = {}
         self._block_hash: dict[int, bytes] = {}
         self._block_tokens: dict[int, tuple[int, ...]] = {}
-        self.events = CacheEventLog()
+        self.events = CacheEventLog(max_cache_events)
 
     def cache_event_window(self) -> tuple[int, list[CacheEvent]]:
         """See ``CacheEventLog.window``."""

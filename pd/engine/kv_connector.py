@@ -153,7 +153,8 @@ class KVConnector:
         transport = self.require_transport()
         self.fingerprint.check_compatible(handle.fingerprint)
         if handle.transport != transport.kind:
-            raise WireError(f"kv_handle.transport {handle.transport!r} but this engine uses {transport.kind!r}")
+            raise WireError(f"kv_handle.transport is {handle.transport.value!r} but this engine uses "
+                            f"{transport.kind.value!r}")
         if handle.num_tokens != len(prompt_token_ids):
             raise WireError(f"kv_handle covers {handle.num_tokens} tokens but the prompt has {len(prompt_token_ids)}")
         if handle.prompt_digest != prompt_digest(prompt_token_ids):

@@ -103,9 +103,7 @@ def test_allocate_slots_is_all_or_nothing():
     assert pool.num_free_blocks == 3 and manager.block_ids("a") == []
 
 
-def test_cache_event_window_keeps_each_hashs_latest_event_and_says_where_it_starts(monkeypatch):
-    import pd.engine.block_pool as block_pool
-
+def test_cache_event_window_keeps_each_hashs_latest_event_and_says_where_it_starts():
     pool = BlockPool(2)
     assert pool.cache_event_window() == (0, [])
     a, b = pool.allocate(2)
@@ -117,8 +115,7 @@ def test_cache_event_window_keeps_each_hashs_latest_event_and_says_where_it_star
     assert first_seq == 0
     assert [(e.seq, e.block_hash, e.stored) for e in events] == [(1, b"b" * 8, True), (2, b"a" * 8, False)]
 
-    monkeypatch.setattr(block_pool, "MAX_CACHE_EVENTS", 2)
-    small = BlockPool(1)
+    small = BlockPool(1, max_cache_events=2)
     for i in range(3):  # three prefixes in turn: three stores and two evictions, two events kept
         [block] = small.allocate(1)
         small.insert(block, bytes([i]) * 8, [i])

@@ -57,6 +57,22 @@ def test_completion_equals_offline_and_takes_the_expected_path(app, offline, pro
     assert pulled == (1 if prompt is LONG else 0)
 
 
+def test_a_long_prompt_the_decode_pool_holds_is_prefilled_there(app):
+    """The ingress reads the decode router's prefix index (the routing scope it shares with its routers)."""
+    prompt = " ".join(f"held{i}" for i in range(150))
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0}
+
+    def prefilled_locally() -> bool:
+        pulls_before = _totals("DecodeServer", "num_remote_pulls")
+        status, answer = app.post("/v1/completions", body)
+        assert status == 200, answer
+        return _totals("DecodeServer", "num_remote_pulls") == pulls_before
+
+    assert not prefilled_locally()  # the first time, remotely: nobody holds it
+    # Once the decode replica's next routing report reaches the ingress's router, it prefills there.
+    wait_until(prefilled_locally, timeout=30)
+
+
 def test_streamed_chat_equals_non_streamed_and_reports_usage(app, offline):
     body = {"model": MODEL, "messages": [{"role": "user", "content": LONG}], "max_tokens": 10, "temperature": 0}
     status, whole = app.post("/v1/chat/completions", body)

@@ -82,7 +82,9 @@ def test_chunks_are_as_strict_as_requests(field, value, match):
 @pytest.mark.parametrize("field, value, match", [
     ("kv_usage", 1.5, r"kv_usage must be in \[0, 1\]"),
     ("num_running", True, r"Expected `int`, got `bool` - at `\$.num_running`"),
-    ("cache_events", [{"seq": 1, "block_hash": b"h", "stored": 1}], r"Expected `bool`, got `int`"),
+    ("cache_events", [[1, b"h", 1]], r"Expected `bool`, got `int` - at `\$.cache_events\[0\]\[2\]`"),
+    ("cache_events", [[1, b"h"]], r"Expected `array` of at least length 3, got 2 - at `\$.cache_events\[0\]`"),
+    ("cache_events", [[1, b"h", True, 0]], r"Expected `array` of at most length 3, got 4 - at `\$.cache_events\[0\]`"),
 ])
 def test_routing_stats_are_checked_too(field, value, match):
     body = {**body_of(STATS.encode()), field: value}

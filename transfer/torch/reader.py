@@ -21,6 +21,7 @@ import uuid
 from typing import Callable
 
 import torch
+from torch.distributed import PrefixStore, TCPStore
 
 from transfer.base import Run, TransferError, TransferHandle, TransferState
 from transfer.torch.group import DECODE_RANK, PREFILL_RANK, TAG_LIMIT, abort_group
@@ -188,8 +189,6 @@ class Link:
         )
 
     def _connect(self) -> None:
-        from torch.distributed import PrefixStore, TCPStore
-
         self._group_name = f"kv/{self.peer.name}/{self.engine_id}/{uuid.uuid4().hex}"
         store = TCPStore(self.peer.host, self.peer.port, is_master=False, timeout=self._timeout)
         self._call(TorchConnect(decode=self.engine_id, group=self._group_name, device=self._pool.device.type))

@@ -43,7 +43,7 @@ from transfer.torch.group import new_pair_group
 from transfer.torch.messages import Role, TorchConnect, TorchPeer, TorchReply, TorchSend
 from transfer.torch.reader import Control, Link, NewGroup, TorchRead
 from transfer.torch.sender import Pair
-from transfer.wire import WireError, decode_one_of
+from transfer.wire import TransportKind, WireError, decode_one_of
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ class TorchTransport(KVTransport[TorchPeer]):
     ``new_group`` builds a pairwise group (``new_pair_group`` by default).
     """
 
-    kind = "torch"
+    kind = TransportKind.TORCH
 
     def __init__(self, engine_id: str, *, role: str, host: str = "127.0.0.1", port: int = 0,
                  control: Control | None = None, timeout_s: float = 10.0, new_group: NewGroup = new_pair_group):
