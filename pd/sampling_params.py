@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import msgspec
 
+# Temperatures below this are sampled greedily, as vLLM does: dividing logits by
+# them overflows to inf, and the distribution is an argmax to within fp32 anyway.
+GREEDY_TEMPERATURE = 1e-5
+
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """How to pick tokens and when to stop.
 
-    ``temperature=0`` is greedy; ``top_k=None`` means no top-k; ``seed`` makes a
+    ``temperature=0`` (or below ``GREEDY_TEMPERATURE``) is greedy; ``top_k=None`` means no top-k; ``seed`` makes a
     sampled request reproducible whatever else is in the batch. ``logprobs``
     asks for the log-probability of each sampled token (any value >= 0).
     A msgspec struct: it crosses processes inside pool requests, decoded as
@@ -40,7 +44,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_TEMPERATURE
 
     def replace(self, **changes) -> "SamplingParams":
         """A copy with ``changes`` applied (and checked)."""

@@ -48,3 +48,20 @@ def make_checkpoint(kind: str, path: Path) -> Path:
         raise ValueError(kind)
     model.eval().save_pretrained(path)
     return path
+
+
+def make_poisoned_checkpoint(path: Path, token_id: int) -> Path:
+    """The ``llama`` checkpoint with token ``token_id``'s embedding set to NaN.
+
+    Any sequence holding that token gets NaN logits from then on; others are
+    untouched (nothing mixes rows across sequences), which is how a fault
+    that belongs to one request looks.
+    """
+    import transformers
+
+    make_checkpoint("llama", path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        model.get_input_embeddings().weight[token_id] = float("nan")
+    model.save_pretrained(path)
+    return path

@@ -13,7 +13,7 @@ from pd.engine.kv_cache_manager import KVCacheManager
 from pd.engine.kv_connector import KVConnector
 from pd.engine.model_runner import ModelRunner, kv_block_bytes
 from pd.engine.outputs import RequestOutput
-from pd.engine.request import KVSource, Request, RequestStatus
+from pd.engine.request import FinishReason, KVSource, Request, RequestStatus
 from pd.engine.scheduler import Scheduler
 from pd.model.config import load_model_config
 from pd.model.loader import resolve_dtype
@@ -227,7 +227,7 @@ class LLMEngine:
             if not result.finished:
                 continue
             request = self._requests.get(result.request_id)
-            if request is not None and request.pin_kv:
+            if request is not None and request.pin_kv and result.finish_reason is not FinishReason.ERROR:
                 results[index] = dataclasses.replace(result, kv_handle=self.connector.pin(request))
             self._forget(result.request_id)
         return results

@@ -124,5 +124,4 @@ class ModelRunner:
         logits = self.model.forward(batch.token_ids, batch.positions, batch.attn, self.kv_views, batch.logits_indices)
         if not batch.sampling_requests:
             return ForwardOutput(sampled_token_ids=[], logprobs=None)
-        token_ids, logprobs = self.sampler.sample(logits, batch.sampling_requests)
-        return ForwardOutput(sampled_token_ids=token_ids, logprobs=logprobs)
+        return self.sampler.sample(logits, batch.sampling_requests)

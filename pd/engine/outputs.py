@@ -50,10 +50,14 @@ class ForwardInput:
 
 @dataclass(frozen=True)
 class ForwardOutput:
-    """Sampled tokens, one per request whose ``samples`` flag was set, in schedule order."""
+    """Sampled tokens, one per request whose ``samples`` flag was set, in schedule order.
 
-    sampled_token_ids: list[int]
+    A row whose sampling failed has no token: ``errors`` maps its index to why.
+    """
+
+    sampled_token_ids: list[int | None]
     logprobs: list[float] | None
+    errors: dict[int, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -70,3 +74,4 @@ class RequestOutput:
     queue_seconds: float = 0.0  # arrival to first admission on this engine
     # Prefill role: the encoded KVHandle of the pinned prompt blocks, on the finishing output.
     kv_handle: bytes | None = None
+    error: str | None = None  # with FinishReason.ERROR: why this request failed

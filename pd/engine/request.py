@@ -30,6 +30,7 @@ class FinishReason(enum.Enum):
     STOP = "stop"  # EOS or a stop token
     LENGTH = "length"  # max_tokens or max_model_len
     ABORT = "abort"
+    ERROR = "error"  # this request alone failed (say, its logits were not finite); the error says why
 
 
 def finish_reason(

@@ -2,13 +2,24 @@
 
 A request with a ``seed`` owns a ``torch.Generator``, so its draws do not
 depend on what else shares the batch.
+
+Each row fails alone: a row whose logits are not finite, or whose draw
+raises, gets no token and an error for its request; the rest of the batch
+is sampled as if it were not there.
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
+from pd.engine.outputs import ForwardOutput
 from pd.engine.request import Request
+
+logger = logging.getLogger(__name__)
+
+NON_FINITE = "the model produced non-finite logits (NaN or inf) for this request"
 
 
 class Sampler:
@@ -32,24 +43,28 @@ class Sampler:
             self._per_request[request.request_id] = generator
         return generator
 
-    def sample(self, logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], list[float] | None]:
+    def sample(self, logits: torch.Tensor, requests: list[Request]) -> ForwardOutput:
         """Pick one token per row of fp32 ``logits [num_requests, vocab]``."""
-        want_logprobs = any(r.sampling_params.logprobs is not None for r in requests)
-        if all(r.sampling_params.greedy for r in requests):
-            token_ids = logits.argmax(dim=-1)
-        else:
-            token_ids = torch.empty(len(requests), dtype=torch.long, device=logits.device)
-            for row, request in enumerate(requests):
+        # A row's max is NaN if any logit is, +inf if one is, -inf if all are: each unsamplable.
+        usable = torch.isfinite(logits.amax(dim=-1)).tolist()
+        errors = {row: NON_FINITE for row, ok in enumerate(usable) if not ok}
+        token_ids = logits.argmax(dim=-1)
+        for row, request in enumerate(requests):
+            if row in errors or request.sampling_params.greedy:
+                continue
+            try:
                 token_ids[row] = self._sample_row(logits[row], request)
+            except RuntimeError as exc:  # this request's draw alone: fail it, keep the batch
+                logger.warning("request %s: sampling failed: %s", request.request_id, exc)
+                errors[row] = f"sampling failed: {exc}"
         logprobs = None
-        if want_logprobs:
+        if any(r.sampling_params.logprobs is not None for r in requests):
             logprobs = torch.log_softmax(logits, dim=-1).gather(1, token_ids[:, None]).squeeze(1).tolist()
-        return token_ids.tolist(), logprobs
+        sampled = [None if row in errors else token for row, token in enumerate(token_ids.tolist())]
+        return ForwardOutput(sampled_token_ids=sampled, logprobs=logprobs, errors=errors)
 
     def _sample_row(self, logits: torch.Tensor, request: Request) -> torch.Tensor:
         params = request.sampling_params
-        if params.greedy:
-            return logits.argmax()
         logits = logits / params.temperature
         if params.top_k is not None and params.top_k < logits.shape[-1]:
             threshold = torch.topk(logits, params.top_k).values[-1]

@@ -156,32 +156,41 @@ class Scheduler:
                 continue
             token_id = forward.sampled_token_ids[sample_index]
             logprob = forward.logprobs[sample_index] if forward.logprobs is not None else None
+            error = forward.errors.get(sample_index)
             sample_index += 1
+            if error is not None:
+                self._finish(request, FinishReason.ERROR)
+                results.append(self._output(request, [], [], FinishReason.ERROR, error))
+                continue
             request.append_output(token_id, logprob)
             reason = finish_reason(request.sampling_params, token_id, len(request.output_token_ids),
                                    request.num_tokens, self.config.max_model_len, request.eos_token_ids)
             if reason is not None:
                 self._finish(request, reason)
-            results.append(
-                RequestOutput(
-                    request_id=request.request_id,
-                    new_token_ids=[token_id],
-                    new_logprobs=[logprob] if logprob is not None else [],
-                    finished=reason is not None,
-                    finish_reason=reason,
-                    num_cached_tokens=request.num_cached_tokens,
-                    kv_source=request.kv_source,
-                    queue_seconds=request.queue_seconds,
-                )
-            )
+            results.append(self._output(request, [token_id], [logprob] if logprob is not None else [], reason))
         if any(r.finished for r in results):
             self.running = [r for r in self.running if not r.is_finished]
         return results
 
+    @staticmethod
+    def _output(request: Request, token_ids: list[int], logprobs: list[float], reason: FinishReason | None,
+                error: str | None = None) -> RequestOutput:
+        return RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=token_ids,
+            new_logprobs=logprobs,
+            finished=reason is not None,
+            finish_reason=reason,
+            num_cached_tokens=request.num_cached_tokens,
+            kv_source=request.kv_source,
+            queue_seconds=request.queue_seconds,
+            error=error,
+        )
+
     def _finish(self, request: Request, reason: FinishReason) -> None:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
-        if not (request.pin_kv and reason is not FinishReason.ABORT):
+        if not (request.pin_kv and reason not in (FinishReason.ABORT, FinishReason.ERROR)):
             self.kv_cache.free(request)  # pinned blocks are freed when their lease ends
 
     def abort(self, request_id: str) -> Request | None:

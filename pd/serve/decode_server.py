@@ -55,4 +55,5 @@ class DecodeServer(EngineServer):
                     finish_reason=out.finish_reason,
                     num_cached_tokens=out.num_cached_tokens,
                     kv_source=out.kv_source,
+                    error=out.error or "",
                 ).encode()

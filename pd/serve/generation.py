@@ -27,17 +27,22 @@ from pd.engine.request import FinishReason, KVSource, finish_reason
 from pd.sampling_params import SamplingParams
 from pd.serve.args import AppArgs
 from pd.serve.metrics import RequestMetrics
-from pd.serve.protocol import DecodeChunk, PoolControl, PoolRequest, PrefillResult
+from pd.serve.protocol import DecodeChunk, PoolControl, PoolRequest, PrefillResult, RequestFailed
 from pd.serve.text import TextStream
 from router.hashing import hash_block_tokens
 from router.protocol import RouteHints
 from router.shared import DECODE_SCOPE, PREFILL_SCOPE, RoutingScopes
+from transfer.wire import decode_one_of
 
 logger = logging.getLogger(__name__)
 
 # After a request's prefill fails on two replicas, prefill locally for this long
 # before trying the pool again, so a dead pool does not cost every request its deadline.
 PREFILL_POOL_COOLDOWN_S = 5.0
+
+
+class RequestFailedError(RuntimeError):
+    """The request itself failed on an engine (its message says why); no other request is affected."""
 
 
 @dataclass(frozen=True)
@@ -168,9 +173,8 @@ class PoolClient:
             response = self.prefill.prefill.remote(call_hints.encode(), request.encode())
             start = time.monotonic()
             try:
-                result = PrefillResult.decode(await asyncio.wait_for(response, self.args.prefill_timeout_s))
-                self.metrics.prefill.observe(time.monotonic() - start)
-                return result
+                answer = decode_one_of(await asyncio.wait_for(response, self.args.prefill_timeout_s),
+                                       (PrefillResult, RequestFailed))
             except asyncio.CancelledError:
                 response.cancel()
                 raise
@@ -183,6 +187,11 @@ class PoolClient:
                                request.request_id, attempt + 1, failed, exc)
                 if attempt == 0:
                     self.metrics.prefill_retries.inc()
+            else:
+                if isinstance(answer, RequestFailed):
+                    raise RequestFailedError(answer.error)
+                self.metrics.prefill.observe(time.monotonic() - start)
+                return answer
             finally:
                 self.prefill_in_flight -= 1
         self.prefill_pool_down_until = time.monotonic() + PREFILL_POOL_COOLDOWN_S
@@ -228,6 +237,9 @@ class PoolClient:
                 chunk = DecodeChunk.decode(data)
                 if chunk.finish_reason is FinishReason.ABORT:
                     raise RuntimeError(f"request {request.request_id} was aborted by its decode replica")
+                if chunk.finish_reason is FinishReason.ERROR:
+                    engine_finished = True
+                    raise RequestFailedError(chunk.error or "the request failed on its decode replica")
                 if not first_chunk:
                     first_chunk = True
                     self.metrics.prefill_path.inc(tags={"path": chunk.kv_source.value})

@@ -23,7 +23,7 @@ from pd.model.paths import resolve_model_path
 from pd.model.tokenizer import Tokenizer
 from pd.sampling_params import SamplingParams
 from pd.serve.args import AppArgs
-from pd.serve.generation import GenerationEvent, PoolClient
+from pd.serve.generation import GenerationEvent, PoolClient, RequestFailedError
 from pd.serve.handle_api import GenerateChunk, GenerateRequest
 from pd.serve.openai_protocol import (
     ChatCompletionRequest,
@@ -104,6 +104,8 @@ def _classify(exc: Exception) -> tuple[int, str, str]:
 
     if isinstance(exc, BackPressureError):
         return 503, "the server is overloaded; retry later", "overloaded_error"
+    if isinstance(exc, RequestFailedError):
+        return 500, f"this request failed: {exc}", "internal_error"
     return 500, "internal server error", "internal_error"
 
 

@@ -10,7 +10,7 @@ from ray import serve
 
 from pd.engine.request import FinishReason
 from pd.serve.engine_server import EngineServer
-from pd.serve.protocol import PoolControl, PoolRequest, PrefillResult
+from pd.serve.protocol import PoolControl, PoolRequest, PrefillResult, RequestFailed
 
 logger = logging.getLogger(__name__)
 
@@ -22,8 +22,9 @@ class PrefillServer(EngineServer):
     async def prefill(self, hints: bytes, data: bytes) -> bytes:
         """Prefill one prompt: an encoded ``PoolRequest`` in, an encoded ``PrefillResult`` out.
 
-        ``hints`` (``RouteHints``) are for the request router. Cancelling the
-        call aborts the request and frees its blocks.
+        ``RequestFailed`` instead when the request alone failed. ``hints``
+        (``RouteHints``) are for the request router. Cancelling the call
+        aborts the request and frees its blocks.
         """
         request = PoolRequest.decode(data)
         stream = self.engine.add_request(request.request_id, list(request.token_ids), request.sampling, pin_kv=True)
@@ -31,6 +32,8 @@ class PrefillServer(EngineServer):
         async with contextlib.aclosing(stream):
             async for out in stream:
                 last = out
+        if last is not None and last.finish_reason is FinishReason.ERROR:
+            return RequestFailed(request_id=request.request_id, error=last.error or "request failed").encode()
         if last is None or last.finish_reason is FinishReason.ABORT or last.kv_handle is None:
             raise RuntimeError(f"prefill of {request.request_id} was aborted")
         self.metrics.queue.observe(last.queue_seconds)

@@ -55,8 +55,17 @@ class PrefillResult(WireMessage, frozen=True, kw_only=True):
     num_cached_tokens: NonNegativeInt
 
 
+class RequestFailed(WireMessage, frozen=True, kw_only=True):
+    """A prefill replica's answer when the request itself failed (not the replica): never retried."""
+
+    KIND: ClassVar[str] = "request_failed"
+
+    request_id: str
+    error: str
+
+
 class DecodeChunk(WireMessage, frozen=True, kw_only=True):
-    """New tokens from a decode replica; the last chunk has a finish reason."""
+    """New tokens from a decode replica; the last chunk has a finish reason (``ERROR`` with ``error``)."""
 
     KIND: ClassVar[str] = "decode_chunk"
 
@@ -66,3 +75,4 @@ class DecodeChunk(WireMessage, frozen=True, kw_only=True):
     finish_reason: FinishReason | None
     num_cached_tokens: NonNegativeInt
     kv_source: KVSource
+    error: str = ""
