@@ -9,20 +9,22 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from pd.serve.openai_protocol import Seed, Text, TokenIds
+
 
 class GenerateRequest(BaseModel):
     """A prompt (text or token ids) or chat messages, plus sampling settings."""
 
     model_config = ConfigDict(extra="forbid")
 
-    prompt: str | list[int] | None = None
-    messages: list[dict[str, str]] | None = None
+    prompt: Text | TokenIds | None = None
+    messages: list[dict[str, Text]] | None = None
     max_tokens: int = Field(16, ge=1)
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int | None = Field(None, ge=1)
-    seed: int | None = None
-    stop: list[str] = Field(default_factory=list)
+    seed: Seed | None = None
+    stop: list[Text] = Field(default_factory=list)
     ignore_eos: bool = False
     logprobs: bool = False
 

@@ -79,15 +79,25 @@ async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
 @app.exception_handler(RequestValidationError)
 async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
     errors = exc.errors()
-    first = errors[0] if errors else {}
-    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-    param = ".".join(loc) or None
+    # A value that fits no member of a union fails once per member: the deepest failure says most.
+    first = max(errors, key=lambda error: len(error.get("loc", ())), default={})
+    param = _param_name(first.get("loc", ()))
     kind = first.get("type", "")
     if kind == "extra_forbidden":
         message = f"unknown field {param!r}"
     else:
         message = f"{param}: {first.get('msg', 'invalid value')}" if param else first.get("msg", "invalid request")
     return JSONResponse(OpenAIError(400, message, param=param).body(), status_code=400)
+
+
+def _param_name(loc) -> str | None:
+    """The request field a pydantic error location names: ``messages.0.content``, never a union member's tag."""
+    parts = []
+    for part in loc[1:] if loc and loc[0] == "body" else loc:
+        if not isinstance(part, int) and not str(part).isidentifier():
+            break  # a union member's tag, such as "list[int]" or "function-after[...]"
+        parts.append(str(part))
+    return ".".join(parts) or None
 
 
 @app.exception_handler(Exception)

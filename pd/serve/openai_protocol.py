@@ -9,11 +9,30 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, model_validator
 
 from pd.sampling_params import SamplingParams
+
+# Seeds seed a torch.Generator: a signed 64-bit integer (SamplingParams checks the same).
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+
+
+def _unicode(text: str) -> str:
+    """Refuse text that is not valid Unicode (JSON can carry lone surrogates such as "\\ud800")."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"text holds {text[exc.start:exc.end]!a}, a lone surrogate, which is not valid Unicode") from None
+    return text
+
+
+# Text that becomes tokens or is matched against them: valid Unicode only.
+Text = Annotated[str, AfterValidator(_unicode)]
+# Token ids: integers, never booleans.
+TokenIds = list[StrictInt]
+Seed = Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)]
 
 
 class OpenAIError(Exception):
@@ -51,8 +70,8 @@ class _Common(BaseModel):
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
+    stop: Text | list[Text] | None = None
+    seed: Seed | None = None
     user: str | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -85,7 +104,7 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: Text | TokenIds | list[Text] | list[TokenIds]
     logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool = False
     best_of: int | None = None
@@ -113,7 +132,7 @@ class CompletionRequest(_Common):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[dict[str, Any]]
+    content: Text | list[dict[str, Any]]
     name: str | None = None
 
     def text(self) -> str:
@@ -123,7 +142,10 @@ class ChatMessage(BaseModel):
         for part in self.content:
             if part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise OpenAIError(400, "only text content parts are supported", param="messages")
-            parts.append(part["text"])
+            try:
+                parts.append(_unicode(part["text"]))
+            except ValueError as exc:
+                raise OpenAIError(400, str(exc), param="messages") from None
         return "".join(parts)
 
 

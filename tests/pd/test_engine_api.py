@@ -42,6 +42,8 @@ def test_bad_requests_name_the_field_and_engine_keeps_serving(llm, prompt, param
         ({"top_p": 1.5}, "top_p"),
         ({"temperature": -0.1}, "temperature"),
         ({"top_k": 0}, "top_k"),
+        ({"seed": 2**63}, "seed"),
+        ({"seed": -(2**63) - 1}, "seed"),
     ],
 )
 def test_bad_sampling_params(kwargs, field):

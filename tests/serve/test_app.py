@@ -107,6 +107,13 @@ def test_stop_strings_cut_the_text(app, offline):
         ({"model": MODEL, "prompt": "x " * 5000}, 400, "prompt"),
         ({"model": MODEL, "prompt": [1, 2, 10**7]}, 400, "prompt"),
         ({"model": MODEL}, 400, "prompt"),
+        ({"model": MODEL, "prompt": "x", "seed": 2**63}, 400, "seed"),
+        ({"model": MODEL, "prompt": "x", "seed": -(2**63) - 1}, 400, "seed"),
+        ({"model": MODEL, "prompt": "x", "seed": 2**70}, 400, "seed"),
+        ({"model": MODEL, "prompt": "a \ud800 b"}, 400, "prompt"),
+        ({"model": MODEL, "prompt": "x", "stop": ["\udfff"]}, 400, "stop"),
+        ({"model": MODEL, "prompt": [True, False]}, 400, "prompt"),
+        ({"model": MODEL, "prompt": [[1, True]]}, 400, "prompt"),
     ],
 )
 def test_bad_requests_get_openai_errors(app, body, status, param):
@@ -192,6 +199,12 @@ def test_handle_api_from_another_app(app, ray_cluster):
     status, direct = app.post("/v1/completions", {"model": MODEL, "prompt": SHORT, "max_tokens": 6, "temperature": 0})
     assert result["text"] == direct["choices"][0]["text"]
     assert result["usage"]["completion_tokens"] == 6 and result["finish_reason"] == "length"
+
+
+def test_a_lone_surrogate_in_a_chat_message_is_a_400(app):
+    for content in ("hi \ud800", [{"type": "text", "text": "\udbff"}]):
+        status, body = app.post("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": content}]})
+        assert status == 400 and body["error"]["param"].startswith("messages"), body
 
 
 @pytest.mark.parametrize(
