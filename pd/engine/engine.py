@@ -13,7 +13,7 @@ from pd.engine.kv_cache_manager import KVCacheManager
 from pd.engine.kv_connector import KVConnector
 from pd.engine.model_runner import ModelRunner, kv_block_bytes
 from pd.engine.outputs import RequestOutput
-from pd.engine.request import FinishReason, KVSource, Request, RequestStatus
+from pd.engine.request import FinishReason, KVSource, Request, RequestStatus, finish_reason
 from pd.engine.scheduler import Scheduler
 from pd.model.config import load_model_config
 from pd.model.loader import resolve_dtype
@@ -101,6 +101,7 @@ class LLMEngine:
             (self.tokenizer.eos_token_id,) if self.tokenizer and self.tokenizer.eos_token_id is not None else ()
         )
         self._requests: dict[str, Request] = {}
+        self._finished_at_admission: list[RequestOutput] = []
         logger.info("engine ready: %s, %d KV blocks of %d tokens", self.model_dir, num_blocks, config.block_size)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -160,6 +161,13 @@ class LLMEngine:
                 raise ValueError(f"first_token_id {first_token_id} is outside the vocabulary")
             request.append_output(first_token_id, None)
             request.kv_source = KVSource.RECOMPUTE
+            reason = finish_reason(params, first_token_id, 1, request.num_tokens, self.max_model_len,
+                                   self.eos_token_ids)
+            if reason is not None:  # the first token already ends it: nothing to pull or compute
+                self._finished_at_admission.append(RequestOutput(
+                    request_id=request_id, new_token_ids=[], new_logprobs=[], finished=True, finish_reason=reason,
+                    num_cached_tokens=0, kv_source=KVSource.RECOMPUTE))
+                return request
         if remote_kv is not None:
             if self.connector.accept(remote_kv, request.prompt_token_ids):
                 request.remote_kv = remote_kv
@@ -196,7 +204,7 @@ class LLMEngine:
         return handle
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished
+        return self.scheduler.has_unfinished or bool(self._finished_at_admission)
 
     def has_runnable_requests(self) -> bool:
         """Requests the scheduler can run now (not only waiting for their KV to arrive)."""
@@ -215,11 +223,12 @@ class LLMEngine:
         return self.block_pool.cache_event_window()
 
     def step(self) -> list[RequestOutput]:
+        early, self._finished_at_admission = self._finished_at_admission, []
         self.poll_transfers()
         out = self.scheduler.schedule()
         self.connector.start_pulls(out.remote_reads)
         if out.is_empty:
-            return []
+            return early
         block_tables = [self.kv_cache.block_ids(s.request.request_id) for s in out.scheduled]
         forward = self.runner.execute(out, block_tables)
         results = self.scheduler.update(out, forward)
@@ -230,7 +239,7 @@ class LLMEngine:
             if request is not None and request.pin_kv and result.finish_reason is not FinishReason.ERROR:
                 results[index] = dataclasses.replace(result, kv_handle=self.connector.pin(request))
             self._forget(result.request_id)
-        return results
+        return early + results
 
     def _forget(self, request_id: str) -> None:
         self._requests.pop(request_id, None)

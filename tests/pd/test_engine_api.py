@@ -118,3 +118,19 @@ def test_top_k_one_is_greedy(llm):
     [greedy] = llm.generate([[3, 1, 4, 1, 5]], SamplingParams(max_tokens=10, temperature=0))
     [topk] = llm.generate([[3, 1, 4, 1, 5]], SamplingParams(max_tokens=10, temperature=0.8, top_k=1))
     assert topk.token_ids == greedy.token_ids
+
+
+def test_a_first_token_that_reaches_max_model_len_ends_the_request(checkpoint):
+    """A first token sampled elsewhere can fill the model's length: nothing more is generated."""
+    from pd.config import EngineConfig
+    from pd.engine.engine import LLMEngine
+    from pd.engine.request import FinishReason
+
+    engine = LLMEngine(EngineConfig(model=str(checkpoint("llama")), num_blocks=64, max_model_len=64))
+    engine.add_request("full", list(range(1, 64)), SamplingParams(max_tokens=50, temperature=0, ignore_eos=True),
+                       first_token_id=7)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert [(o.new_token_ids, o.finished, o.finish_reason) for o in outputs] == [([], True, FinishReason.LENGTH)]
+    assert engine.stats().num_used_blocks == 0

@@ -73,6 +73,18 @@ def test_a_long_prompt_the_decode_pool_holds_is_prefilled_there(app):
     wait_until(prefilled_locally, timeout=30)
 
 
+def test_a_remote_prefill_never_runs_past_max_model_len(app):
+    prompt = [5 + (i * 7) % 1000 for i in range(4095)]  # the built-in model's length is 4096
+    prefilled_before = _totals("PrefillServer", "num_prompt_tokens")
+    status, body = app.post("/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 100,
+                                                "temperature": 0, "ignore_eos": True})
+    assert status == 200, body
+    assert body["usage"] == {"prompt_tokens": 4095, "completion_tokens": 1, "total_tokens": 4096}
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert _totals("PrefillServer", "num_prompt_tokens") == prefilled_before + 4095  # it was prefilled remotely
+    wait_until(_idle_and_clean, timeout=30)
+
+
 def test_streamed_chat_equals_non_streamed_and_reports_usage(app, offline):
     body = {"model": MODEL, "messages": [{"role": "user", "content": LONG}], "max_tokens": 10, "temperature": 0}
     status, whole = app.post("/v1/chat/completions", body)

@@ -31,6 +31,16 @@ def test_colocated_app_serves_the_same_text(client):
     assert all(s["num_remote_pulls"] == 0 for s in pool_stats("DecodeServer"))
 
 
+def test_a_local_prefill_never_runs_past_max_model_len(client):
+    ensure_app("colocated.yaml", decode={"num_replicas": 1, "ray_actor_options": {"num_cpus": 0.5}})
+    prompt = [5 + (i * 7) % 1000 for i in range(4095)]  # the built-in model's length is 4096
+    status, body = client.post("/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 100,
+                                                    "temperature": 0, "ignore_eos": True})
+    assert status == 200, body
+    assert body["usage"] == {"prompt_tokens": 4095, "completion_tokens": 1, "total_tokens": 4096}
+    assert body["choices"][0]["finish_reason"] == "length"
+
+
 def test_multinode_layout_puts_each_pool_on_its_node_and_moves_kv_between_them(client, ray_cluster):
     import ray
 
