@@ -170,6 +170,10 @@ class AppArgs(_Strict):
     api_keys: list[str] = Field(default_factory=list, repr=False)
     api_keys_env: str = Field("PD_API_KEYS", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
     max_request_body_bytes: int = Field(4 * 1024**2, ge=1024)
+    # Stop strings per request, and their total length in characters: each new piece of
+    # text is scanned once per stop string, so a client's list must not cost others time.
+    max_stop_strings: int = Field(16, ge=0)
+    max_stop_chars: int = Field(4096, ge=0)
     # A request still running after this long is cancelled on every replica (504 or an error event).
     request_timeout_s: float = Field(600.0, gt=0)
 

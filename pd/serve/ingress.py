@@ -218,6 +218,17 @@ class Ingress:
             raise OpenAIError(400, f"max_tokens {params.max_tokens} exceeds the model length {self.max_model_len}",
                               param="max_tokens")
 
+    def _stop(self, stop: list[str]) -> list[str]:
+        """``stop``, within the configured bounds on its count and total length."""
+        if len(stop) > self.args.max_stop_strings:
+            raise OpenAIError(400, f"{len(stop)} stop strings; at most {self.args.max_stop_strings} are allowed",
+                              param="stop")
+        total = sum(len(s) for s in stop)
+        if total > self.args.max_stop_chars:
+            raise OpenAIError(400, f"the stop strings hold {total} characters; at most {self.args.max_stop_chars} "
+                                   "are allowed", param="stop")
+        return stop
+
     def _params(self, body, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         try:
             return body.sampling_params(max_tokens, logprobs)
@@ -245,7 +256,7 @@ class Ingress:
         params = self._params(body, body.max_tokens, body.logprobs)
         self._check_lengths(token_ids, params)
         rid = completion_id("cmpl")
-        events = with_deadline(self.pools.generate(rid, token_ids, params, body.stop_strings()),
+        events = with_deadline(self.pools.generate(rid, token_ids, params, self._stop(body.stop_strings())),
                                self.args.request_timeout_s)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
@@ -272,7 +283,7 @@ class Ingress:
         params = self._params(body, body.max_completion_tokens or body.max_tokens, None)
         self._check_lengths(token_ids, params)
         rid = completion_id("chatcmpl")
-        events = with_deadline(self.pools.generate(rid, token_ids, params, body.stop_strings()),
+        events = with_deadline(self.pools.generate(rid, token_ids, params, self._stop(body.stop_strings())),
                                self.args.request_timeout_s)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
@@ -354,7 +365,7 @@ class Ingress:
             logprobs=0 if request.logprobs else None,
         )
         self._check_lengths(token_ids, params)
-        events = self.pools.generate(f"handle-{uuid.uuid4().hex}", token_ids, params, request.stop)
+        events = self.pools.generate(f"handle-{uuid.uuid4().hex}", token_ids, params, self._stop(request.stop))
         async for event in with_deadline(events, self.args.request_timeout_s):
             yield GenerateChunk(
                 token_ids=event.token_ids, text=event.text, logprobs=event.logprobs,

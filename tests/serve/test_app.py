@@ -126,6 +126,8 @@ def test_stop_strings_cut_the_text(app, offline):
         ({"model": MODEL, "prompt": "x", "stop": ["\udfff"]}, 400, "stop"),
         ({"model": MODEL, "prompt": [True, False]}, 400, "prompt"),
         ({"model": MODEL, "prompt": [[1, True]]}, 400, "prompt"),
+        ({"model": MODEL, "prompt": "x", "stop": [f"s{i}" for i in range(17)]}, 400, "stop"),
+        ({"model": MODEL, "prompt": "x", "stop": ["x" * 4000, "y" * 97]}, 400, "stop"),
     ],
 )
 def test_bad_requests_get_openai_errors(app, body, status, param):
