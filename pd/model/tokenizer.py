@@ -76,8 +76,15 @@ class Tokenizer:
         """Number of token ids, special tokens included."""
         return self._tokenizer.get_vocab_size(with_added_tokens=True)
 
+    def max_token_chars(self) -> int:
+        """The most characters any token's vocabulary entry spans (an upper bound on what one token covers)."""
+        return max(len(token) for token in self._tokenizer.get_vocab(with_added_tokens=True))
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        # The batch call releases the GIL throughout (a single encode may hold it for seconds on a
+        # long text), and the fast one skips the character offsets nobody here reads.
+        [encoding] = self._tokenizer.encode_batch_fast([text], add_special_tokens=add_special_tokens)
+        return encoding.ids
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)

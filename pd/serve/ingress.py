@@ -23,8 +23,10 @@ from pd.model.paths import resolve_model_path
 from pd.model.tokenizer import Tokenizer
 from pd.sampling_params import SamplingParams
 from pd.serve.args import AppArgs
+from pd.serve.body_limit import BodyLimit
 from pd.serve.generation import GenerationEvent, PoolClient, RequestFailedError
 from pd.serve.handle_api import GenerateChunk, GenerateRequest
+from pd.serve.prompts import PromptEncoder
 from pd.serve.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -37,30 +39,8 @@ from router.shared import RoutingScopes
 
 logger = logging.getLogger(__name__)
 
-# An oversized body is drained up to this many times the limit before the 413 goes out.
-MAX_DRAINED_BODY_FACTOR = 16
-
 app = FastAPI(title="pd: disaggregated prefill/decode serving")
-
-
-@app.middleware("http")
-async def _limit_body_size(request: Request, call_next):
-    """Refuse bodies over the configured size with 413, without keeping them.
-
-    The body is read and dropped chunk by chunk (up to a cap) so the client,
-    still uploading, gets the 413 instead of a reset connection.
-    """
-    limit = getattr(request.app.state, "max_request_body_bytes", None)
-    declared = request.headers.get("content-length")
-    if limit is not None and declared is not None and declared.isdigit() and int(declared) > limit:
-        drained = 0
-        async for chunk in request.stream():
-            drained += len(chunk)
-            if drained > MAX_DRAINED_BODY_FACTOR * limit:
-                break
-        error = OpenAIError(413, f"request body is larger than {limit} bytes", code="request_too_large")
-        return JSONResponse(error.body(), status_code=413)
-    return await call_next(request)
+app.add_middleware(BodyLimit, limit=lambda: getattr(app.state, "max_request_body_bytes", None))
 
 
 @app.exception_handler(OpenAIError)
@@ -73,7 +53,8 @@ async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
     """Starlette's own errors (unreadable bodies, unknown routes) in the OpenAI shape."""
     message = exc.detail if isinstance(exc.detail, str) else "invalid request"
     kind = "invalid_request_error" if exc.status_code < 500 else "internal_error"
-    return JSONResponse(OpenAIError(exc.status_code, message, type=kind).body(), status_code=exc.status_code)
+    code = "request_too_large" if exc.status_code == 413 else None
+    return JSONResponse(OpenAIError(exc.status_code, message, type=kind, code=code).body(), status_code=exc.status_code)
 
 
 @app.exception_handler(RequestValidationError)
@@ -157,7 +138,6 @@ class Ingress:
         model_dir = resolve_model_path(self.args.engine.model)
         model_config = load_model_config(model_dir)
         self.tokenizer = Tokenizer.from_dir(model_dir)
-        self.vocab_size = model_config.vocab_size
         self.max_model_len = self.args.engine.max_model_len or model_config.max_position_embeddings
         eos = model_config.eos_token_ids or (
             (self.tokenizer.eos_token_id,) if self.tokenizer and self.tokenizer.eos_token_id is not None else ()
@@ -166,6 +146,8 @@ class Ingress:
         self.routing_scopes = RoutingScopes()
         self.pools = PoolClient(self.args, prefill_handle, decode_handle, self.tokenizer, eos, self.max_model_len,
                                 self.routing_scopes)
+        self.prompts = PromptEncoder(self.tokenizer, model_config.vocab_size, self.max_model_len,
+                                     self.args.tokenizer_threads, self.args.max_stop_strings, self.args.max_stop_chars)
         self._api_keys = configured_api_keys(self.args.api_keys, os.environ.get(self.args.api_keys_env, ""))
         app.state.max_request_body_bytes = self.args.max_request_body_bytes
 
@@ -187,47 +169,6 @@ class Ingress:
         if model != self.args.served_model_name:
             raise OpenAIError(404, f"model {model!r} does not exist; this server has "
                                    f"{self.args.served_model_name!r}", param="model", code="model_not_found")
-
-    def _encode(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
-        if isinstance(prompt, list):
-            bad = [t for t in prompt if not 0 <= t < self.vocab_size]
-            if bad:
-                raise OpenAIError(400, f"prompt holds token ids outside the vocabulary: {bad[:5]}", param="prompt")
-            return list(prompt)
-        if self.tokenizer is None:
-            raise OpenAIError(400, "this model has no tokenizer; send the prompt as token ids", param="prompt")
-        return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
-
-    def _chat_tokens(self, messages: list[dict[str, str]]) -> list[int]:
-        if self.tokenizer is None:
-            raise OpenAIError(400, "this model has no tokenizer or chat template", param="messages")
-        try:
-            text = self.tokenizer.apply_chat_template(messages)
-        except ValueError as exc:
-            raise OpenAIError(400, str(exc), param="messages") from None
-        # The template writes BOS itself.
-        return self.tokenizer.encode(text, add_special_tokens=False)
-
-    def _check_lengths(self, token_ids: list[int], params: SamplingParams) -> None:
-        if not token_ids:
-            raise OpenAIError(400, "prompt is empty", param="prompt")
-        if len(token_ids) >= self.max_model_len:
-            raise OpenAIError(400, f"prompt has {len(token_ids)} tokens; the limit is {self.max_model_len - 1}",
-                              param="prompt", code="context_length_exceeded")
-        if params.max_tokens > self.max_model_len:
-            raise OpenAIError(400, f"max_tokens {params.max_tokens} exceeds the model length {self.max_model_len}",
-                              param="max_tokens")
-
-    def _stop(self, stop: list[str]) -> list[str]:
-        """``stop``, within the configured bounds on its count and total length."""
-        if len(stop) > self.args.max_stop_strings:
-            raise OpenAIError(400, f"{len(stop)} stop strings; at most {self.args.max_stop_strings} are allowed",
-                              param="stop")
-        total = sum(len(s) for s in stop)
-        if total > self.args.max_stop_chars:
-            raise OpenAIError(400, f"the stop strings hold {total} characters; at most {self.args.max_stop_chars} "
-                                   "are allowed", param="stop")
-        return stop
 
     def _params(self, body, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         try:
@@ -252,11 +193,11 @@ class Ingress:
     async def completions(self, body: CompletionRequest, request: Request):
         self._authorize(request)
         self._check_model(body.model)
-        token_ids = self._encode(body.single_prompt())
+        token_ids = await self.prompts.encode(body.single_prompt())
         params = self._params(body, body.max_tokens, body.logprobs)
-        self._check_lengths(token_ids, params)
+        self.prompts.check_lengths(token_ids, params)
         rid = completion_id("cmpl")
-        events = with_deadline(self.pools.generate(rid, token_ids, params, self._stop(body.stop_strings())),
+        events = with_deadline(self.pools.generate(rid, token_ids, params, self.prompts.check_stop(body.stop_strings())),
                                self.args.request_timeout_s)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
@@ -279,11 +220,11 @@ class Ingress:
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
         self._authorize(request)
         self._check_model(body.model)
-        token_ids = self._chat_tokens(body.chat_messages())
+        token_ids = await self.prompts.chat(body.chat_messages())
         params = self._params(body, body.max_completion_tokens or body.max_tokens, None)
-        self._check_lengths(token_ids, params)
+        self.prompts.check_lengths(token_ids, params)
         rid = completion_id("chatcmpl")
-        events = with_deadline(self.pools.generate(rid, token_ids, params, self._stop(body.stop_strings())),
+        events = with_deadline(self.pools.generate(rid, token_ids, params, self.prompts.check_stop(body.stop_strings())),
                                self.args.request_timeout_s)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
@@ -356,16 +297,16 @@ class Ingress:
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         """Stream ``GenerateChunk``s for a ``GenerateRequest`` (for other Ray apps)."""
         if request.messages is not None:
-            token_ids = self._chat_tokens(request.messages)
+            token_ids = await self.prompts.chat(request.messages)
         else:
-            token_ids = self._encode(request.prompt)
+            token_ids = await self.prompts.encode(request.prompt)
         params = SamplingParams(
             max_tokens=request.max_tokens, temperature=request.temperature, top_p=request.top_p,
             top_k=request.top_k, seed=request.seed, ignore_eos=request.ignore_eos,
             logprobs=0 if request.logprobs else None,
         )
-        self._check_lengths(token_ids, params)
-        events = self.pools.generate(f"handle-{uuid.uuid4().hex}", token_ids, params, self._stop(request.stop))
+        self.prompts.check_lengths(token_ids, params)
+        events = self.pools.generate(f"handle-{uuid.uuid4().hex}", token_ids, params, self.prompts.check_stop(request.stop))
         async for event in with_deadline(events, self.args.request_timeout_s):
             yield GenerateChunk(
                 token_ids=event.token_ids, text=event.text, logprobs=event.logprobs,

@@ -1,0 +1,77 @@
+"""Big bodies cost their sender, not everyone: a chunked upload stops at the limit, and a huge prompt
+is refused or tokenized without stalling other clients."""
+
+from __future__ import annotations
+
+import http.client
+import threading
+import time
+import urllib.parse
+
+from tests.serve.conftest import Client, ensure_app
+
+MODEL = "builtin:tiny-llama"
+
+
+def _chunked_upload(url: str, num_bytes: int, results: dict) -> None:
+    """POST ``num_bytes`` of JSON with chunked framing; the status, or how the connection ended."""
+    parts = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=120)
+
+    def body():
+        yield b'{"model": "' + MODEL.encode() + b'", "prompt": "'
+        chunk = b"x" * (1 << 20)
+        for _ in range(num_bytes >> 20):
+            yield chunk
+        yield b'"}'
+
+    try:
+        conn.request("POST", "/v1/completions", body=body(), encode_chunked=True,
+                     headers={"Content-Type": "application/json", "Transfer-Encoding": "chunked"})
+        response = conn.getresponse()
+        results["status"] = response.status
+        results["body"] = response.read()[:300]
+    except (BrokenPipeError, ConnectionResetError) as exc:  # the server stopped reading and closed
+        results["status"] = type(exc).__name__
+    finally:
+        conn.close()
+
+
+def _ingress_rss() -> int:
+    from ray import serve
+
+    return serve.get_app_handle("pd").process_stats.remote().result()["rss_bytes"]
+
+
+def test_huge_bodies_never_stall_other_clients(ray_cluster):
+    ensure_app("default.yaml")
+    client = Client(ray_cluster["url"])
+    assert client.request("GET", "/health")[0] == 200
+    rss_before = _ingress_rss()
+    done = threading.Event()
+    slowest: list[float] = []
+
+    def probe() -> None:
+        while not done.is_set():
+            started = time.monotonic()
+            assert client.request("GET", "/health")[0] == 200
+            status, _ = client.post("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 1})
+            assert status == 200
+            slowest.append(time.monotonic() - started)
+
+    prober = threading.Thread(target=probe)
+    prober.start()
+    try:
+        upload: dict = {}
+        _chunked_upload(client.url, 64 << 20, upload)
+        big_prompt = {"model": MODEL, "prompt": "word " * 800_000, "max_tokens": 1}  # 4 MB, a legal body
+        status, body = client.post("/v1/completions", big_prompt)
+    finally:
+        done.set()
+        prober.join(60)
+    assert upload["status"] in (413, "BrokenPipeError", "ConnectionResetError"), upload
+    if upload["status"] == 413:
+        assert b"request_too_large" in upload["body"]
+    assert status == 400 and body["error"]["code"] == "context_length_exceeded", body
+    assert slowest and max(slowest) < 1.0, max(slowest)
+    assert _ingress_rss() - rss_before < 32 << 20
