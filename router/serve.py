@@ -112,6 +112,11 @@ class PinnedRequestRouter(RequestRouter):
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
     ) -> list[list[RunningReplica]]:
+        if pending_request is not None:
+            # Back off between attempts when nothing we offer takes the request. Without this, Serve
+            # retries at once, forever: one call pinned to a dead replica spins the router thread
+            # that every call from this process shares.
+            pending_request.routing_context.should_backoff = True
         hints = _hints(pending_request)
         if hints is None:
             return self.rank(candidate_replicas, None)
@@ -121,12 +126,25 @@ class PinnedRequestRouter(RequestRouter):
             return [chosen] if chosen else []
         excluded = set(hints.exclude_replica_ids)
         allowed = [r for r in candidate_replicas if r.replica_id.unique_id not in excluded]
-        return self.rank(allowed, hints) if allowed else []
+        if not allowed:
+            return []
+        ranks = self.rank(allowed, hints)
+        if ranks and ranks[0]:  # where it goes unless that replica refuses; on_request_routed confirms
+            self.pool.note_routed(hints.request_id, ranks[0][0].replica_id.unique_id)
+        return ranks
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult) -> None:
         hints = _hints(pending_request)
         if hints is not None:
             self.pool.note_routed(hints.request_id, replica_id.unique_id)
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        self.pool.set_replicas(replica.replica_id.unique_id for replica in replicas)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self.pool.mark_dead(replica_id.unique_id)
 
     def update_feed(self, feed: CacheEventFeed) -> None:
         """Bring ``feed``'s index up to the replicas' latest reports (cheap when nothing changed)."""

@@ -26,12 +26,29 @@ DECODE_SCOPE = "decode"
 
 
 class PoolRouting:
-    """One pool's routing knowledge in this process: where calls went, and the pool's prefix index."""
+    """One pool's routing knowledge in this process: its live replicas, where calls went, its prefix index."""
 
     def __init__(self) -> None:
         self._routed: OrderedDict[str, str] = OrderedDict()
         self._index: PrefixIndex | None = None
         self._block_size = 0
+        self._live: set[str] | None = None  # None until a router has seen the pool
+
+    def set_replicas(self, replica_ids) -> None:
+        """The pool's running replicas, as Serve last told the router."""
+        self._live = set(replica_ids)
+
+    def mark_dead(self, replica_id: str) -> None:
+        """A replica a call found dead, before Serve says so."""
+        if self._live is not None:
+            self._live.discard(replica_id)
+
+    def has_live_replica(self, excluding=()) -> bool:
+        """Whether a call could reach a replica other than ``excluding`` now (True while nothing is known)."""
+        return self._live is None or bool(self._live.difference(excluding))
+
+    def is_live(self, replica_id: str) -> bool:
+        return self._live is None or replica_id in self._live
 
     def note_routed(self, request_id: str, replica_id: str) -> None:
         self._routed[request_id] = replica_id

@@ -178,7 +178,7 @@ class KVConnector:
         lease_left = handle.lease_expiry - time.time() - MIN_LEASE_MARGIN_S
         started = time.monotonic()
         deadline = started + min(self.read_timeout_s, max(lease_left, 0.0))
-        transfer = transport.read_blocks(peer, remote, local, notify=request.request_id)
+        transfer = transport.read_blocks(peer, remote, local, notify=handle.request_id)  # the prefill's lease
         self.kv_cache.touch_blocks(local)
         self._pulls[request.request_id] = _Pull(request, transfer, started, deadline, list(local))
         self.stats.num_remote_pulls += 1

@@ -27,7 +27,11 @@ class DecodeServer(EngineServer):
         """Deliver torch-transport control bytes to the prefill replica ``peer`` (blocking)."""
         hints = RouteHints(request_id="", target_replica_id=peer).encode()
         call = self._prefill.handle_control.remote(hints, PoolControl(payload=payload).encode())
-        return call.result(timeout_s=self.args.kv_read_timeout_s)
+        try:
+            return call.result(timeout_s=self.args.kv_read_timeout_s)
+        except BaseException:
+            call.cancel()  # a call pinned to a peer that is gone must not wait to be routed forever
+            raise
 
     async def generate(self, hints: bytes, data: bytes) -> AsyncIterator[bytes]:
         """Stream encoded ``DecodeChunk``s for an encoded ``PoolRequest``.

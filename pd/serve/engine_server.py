@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any, Callable
 
 from ray import serve
@@ -81,6 +82,7 @@ class EngineServer:
 
         return {
             "replica_id": self.replica_id,
+            "pid": os.getpid(),
             "node_id": ray.get_runtime_context().get_node_id(),
             "rss_bytes": resident_bytes(),
             **dataclasses.asdict(self.engine.stats()),

@@ -39,6 +39,8 @@ logger = logging.getLogger(__name__)
 # After a request's prefill fails on two replicas, prefill locally for this long
 # before trying the pool again, so a dead pool does not cost every request its deadline.
 PREFILL_POOL_COOLDOWN_S = 5.0
+# How often a prefill call in flight checks that its replica is still alive.
+LIVENESS_POLL_S = 0.1
 
 
 class RequestFailedError(RuntimeError):
@@ -124,6 +126,10 @@ class Lease:
         self.release()
 
 
+async def _result(response):
+    return await response
+
+
 class PoolClient:
     """The ingress's view of the two pools.
 
@@ -165,41 +171,73 @@ class PoolClient:
         )
 
     async def remote_prefill(self, request: PoolRequest, hints: RouteHints) -> PrefillResult | None:
-        """Prefill on the pool, retrying once elsewhere; None means prefill locally."""
+        """Prefill on the pool, retrying once elsewhere; None means prefill locally.
+
+        Each attempt has its own request id (``<id>-p<n>``): an abandoned one
+        never collides with the next, and its lease, if it got pinned after
+        all, is released at once. A pool with no live replica left, or an
+        attempt whose replica died, is given up at once, not at the deadline.
+        """
         excluded: list[str] = []
         for attempt in range(2):
-            call_hints = hints.replace(exclude_replica_ids=tuple(excluded))
-            self.prefill_in_flight += 1
-            response = self.prefill.prefill.remote(call_hints.encode(), request.encode())
-            start = time.monotonic()
+            if not self.prefill_routing.has_live_replica(excluding=excluded):
+                logger.info("request %s: no live prefill replica; prefilling locally", request.request_id)
+                return None
+            attempt_id = f"{request.request_id}-p{attempt}"
             try:
-                answer = decode_one_of(await asyncio.wait_for(response, self.args.prefill_timeout_s),
-                                       (PrefillResult, RequestFailed))
-            except asyncio.CancelledError:
-                response.cancel()
+                return await self._prefill_attempt(request.replace(request_id=attempt_id),
+                                                   hints.replace(request_id=attempt_id,
+                                                                 exclude_replica_ids=tuple(excluded)))
+            except (RequestFailedError, asyncio.CancelledError):
                 raise
-            except Exception as exc:  # noqa: BLE001 - any failure: try elsewhere, then locally
-                response.cancel()
-                failed = self.prefill_routing.routed_replica(request.request_id)
+            except Exception as exc:  # noqa: BLE001 - the replica or the call failed: try elsewhere, then locally
+                failed = self.prefill_routing.routed_replica(attempt_id)
                 if failed is not None:
                     excluded.append(failed)
+                    self._release(attempt_id, failed)  # in case it got pinned after all
                 logger.warning("request %s: prefill attempt %d failed on %s: %r",
                                request.request_id, attempt + 1, failed, exc)
                 if attempt == 0:
                     self.metrics.prefill_retries.inc()
-            else:
-                if isinstance(answer, RequestFailed):
-                    raise RequestFailedError(answer.error)
-                self.metrics.prefill.observe(time.monotonic() - start)
-                return answer
-            finally:
-                self.prefill_in_flight -= 1
         self.prefill_pool_down_until = time.monotonic() + PREFILL_POOL_COOLDOWN_S
         return None
 
+    async def _prefill_attempt(self, request: PoolRequest, hints: RouteHints) -> PrefillResult:
+        """One call, watched: it ends at its deadline, or as soon as its replica is known dead."""
+        start = time.monotonic()
+        deadline = start + self.args.prefill_timeout_s
+        response = self.prefill.prefill.remote(hints.encode(), request.encode())
+        call = asyncio.ensure_future(_result(response))
+        self.prefill_in_flight += 1
+        try:
+            while not (await asyncio.wait({call}, timeout=min(LIVENESS_POLL_S, deadline - time.monotonic())))[0]:
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"no prefill answer in {self.args.prefill_timeout_s:g} s")
+                routed = self.prefill_routing.routed_replica(request.request_id)
+                if routed is not None and not self.prefill_routing.is_live(routed):
+                    raise RuntimeError(f"prefill replica {routed} died")
+                if not self.prefill_routing.has_live_replica(excluding=hints.exclude_replica_ids):
+                    raise RuntimeError("no live prefill replica")
+            answer = decode_one_of(call.result(), (PrefillResult, RequestFailed))
+        except BaseException:
+            call.cancel()
+            response.cancel()  # the replica aborts the request and frees its blocks
+            raise
+        finally:
+            self.prefill_in_flight -= 1
+        if isinstance(answer, RequestFailed):
+            raise RequestFailedError(answer.error)
+        self.metrics.prefill.observe(time.monotonic() - start)
+        return answer
+
+    def _release(self, request_id: str, replica_id: str) -> None:
+        if not self.prefill_routing.is_live(replica_id):
+            return  # its leases died with it
+        hints = RouteHints(request_id=request_id, target_replica_id=replica_id)
+        self.prefill.release.remote(hints.encode(), PoolControl(request_id=request_id).encode())
+
     def release_lease(self, result: PrefillResult) -> None:
-        hints = RouteHints(request_id=result.request_id, target_replica_id=result.replica_id)
-        self.prefill.release.remote(hints.encode(), PoolControl(request_id=result.request_id).encode())
+        self._release(result.request_id, result.replica_id)
 
     async def generate(
         self, request_id: str, token_ids: list[int], params: SamplingParams, stop: list[str]
