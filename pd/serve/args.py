@@ -157,6 +157,9 @@ class AppArgs(_Strict):
     # torch backend: the port each prefill replica's TCPStore listens on (0: any free port).
     # Fix it to firewall the store: allow it only from decode nodes.
     torch_store_port: int = Field(0, ge=0, le=65535)
+    # nixl backend: the network devices UCX may open sockets on (UCX_NET_DEVICES, e.g. "lo" or
+    # "eth0"); None leaves UCX's default, every usable device. Single-node apps want "lo".
+    ucx_net_devices: str | None = Field(None, pattern=r"^[A-Za-z0-9_.:,-]+$")
     # Prompts with at most this many uncached tokens prefill on the decode replica.
     remote_prefill_threshold: int = Field(256, ge=0)
     # Above this many requests in flight to the prefill pool, prefill locally instead.

@@ -43,6 +43,9 @@ def make_transport(
         else:
             options["port"] = args.torch_store_port
         return create_transport("torch", replica_id, **options)
+    if args.ucx_net_devices is not None:
+        # UCX reads this when the agent creates its context: its TCP listeners bind only these devices.
+        os.environ["UCX_NET_DEVICES"] = args.ucx_net_devices
     return create_transport("nixl", replica_id)
 
 
