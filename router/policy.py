@@ -320,6 +320,10 @@ class DecodePolicyConfig:
     w_active: float = 1.0  # per active request
     w_kv_usage: float = 8.0  # a full KV cache weighs like this many active requests
     w_prefix_hit: float = 2.0  # bonus for already holding the whole prompt, scaled by the fraction held
+    # Per request this router sent a replica recently, beyond the least-sent candidate's: reports
+    # come once a period, and without this a burst would all follow the last one to the same replica.
+    w_recent: float = 1.0
+    recent_window: int = 64  # decisions over which "recent" decays by 1/e
     max_kv_usage: float | None = 0.95
     max_active_requests: int | None = None
     index_max_blocks: int = 1 << 20  # (block hash, replica) entries in the decode pool's prefix index
@@ -330,7 +334,9 @@ class DecodePolicyConfig:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.index_max_blocks < 1:
             raise ValueError(f"index_max_blocks must be >= 1, got {self.index_max_blocks}")
-        for name in ("w_active", "w_kv_usage", "w_prefix_hit"):
+        if self.recent_window < 1:
+            raise ValueError(f"recent_window must be >= 1, got {self.recent_window}")
+        for name in ("w_active", "w_kv_usage", "w_prefix_hit", "w_recent"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.max_kv_usage is not None and not 0.0 < self.max_kv_usage <= 1.0:
@@ -343,11 +349,13 @@ class DecodePolicy:
     """Chooses the decode replica: KV headroom and few active decodes, plus a bonus for its own prefix hits.
 
         cost(r) = w_active * num_active_requests + w_kv_usage * kv_usage
+                  + w_recent * (recent_requests(r) - least)
                   - w_prefix_hit * matched_tokens / num_prompt_tokens
     """
 
     def __init__(self, config: DecodePolicyConfig) -> None:
         self.config = config
+        self.recent = RecentRouted(config.recent_window)
         self.reason_counts: Counter[RoutingReason] = Counter()
         self._rng = random.Random(config.seed)
 
@@ -368,6 +376,7 @@ class DecodePolicy:
         if not candidates:
             raise ValueError("no candidate replicas")
         config = self.config
+        least_recent = min(self.recent.requests(replica.replica_id) for replica in candidates)
         scored = []
         for replica in candidates:
             matched = matched_tokens(matches.get(replica.replica_id, 0), config.block_size, num_prompt_tokens)
@@ -375,6 +384,7 @@ class DecodePolicy:
             cost = (
                 config.w_active * replica.num_active_requests
                 + config.w_kv_usage * replica.kv_usage
+                + config.w_recent * (self.recent.requests(replica.replica_id) - least_recent)
                 - config.w_prefix_hit * hit_fraction
             )
             scored.append(_Scored(replica.replica_id, self.is_overloaded(replica), cost, matched))
@@ -382,4 +392,5 @@ class DecodePolicy:
 
     def record_routed(self, decision: RoutingDecision) -> None:
         """Count the decision once the request is sent."""
+        self.recent.record(decision.replica_id, 0)
         self.reason_counts[decision.reason] += 1

@@ -1,7 +1,9 @@
 """Token sampling: greedy, temperature, top-k, top-p, per-request seeds.
 
-A request with a ``seed`` owns a ``torch.Generator``, so its draws do not
-depend on what else shares the batch.
+A request with a ``seed`` owns a ``torch.Generator``, reseeded for every draw
+from the seed and the position being sampled: its draws depend on neither
+what else shares the batch nor which replica draws them, so a stream that
+moves to another replica mid-way continues exactly as it would have.
 
 Each row fails alone: a row whose logits are not finite, or whose draw
 raises, gets no token and an error for its request; the rest of the batch
@@ -20,6 +22,15 @@ from pd.engine.request import Request
 logger = logging.getLogger(__name__)
 
 NON_FINITE = "the model produced non-finite logits (NaN or inf) for this request"
+_MASK64 = (1 << 64) - 1
+
+
+def position_seed(seed: int, position: int) -> int:
+    """A 63-bit generator seed for drawing the token at ``position`` (splitmix64 of the pair)."""
+    z = (seed * 0x9E3779B97F4A7C15 + position + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1
 
 
 class Sampler:
@@ -38,9 +49,8 @@ class Sampler:
             return self._shared
         generator = self._per_request.get(request.request_id)
         if generator is None:
-            generator = torch.Generator(device=self.device)
-            generator.manual_seed(seed)
-            self._per_request[request.request_id] = generator
+            generator = self._per_request[request.request_id] = torch.Generator(device=self.device)
+        generator.manual_seed(position_seed(seed, request.num_tokens))
         return generator
 
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> ForwardOutput:

@@ -177,6 +177,8 @@ class AppArgs(_Strict):
     # text is scanned once per stop string, so a client's list must not cost others time.
     max_stop_strings: int = Field(16, ge=0)
     max_stop_chars: int = Field(4096, ge=0)
+    # How many times one stream may move to another decode replica when its replica is lost.
+    max_migrations: int = Field(1, ge=0)
     # Threads that tokenize prompts and render chat templates, off the ingress's event loop.
     tokenizer_threads: int = Field(2, ge=1)
     # A request still running after this long is cancelled on every replica (504 or an error event).

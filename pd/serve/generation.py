@@ -23,6 +23,8 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator
 
+from ray.exceptions import RayActorError
+
 from pd.engine.request import FinishReason, KVSource, finish_reason
 from pd.sampling_params import SamplingParams
 from pd.serve.args import AppArgs
@@ -47,6 +49,10 @@ class RequestFailedError(RuntimeError):
     """The request itself failed on an engine (its message says why); no other request is affected."""
 
 
+class DecodeReplicaLost(RuntimeError):
+    """A stream's decode replica died or dropped it; the request can continue on another."""
+
+
 @dataclass(frozen=True)
 class GenerationEvent:
     token_ids: list[int]
@@ -65,6 +71,7 @@ class StreamTracker:
         self.text = text
         self.num_prompt_tokens = num_prompt_tokens
         self.num_output_tokens = 0
+        self.token_ids: list[int] = []  # every token streamed so far
         self.started = self.last_token_at = time.monotonic()
         self.first_token_at: float | None = None
 
@@ -79,6 +86,7 @@ class StreamTracker:
             self.metrics.itl.observe(now - self.last_token_at)
         self.last_token_at = now
         self.num_output_tokens += len(token_ids)
+        self.token_ids += token_ids
         delta = self.text.add(token_ids)
         text = delta.text
         if delta.stopped:
@@ -151,6 +159,7 @@ class PoolClient:
         self.decode_routing = routing_scopes.open(DECODE_SCOPE)
         self.prefill_in_flight = 0
         self.prefill_pool_down_until = 0.0
+        self.num_migrations = 0  # streams moved off a lost decode replica
 
     def wants_remote_prefill(self, hints: RouteHints) -> bool:
         """Remote when the uncached prompt is long and the prefill pool has room.
@@ -268,13 +277,53 @@ class PoolClient:
 
     async def _decode(self, request: PoolRequest, hints: RouteHints, tracker: StreamTracker,
                       lease: Lease | None) -> AsyncIterator[GenerationEvent]:
+        """Stream from a decode replica; if it dies mid-way, continue on another (``max_migrations``)."""
+        prompt = request
+        for migration in range(self.args.max_migrations + 1):
+            try:
+                async for event in self._decode_once(request, hints, tracker, lease):
+                    yield event
+                return
+            except DecodeReplicaLost as lost:
+                lost_replica = self.decode_routing.routed_replica(request.request_id)
+                excluded = (*hints.exclude_replica_ids, *([lost_replica] if lost_replica else []))
+                if migration == self.args.max_migrations or not self.decode_routing.has_live_replica(excluded):
+                    raise lost.__cause__ or lost
+                logger.warning("request %s: decode replica %s lost after %d tokens (%s); continuing elsewhere",
+                               prompt.request_id, lost_replica, len(tracker.token_ids), lost)
+                self.metrics.migrations.inc()
+                self.num_migrations += 1
+                request, hints = self._continuation(prompt, tracker.token_ids, migration + 1, excluded)
+
+    def _continuation(self, prompt: PoolRequest, output: list[int], migration: int,
+                      excluded: tuple[str, ...]) -> tuple[PoolRequest, RouteHints]:
+        """The request that resumes ``prompt`` after ``output`` on another replica, which recomputes its KV.
+
+        The last token streamed is passed as the first token: it is already
+        out, so the new replica continues after it and never repeats one.
+        """
+        request_id = f"{prompt.request_id}-m{migration}"
+        params = prompt.sampling
+        if output:
+            request = PoolRequest(request_id=request_id, token_ids=prompt.token_ids + tuple(output[:-1]),
+                                  sampling=params.replace(max_tokens=params.max_tokens - len(output) + 1),
+                                  first_token_id=output[-1])
+        else:
+            request = prompt.replace(request_id=request_id, kv_handle=None, first_token_id=None)
+        hints = RouteHints(request_id=request_id, num_prompt_tokens=len(request.token_ids),
+                           block_hashes=tuple(hash_block_tokens(request.token_ids, self.args.engine.block_size)),
+                           exclude_replica_ids=excluded)
+        return request, hints
+
+    async def _decode_once(self, request: PoolRequest, hints: RouteHints, tracker: StreamTracker,
+                           lease: Lease | None) -> AsyncIterator[GenerationEvent]:
         stream = self.decode.options(stream=True).generate.remote(hints.encode(), request.encode())
         engine_finished = first_chunk = False
         try:
             async for data in stream:
                 chunk = DecodeChunk.decode(data)
-                if chunk.finish_reason is FinishReason.ABORT:
-                    raise RuntimeError(f"request {request.request_id} was aborted by its decode replica")
+                if chunk.finish_reason is FinishReason.ABORT:  # its engine shut down under it
+                    raise DecodeReplicaLost(f"request {request.request_id} was aborted by its decode replica")
                 if chunk.finish_reason is FinishReason.ERROR:
                     engine_finished = True
                     raise RequestFailedError(chunk.error or "the request failed on its decode replica")
@@ -288,7 +337,9 @@ class PoolClient:
                 yield event
                 if event.finish_reason is not None:
                     return
-            raise RuntimeError(f"decode stream for {request.request_id} ended without a finish reason")
+            raise DecodeReplicaLost(f"decode stream for {request.request_id} ended without a finish reason")
+        except RayActorError as exc:  # the replica died or cannot be reached
+            raise DecodeReplicaLost(f"{type(exc).__name__}") from exc
         finally:
             if not engine_finished:
                 stream.cancel()  # the decode replica aborts the request and frees its blocks

@@ -292,7 +292,7 @@ class Ingress:
         """This ingress replica's resident memory (for soak tests and operators)."""
         from pd.serve.engine_server import resident_bytes
 
-        return {"rss_bytes": resident_bytes(), "pid": os.getpid()}
+        return {"rss_bytes": resident_bytes(), "pid": os.getpid(), "num_migrations": self.pools.num_migrations}
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         """Stream ``GenerateChunk``s for a ``GenerateRequest`` (for other Ray apps)."""

@@ -82,3 +82,8 @@ class RequestMetrics:
             "pd_prefill_retries_total", description="prefill calls retried on another replica", tag_keys=keys
         )
         self.prefill_retries.set_default_tags(tags)
+        self.migrations = metrics.Counter(
+            "pd_stream_migrations_total", description="streams continued on another decode replica after "
+            "theirs was lost", tag_keys=keys,
+        )
+        self.migrations.set_default_tags(tags)

@@ -284,3 +284,16 @@ def test_policy_module_does_not_import_ray():
 def test_decision_is_a_value():
     decision = RoutingDecision("a", RoutingReason.PREFIX, 10, 6)
     assert dataclasses.replace(decision, replica_id="b").replica_id == "b"
+
+
+def test_a_burst_of_decodes_spreads_before_the_next_report():
+    """Reports come once a period: eight requests in between must not all follow the last one."""
+    block_hashes, num_tokens = prompt(64)
+    policy = make_decode_policy()
+    loads = [ReplicaLoad("a"), ReplicaLoad("b")]
+    placed = Counter()
+    for _ in range(8):
+        decision = policy.choose(loads, {"a": 4}, num_tokens)  # "a" holds the whole prompt
+        policy.record_routed(decision)
+        placed[decision.replica_id] += 1
+    assert placed["b"] >= 2 and placed["a"] >= placed["b"], placed
