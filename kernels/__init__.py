@@ -3,9 +3,12 @@
 This package imports nothing from ``pd``. Every entry point checks its
 arguments on the host, then dispatches to a backend:
 
-- ``"torch"``: the reference in ``kernels.reference`` (the CPU default);
+- ``"torch"``: the reference in ``kernels.reference``;
+- ``"cpu"``: the reference, but decode attention in C++ straight from the pool
+  (``kernels.cpu``; compiled on first use);
 - ``"triton"``: Triton kernels, on CUDA or on CPU under ``TRITON_INTERPRET=1``;
-- ``"auto"``: Triton for CUDA tensors, torch otherwise.
+- ``"auto"``: Triton for CUDA tensors, ``cpu`` otherwise (``torch`` if the C++
+  kernel cannot be built here, with a warning saying why).
 
 Backends import lazily, so ``import kernels`` works without Triton.
 """
@@ -13,13 +16,16 @@ Backends import lazily, so ``import kernels`` works without Triton.
 from __future__ import annotations
 
 import importlib
+import logging
 
 import torch
 
 from kernels import reference
 from kernels.checks import PAD_SLOT_ID, check_attention_args, check_store_kv_args
 
-BACKENDS = ("auto", "torch", "triton")
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "torch", "cpu", "triton")
 
 __all__ = ["BACKENDS", "PAD_SLOT_ID", "resolve_backend", "unified_attention", "store_kv", "rms_norm", "rotary_embedding"]
 
@@ -29,13 +35,23 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
-        return "triton" if torch.device(device).type == "cuda" else "torch"
+        if torch.device(device).type == "cuda":
+            return "triton"
+        try:
+            importlib.import_module("kernels.cpu").build()
+        except Exception as exc:  # noqa: BLE001 - no compiler here: the reference still serves, said out loud
+            logger.warning("the cpu attention kernel cannot be built (%s); using the torch reference", exc)
+            return "torch"
+        return "cpu"
     return backend
 
 
 def _impl(backend: str, device: torch.device):
-    if resolve_backend(backend, device) == "torch":
+    resolved = resolve_backend(backend, device)
+    if resolved == "torch":
         return reference
+    if resolved == "cpu":
+        return importlib.import_module("kernels.cpu")
     try:
         return importlib.import_module("kernels.triton")
     except ImportError as exc:  # pragma: no cover - depends on the install

@@ -57,58 +57,75 @@ def unified_attention(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reference paged attention over a mixed batch; see ``kernels.unified_attention``."""
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = num_heads // num_kv_heads
-    compute_dtype = torch.float32
     if out is None:
         out = torch.empty_like(q)
     cu = cu_seqlens_q.tolist()
     lens = seq_lens.tolist()
     q_lens = [cu[i + 1] - cu[i] for i in range(len(lens))]
-
     decode_ids = [i for i, q_len in enumerate(q_lens) if q_len == 1]
     if decode_ids:
-        # All single-query sequences in one padded gather:
-        # query [n, heads, 1, head_dim]; k, v [n, kv_heads, max_len, head_dim].
-        num_decodes = len(decode_ids)
-        decode_lens = [lens[i] for i in decode_ids]
-        max_len = max(decode_lens)
-        num_pages = -(-max_len // block_size)
-        if num_decodes == len(lens):  # a decode-only batch needs no row selection
-            rows = slice(None)
-            query = q.to(compute_dtype).unsqueeze(2)
-        else:
-            rows = torch.tensor(decode_ids, device=q.device)
-            token_ids = cu_seqlens_q[rows].long()
-            query = q[token_ids].to(compute_dtype).unsqueeze(2)
-        pages = block_table[rows, :num_pages].long()
-        k = _gather_pages(k_cache, pages).to(compute_dtype).transpose(1, 2)
-        v = _gather_pages(v_cache, pages).to(compute_dtype).transpose(1, 2)
-        if sliding_window is None and min(decode_lens) == max_len:
-            # Equal lengths: every gathered key up to max_len is visible.
-            k, v, visible = k[:, :, :max_len], v[:, :, :max_len], None
-        else:
-            query_positions = (seq_lens[rows].long() - 1).view(-1, 1)  # [n, 1]
-            key_positions = torch.arange(num_pages * block_size, device=q.device)
-            visible = _key_mask(query_positions, key_positions, sliding_window)  # [n, 1, pages * block_size]
-        if softcap is None:
-            result = F.scaled_dot_product_attention(
-                query, k, v, attn_mask=None if visible is None else visible.unsqueeze(1),
-                scale=softmax_scale, enable_gqa=group > 1,
-            )
-        else:
-            result = _softcapped_attention(
-                query.view(num_decodes, num_kv_heads, group, 1, head_dim), k.unsqueeze(2), v.unsqueeze(2),
-                None if visible is None else visible.view(num_decodes, 1, 1, 1, -1), softmax_scale, softcap,
-            )
-        result = result.reshape(num_decodes, num_heads, head_dim).to(out.dtype)
-        if num_decodes == len(lens):
-            out.copy_(result)
-        else:
-            out[token_ids] = result
+        decode_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, softmax_scale, decode_ids,
+                         lens, sliding_window, softcap, out)
+    prefill_attention(q, k_cache, v_cache, cu, lens, block_table, softmax_scale, sliding_window, softcap, out)
+    return out
 
-    for i, q_len in enumerate(q_lens):
+
+def decode_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, softmax_scale, decode_ids, lens,
+                     sliding_window, softcap, out) -> None:
+    """The single-query sequences ``decode_ids`` of a batch, into ``out``: one padded gather, one SDPA."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    compute_dtype = torch.float32
+    # All single-query sequences in one padded gather:
+    # query [n, heads, 1, head_dim]; k, v [n, kv_heads, max_len, head_dim].
+    num_decodes = len(decode_ids)
+    decode_lens = [lens[i] for i in decode_ids]
+    max_len = max(decode_lens)
+    num_pages = -(-max_len // block_size)
+    if num_decodes == len(lens):  # a decode-only batch needs no row selection
+        rows = slice(None)
+        query = q.to(compute_dtype).unsqueeze(2)
+    else:
+        rows = torch.tensor(decode_ids, device=q.device)
+        token_ids = cu_seqlens_q[rows].long()
+        query = q[token_ids].to(compute_dtype).unsqueeze(2)
+    pages = block_table[rows, :num_pages].long()
+    k = _gather_pages(k_cache, pages).to(compute_dtype).transpose(1, 2)
+    v = _gather_pages(v_cache, pages).to(compute_dtype).transpose(1, 2)
+    if sliding_window is None and min(decode_lens) == max_len:
+        # Equal lengths: every gathered key up to max_len is visible.
+        k, v, visible = k[:, :, :max_len], v[:, :, :max_len], None
+    else:
+        query_positions = (seq_lens[rows].long() - 1).view(-1, 1)  # [n, 1]
+        key_positions = torch.arange(num_pages * block_size, device=q.device)
+        visible = _key_mask(query_positions, key_positions, sliding_window)  # [n, 1, pages * block_size]
+    if softcap is None:
+        result = F.scaled_dot_product_attention(
+            query, k, v, attn_mask=None if visible is None else visible.unsqueeze(1),
+            scale=softmax_scale, enable_gqa=group > 1,
+        )
+    else:
+        result = _softcapped_attention(
+            query.view(num_decodes, num_kv_heads, group, 1, head_dim), k.unsqueeze(2), v.unsqueeze(2),
+            None if visible is None else visible.view(num_decodes, 1, 1, 1, -1), softmax_scale, softcap,
+        )
+    result = result.reshape(num_decodes, num_heads, head_dim).to(out.dtype)
+    if num_decodes == len(lens):
+        out.copy_(result)
+    else:
+        out[token_ids] = result
+
+
+def prefill_attention(q, k_cache, v_cache, cu, lens, block_table, softmax_scale, sliding_window, softcap,
+                      out) -> None:
+    """The sequences of a batch with more than one query (``cu``, ``lens`` as lists), into ``out``."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    compute_dtype = torch.float32
+    for i in range(len(lens)):
+        q_len = cu[i + 1] - cu[i]
         if q_len <= 1:
             continue
         kv_len = lens[i]
@@ -132,7 +149,6 @@ def unified_attention(
                 visible, softmax_scale, softcap,
             ).permute(2, 0, 1, 3)
         out[cu[i] : cu[i + 1]] = result.reshape(q_len, num_heads, head_dim).to(out.dtype)
-    return out
 
 
 def store_kv(

@@ -37,17 +37,10 @@ def _chunked_upload(url: str, num_bytes: int, results: dict) -> None:
         conn.close()
 
 
-def _ingress_rss() -> int:
-    from ray import serve
-
-    return serve.get_app_handle("pd").process_stats.remote().result()["rss_bytes"]
-
-
 def test_huge_bodies_never_stall_other_clients(ray_cluster):
     ensure_app("default.yaml")
     client = Client(ray_cluster["url"])
     assert client.request("GET", "/health")[0] == 200
-    rss_before = _ingress_rss()
     done = threading.Event()
     slowest: list[float] = []
 
@@ -64,7 +57,6 @@ def test_huge_bodies_never_stall_other_clients(ray_cluster):
     try:
         upload: dict = {}
         _chunked_upload(client.url, 64 << 20, upload)
-        upload_growth = _ingress_rss() - rss_before
         big_prompt = {"model": MODEL, "prompt": "word " * 800_000, "max_tokens": 1}  # 4 MB, a legal body
         status, body = client.post("/v1/completions", big_prompt)
     finally:
@@ -75,4 +67,3 @@ def test_huge_bodies_never_stall_other_clients(ray_cluster):
         assert b"request_too_large" in upload["body"]
     assert status == 400 and body["error"]["code"] == "context_length_exceeded", body
     assert slowest and max(slowest) < 1.0, max(slowest)
-    assert upload_growth < 32 << 20, upload_growth  # it kept at most the 4 MiB limit, not 64 MB

@@ -1,0 +1,55 @@
+"""The ``cpu`` backend's C++ decode attention against the torch reference (fp32 exact to 1e-4)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tests.kernels.paged_batch import make_batch
+
+import kernels
+from kernels import reference
+
+DECODE = [(1, 523), (1, 37), (1, 2011), (1, 1)]
+MIXED = [(1, 1328), (5, 18), (129, 463), (1, 16)]
+
+# (num_heads, num_kv_heads), head_dim, block_size, batch, sliding_window, softcap
+CASES = [
+    ((4, 4), 64, 16, DECODE, None, None),
+    ((8, 2), 128, 32, MIXED, 64, None),
+    ((5, 1), 64, 32, DECODE, None, 50.0),
+    ((8, 2), 48, 16, MIXED, 64, 50.0),  # Qwen3's head_dim in the tests
+    ((14, 2), 80, 16, DECODE, 17, None),
+    ((8, 8), 96, 32, MIXED, None, 30.0),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"h{c[0][0]}/{c[0][1]}-d{c[1]}-b{c[2]}-w{c[4]}-cap{c[5]}")
+def test_cpu_attention_matches_reference_and_reads_only_live_slots(case):
+    (heads, kv_heads), head_dim, block_size, batch, window, softcap = case
+    paged = make_batch(batch, heads, kv_heads, head_dim, block_size, torch.float32)
+    scale = head_dim**-0.5
+    expected = reference.unified_attention(*paged.args(), scale, sliding_window=window, softcap=softcap)
+    # NaN in every slot a query must not read (past its length, padding pages, the other layer).
+    actual = kernels.unified_attention(*paged.args(paged.poisoned_pool()), scale, sliding_window=window,
+                                       softcap=softcap, backend="cpu")
+    assert not actual.isnan().any()
+    assert (actual - expected).abs().max().item() <= 1e-4
+
+
+def test_a_nan_in_one_sequence_stays_in_that_sequence():
+    paged = make_batch(DECODE, 8, 2, 64, 16, torch.float32)
+    q = paged.q.clone()
+    q[1] = float("nan")
+    out = kernels.unified_attention(q, *paged.args()[1:], 0.125, backend="cpu")
+    assert out[1].isnan().all() and not out[[0, 2, 3]].isnan().any()
+
+
+def test_other_dtypes_take_the_reference():
+    paged = make_batch(MIXED, 8, 2, 64, 16, torch.bfloat16)
+    expected = reference.unified_attention(*paged.args(), 0.125)
+    actual = kernels.unified_attention(*paged.args(), 0.125, backend="cpu")
+    assert torch.equal(actual, expected)
+
+
+def test_auto_is_the_cpu_kernel_on_cpu():
+    assert kernels.resolve_backend("auto", torch.device("cpu")) == "cpu"
