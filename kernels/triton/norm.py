@@ -70,6 +70,11 @@ def _as_3d(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-2], x.shape[-1])
 
 
+def norm_num_warps(hidden_pad: int, block_rows: int) -> int:
+    """Warps for a program of ``block_rows`` rows: about 32 fp32 values a thread."""
+    return min(16, max(4, hidden_pad * block_rows // 1024))
+
+
 def rms_norm(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -101,6 +106,6 @@ def rms_norm(
             HIDDEN_PAD=hidden_pad,
             BLOCK_ROWS=block_rows,
             HAS_RESIDUAL=residual is not None,
-            num_warps=min(16, max(4, hidden_pad * block_rows // 1024)),  # about 32 fp32 values a thread
+            num_warps=norm_num_warps(hidden_pad, block_rows),
         )
     return out if residual_out is None else (out, residual_out)

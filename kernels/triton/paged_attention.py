@@ -35,7 +35,8 @@ import triton.language as tl
 
 from kernels.triton.launch import is_interpreted, next_power_of_2
 
-LOG2E = 1.4426950408889634
+# A constexpr: a plain global compiles under the interpreter but is refused by the GPU compiler.
+LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
@@ -228,15 +229,17 @@ def choose_tiles(q: torch.Tensor, group: int, decode_only: bool) -> TileConfig:
     head_dim over 128 so that the pipelined K/V buffers fit shared memory.
     These GPU choices are untuned; ``python -m bench.kernels`` measures them.
     """
-    group_rows = next_power_of_2(group)
     if is_interpreted(q.device):
-        block_m, tile, num_warps, num_stages = max(128, group_rows), 256, 4, 1
-    else:
-        block_m = max(16 if decode_only else 64, group_rows)
-        small_tile = q.element_size() > 2 or padded_head_dim(q.shape[2]) > 128
-        tile = 32 if small_tile else 64
-        num_warps, num_stages = 4, 2 if decode_only else 3
-    return TileConfig(block_m, block_m // group, tile, num_warps, num_stages)
+        block_m = max(128, next_power_of_2(group))
+        return TileConfig(block_m, block_m // group, 256, 4, 1)
+    return gpu_tiles(q.element_size(), q.shape[2], group, decode_only)
+
+
+def gpu_tiles(element_size: int, head_dim: int, group: int, decode_only: bool) -> TileConfig:
+    """``choose_tiles`` on a GPU, from the shapes alone (the AOT check compiles exactly these)."""
+    block_m = max(16 if decode_only else 64, next_power_of_2(group))
+    tile = 32 if element_size > 2 or padded_head_dim(head_dim) > 128 else 64
+    return TileConfig(block_m, block_m // group, tile, 4, 2 if decode_only else 3)
 
 
 def num_q_blocks_bound(num_tokens: int, num_seqs: int, block_q: int) -> int:

@@ -1,0 +1,198 @@
+"""Ahead-of-time compile check: every Triton kernel specialisation the engine can launch, for real GPUs.
+
+``python -m kernels.aot [--arch 80,90] [--quick]`` compiles each specialisation
+to a cubin with Triton's bundled ``ptxas``. No GPU is needed. It prints one
+JSON object per (specialisation, arch): ``kernel``, ``arch``, ``dtype``,
+``head_dim``, ``block_size``, ``ok``, ``registers``, ``spills``,
+``shared_bytes`` and ``shared_limit_bytes``. It exits non-zero if any failed to
+compile or needs more shared memory than the arch gives a block. Spills are
+reported, not failed.
+
+The specialisations are the host launchers' own choices (``gpu_tiles``,
+``row_block``, ``norm_num_warps``), over fp16 and bf16, the head dims of the
+supported architectures (64, 80, 96 and 128; Qwen3's is 128), block sizes 16
+and 32, GQA groups 1, 4, 7 and 8, decode-only, split-KV and mixed batches,
+with and without a sliding window.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+# Dynamic shared memory a block may use: A100 (sm_80) and H100/H200 (sm_90).
+SHARED_LIMIT_BYTES = {80: 166_912, 90: 232_448}
+DTYPES = {"fp16": 2, "bf16": 2}
+HEAD_DIMS = (64, 80, 96, 128)
+BLOCK_SIZES = (16, 32)
+GROUPS = (1, 4, 7, 8)
+# (hidden size, for norms) of the supported model shapes: 0.5B, 1.5B/7B Qwen2, Llama 3 8B, Mistral 7B.
+HIDDEN_SIZES = (896, 1536, 3584, 4096)
+_GPU = torch.device("cuda")  # a device object only: the launchers' GPU choices, no GPU needed
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One compile: a kernel, its argument types and constexprs, and its launch options."""
+
+    kernel: str
+    fn: object
+    dtype: str
+    head_dim: int | None
+    block_size: int | None
+    pointers: dict[str, str]  # pointer argument -> element type, e.g. "fp32"
+    constexprs: dict
+    num_warps: int = 4
+    num_stages: int = 3
+    extra: dict = field(default_factory=dict)
+
+    def signature(self) -> dict[str, str]:
+        types = {}
+        for param in self.fn.params:
+            if param.is_constexpr:
+                types[param.name] = "constexpr"
+            elif param.name.endswith("_ptr"):
+                types[param.name] = "*" + self.pointers.get(param.name, self.dtype)
+            elif param.name in ("softmax_scale", "softcap", "eps"):
+                types[param.name] = "fp32"
+            else:
+                types[param.name] = "i32"
+        return types
+
+
+def attention_specs(quick: bool) -> list[Spec]:
+    from kernels.triton.paged_attention import _paged_attention_kernel, gpu_tiles, padded_head_dim
+    from kernels.triton.split_kv import _merge_splits_kernel
+    from kernels.triton.launch import next_power_of_2
+
+    pointers = {"partial_out_ptr": "fp32", "partial_max_ptr": "fp32", "partial_sum_ptr": "fp32",
+                "cu_seqlens_q_ptr": "i32", "seq_lens_ptr": "i32", "block_table_ptr": "i32"}
+    batches = (("decode", True, False), ("split", True, True), ("mixed", False, False))
+    grid = itertools.product(DTYPES, HEAD_DIMS, BLOCK_SIZES, GROUPS, batches, (False, True))
+    if quick:
+        grid = [("bf16", 128, 16, 4, batches[0], False), ("fp16", 80, 32, 7, batches[2], True),
+                ("bf16", 64, 32, 8, batches[1], False)]
+    specs = []
+    for dtype, head_dim, block_size, group, (batch, decode_only, split), window in grid:
+        tiles = gpu_tiles(DTYPES[dtype], head_dim, group, decode_only)
+        specs.append(Spec(
+            "paged_attention", _paged_attention_kernel, dtype, head_dim, block_size, pointers,
+            {"HEAD_DIM": head_dim, "HEAD_DIM_PAD": padded_head_dim(head_dim), "BLOCK_SIZE": block_size,
+             "GROUP": group, "BLOCK_Q": tiles.block_q, "BLOCK_M": tiles.block_m, "TILE": tiles.tile,
+             "USE_SOFTCAP": False, "USE_WINDOW": window, "SPLIT": split},
+            tiles.num_warps, tiles.num_stages, {"group": group, "batch": batch, "sliding_window": window},
+        ))
+    for dtype, head_dim in itertools.product(DTYPES, HEAD_DIMS if not quick else (128,)):
+        specs.append(Spec(
+            "merge_splits", _merge_splits_kernel, dtype, head_dim, None,
+            {"partial_out_ptr": "fp32", "partial_max_ptr": "fp32", "partial_sum_ptr": "fp32"},
+            {"HEAD_DIM": head_dim, "HEAD_DIM_PAD": padded_head_dim(head_dim),
+             "SPLITS_PAD": next_power_of_2(16), "BLOCK_H": 1},
+        ))
+    return specs
+
+
+def row_specs(quick: bool) -> list[Spec]:
+    from kernels.triton.launch import next_power_of_2, row_block
+    from kernels.triton.norm import _rms_norm_kernel, norm_num_warps
+    from kernels.triton.rotary import _rotary_kernel
+    from kernels.triton.store_kv import _store_kv_kernel
+
+    specs = []
+    for dtype, head_dim, block_size in itertools.product(DTYPES, HEAD_DIMS, BLOCK_SIZES):
+        if quick and (head_dim, block_size) != (128, 16):
+            continue
+        pad = next_power_of_2(head_dim)
+        specs.append(Spec("store_kv", _store_kv_kernel, dtype, head_dim, block_size, {"slot_mapping_ptr": "i64"},
+                          {"HEAD_DIM": head_dim, "HEAD_DIM_PAD": pad, "BLOCK_SIZE": block_size,
+                           "BLOCK_ROWS": row_block(pad, _GPU)}))
+        if block_size == BLOCK_SIZES[0]:
+            half_pad = next_power_of_2(head_dim // 2)
+            specs.append(Spec("rotary", _rotary_kernel, dtype, head_dim, None,
+                              {"positions_ptr": "i64", "cos_sin_cache_ptr": "fp32"},
+                              {"HALF": head_dim // 2, "HALF_PAD": half_pad, "BLOCK_ROWS": row_block(half_pad, _GPU)}))
+    widths = [(h, True) for h in HIDDEN_SIZES] + [(h, False) for h in HEAD_DIMS]  # layer norms; q/k norms
+    for dtype, (width, residual) in itertools.product(DTYPES, widths):
+        if quick and width not in (4096, 128):
+            continue
+        pad = next_power_of_2(width)
+        rows = row_block(pad, _GPU)
+        specs.append(Spec("rms_norm", _rms_norm_kernel, dtype, None, None, {},
+                          {"HIDDEN": width, "HIDDEN_PAD": pad, "BLOCK_ROWS": rows, "HAS_RESIDUAL": residual},
+                          norm_num_warps(pad, rows), extra={"hidden": width}))
+    return specs
+
+
+def compile_spec(spec: Spec, arch: int, shared_limit: int) -> dict:
+    """Compile one spec for ``arch``; the JSON record."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    record = {"kernel": spec.kernel, "arch": arch, "dtype": spec.dtype, "head_dim": spec.head_dim,
+              "block_size": spec.block_size, **spec.extra, "num_warps": spec.num_warps,
+              "shared_limit_bytes": shared_limit}
+    try:
+        source = ASTSource(fn=spec.fn, signature=spec.signature(), constexprs=spec.constexprs)
+        compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32),
+                                  options={"num_warps": spec.num_warps, "num_stages": spec.num_stages})
+        registers, spills = ptxas_usage(compiled.asm["ptx"], arch)
+    except Exception as exc:  # noqa: BLE001 - a compile error is this record's failure, reported
+        return {**record, "ok": False, "error": f"{type(exc).__name__}: {str(exc)[:300]}",
+                "registers": None, "spills": None, "shared_bytes": None}
+    shared = int(compiled.metadata.shared)
+    return {**record, "ok": shared <= shared_limit, "registers": registers, "spills": spills,
+            "shared_bytes": shared}
+
+
+def ptxas_usage(ptx: str, arch: int) -> tuple[int, int]:
+    """``(registers, spill bytes)`` of the kernel in ``ptx``, from Triton's bundled ``ptxas -v``."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    target = re.search(r"^\.target\s+(\S+)", ptx, re.MULTILINE).group(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "kernel.ptx"
+        path.write_text(ptx)
+        done = subprocess.run([get_ptxas(arch).path, "-v", f"--gpu-name={target}", str(path), "-o",
+                               str(Path(tmp) / "kernel.cubin")], capture_output=True, text=True, check=True)
+    report = done.stdout + done.stderr
+    registers = int(re.search(r"Used (\d+) registers", report).group(1))
+    spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", report))
+    return registers, spills
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton's current default, stated: no warning
+    parser = argparse.ArgumentParser(prog="python -m kernels.aot", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--arch", default="80,90", help="comma-separated compute capabilities (80, 90)")
+    parser.add_argument("--quick", action="store_true", help="one specialisation per kernel and batch kind")
+    parser.add_argument("--shared-limit", type=int, default=None,
+                        help="check against this many bytes of shared memory per block instead (another GPU)")
+    args = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        parser.error("TRITON_INTERPRET=1 is set: kernels would be interpreted, not compiled; unset it")
+    arches = [int(a) for a in args.arch.split(",")]
+    unknown = [a for a in arches if a not in SHARED_LIMIT_BYTES]
+    if unknown:
+        parser.error(f"--arch {unknown}: this check knows {sorted(SHARED_LIMIT_BYTES)}")
+    ok = True
+    for spec in attention_specs(args.quick) + row_specs(args.quick):
+        for arch in arches:
+            record = compile_spec(spec, arch, args.shared_limit or SHARED_LIMIT_BYTES[arch])
+            ok &= record["ok"]
+            print(json.dumps(record), flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
