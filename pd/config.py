@@ -38,6 +38,9 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_model_len: int | None = None
     attention_backend: AttentionBackend = "auto"
+    # CPU compute threads (torch intra-op); None leaves the process's setting. A Serve
+    # replica resolves None from the CPUs Ray assigned it (see pd.serve.engine_server).
+    num_threads: int | None = None
     seed: int = 0
     # Prefill role: how long a finished prompt's blocks stay pinned for a decode replica.
     kv_lease_s: float = 30.0
@@ -55,7 +58,7 @@ class EngineConfig:
         for name in ("kv_lease_s", "kv_read_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("num_blocks", "max_model_len"):
+        for name in ("num_blocks", "max_model_len", "num_threads"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1 or None, got {value}")

@@ -1,11 +1,17 @@
-"""The ``cpu`` backend: paged decode attention in C++, everything else the torch reference.
+"""The ``cpu`` backend: paged decode attention and the small-op chains in C++.
 
-The C++ kernel (``paged_decode.cpp``) reads each decoding sequence's keys and
-values straight from the block-major pool through its block table; the
-reference gathers every sequence's whole context into a padded copy first.
-Prefill chunks stay on the reference (a gather, then SDPA's matrix products,
-which a per-query loop cannot beat). fp32 only; other dtypes take the
-reference.
+- ``paged_decode.cpp`` reads each decoding sequence's keys and values straight
+  from the block-major pool through its block table; the reference gathers
+  every sequence's whole context into a padded copy first. Prefill chunks stay
+  on the reference (a gather of the chunk's own context, then SDPA's matrix
+  products, which a per-query loop cannot beat).
+- ``small_ops.cpp``: residual add with RMSNorm, rotary, SiLU-and-mul and the KV
+  store, each one pass over its rows instead of a chain of aten ops. On this
+  project's 2-core VMs, ``torch.compile`` of the same chains lost to eager
+  torch: Dynamo's guards and call cost about 27 us per compiled region, more
+  than the chains themselves take at decode batch sizes.
+
+fp32 only; other dtypes take the reference.
 
 The extension is compiled with ``torch.utils.cpp_extension`` on first use
 (tens of seconds; ``build()`` runs it at engine start) and cached under
@@ -25,7 +31,7 @@ from kernels import reference
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("paged_decode.cpp")
+_SOURCES = [str(Path(__file__).with_name(name)) for name in ("bindings.cpp", "paged_decode.cpp", "small_ops.cpp")]
 _build_lock = threading.Lock()
 _extension = None
 
@@ -39,11 +45,11 @@ def build():
 
             started = time.monotonic()
             _extension = load(
-                name="pd_paged_decode", sources=[str(_SOURCE)],
-                extra_cflags=["-O3", "-march=native", "-fopenmp", "-fopenmp-simd"],
+                name="pd_cpu_kernels", sources=_SOURCES,
+                extra_cflags=["-O3", "-march=native", "-fopenmp", "-fopenmp-simd", "-fno-math-errno"],
                 extra_ldflags=["-fopenmp"], verbose=False,
             )
-            logger.info("cpu attention kernel ready in %.1f s", time.monotonic() - started)
+            logger.info("cpu kernels ready in %.1f s", time.monotonic() - started)
         return _extension
 
 
@@ -76,6 +82,40 @@ def unified_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, 
     return out
 
 
-store_kv = reference.store_kv
-rms_norm = reference.rms_norm
-rotary_embedding = reference.rotary_embedding
+def _fp32(*tensors) -> bool:
+    return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
+
+
+def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
+    if not (_fp32(key, value, k_cache, v_cache) and _heads_contiguous(key, value, k_cache, v_cache)):
+        return reference.store_kv(key, value, k_cache, v_cache, slot_mapping)
+    build().store_kv(key, value, k_cache, v_cache, slot_mapping.long())
+
+
+def _heads_contiguous(*tensors) -> bool:
+    """Each row's last two dims (heads, head_dim) lie back to back."""
+    return all(t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] for t in tensors)
+
+
+def rms_norm(x, weight, eps: float, residual=None):
+    if not _fp32(x, weight) or x.stride(-1) != 1 or not weight.is_contiguous():
+        return reference.rms_norm(x, weight, eps, residual)
+    if residual is None:
+        return build().rms_norm(x, weight, eps)
+    if not _fp32(residual):
+        return reference.rms_norm(x, weight, eps, residual)
+    normed, summed = build().add_rms_norm(x.contiguous(), residual.contiguous(), weight, eps)
+    return normed, summed
+
+
+def rotary_embedding(q, k, positions, cos_sin_cache):
+    if not _fp32(q, k, cos_sin_cache) or q.stride(-1) != 1 or k.stride(-1) != 1 or cos_sin_cache.stride(-1) != 1:
+        return reference.rotary_embedding(q, k, positions, cos_sin_cache)
+    q_out, k_out = build().rotary(q, k, positions.long(), cos_sin_cache)
+    return q_out, k_out
+
+
+def silu_and_mul(gate_up):
+    if not _fp32(gate_up):
+        return reference.silu_and_mul(gate_up)
+    return build().silu_and_mul(gate_up.contiguous())

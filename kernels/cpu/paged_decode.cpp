@@ -1,14 +1,18 @@
 // Paged decode attention on CPU: each single-query sequence reads its keys and
 // values straight out of the block-major pool through its block table, with
 // no gathered copy of the context. One task per (sequence, KV head); the
-// group of query heads that share a KV head walk the same pages, so each page
-// is read once per group. Softmax is online (running max and sum), in fp32.
+// group of query heads that share a KV head is computed together, so each key
+// and value row is read once per group, in two passes:
+//
+//   1. scores[h, t] = q_h . k_t * scale (softcapped) for the group's heads, one key row at a time;
+//   2. p = exp(scores - max_h), a flat loop the compiler vectorises (libmvec's expf);
+//   3. out_h = sum_t p[h, t] v_t / sum_t p[h, t], one value row at a time.
 //
 //   pool page  | slot 0 | slot 1 | ... | slot bs-1 |   (k_cache[block] : [bs, kv_heads, head_dim])
 //   sequence i: keys 0 .. L-1, key t in page block_table[i, t / bs], slot t % bs
 //
-// No -ffast-math: a NaN in a row must reach that row's output, where the
-// sampler fails its request; reductions are vectorised with `omp simd` instead.
+// Built without -ffast-math: a NaN in a row must reach that row's output,
+// where the sampler fails its request (-fno-math-errno only lets expf vectorise).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -20,21 +24,103 @@
 
 namespace {
 
-inline float dot(const float* a, const float* b, int64_t n) {
+// D > 0: the head dim known at compile time (loops fully unrolled); D == 0: n at run time.
+template <int64_t D>
+inline float dot(const float* a, const float* b, int64_t runtime_n) {
+  const int64_t n = D > 0 ? D : runtime_n;
   float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
   for (int64_t d = 0; d < n; ++d) sum += a[d] * b[d];
   return sum;
 }
 
-inline void axpy(float w, const float* x, float* y, int64_t n) {
+template <int64_t D>
+inline void axpy(float w, const float* x, float* y, int64_t runtime_n) {
+  const int64_t n = D > 0 ? D : runtime_n;
 #pragma omp simd
   for (int64_t d = 0; d < n; ++d) y[d] += w * x[d];
 }
 
-inline void scale_in_place(float c, float* y, int64_t n) {
+// p[t] = exp(s[t] - m) for t < n; returns the sum. NaN in, NaN out.
+inline float exp_shifted(float* s, int64_t n, float m) {
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t t = 0; t < n; ++t) {
+    s[t] = std::exp(s[t] - m);
+    sum += s[t];
+  }
+  return sum;
+}
+
+// NaN-propagating max: a NaN score makes the row NaN, as in the reference.
+inline float nan_max(const float* s, int64_t n) {
+  float m = -std::numeric_limits<float>::infinity();
+  bool nan = false;
+  for (int64_t t = 0; t < n; ++t) {
+    nan |= std::isnan(s[t]);
+    m = std::max(m, s[t]);
+  }
+  return nan ? std::numeric_limits<float>::quiet_NaN() : m;
+}
+
+struct DecodeArgs {
+  const float *q, *k, *v;
+  float* out;
+  const int32_t *table, *lens;
+  const int64_t* rows;
+  int64_t head_dim, block_size, num_kv_heads, group, window;
+  int64_t qs0, qs1, os0, os1, ks0, ks1, ks2, vs0, vs1, vs2, table_stride;
+  float scale, cap;
+};
+
+// One (sequence i, KV head g) task; scores, acc and inv are this thread's scratch.
+template <int64_t D>
+void decode_task(const DecodeArgs& a, int64_t i, int64_t g, float* scores, float* acc, float* inv) {
+  const int64_t len = a.lens[i], row = a.rows[i], hd = a.head_dim, bs = a.block_size, group = a.group;
+  const int64_t first = a.window > 0 ? std::max<int64_t>(0, len - a.window) : 0, n = len - first;
+  const float* qg = a.q + row * a.qs0 + g * group * a.qs1;
+  const int32_t* pages = a.table + i * a.table_stride;
+  // Pass 1: scores[h * n + (t - first)] for every visible key t.
+  for (int64_t page = first / bs; page * bs < len; ++page) {
+    const int64_t t0 = std::max(page * bs, first), t1 = std::min((page + 1) * bs, len);
+    const float* k = a.k + pages[page] * a.ks0 + g * a.ks2 + (t0 - page * bs) * a.ks1;
+    for (int64_t t = t0; t < t1; ++t, k += a.ks1) {
+      for (int64_t h = 0; h < group; ++h) scores[h * n + (t - first)] = dot<D>(qg + h * a.qs1, k, hd) * a.scale;
+    }
+  }
+  if (a.cap > 0.f) {
+    for (int64_t j = 0; j < group * n; ++j) scores[j] = a.cap * std::tanh(scores[j] / a.cap);
+  }
+  // Pass 2: softmax weights, unnormalised.
+  for (int64_t h = 0; h < group; ++h) {
+    float* sh = scores + h * n;
+    inv[h] = 1.f / exp_shifted(sh, n, nan_max(sh, n));
+  }
+  // Pass 3: the weighted sum of values.
+  std::fill(acc, acc + group * hd, 0.f);
+  for (int64_t page = first / bs; page * bs < len; ++page) {
+    const int64_t t0 = std::max(page * bs, first), t1 = std::min((page + 1) * bs, len);
+    const float* v = a.v + pages[page] * a.vs0 + g * a.vs2 + (t0 - page * bs) * a.vs1;
+    for (int64_t t = t0; t < t1; ++t, v += a.vs1) {
+      for (int64_t h = 0; h < group; ++h) axpy<D>(scores[h * n + (t - first)], v, acc + h * hd, hd);
+    }
+  }
+  for (int64_t h = 0; h < group; ++h) {
+    float* oh = a.out + row * a.os0 + (g * group + h) * a.os1;
+    const float* acc_h = acc + h * hd;
 #pragma omp simd
-  for (int64_t d = 0; d < n; ++d) y[d] *= c;
+    for (int64_t d = 0; d < hd; ++d) oh[d] = acc_h[d] * inv[h];
+  }
+}
+
+template <int64_t D>
+void decode_all(const DecodeArgs& a, int64_t num_decodes, int64_t max_len) {
+  at::parallel_for(0, num_decodes * a.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(a.group * max_len), acc(a.group * a.head_dim), inv(a.group);
+    for (int64_t task = begin; task < end; ++task) {
+      decode_task<D>(a, task / a.num_kv_heads, task % a.num_kv_heads, scores.data(), acc.data(), inv.data());
+    }
+  });
 }
 
 }  // namespace
@@ -47,74 +133,20 @@ void paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache
                             const torch::Tensor& block_table, const torch::Tensor& seq_lens,
                             const torch::Tensor& token_rows, double scale, int64_t window, double softcap,
                             torch::Tensor& out) {
-  const int64_t num_decodes = token_rows.size(0);
-  const int64_t num_heads = q.size(1), head_dim = q.size(2);
-  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
-  const int64_t group = num_heads / num_kv_heads;
-  const float* qp = q.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int32_t* table = block_table.data_ptr<int32_t>();
-  const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  const int64_t* rows = token_rows.data_ptr<int64_t>();
-  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), os0 = out.stride(0), os1 = out.stride(1);
-  const int64_t ks0 = k_cache.stride(0), ks1 = k_cache.stride(1), ks2 = k_cache.stride(2);
-  const int64_t vs0 = v_cache.stride(0), vs1 = v_cache.stride(1), vs2 = v_cache.stride(2);
-  const int64_t table_stride = block_table.stride(0);
-  const float fscale = static_cast<float>(scale), fcap = static_cast<float>(softcap);
-  const float neg_inf = -std::numeric_limits<float>::infinity();
-
-  at::parallel_for(0, num_decodes * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(group * head_dim), run_max(group), run_sum(group), scores(block_size);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t i = task / num_kv_heads, g = task % num_kv_heads;
-      const int64_t len = lens[i], row = rows[i];
-      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-      std::fill(acc.begin(), acc.end(), 0.f);
-      std::fill(run_max.begin(), run_max.end(), neg_inf);
-      std::fill(run_sum.begin(), run_sum.end(), 0.f);
-      for (int64_t page = first / block_size; page * block_size < len; ++page) {
-        const int64_t block = table[i * table_stride + page];
-        const int64_t t0 = std::max(page * block_size, first), t1 = std::min((page + 1) * block_size, len);
-        const float* kpage = kp + block * ks0 + g * ks2;
-        const float* vpage = vp + block * vs0 + g * vs2;
-        for (int64_t h = 0; h < group; ++h) {
-          const float* qh = qp + row * qs0 + (g * group + h) * qs1;
-          float page_max = neg_inf;
-          for (int64_t t = t0; t < t1; ++t) {
-            float s = dot(qh, kpage + (t - page * block_size) * ks1, head_dim) * fscale;
-            if (fcap > 0.f) s = fcap * std::tanh(s / fcap);
-            scores[t - t0] = s;
-            // NaN-propagating max: a NaN score makes the row NaN, as in the reference.
-            page_max = (s > page_max || std::isnan(s)) ? s : page_max;
-          }
-          const float new_max = (page_max > run_max[h] || std::isnan(page_max)) ? page_max : run_max[h];
-          float* acc_h = acc.data() + h * head_dim;
-          if (run_max[h] != neg_inf) {
-            const float correction = std::exp(run_max[h] - new_max);
-            run_sum[h] *= correction;
-            scale_in_place(correction, acc_h, head_dim);
-          }
-          for (int64_t t = t0; t < t1; ++t) {
-            const float w = std::exp(scores[t - t0] - new_max);
-            run_sum[h] += w;
-            axpy(w, vpage + (t - page * block_size) * vs1, acc_h, head_dim);
-          }
-          run_max[h] = new_max;
-        }
-      }
-      for (int64_t h = 0; h < group; ++h) {
-        float* oh = op + row * os0 + (g * group + h) * os1;
-        const float inv = 1.f / run_sum[h];
-        const float* acc_h = acc.data() + h * head_dim;
-#pragma omp simd
-        for (int64_t d = 0; d < head_dim; ++d) oh[d] = acc_h[d] * inv;
-      }
-    }
-  });
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention over a block-major pool (fp32)");
+  const int64_t num_decodes = token_rows.size(0), head_dim = q.size(2);
+  DecodeArgs a{
+      q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), out.data_ptr<float>(),
+      block_table.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), token_rows.data_ptr<int64_t>(),
+      head_dim, k_cache.size(1), k_cache.size(2), q.size(1) / k_cache.size(2), window,
+      q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+      k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+      block_table.stride(0), static_cast<float>(scale), static_cast<float>(softcap),
+  };
+  int64_t max_len = 0;
+  for (int64_t i = 0; i < num_decodes; ++i) max_len = std::max<int64_t>(max_len, a.lens[i]);
+  switch (head_dim) {
+    case 64: return decode_all<64>(a, num_decodes, max_len);
+    case 128: return decode_all<128>(a, num_decodes, max_len);
+    default: return decode_all<0>(a, num_decodes, max_len);
+  }
 }

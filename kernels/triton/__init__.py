@@ -15,4 +15,7 @@ from kernels.triton.rotary import rotary_embedding
 from kernels.triton.split_kv import choose_num_splits, split_kv_attention
 from kernels.triton.store_kv import store_kv
 
-__all__ = ["unified_attention", "split_kv_attention", "choose_num_splits", "store_kv", "rms_norm", "rotary_embedding"]
+# On GPU, torch's two elementwise kernels: no fused Triton kernel for this one yet.
+from kernels.reference import silu_and_mul  # noqa: E402
+
+__all__ = ["unified_attention", "split_kv_attention", "choose_num_splits", "store_kv", "rms_norm", "rotary_embedding", "silu_and_mul"]

@@ -60,6 +60,8 @@ class ModelRunner:
         self.config = config
         self.model_config = model_config
         self.device = torch.device(config.device)
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
         self.dtype = resolve_dtype(config.dtype, model_config)
         self.block_size = config.block_size
         self.backend = kernels.resolve_backend(config.attention_backend, self.device)

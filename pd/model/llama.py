@@ -71,7 +71,7 @@ class CausalLM:
             hidden, residual = kernels.rms_norm(
                 hidden, weights.post_attention_norm, self.config.rms_norm_eps, residual, backend=attn.backend
             )
-            hidden = _mlp(weights, hidden)
+            hidden = weights.down_proj(kernels.silu_and_mul(weights.gate_up_proj(hidden), backend=attn.backend))
         hidden = (hidden + residual)[logits_indices]
         hidden = kernels.rms_norm(hidden, self.weights.norm, self.config.rms_norm_eps, backend=attn.backend)
         return self.weights.lm_head(hidden).float()
@@ -104,7 +104,3 @@ class CausalLM:
         )
         return weights.o_proj(out.view(num_tokens, cfg.q_size))
 
-
-def _mlp(weights: LayerWeights, hidden: torch.Tensor) -> torch.Tensor:
-    gate, up = weights.gate_up_proj(hidden).chunk(2, dim=-1)
-    return weights.down_proj(F.silu(gate) * up)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 import os
 from typing import Any, Callable
 
+import torch
 from ray import serve
 
 from pd.engine.async_engine import AsyncLLMEngine
@@ -49,6 +52,31 @@ def make_transport(
     return create_transport("nixl", replica_id)
 
 
+def cgroup_cpu_limit() -> float | None:
+    """The CPUs a cgroup v2 quota lets this process use (``cpu.max``), or None without one."""
+    try:
+        quota, period = open("/sys/fs/cgroup/cpu.max").read().split()[:2]
+    except (OSError, ValueError):
+        return None
+    return None if quota == "max" else int(quota) / int(period)
+
+
+def replica_threads(assigned_cpus: float | None) -> int:
+    """Compute threads for an engine that Ray assigned ``assigned_cpus``.
+
+    Ray sets ``OMP_NUM_THREADS`` to the floor of a worker's CPUs, and to 1
+    below one, so a replica with ``num_cpus: 1.5`` would compute on one
+    thread. The engine takes the assignment rounded up instead, capped by the
+    cores the process may run on (its affinity) and by a cgroup CPU quota.
+    """
+    cores = len(os.sched_getaffinity(0))
+    limit = cgroup_cpu_limit()
+    if limit is not None:
+        cores = min(cores, max(1, math.ceil(limit)))
+    wanted = math.ceil(assigned_cpus) if assigned_cpus else 1
+    return max(1, min(cores, wanted))
+
+
 class EngineServer:
     """An ``AsyncLLMEngine`` inside a Serve replica."""
 
@@ -58,7 +86,14 @@ class EngineServer:
         self.args = AppArgs.model_validate(args)
         self.replica_id = current_replica_id()
         self.transport = make_transport(self.args, self.role, self.replica_id, control)
-        self.engine = AsyncLLMEngine(self.args.engine_config(), self.transport)
+        config = self.args.engine_config()
+        if config.num_threads is None and config.device == "cpu":
+            import ray
+
+            assigned = ray.get_runtime_context().get_assigned_resources().get("CPU")
+            config = dataclasses.replace(config, num_threads=replica_threads(assigned))
+        logger.info("%s replica computes on %s threads", self.role, config.num_threads or "the default")
+        self.engine = AsyncLLMEngine(config, self.transport)
         self.metrics = ReplicaMetrics(self.role, self.replica_id)
         logger.info("%s replica %s ready", self.role, self.replica_id)
 
@@ -79,8 +114,6 @@ class EngineServer:
 
     async def stats(self) -> dict[str, Any]:
         """Engine counters, the replica id and its node, for tests and operators."""
-        import dataclasses
-
         import ray
 
         return {
@@ -88,6 +121,7 @@ class EngineServer:
             "pid": os.getpid(),
             "node_id": ray.get_runtime_context().get_node_id(),
             "rss_bytes": resident_bytes(),
+            "num_threads": torch.get_num_threads(),
             **dataclasses.asdict(self.engine.stats()),
         }
 

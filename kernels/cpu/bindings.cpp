@@ -1,0 +1,27 @@
+// The cpu backend's extension module: one build, every kernel of kernels/cpu.
+
+#include <torch/extension.h>
+
+#include <vector>
+
+void paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                            const torch::Tensor& block_table, const torch::Tensor& seq_lens,
+                            const torch::Tensor& token_rows, double scale, int64_t window, double softcap,
+                            torch::Tensor& out);
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
+std::vector<torch::Tensor> add_rms_norm(const torch::Tensor& x, const torch::Tensor& residual,
+                                        const torch::Tensor& weight, double eps);
+std::vector<torch::Tensor> rotary(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& positions,
+                                  const torch::Tensor& cos_sin);
+torch::Tensor silu_and_mul(const torch::Tensor& gate_up);
+void store_kv(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& k_cache, torch::Tensor& v_cache,
+              const torch::Tensor& slot_mapping);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention over a block-major pool (fp32)");
+  m.def("rms_norm", &rms_norm, "RMSNorm over the last dim (fp32)");
+  m.def("add_rms_norm", &add_rms_norm, "residual add, then RMSNorm; returns (normed, sum) (fp32)");
+  m.def("rotary", &rotary, "rotate-half rotary embedding of q and k into new tensors (fp32)");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up over [gate | up] (fp32)");
+  m.def("store_kv", &store_kv, "write K/V rows into their pool slots, skipping negative slots (fp32)");
+}

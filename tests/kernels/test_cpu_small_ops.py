@@ -1,0 +1,93 @@
+"""The ``cpu`` backend's C++ small-op chains against the torch reference (fp32, to 1e-5 relative)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels
+from kernels import PAD_SLOT_ID, reference
+
+TOKENS = [1, 3, 70, 1000]  # one row, a few rows, enough rows to split across threads
+
+
+def close(actual, expected, tol=1e-5):
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype
+    torch.testing.assert_close(actual, expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("tokens", TOKENS)
+def test_add_rms_norm_and_rms_norm(tokens):
+    torch.manual_seed(tokens)
+    x, residual, weight = torch.randn(tokens, 896), torch.randn(tokens, 896), torch.randn(896)
+    normed, summed = kernels.rms_norm(x, weight, 1e-6, residual, backend="cpu")
+    expected_normed, expected_sum = reference.rms_norm(x, weight, 1e-6, residual)
+    close(normed, expected_normed)
+    close(summed, expected_sum, 0.0)
+    close(kernels.rms_norm(x, weight, 1e-6, backend="cpu"), reference.rms_norm(x, weight, 1e-6))
+
+
+def test_rms_norm_of_per_head_slices_of_a_fused_projection():
+    """Qwen3's q/k norm reads [tokens, heads, head_dim] views whose rows are strided."""
+    qkv = torch.randn(5, 8 * 48 + 2 * 2 * 48)
+    q = qkv[:, : 8 * 48].view(5, 8, 48)
+    weight = torch.randn(48)
+    close(kernels.rms_norm(q, weight, 1e-6, backend="cpu"), reference.rms_norm(q, weight, 1e-6))
+
+
+@pytest.mark.parametrize("tokens", TOKENS)
+@pytest.mark.parametrize("head_dim", [48, 64, 128])
+def test_rotary_on_views_of_a_fused_projection(tokens, head_dim):
+    heads, kv_heads = 8, 2
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim)
+    q, k, _ = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k = q.view(tokens, heads, head_dim), k.view(tokens, kv_heads, head_dim)
+    positions = torch.randint(0, 4096, (tokens,))
+    cos_sin = torch.randn(4096, head_dim)
+    q_out, k_out = kernels.rotary_embedding(q, k, positions, cos_sin, backend="cpu")
+    q_ref, k_ref = reference.rotary_embedding(q, k, positions, cos_sin)
+    close(q_out, q_ref)
+    close(k_out, k_ref)
+
+
+@pytest.mark.parametrize("tokens", TOKENS)
+def test_silu_and_mul(tokens):
+    gate_up = torch.randn(tokens, 2 * 1408) * 8  # into exp's far tails on both sides
+    close(kernels.silu_and_mul(gate_up, backend="cpu"), reference.silu_and_mul(gate_up))
+
+
+def test_silu_and_mul_refuses_a_bad_shape():
+    with pytest.raises(ValueError, match="gate_up must be"):
+        kernels.silu_and_mul(torch.randn(4, 7), backend="cpu")
+
+
+def test_store_kv_writes_only_its_slots_and_skips_padding():
+    k_pool = torch.zeros(6, 2, 16, 2, 64)  # [blocks, layers, block_size, kv_heads, head_dim]
+    v_pool = torch.zeros_like(k_pool)
+    k_cache, v_cache = k_pool[:, 1], v_pool[:, 1]  # strided views, as the engine's per-layer views are
+    kv = torch.randn(4, 3 * 2 * 64)
+    key, value = kv[:, :128].view(4, 2, 64), kv[:, 128:256].view(4, 2, 64)
+    slots = torch.tensor([17, PAD_SLOT_ID, 95, 0])
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    reference.store_kv(key, value, expected_k, expected_v, slots)
+    kernels.store_kv(key, value, k_cache, v_cache, slots, backend="cpu")
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+    assert not k_pool[:, 0].any() and not v_pool[:, 0].any()  # the other layer is untouched
+
+
+def test_a_nan_row_stays_in_its_row():
+    x, residual, weight = torch.randn(4, 64), torch.randn(4, 64), torch.ones(64)
+    x[2, 5] = float("nan")
+    normed, _ = kernels.rms_norm(x, weight, 1e-6, residual, backend="cpu")
+    assert normed[2].isnan().all() and not normed[[0, 1, 3]].isnan().any()
+    gate_up = torch.randn(4, 128)
+    gate_up[1, 0] = float("nan")
+    out = kernels.silu_and_mul(gate_up, backend="cpu")
+    assert out[1, 0].isnan() and not out[[0, 2, 3]].isnan().any()
+
+
+def test_other_dtypes_take_the_reference():
+    x, weight = torch.randn(3, 64, dtype=torch.bfloat16), torch.randn(64, dtype=torch.bfloat16)
+    assert torch.equal(kernels.rms_norm(x, weight, 1e-6, backend="cpu"), reference.rms_norm(x, weight, 1e-6))
+    gate_up = torch.randn(3, 64, dtype=torch.bfloat16)
+    assert torch.equal(kernels.silu_and_mul(gate_up, backend="cpu"), reference.silu_and_mul(gate_up))
