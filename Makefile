@@ -4,7 +4,7 @@ TORCH ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv peer-venv serve demo test bench clean
+.PHONY: venv peer-venv gpu-deps gpu-check serve demo test bench clean
 
 venv: $(STAMP)
 
@@ -31,6 +31,20 @@ $(PEER_VENV)/.installed: Makefile
 	$(PEER_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 	$(PEER_VENV)/bin/python -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
 	touch $@
+
+# The device check (bench/gpu_check.py), on a GPU machine with CUDA torch, Triton and
+# transformers but no Ray, NIXL or package index; writes JSON to $OUT (or gpu-check/).
+gpu-check:
+	python3 -m bench.gpu_check
+
+# msgspec, the one other package the engine imports, for the GPU machine's Python,
+# unpacked into .gpu-deps: run here, where the index is, and carry the folder there.
+GPU_PYTHON_VERSION ?= 3.12
+gpu-deps: venv
+	rm -rf .gpu-deps
+	$(BIN)/python -m pip download -q --only-binary=:all: --no-deps --python-version $(GPU_PYTHON_VERSION) \
+		--platform manylinux_2_17_x86_64 -d .gpu-deps/wheels msgspec
+	cd .gpu-deps && for wheel in wheels/*.whl; do $(abspath $(BIN))/python -m zipfile -e $$wheel .; done
 
 # The OpenAI-compatible app: disaggregated prefill/decode with the built-in model, on :8000.
 serve: venv

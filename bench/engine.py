@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from bench.peer import DEFAULT_PEER_PYTHON, VllmPeer
+from bench.peer import VllmPeer, peer_python
 from bench.stats import percentile
 from pd import LLM, SamplingParams
 from pd.model.linear import make_linear
@@ -203,15 +203,6 @@ def bench_case(case: str, name: str, engines: dict, peaks: tuple[float, float], 
                    vllm_roofline_frac=round(bound / (useful_tokens(timed) / median["vllm"]), 3),
                    vllm_agree=round(min(agree), 3))
     return row
-
-
-def peer_python(choice: str) -> Path | None:
-    """The peer venv's python for ``--vllm`` (``auto``: the default venv when it exists)."""
-    if choice == "off":
-        return None
-    if choice == "auto":
-        return DEFAULT_PEER_PYTHON if DEFAULT_PEER_PYTHON.exists() else None
-    return Path(choice)
 
 
 def main() -> None:

@@ -18,6 +18,15 @@ def cpu_list(threads: int) -> str:
     return ",".join(str(core) for core in cores)
 
 
+def peer_python(choice: str) -> Path | None:
+    """The peer venv's python for ``--vllm`` (``auto``: the default venv when it exists)."""
+    if choice == "off":
+        return None
+    if choice == "auto":
+        return DEFAULT_PEER_PYTHON if DEFAULT_PEER_PYTHON.exists() else None
+    return Path(choice)
+
+
 class VllmPeer:
     """One vLLM engine in a subprocess, loaded once; ``run`` times one workload in it."""
 

@@ -1,19 +1,29 @@
-"""Disaggregated against colocated serving, on the built-in model, at low load.
+"""Disaggregated against colocated serving, and against vLLM's server, on the built-in model.
 
-``python -m bench.serve [--requests 24] [--concurrency 2]`` starts
-``serve_configs/default.yaml`` and then ``serve_configs/colocated.yaml`` on a
-local Ray, sends the same streamed completions to each (a mix of short
+``python -m bench.serve [--requests 24] [--concurrency 2] [--vllm auto|off|PYTHON]``
+starts ``serve_configs/default.yaml`` and then ``serve_configs/colocated.yaml``
+on a local Ray, sends the same streamed completions to each (a mix of short
 prompts, prefilled locally, and long ones, prefilled remotely), and prints one
-JSON line per mode with TTFT and inter-token latency p50/p90, then one line
-with the disaggregated/colocated ratios of those medians.
+JSON line per mode with TTFT and inter-token latency p50/p90 and output
+tokens/s, then one line with the disaggregated/colocated ratios of those
+medians.
+
+With the peer venv (``make peer-venv``), vLLM's OpenAI server
+(``vllm.entrypoints.openai.api_server``) serves the same checkpoint, fp32,
+prefix caching on, ``VLLM_CPU_OMP_THREADS_BIND`` on two cores, and gets the
+same requests after Ray has shut down; a last line gives colocated/vLLM ratios
+(goal: output tok/s >= 1.0, TTFT p50 <= 1.2) and the share of identical texts.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import subprocess
 import time
+from dataclasses import dataclass, field
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from queue import Empty, SimpleQueue
@@ -22,6 +32,7 @@ from typing import Iterable, Iterator
 import requests
 import yaml
 
+from bench.peer import peer_python
 from bench.stats import percentile
 
 CONFIGS = {"disaggregated": "default.yaml", "colocated": "colocated.yaml"}
@@ -46,43 +57,67 @@ def sse_events(lines: Iterable[bytes]) -> Iterator[dict]:
         yield event
 
 
-def stream_one(session: requests.Session, url: str, prompt: str, max_tokens: int) -> tuple[float, list[float]]:
-    """(TTFT, inter-token gaps) of one streamed completion, each event stamped as its line arrives."""
+def stream_one(session: requests.Session, url: str, prompt: str, max_tokens: int) -> tuple[float, list[float], str]:
+    """(TTFT, inter-token gaps, text) of one streamed completion, each event stamped as its line arrives."""
     body = {"model": "builtin:tiny-llama", "prompt": prompt, "max_tokens": max_tokens,
             "temperature": 0, "ignore_eos": True, "stream": True}
     start = time.perf_counter()
+    stamps, pieces = [], []
     # stream=True hands over each chunk as it arrives; iter_lines undoes the chunked framing.
     with session.post(url, json=body, stream=True) as response:
         if response.status_code != 200:
             raise RuntimeError(f"HTTP {response.status_code}: {response.text[:500]}")
-        stamps = [time.perf_counter() for _ in sse_events(response.iter_lines())]
+        for event in sse_events(response.iter_lines()):
+            stamps.append(time.perf_counter())
+            pieces.extend(choice.get("text", "") for choice in event.get("choices", []))
     if not stamps:
         raise RuntimeError("empty stream")
-    return stamps[0] - start, [b - a for a, b in zip(stamps, stamps[1:])]
+    return stamps[0] - start, [b - a for a, b in zip(stamps, stamps[1:])], "".join(pieces)
 
 
-def load(url: str, prompts: list[str], max_tokens: int, concurrency: int) -> tuple[list[float], list[float]]:
-    """Stream every prompt, ``concurrency`` at a time; (every TTFT, every inter-token gap)."""
-    pending: SimpleQueue[str] = SimpleQueue()
-    for prompt in prompts:
-        pending.put(prompt)
-    ttfts, gaps = [], []
+@dataclass
+class LoadResult:
+    ttfts: list[float] = field(default_factory=list)
+    gaps: list[float] = field(default_factory=list)
+    texts: dict[int, str] = field(default_factory=dict)  # prompt index -> completion text
+    wall_s: float = 0.0
+
+
+def load(url: str, prompts: list[str], max_tokens: int, concurrency: int) -> LoadResult:
+    """Stream every prompt, ``concurrency`` at a time."""
+    pending: SimpleQueue[int] = SimpleQueue()
+    for index in range(len(prompts)):
+        pending.put(index)
+    result = LoadResult()
 
     def worker() -> None:
         with requests.Session() as session:  # one per thread: a Session is not thread-safe
             while True:
                 try:
-                    prompt = pending.get_nowait()
+                    index = pending.get_nowait()
                 except Empty:
                     return
-                ttft, itl = stream_one(session, url, prompt, max_tokens)
-                ttfts.append(ttft)
-                gaps.extend(itl)
+                ttft, itl, text = stream_one(session, url, prompts[index], max_tokens)
+                result.ttfts.append(ttft)
+                result.gaps.extend(itl)
+                result.texts[index] = text
 
+    start = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
         for done in [pool.submit(worker) for _ in range(concurrency)]:
             done.result()  # re-raises a worker's failure
-    return ttfts, gaps
+    result.wall_s = time.perf_counter() - start
+    return result
+
+
+def summarise(mode: str, result: LoadResult, max_tokens: int) -> dict:
+    ttfts, gaps = result.ttfts, result.gaps
+    return {
+        "mode": mode, "requests": len(ttfts),
+        "ttft_p50_ms": round(1e3 * percentile(ttfts, 50), 1), "ttft_p90_ms": round(1e3 * percentile(ttfts, 90), 1),
+        "itl_p50_ms": round(1e3 * percentile(gaps, 50), 2), "itl_p90_ms": round(1e3 * percentile(gaps, 90), 2),
+        "output_tok_s": round(len(ttfts) * max_tokens / result.wall_s, 1),
+    }
 
 
 def run_mode(mode: str, prompts: list[str], args) -> dict:
@@ -96,13 +131,52 @@ def run_mode(mode: str, prompts: list[str], args) -> dict:
     serve.run(build_app(config["applications"][0]["args"]), name="pd", route_prefix="/")
     url = f"http://127.0.0.1:{port}/v1/completions"
     load(url, prompts[:4], args.max_tokens, args.concurrency)  # warm-up
-    ttfts, gaps = load(url, prompts[4:], args.max_tokens, args.concurrency)
+    result = load(url, prompts[4:], args.max_tokens, args.concurrency)
     serve.delete("pd")
-    return {
-        "mode": mode, "requests": len(ttfts),
-        "ttft_p50_ms": round(1e3 * percentile(ttfts, 50), 1), "ttft_p90_ms": round(1e3 * percentile(ttfts, 90), 1),
-        "itl_p50_ms": round(1e3 * percentile(gaps, 50), 2), "itl_p90_ms": round(1e3 * percentile(gaps, 90), 2),
-    }
+    return result
+
+
+def run_vllm(python: Path, prompts: list[str], args) -> LoadResult:
+    """The same load against vLLM's OpenAI server on the built-in checkpoint; the server is stopped after."""
+    from bench.peer import cpu_list
+    from pd.model.paths import resolve_model_path
+
+    port = 8011
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=cpu_list(2), VLLM_CPU_KVCACHE_SPACE="1")
+    env.pop("PYTHONPATH", None)
+    server = subprocess.Popen(
+        [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(resolve_model_path("builtin:tiny-llama")),
+         "--served-model-name", "builtin:tiny-llama", "--dtype", "float32", "--enable-prefix-caching",
+         "--host", "127.0.0.1", "--port", str(port), "--disable-log-requests"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_ready(f"http://127.0.0.1:{port}/health", server, timeout_s=300)
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        load(url, prompts[:4], args.max_tokens, args.concurrency)  # warm-up
+        return load(url, prompts[4:], args.max_tokens, args.concurrency)
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+
+
+def wait_ready(url: str, server: subprocess.Popen, timeout_s: float) -> None:
+    """Until ``url`` answers 200; fails at once if the server exits."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"the vLLM server exited with code {server.returncode}")
+        try:
+            if requests.get(url, timeout=2).status_code == 200:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(1)  # polling a readiness endpoint: there is nothing to wait on
+    raise RuntimeError(f"the vLLM server was not ready within {timeout_s} s")
 
 
 def main() -> None:
@@ -110,6 +184,8 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=24)
     parser.add_argument("--concurrency", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--modes", default="disaggregated,colocated")
+    parser.add_argument("--vllm", default="auto", help="auto, off, or the python of a venv with vllm-cpu")
     args = parser.parse_args()
     import ray
 
@@ -119,18 +195,32 @@ def main() -> None:
                for _ in range(args.requests + 4)]
     ray.init(address="local", include_dashboard=False, log_to_driver=False)
     try:
-        results = {mode: run_mode(mode, prompts, args) for mode in CONFIGS}
+        loads = {mode: run_mode(mode, prompts, args) for mode in args.modes.split(",")}
     finally:
         from ray import serve
 
         serve.shutdown()
         ray.shutdown()
+    vllm_python = peer_python(args.vllm)
+    if vllm_python is not None:
+        loads["vllm"] = run_vllm(vllm_python, prompts, args)
+    results = {mode: summarise(mode, result, args.max_tokens) for mode, result in loads.items()}
     for result in results.values():
         print(json.dumps(result), flush=True)
-    d, c = results["disaggregated"], results["colocated"]
-    print(json.dumps({"case": "ratio_disaggregated_over_colocated",
-                      "ttft_p50": round(d["ttft_p50_ms"] / c["ttft_p50_ms"], 3),
-                      "itl_p50": round(d["itl_p50_ms"] / c["itl_p50_ms"], 3)}), flush=True)
+    if {"disaggregated", "colocated"} <= results.keys():
+        d, c = results["disaggregated"], results["colocated"]
+        print(json.dumps({"case": "ratio_disaggregated_over_colocated",
+                          "ttft_p50": round(d["ttft_p50_ms"] / c["ttft_p50_ms"], 3),
+                          "itl_p50": round(d["itl_p50_ms"] / c["itl_p50_ms"], 3)}), flush=True)
+    for mode in ("colocated", "disaggregated"):
+        if mode in results and "vllm" in results:
+            ours, peer = results[mode], results["vllm"]
+            same = sum(loads[mode].texts.get(i) == text for i, text in loads["vllm"].texts.items())
+            print(json.dumps({"case": f"ratio_{mode}_over_vllm",
+                              "output_tok_s": round(ours["output_tok_s"] / peer["output_tok_s"], 3),
+                              "ttft_p50": round(ours["ttft_p50_ms"] / peer["ttft_p50_ms"], 3),
+                              "itl_p50": round(ours["itl_p50_ms"] / peer["itl_p50_ms"], 3),
+                              "same_text": round(same / len(loads["vllm"].texts), 3)}), flush=True)
 
 
 if __name__ == "__main__":

@@ -41,6 +41,9 @@ class EngineConfig:
     # CPU compute threads (torch intra-op); None leaves the process's setting. A Serve
     # replica resolves None from the CPUs Ray assigned it (see pd.serve.engine_server).
     num_threads: int | None = None
+    # CUDA only: replay decode steps of up to this many sequences from CUDA graphs captured at start.
+    cuda_graphs: bool = True
+    cuda_graph_max_batch: int = 256
     seed: int = 0
     # Prefill role: how long a finished prompt's blocks stay pinned for a decode replica.
     kv_lease_s: float = 30.0
@@ -52,7 +55,7 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
-        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "kv_cache_bytes"):
+        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "kv_cache_bytes", "cuda_graph_max_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("kv_lease_s", "kv_read_timeout_s"):

@@ -12,14 +12,12 @@ import kernels
 from pd.config import EngineConfig
 from pd.engine.outputs import ForwardInput, ForwardOutput, SchedulerOutput
 from pd.engine.sampler import Sampler
-from pd.model.attention import AttentionMetadata
+from pd.engine.cuda_graphs import DecodeGraphs
+from pd.model.attention import PAD_BLOCK_ID, AttentionMetadata
 from pd.model.config import ModelConfig
 from pd.model.llama import CausalLM
 from pd.model.loader import load_weights, resolve_dtype
 from pd.model.rope import cos_sin_cache
-
-# Block-table padding: any valid id works, since attention masks keys by seq_len.
-PAD_BLOCK_ID = 0
 
 
 def kv_block_bytes(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -76,6 +74,12 @@ class ModelRunner:
         # Per-layer strided views [num_blocks, block_size, num_kv_heads, head_dim].
         self.kv_views = [(self.kv_cache[:, i, 0], self.kv_cache[:, i, 1]) for i in range(model_config.num_layers)]
         self.sampler = Sampler(config.seed, self.device)
+        self.graphs = None
+        if config.cuda_graphs and self.device.type == "cuda" and self.backend == "triton":
+            self.graphs = DecodeGraphs(self.model, self.kv_views, self.backend,
+                                       max_batch=min(config.max_num_seqs, config.cuda_graph_max_batch),
+                                       max_blocks_per_seq=-(-max_model_len // config.block_size), device=self.device)
+            self.graphs.capture()
 
     def prepare(self, out: SchedulerOutput, block_tables: list[list[int]]) -> ForwardInput:
         """Flatten the schedule into host lists, then copy them all to the device in one transfer."""
@@ -123,7 +127,10 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, block_tables: list[list[int]]) -> ForwardOutput:
         batch = self.prepare(out, block_tables)
-        logits = self.model.forward(batch.token_ids, batch.positions, batch.attn, self.kv_views, batch.logits_indices)
+        logits = self.graphs.run(batch) if self.graphs is not None else None
+        if logits is None:
+            logits = self.model.forward(batch.token_ids, batch.positions, batch.attn, self.kv_views,
+                                        batch.logits_indices)
         if not batch.sampling_requests:
             return ForwardOutput(sampled_token_ids=[], logprobs=None)
         return self.sampler.sample(logits, batch.sampling_requests)

@@ -6,6 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
+# Block-table padding: any valid id works, since attention masks keys by seq_len.
+PAD_BLOCK_ID = 0
+
 
 @dataclass(frozen=True)
 class AttentionMetadata:

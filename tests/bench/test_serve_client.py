@@ -76,7 +76,8 @@ def sse_server():
 def test_stream_one_stamps_each_event_through_chunked_framing(sse_server):
     url, bodies = sse_server(TOKEN_CHUNKS)
     with requests.Session() as session:
-        ttft, gaps = stream_one(session, url, "hello", 4)
+        ttft, gaps, text = stream_one(session, url, "hello", 4)
+    assert text == "abcd"
     assert [(body["prompt"], body["max_tokens"], body["stream"]) for body in bodies] == [("hello", 4, True)]
     assert ttft >= GAP_S
     assert len(gaps) == 3  # four token events; the comment and [DONE] are not tokens
@@ -96,7 +97,8 @@ def test_stream_one_raises_on_an_error_event_or_an_empty_stream(sse_server):
 
 def test_load_streams_every_prompt_and_collects_every_ttft_and_gap(sse_server):
     url, bodies = sse_server(TOKEN_CHUNKS)
-    ttfts, gaps = load(url, ["a", "b", "c"], 4, concurrency=2)
+    result = load(url, ["a", "b", "c"], 4, concurrency=2)
     assert sorted(body["prompt"] for body in bodies) == ["a", "b", "c"]
-    assert len(ttfts) == 3 and all(ttft >= GAP_S for ttft in ttfts)
-    assert len(gaps) == 3 * 3
+    assert len(result.ttfts) == 3 and all(ttft >= GAP_S for ttft in result.ttfts)
+    assert len(result.gaps) == 3 * 3
+    assert sorted(result.texts) == [0, 1, 2] and result.wall_s > 0

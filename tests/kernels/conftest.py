@@ -2,8 +2,17 @@
 
 TRITON_INTERPRET is read when ``@triton.jit`` decorates a function, so it must
 be set before anything imports triton or ``kernels.triton``: here, first.
+
+With ``PD_TEST_DEVICE=cuda`` (``make gpu-check``) the same tests run compiled
+on the GPU instead: tensors are made on that device by default.
 """
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+DEVICE = os.environ.get("PD_TEST_DEVICE", "cpu")
+if DEVICE == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+else:
+    import torch
+
+    torch.set_default_device(DEVICE)

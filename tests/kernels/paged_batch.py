@@ -64,18 +64,22 @@ def make_batch(
     num_pages = [-(-kv_len // block_size) for kv_len in seq_lens]
     max_pages = max(num_pages)
     num_blocks = sum(num_pages) + 3  # a few blocks nobody owns
-    pool = torch.randn(num_blocks, NUM_LAYERS, 2, block_size, num_kv_heads, head_dim, generator=generator).to(dtype)
+    pool = torch.randn(num_blocks, NUM_LAYERS, 2, block_size, num_kv_heads, head_dim, generator=generator, device="cpu").to(dtype)
     # Padding entries of the table point at random blocks; kernels must not read them.
-    block_table = torch.randint(0, num_blocks, (len(q_kv_lens), max_pages), generator=generator, dtype=torch.int32)
-    live = torch.zeros(num_blocks, block_size, dtype=torch.bool)
-    block_ids = torch.randperm(num_blocks, generator=generator).to(torch.int32)
+    block_table = torch.randint(0, num_blocks, (len(q_kv_lens), max_pages), generator=generator, dtype=torch.int32,
+                                device="cpu")
+    live = torch.zeros(num_blocks, block_size, dtype=torch.bool, device="cpu")
+    block_ids = torch.randperm(num_blocks, generator=generator, device="cpu").to(torch.int32)
     start = 0
     for i, (kv_len, pages) in enumerate(zip(seq_lens, num_pages)):
         block_table[i, :pages] = block_ids[start : start + pages]
         start += pages
-        positions = torch.arange(kv_len)
+        positions = torch.arange(kv_len, device="cpu")
         live[block_table[i, positions // block_size].long(), positions % block_size] = True
-    q = torch.randn(sum(q_lens), num_heads, head_dim, generator=generator).to(dtype)
-    cu_seqlens_q = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
-    cu_seqlens_q[1:] = torch.tensor(q_lens).cumsum(0)
-    return PagedBatch(q, pool, cu_seqlens_q, torch.tensor(seq_lens, dtype=torch.int32), block_table, live)
+    q = torch.randn(sum(q_lens), num_heads, head_dim, generator=generator, device="cpu").to(dtype)
+    cu_seqlens_q = torch.zeros(len(q_lens) + 1, dtype=torch.int32, device="cpu")
+    cu_seqlens_q[1:] = torch.tensor(q_lens, device="cpu").cumsum(0)
+    seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32, device="cpu")
+    # Built on the CPU (the generator is a CPU one), then moved to the tests' device.
+    device = torch.get_default_device()
+    return PagedBatch(*(t.to(device) for t in (q, pool, cu_seqlens_q, seq_lens_t, block_table, live)))
