@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from bench.process import stop_process
+
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_PEER_PYTHON = ROOT / ".peer-venv" / "bin" / "python"
 
@@ -59,14 +61,14 @@ class VllmPeer:
         return answer["elapsed_s"], answer["token_ids"]
 
     def close(self) -> None:
+        """Ask the peer to quit; stop it if it does not within a minute."""
         if self.process.poll() is None:
             try:
                 self.process.stdin.write(json.dumps({"cmd": "quit"}) + "\n")
                 self.process.stdin.close()
                 self.process.wait(timeout=60)
             except (OSError, subprocess.TimeoutExpired):
-                self.process.kill()
-                self.process.wait()
+                stop_process(self.process, timeout_s=10)
 
     def __enter__(self) -> VllmPeer:
         return self

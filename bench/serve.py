@@ -33,6 +33,7 @@ import requests
 import yaml
 
 from bench.peer import peer_python
+from bench.process import stop_process
 from bench.stats import percentile
 
 CONFIGS = {"disaggregated": "default.yaml", "colocated": "colocated.yaml"}
@@ -147,7 +148,7 @@ def run_vllm(python: Path, prompts: list[str], args) -> LoadResult:
     server = subprocess.Popen(
         [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(resolve_model_path("builtin:tiny-llama")),
          "--served-model-name", "builtin:tiny-llama", "--dtype", "float32", "--enable-prefix-caching",
-         "--host", "127.0.0.1", "--port", str(port), "--disable-log-requests"],
+         "--host", "127.0.0.1", "--port", str(port), "--disable-log-stats"],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     try:
@@ -156,12 +157,16 @@ def run_vllm(python: Path, prompts: list[str], args) -> LoadResult:
         load(url, prompts[:4], args.max_tokens, args.concurrency)  # warm-up
         return load(url, prompts[4:], args.max_tokens, args.concurrency)
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+        stop_process(server, timeout_s=60)
+
+
+def first_difference(ours: dict[int, str], theirs: dict[int, str], differ: list[int]) -> dict | None:
+    """Where the first differing pair of texts parts, with a little of each side from there."""
+    if not differ:
+        return None
+    a, b = ours.get(differ[0], ""), theirs[differ[0]]
+    at = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return {"request": differ[0], "char": at, "ours": a[at : at + 12], "vllm": b[at : at + 12]}
 
 
 def wait_ready(url: str, server: subprocess.Popen, timeout_s: float) -> None:
@@ -194,8 +199,11 @@ def main() -> None:
     prompts = [" ".join(rng.choice(words) for _ in range(rng.choice([20, 40, 300, 500])))
                for _ in range(args.requests + 4)]
     ray.init(address="local", include_dashboard=False, log_to_driver=False)
+    loads = {}
     try:
-        loads = {mode: run_mode(mode, prompts, args) for mode in args.modes.split(",")}
+        for mode in args.modes.split(","):
+            loads[mode] = run_mode(mode, prompts, args)
+            print(json.dumps(summarise(mode, loads[mode], args.max_tokens)), flush=True)
     finally:
         from ray import serve
 
@@ -204,9 +212,8 @@ def main() -> None:
     vllm_python = peer_python(args.vllm)
     if vllm_python is not None:
         loads["vllm"] = run_vllm(vllm_python, prompts, args)
+        print(json.dumps(summarise("vllm", loads["vllm"], args.max_tokens)), flush=True)
     results = {mode: summarise(mode, result, args.max_tokens) for mode, result in loads.items()}
-    for result in results.values():
-        print(json.dumps(result), flush=True)
     if {"disaggregated", "colocated"} <= results.keys():
         d, c = results["disaggregated"], results["colocated"]
         print(json.dumps({"case": "ratio_disaggregated_over_colocated",
@@ -215,12 +222,14 @@ def main() -> None:
     for mode in ("colocated", "disaggregated"):
         if mode in results and "vllm" in results:
             ours, peer = results[mode], results["vllm"]
-            same = sum(loads[mode].texts.get(i) == text for i, text in loads["vllm"].texts.items())
+            differ = [i for i, text in loads["vllm"].texts.items() if loads[mode].texts.get(i) != text]
             print(json.dumps({"case": f"ratio_{mode}_over_vllm",
                               "output_tok_s": round(ours["output_tok_s"] / peer["output_tok_s"], 3),
                               "ttft_p50": round(ours["ttft_p50_ms"] / peer["ttft_p50_ms"], 3),
                               "itl_p50": round(ours["itl_p50_ms"] / peer["itl_p50_ms"], 3),
-                              "same_text": round(same / len(loads["vllm"].texts), 3)}), flush=True)
+                              "same_text": round(1 - len(differ) / len(loads["vllm"].texts), 3),
+                              "first_difference": first_difference(loads[mode].texts, loads["vllm"].texts, differ)}),
+                  flush=True)
 
 
 if __name__ == "__main__":

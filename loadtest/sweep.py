@@ -33,6 +33,7 @@ from pathlib import Path
 
 import yaml
 
+from bench.process import stop_process
 from loadtest.records import META_SUFFIX, REQUESTS_SUFFIX, RunMeta, read_requests
 
 LOCUSTFILE = Path(__file__).resolve().with_name("locustfile.py")
@@ -154,13 +155,7 @@ def run_locust(url: str, prefix: Path, rate: float, duration_s: float, label: st
         try:
             return process.wait(timeout=duration_s + 120)
         finally:
-            if process.poll() is None:  # interrupted, or locust hung: stop it, then make sure
-                process.terminate()
-                try:
-                    process.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait()
+            stop_process(process, timeout_s=15)  # interrupted, or locust hung: stop it, then make sure
 
 
 def _one_line(prefix: Path, rate: float) -> str:
