@@ -73,10 +73,27 @@ struct DecodeArgs {
   float scale, cap;
 };
 
+// acc[h * hd + d] += sum over visible keys t of p[h, t] * v_t[d].
+template <int64_t D, int64_t G>
+inline void weighted_values(const DecodeArgs& a, const int32_t* pages, int64_t g, int64_t first, int64_t len,
+                            int64_t n, const float* p, float* acc) {
+  const int64_t hd = D > 0 ? D : a.head_dim, bs = a.block_size, group = G > 0 ? G : a.group;
+  for (int64_t page = first / bs; page * bs < len; ++page) {
+    const int64_t t0 = std::max(page * bs, first), t1 = std::min((page + 1) * bs, len);
+    const float* v = a.v + pages[page] * a.vs0 + g * a.vs2 + (t0 - page * bs) * a.vs1;
+    for (int64_t t = t0; t < t1; ++t, v += a.vs1) {
+      for (int64_t h = 0; h < group; ++h) axpy<D>(p[h * n + (t - first)], v, acc + h * hd, hd);
+    }
+  }
+}
+
 // One (sequence i, KV head g) task; scores, acc and inv are this thread's scratch.
-template <int64_t D>
+// G > 0: the GQA group size known at compile time, so the group's accumulators
+// can stay in registers across the value rows; G == 0: a.group at run time.
+template <int64_t D, int64_t G>
 void decode_task(const DecodeArgs& a, int64_t i, int64_t g, float* scores, float* acc, float* inv) {
-  const int64_t len = a.lens[i], row = a.rows[i], hd = a.head_dim, bs = a.block_size, group = a.group;
+  const int64_t len = a.lens[i], row = a.rows[i], hd = D > 0 ? D : a.head_dim, bs = a.block_size;
+  const int64_t group = G > 0 ? G : a.group;
   const int64_t first = a.window > 0 ? std::max<int64_t>(0, len - a.window) : 0, n = len - first;
   const float* qg = a.q + row * a.qs0 + g * group * a.qs1;
   const int32_t* pages = a.table + i * a.table_stride;
@@ -96,14 +113,14 @@ void decode_task(const DecodeArgs& a, int64_t i, int64_t g, float* scores, float
     float* sh = scores + h * n;
     inv[h] = 1.f / exp_shifted(sh, n, nan_max(sh, n));
   }
-  // Pass 3: the weighted sum of values.
-  std::fill(acc, acc + group * hd, 0.f);
-  for (int64_t page = first / bs; page * bs < len; ++page) {
-    const int64_t t0 = std::max(page * bs, first), t1 = std::min((page + 1) * bs, len);
-    const float* v = a.v + pages[page] * a.vs0 + g * a.vs2 + (t0 - page * bs) * a.vs1;
-    for (int64_t t = t0; t < t1; ++t, v += a.vs1) {
-      for (int64_t h = 0; h < group; ++h) axpy<D>(scores[h * n + (t - first)], v, acc + h * hd, hd);
-    }
+  // Pass 3: the weighted sum of values, in a local array when its size is known (registers, not memory).
+  if constexpr (G > 0 && D > 0) {
+    float local[G * D] = {};
+    weighted_values<D, G>(a, pages, g, first, len, n, scores, local);
+    std::copy(local, local + G * D, acc);
+  } else {
+    std::fill(acc, acc + group * hd, 0.f);
+    weighted_values<D, G>(a, pages, g, first, len, n, scores, acc);
   }
   for (int64_t h = 0; h < group; ++h) {
     float* oh = a.out + row * a.os0 + (g * group + h) * a.os1;
@@ -113,12 +130,12 @@ void decode_task(const DecodeArgs& a, int64_t i, int64_t g, float* scores, float
   }
 }
 
-template <int64_t D>
+template <int64_t D, int64_t G>
 void decode_all(const DecodeArgs& a, int64_t num_decodes, int64_t max_len) {
   at::parallel_for(0, num_decodes * a.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(a.group * max_len), acc(a.group * a.head_dim), inv(a.group);
     for (int64_t task = begin; task < end; ++task) {
-      decode_task<D>(a, task / a.num_kv_heads, task % a.num_kv_heads, scores.data(), acc.data(), inv.data());
+      decode_task<D, G>(a, task / a.num_kv_heads, task % a.num_kv_heads, scores.data(), acc.data(), inv.data());
     }
   });
 }
@@ -144,9 +161,15 @@ void paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache
   };
   int64_t max_len = 0;
   for (int64_t i = 0; i < num_decodes; ++i) max_len = std::max<int64_t>(max_len, a.lens[i]);
-  switch (head_dim) {
-    case 64: return decode_all<64>(a, num_decodes, max_len);
-    case 128: return decode_all<128>(a, num_decodes, max_len);
-    default: return decode_all<0>(a, num_decodes, max_len);
-  }
+  // The common shapes (head dim 64 or 128, GQA group 4, 7 or 8) get their own instances.
+  const int64_t group = a.group;
+  if (head_dim == 64 && group == 4) return decode_all<64, 4>(a, num_decodes, max_len);
+  if (head_dim == 64 && group == 7) return decode_all<64, 7>(a, num_decodes, max_len);
+  if (head_dim == 64 && group == 8) return decode_all<64, 8>(a, num_decodes, max_len);
+  if (head_dim == 128 && group == 4) return decode_all<128, 4>(a, num_decodes, max_len);
+  if (head_dim == 128 && group == 7) return decode_all<128, 7>(a, num_decodes, max_len);
+  if (head_dim == 128 && group == 8) return decode_all<128, 8>(a, num_decodes, max_len);
+  if (head_dim == 64) return decode_all<64, 0>(a, num_decodes, max_len);
+  if (head_dim == 128) return decode_all<128, 0>(a, num_decodes, max_len);
+  return decode_all<0, 0>(a, num_decodes, max_len);
 }

@@ -20,6 +20,11 @@ CASES = [
     ((8, 2), 48, 16, MIXED, 64, 50.0),  # Qwen3's head_dim in the tests
     ((14, 2), 80, 16, DECODE, 17, None),
     ((8, 8), 96, 32, MIXED, None, 30.0),
+    # The shapes the kernel specialises at compile time: head dim 64/128 with GQA group 4, 7 or 8.
+    ((8, 2), 64, 16, MIXED, None, None),
+    ((28, 4), 64, 32, DECODE, 40, None),
+    ((16, 2), 128, 16, DECODE, None, 50.0),
+    ((14, 2), 128, 16, MIXED, None, None),
 ]
 
 
