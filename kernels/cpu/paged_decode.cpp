@@ -5,17 +5,18 @@
 // and value row is read once per group, in two passes:
 //
 //   1. scores[h, t] = q_h . k_t * scale (softcapped) for the group's heads, one key row at a time;
-//   2. p = exp(scores - max_h), a flat loop the compiler vectorises (libmvec's expf);
+//   2. p = exp(scores - max_h), vectorised with ATen's Vectorized;
 //   3. out_h = sum_t p[h, t] v_t / sum_t p[h, t], one value row at a time.
 //
 //   pool page  | slot 0 | slot 1 | ... | slot bs-1 |   (k_cache[block] : [bs, kv_heads, head_dim])
 //   sequence i: keys 0 .. L-1, key t in page block_table[i, t / bs], slot t % bs
 //
 // Built without -ffast-math: a NaN in a row must reach that row's output,
-// where the sampler fails its request (-fno-math-errno only lets expf vectorise).
+// where the sampler fails its request.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
 #include <cmath>
@@ -41,11 +42,23 @@ inline void axpy(float w, const float* x, float* y, int64_t runtime_n) {
   for (int64_t d = 0; d < n; ++d) y[d] += w * x[d];
 }
 
-// p[t] = exp(s[t] - m) for t < n; returns the sum. NaN in, NaN out.
+// p[t] = exp(s[t] - m) for t < n; returns the sum. NaN in, NaN out. Vectorised with
+// ATen's Vectorized (Sleef's expf, as torch's own softmax); std::exp alone stays scalar.
 inline float exp_shifted(float* s, int64_t n, float m) {
+  using Vec = at::vec::Vectorized<float>;
+  const Vec shift(m);
+  Vec sums(0.f);
+  int64_t t = 0;
+  for (; t + Vec::size() <= n; t += Vec::size()) {
+    const Vec e = (Vec::loadu(s + t) - shift).exp();
+    e.store(s + t);
+    sums = sums + e;
+  }
+  float lanes[Vec::size()];
+  sums.store(lanes);
   float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t t = 0; t < n; ++t) {
+  for (int64_t i = 0; i < Vec::size(); ++i) sum += lanes[i];
+  for (; t < n; ++t) {
     s[t] = std::exp(s[t] - m);
     sum += s[t];
   }
