@@ -103,6 +103,7 @@ def attention_specs(quick: bool) -> list[Spec]:
 
 
 def row_specs(quick: bool) -> list[Spec]:
+    from kernels.triton.activation import GPU_BLOCK, _silu_and_mul_kernel
     from kernels.triton.launch import next_power_of_2, row_block
     from kernels.triton.norm import _rms_norm_kernel, norm_num_warps
     from kernels.triton.rotary import _rotary_kernel
@@ -130,6 +131,8 @@ def row_specs(quick: bool) -> list[Spec]:
         specs.append(Spec("rms_norm", _rms_norm_kernel, dtype, None, None, {},
                           {"HIDDEN": width, "HIDDEN_PAD": pad, "BLOCK_ROWS": rows, "HAS_RESIDUAL": residual},
                           norm_num_warps(pad, rows), extra={"hidden": width}))
+    for dtype in DTYPES:
+        specs.append(Spec("silu_and_mul", _silu_and_mul_kernel, dtype, None, None, {}, {"BLOCK": GPU_BLOCK}))
     return specs
 
 

@@ -22,7 +22,8 @@ def _aot(*args: str) -> tuple[int, list[dict]]:
 def test_every_kernel_compiles_for_a100_and_h100():
     code, records = _aot()
     assert code == 0, [r for r in records if not r["ok"]]
-    assert {r["kernel"] for r in records} == {"paged_attention", "merge_splits", "store_kv", "rotary", "rms_norm"}
+    assert {r["kernel"] for r in records} == {"paged_attention", "merge_splits", "store_kv", "rotary", "rms_norm",
+                                              "silu_and_mul"}
     assert {r["arch"] for r in records} == {80, 90}
     for record in records:
         assert record["ok"] and record["registers"] > 0, record

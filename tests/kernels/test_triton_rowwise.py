@@ -84,3 +84,12 @@ def test_rotary_matches_reference(dtype, head_dim):
     expected_q, expected_k = reference.rotary_embedding(q, k, positions, cos_sin_cache)
     _assert_close(actual_q, expected_q)
     _assert_close(actual_k, expected_k)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("rows_cols", [(1, 7), (5, 1408), (3, 5000)], ids=str)  # 5000: several column blocks on a GPU
+def test_silu_and_mul_matches_reference(dtype, rows_cols):
+    torch.manual_seed(0)
+    rows, cols = rows_cols
+    gate_up = (torch.randn(rows, 2 * cols) * 4).to(dtype)
+    _assert_close(kernels.silu_and_mul(gate_up, backend="triton"), reference.silu_and_mul(gate_up))
