@@ -68,11 +68,14 @@ class StopStrings:
         if self.stopped:
             return TextDelta("", True)
         pending = self._held + new_text
-        # A match starts in the held text or the new text: the earliest start wins.
-        starts = [len(self._held) + end - len(m.stop) for m in self._matchers if (end := m.feed(new_text)) is not None]
-        if starts:
+        # The first stop string to be complete wins (the earliest end; then the earliest start), as if
+        # the text had come one character at a time: generation stops there, so a longer stop string
+        # that began earlier but would end later never completes. A match may start in the held text.
+        found = [(end, end - len(m.stop)) for m in self._matchers if (end := m.feed(new_text)) is not None]
+        if found:
+            cut = len(self._held) + min(found)[1]
             self._held, self.stopped = "", True
-            return TextDelta(pending[: min(starts)], True)
+            return TextDelta(pending[:cut], True)
         keep = max((m.state for m in self._matchers), default=0)
         self._held = pending[len(pending) - keep :]
         return TextDelta(pending[: len(pending) - keep], False)

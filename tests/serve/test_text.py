@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -11,9 +12,13 @@ from pd.serve.text import StopStrings
 
 
 def reference(text: str, stops: list[str]) -> tuple[str, bool]:
-    """The whole text cut before the earliest occurrence of any stop string."""
-    starts = [text.find(s) for s in stops if s and s in text]
-    return (text[: min(starts)], True) if starts else (text, False)
+    """The whole text cut before the first stop string to be complete (the earliest end; then the earliest start).
+
+    Generation stops as soon as a stop string is complete, so a longer stop string
+    that began earlier but would end later never gets its ending generated.
+    """
+    found = [(text.find(s) + len(s), text.find(s)) for s in stops if s and s in text]
+    return (text[: min(found)[1]], True) if found else (text, False)
 
 
 def stream(pieces: list[str], stops: list[str]) -> tuple[str, bool]:
@@ -32,6 +37,12 @@ def stream(pieces: list[str], stops: list[str]) -> tuple[str, bool]:
        stops=st.lists(st.text(alphabet="abc", max_size=5), max_size=4))
 def test_streamed_stops_cut_exactly_where_the_whole_text_would(pieces, stops):
     assert stream(pieces, stops) == reference("".join(pieces), stops)
+
+
+@pytest.mark.parametrize("pieces", [["caa", "b"], ["caab"], ["c", "a", "a", "b"]], ids=str)
+def test_the_first_stop_string_to_complete_wins_wherever_the_pieces_break(pieces):
+    # "a" is complete at the first "a", before "caab" (which starts earlier) could be.
+    assert stream(pieces, ["a", "caab"]) == ("c", True)
 
 
 def test_text_that_may_start_a_stop_string_is_held_back():
