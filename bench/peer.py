@@ -69,9 +69,3 @@ class VllmPeer:
                 self.process.wait(timeout=60)
             except (OSError, subprocess.TimeoutExpired):
                 stop_process(self.process, timeout_s=10)
-
-    def __enter__(self) -> VllmPeer:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
