@@ -15,11 +15,14 @@ fp32 only; other dtypes take the reference.
 
 The extension is compiled with ``torch.utils.cpp_extension`` on first use
 (tens of seconds; ``build()`` runs it at engine start) and cached under
-``TORCH_EXTENSIONS_DIR``.
+``TORCH_EXTENSIONS_DIR``, in a folder named for this checkout: two checkouts
+sharing one folder would each rewrite the other's build file (it names its
+sources by path) and recompile on every start.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
@@ -57,12 +60,21 @@ def build():
 
             started = time.monotonic()
             _extension = load(
-                name="pd_cpu_kernels", sources=_SOURCES,
+                name="pd_cpu_kernels", sources=_SOURCES, build_directory=str(_build_directory()),
                 extra_cflags=["-O3", "-march=native", "-fopenmp", "-fopenmp-simd", *capability_flags()],
                 extra_ldflags=["-fopenmp"], verbose=False,
             )
             logger.info("cpu kernels ready in %.1f s", time.monotonic() - started)
         return _extension
+
+
+def _build_directory() -> Path:
+    from torch.utils.cpp_extension import get_default_build_root
+
+    checkout = hashlib.sha256(str(Path(__file__).resolve().parent).encode()).hexdigest()[:12]
+    directory = Path(get_default_build_root()) / f"pd_cpu_kernels-{checkout}"
+    directory.mkdir(parents=True, exist_ok=True)
+    return directory
 
 
 def unified_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, softmax_scale, *,

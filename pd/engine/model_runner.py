@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from pathlib import Path
 
@@ -10,7 +11,9 @@ import torch
 
 import kernels
 from pd.config import EngineConfig
+from pd.engine.logprobs import PromptLogprob, TopLogprobs, prompt_logprobs
 from pd.engine.outputs import ForwardInput, ForwardOutput, SchedulerOutput
+from pd.engine.request import Request
 from pd.engine.sampler import Sampler
 from pd.engine.cuda_graphs import DecodeGraphs
 from pd.model.attention import PAD_BLOCK_ID, AttentionMetadata
@@ -91,6 +94,9 @@ class ModelRunner:
         seq_lens: list[int] = []
         logits_indices: list[int] = []
         sampling_requests = []
+        prompt_indices: list[int] = []
+        prompt_targets: list[int] = []
+        prompt_rows = []
         for item, blocks in zip(out.scheduled, block_tables):
             request = item.request
             start = request.num_computed_tokens
@@ -103,11 +109,18 @@ class ModelRunner:
             if item.samples:
                 logits_indices.append(len(token_ids) - 1)
                 sampling_requests.append(request)
+            scored = _prompt_positions(request, start, end)
+            if scored:
+                offset = len(token_ids) - end  # the flat index of position 0
+                prompt_indices.extend(offset + p for p in scored)
+                prompt_targets.extend(request.token_ids[p + 1] for p in scored)
+                prompt_rows.append((request, len(scored)))
         max_blocks = max(len(b) for b in block_tables)
         table = list(itertools.chain.from_iterable(b + [PAD_BLOCK_ID] * (max_blocks - len(b)) for b in block_tables))
         int64s, int32s = copy_to_device(
-            [token_ids, positions, slots, logits_indices], [cu_seqlens, seq_lens, table], self.device)
-        token_ids_t, positions_t, slots_t, logits_indices_t = int64s
+            [token_ids, positions, slots, logits_indices + prompt_indices, prompt_targets],
+            [cu_seqlens, seq_lens, table], self.device)
+        token_ids_t, positions_t, slots_t, logits_indices_t, prompt_targets_t = int64s
         cu_seqlens_t, seq_lens_t, table_t = int32s
         attn = AttentionMetadata(
             slot_mapping=slots_t,
@@ -122,6 +135,8 @@ class ModelRunner:
             attn=attn,
             logits_indices=logits_indices_t,
             sampling_requests=sampling_requests,
+            prompt_rows=prompt_rows,
+            prompt_targets=prompt_targets_t if prompt_rows else None,
         )
 
     @torch.inference_mode()
@@ -131,6 +146,37 @@ class ModelRunner:
         if logits is None:
             logits = self.model.forward(batch.token_ids, batch.positions, batch.attn, self.kv_views,
                                         batch.logits_indices)
+        num_samples = len(batch.sampling_requests)
+        scores = self._prompt_logprobs(logits[num_samples:], batch) if batch.prompt_rows else {}
         if not batch.sampling_requests:
-            return ForwardOutput(sampled_token_ids=[], logprobs=None)
-        return self.sampler.sample(logits, batch.sampling_requests)
+            return ForwardOutput(sampled_token_ids=[], logprobs=None, prompt_logprobs=scores)
+        out = self.sampler.sample(logits[:num_samples], batch.sampling_requests)
+        return dataclasses.replace(out, prompt_logprobs=scores) if scores else out
+
+    @staticmethod
+    def _prompt_logprobs(logits: torch.Tensor, batch: ForwardInput) -> dict[str, list[PromptLogprob]]:
+        """Each prompt row's score, split by request (rows are in ``batch.prompt_rows`` order)."""
+        k = max(request.sampling_params.prompt_logprobs for request, _ in batch.prompt_rows)
+        scores = prompt_logprobs(logits, batch.prompt_targets, k)
+        out, start = {}, 0
+        for request, num_rows in batch.prompt_rows:
+            want = request.sampling_params.prompt_logprobs
+            out[request.request_id] = [
+                PromptLogprob(s.logprob, TopLogprobs(s.top.token_ids[:want], s.top.logprobs[:want]))
+                for s in scores[start : start + num_rows]
+            ]
+            start += num_rows
+        return out
+
+
+def _prompt_positions(request: Request, start: int, end: int) -> range:
+    """The positions in ``[start, end)`` whose logits score a prompt token not yet scored.
+
+    Position ``p`` scores token ``p + 1``; the request has scored the first
+    ``len(request.prompt_logprobs)`` (position 0 onwards), and a preempted one
+    recomputes positions it has already scored.
+    """
+    if request.num_prompt_logprobs_missing <= 0:
+        return range(0)
+    first = max(start, len(request.prompt_logprobs))
+    return range(first, min(end, request.num_prompt_tokens - 1))

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pd.engine.logprobs import PromptLogprob, TopLogprobs
 from pd.engine.request import FinishReason, KVSource, Request
 from pd.model.attention import AttentionMetadata
 
@@ -44,8 +45,12 @@ class ForwardInput:
     token_ids: torch.Tensor  # int64 [num_tokens]
     positions: torch.Tensor  # int64 [num_tokens]
     attn: AttentionMetadata
-    logits_indices: torch.Tensor  # int64 [num_samples]
-    sampling_requests: list[Request]  # one per logits row
+    # int64 [num_samples + num_prompt_rows]: the sampled rows, then the prompt rows scored for logprobs.
+    logits_indices: torch.Tensor
+    sampling_requests: list[Request]  # one per sampled row
+    # Requests asking for prompt logprobs, with how many rows of this step score their prompt (in order).
+    prompt_rows: list[tuple[Request, int]] = field(default_factory=list)
+    prompt_targets: torch.Tensor | None = None  # int64 [num_prompt_rows]: the token each prompt row scores
 
 
 @dataclass(frozen=True)
@@ -58,6 +63,10 @@ class ForwardOutput:
     sampled_token_ids: list[int | None]
     logprobs: list[float] | None
     errors: dict[int, str] = field(default_factory=dict)
+    # Per sampled row, when any request asked for alternatives (None for the rows that did not).
+    top_logprobs: list[TopLogprobs | None] | None = None
+    # Prompt scores computed this step, by request id, in prompt order.
+    prompt_logprobs: dict[str, list[PromptLogprob]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -75,3 +84,6 @@ class RequestOutput:
     # Prefill role: the encoded KVHandle of the pinned prompt blocks, on the finishing output.
     kv_handle: bytes | None = None
     error: str | None = None  # with FinishReason.ERROR: why this request failed
+    new_top_logprobs: list[TopLogprobs] = field(default_factory=list)  # with new_logprobs, when asked for
+    # On the output that carries the first sampled token, when asked for: every prompt token's score.
+    prompt_logprobs: list[PromptLogprob] | None = None

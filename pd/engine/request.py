@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from pd.engine.logprobs import PromptLogprob
 from pd.sampling_params import SamplingParams
 from transfer.wire import KVHandle
 
@@ -73,6 +74,9 @@ class Request:
     num_preemptions: int = 0
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
+    # The prompt's scores so far (see pd.engine.logprobs), when the request asks for them.
+    prompt_logprobs: list[PromptLogprob] = field(default_factory=list)
+    prompt_logprobs_reported: bool = False
     # Chained hashes of the full blocks of ``token_ids`` (see router.hashing).
     block_hashes: list[bytes] = field(default_factory=list)
     # Prefill role: on finishing, keep the blocks pinned under a lease for a decode replica.
@@ -96,6 +100,13 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def num_prompt_logprobs_missing(self) -> int:
+        """Prompt tokens still to score: 0 unless the request asks for prompt logprobs."""
+        if self.sampling_params.prompt_logprobs is None:
+            return 0
+        return self.num_prompt_tokens - 1 - len(self.prompt_logprobs)
 
     @property
     def is_finished(self) -> bool:

@@ -16,6 +16,7 @@ import logging
 
 import torch
 
+from pd.engine.logprobs import TopLogprobs, top_logprobs
 from pd.engine.outputs import ForwardOutput
 from pd.engine.request import Request
 
@@ -67,11 +68,24 @@ class Sampler:
             except RuntimeError as exc:  # this request's draw alone: fail it, keep the batch
                 logger.warning("request %s: sampling failed: %s", request.request_id, exc)
                 errors[row] = f"sampling failed: {exc}"
-        logprobs = None
-        if any(r.sampling_params.logprobs is not None for r in requests):
-            logprobs = torch.log_softmax(logits, dim=-1).gather(1, token_ids[:, None]).squeeze(1).tolist()
+        logprobs, tops = self._logprobs(logits, token_ids, requests)
         sampled = [None if row in errors else token for row, token in enumerate(token_ids.tolist())]
-        return ForwardOutput(sampled_token_ids=sampled, logprobs=logprobs, errors=errors)
+        return ForwardOutput(sampled_token_ids=sampled, logprobs=logprobs, errors=errors, top_logprobs=tops)
+
+    @staticmethod
+    def _logprobs(logits: torch.Tensor, token_ids: torch.Tensor, requests: list[Request]):
+        """The sampled tokens' raw log-probabilities, and each row's top alternatives where asked for."""
+        wanted = [r.sampling_params.logprobs for r in requests]
+        if all(k is None for k in wanted):
+            return None, None
+        all_logprobs = torch.log_softmax(logits, dim=-1)
+        logprobs = all_logprobs.gather(1, token_ids[:, None]).squeeze(1).tolist()
+        max_k = max(k or 0 for k in wanted)
+        if max_k == 0:
+            return logprobs, None
+        top = top_logprobs(all_logprobs, max_k)
+        tops = [None if k is None else TopLogprobs(t.token_ids[:k], t.logprobs[:k]) for k, t in zip(wanted, top)]
+        return logprobs, tops
 
     def _sample_row(self, logits: torch.Tensor, request: Request) -> torch.Tensor:
         params = request.sampling_params

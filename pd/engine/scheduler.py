@@ -16,6 +16,7 @@ lands it joins ``running`` as a decode; when it fails it goes back to
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 
@@ -82,7 +83,10 @@ class Scheduler:
                 continue
             if budget <= 0:
                 break
-            prefix = self.kv_cache.match_prefix(request) if request.num_computed_tokens == 0 else NO_MATCH
+            # A request scoring its prompt computes all of it: cached tokens would have no scores.
+            scores_prompt = request.num_prompt_logprobs_missing > 0
+            prefix = self.kv_cache.match_prefix(request) \
+                if request.num_computed_tokens == 0 and not scores_prompt else NO_MATCH
             num_new = min(request.num_tokens - request.num_computed_tokens - prefix.num_tokens, budget)
             if not self.kv_cache.allocate_slots(request, num_new, prefix):
                 break
@@ -152,10 +156,12 @@ class Scheduler:
             request = item.request
             request.num_computed_tokens += item.num_new_tokens
             self.kv_cache.cache_blocks(request)
+            request.prompt_logprobs += forward.prompt_logprobs.get(request.request_id, ())
             if not item.samples:
                 continue
             token_id = forward.sampled_token_ids[sample_index]
             logprob = forward.logprobs[sample_index] if forward.logprobs is not None else None
+            top = forward.top_logprobs[sample_index] if forward.top_logprobs is not None else None
             error = forward.errors.get(sample_index)
             sample_index += 1
             if error is not None:
@@ -167,7 +173,12 @@ class Scheduler:
                                    request.num_tokens, self.config.max_model_len, request.eos_token_ids)
             if reason is not None:
                 self._finish(request, reason)
-            results.append(self._output(request, [token_id], [logprob] if logprob is not None else [], reason))
+            output = self._output(request, [token_id], [logprob] if logprob is not None else [], reason)
+            output.new_top_logprobs.extend([top] if top is not None else [])
+            if request.sampling_params.prompt_logprobs is not None and not request.prompt_logprobs_reported:
+                request.prompt_logprobs_reported = True  # the prompt is whole by its first sample
+                output = dataclasses.replace(output, prompt_logprobs=list(request.prompt_logprobs))
+            results.append(output)
         if any(r.finished for r in results):
             self.running = [r for r in self.running if not r.is_finished]
         return results

@@ -177,6 +177,8 @@ class AppArgs(_Strict):
     # text is scanned once per stop string, so a client's list must not cost others time.
     max_stop_strings: int = Field(16, ge=0)
     max_stop_chars: int = Field(4096, ge=0)
+    # The most choices one request may ask for (``n``, and ``best_of`` on completions).
+    max_n: int = Field(8, ge=1, le=128)
     # How many times one stream may move to another decode replica when its replica is lost.
     max_migrations: int = Field(1, ge=0)
     # Threads that tokenize prompts and render chat templates, off the ingress's event loop.

@@ -60,4 +60,6 @@ class DecodeServer(EngineServer):
                     num_cached_tokens=out.num_cached_tokens,
                     kv_source=out.kv_source,
                     error=out.error or "",
+                    top_logprobs=tuple(out.new_top_logprobs),
+                    prompt_logprobs=tuple(out.prompt_logprobs) if out.prompt_logprobs is not None else None,
                 ).encode()

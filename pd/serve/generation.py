@@ -20,11 +20,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from ray.exceptions import RayActorError
 
+from pd.engine.logprobs import PromptLogprob, TopLogprobs
 from pd.engine.request import FinishReason, KVSource, finish_reason
 from pd.sampling_params import SamplingParams
 from pd.serve.args import AppArgs
@@ -61,6 +62,9 @@ class GenerationEvent:
     finish_reason: str | None  # "stop" or "length" on the last event
     num_prompt_tokens: int
     num_output_tokens: int
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)  # one per token, when asked for
+    prompt_logprobs: list[PromptLogprob] | None = None  # once, with the first token, when asked for
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache served where the prompt ran
 
 
 class StreamTracker:
@@ -74,8 +78,10 @@ class StreamTracker:
         self.token_ids: list[int] = []  # every token streamed so far
         self.started = self.last_token_at = time.monotonic()
         self.first_token_at: float | None = None
+        self.num_cached_tokens = 0  # set by whoever learns where the prompt ran
 
-    def add(self, token_ids: list[int], logprobs: list[float], reason: FinishReason | None) -> GenerationEvent:
+    def add(self, token_ids: list[int], logprobs: list[float], reason: FinishReason | None, *,
+            top_logprobs=(), prompt_logprobs=None) -> GenerationEvent:
         """The event for new tokens; ``reason`` is the engine's. A stop string may end the request first."""
         now = time.monotonic()
         if self.first_token_at is None:
@@ -100,7 +106,9 @@ class StreamTracker:
             self.metrics.e2e.observe(now - self.started)
             if self.first_token_at is not None:
                 self.metrics.decode.observe(now - self.first_token_at)
-        return GenerationEvent(token_ids, text, logprobs, out_reason, self.num_prompt_tokens, self.num_output_tokens)
+        return GenerationEvent(token_ids, text, logprobs, out_reason, self.num_prompt_tokens, self.num_output_tokens,
+                               list(top_logprobs), None if prompt_logprobs is None else list(prompt_logprobs),
+                               self.num_cached_tokens)
 
 
 class Lease:
@@ -248,15 +256,26 @@ class PoolClient:
     def release_lease(self, result: PrefillResult) -> None:
         self._release(result.request_id, result.replica_id)
 
+    def decode_replica_of(self, request_id: str) -> str | None:
+        """The decode replica a request's stream was routed to (None before it is routed)."""
+        return self.decode_routing.routed_replica(request_id)
+
     async def generate(
-        self, request_id: str, token_ids: list[int], params: SamplingParams, stop: list[str]
+        self, request_id: str, token_ids: list[int], params: SamplingParams, stop: list[str],
+        decode_replica: str | None = None,
     ) -> AsyncIterator[GenerationEvent]:
-        """Run one request; the last event carries the finish reason."""
+        """Run one request; the last event carries the finish reason.
+
+        ``decode_replica`` pins the request to that decode replica, prefilled
+        there (it holds the prompt's KV already: see ``pd.serve.choices``).
+        """
         tracker = StreamTracker(self.metrics, TextStream(self.tokenizer, token_ids, stop), len(token_ids))
         hints = RouteHints(request_id=request_id, num_prompt_tokens=len(token_ids),
-                           block_hashes=tuple(hash_block_tokens(token_ids, self.args.engine.block_size)))
+                           block_hashes=tuple(hash_block_tokens(token_ids, self.args.engine.block_size)),
+                           target_replica_id=decode_replica)
         request = PoolRequest(request_id=request_id, token_ids=tuple(token_ids), sampling=params)
-        prefilled = await self.remote_prefill(request, hints) if self.wants_remote_prefill(hints) else None
+        remote = decode_replica is None and self.wants_remote_prefill(hints)
+        prefilled = await self.remote_prefill(request, hints) if remote else None
         if prefilled is None:
             async for event in self._decode(request, hints, tracker, None):
                 yield event
@@ -265,13 +284,17 @@ class PoolClient:
             first = prefilled.first_token_id
             reason = finish_reason(params, first, 1, len(token_ids) + 1, self.max_model_len, self.eos_token_ids)
             logprobs = [prefilled.first_logprob] if prefilled.first_logprob is not None else []
-            event = tracker.add([first], logprobs, reason)
+            top = [prefilled.first_top_logprobs] if prefilled.first_top_logprobs is not None else []
+            tracker.num_cached_tokens = prefilled.num_cached_tokens
+            event = tracker.add([first], logprobs, reason, top_logprobs=top, prompt_logprobs=prefilled.prompt_logprobs)
             if event.finish_reason is not None:
                 self.metrics.prefill_path.inc(tags={"path": KVSource.REMOTE.value})
                 yield event
                 return
             yield event  # a client leaving here ends the lease on the way out
-            request = request.replace(kv_handle=prefilled.kv_handle, first_token_id=first)
+            # The prompt was scored where it ran; the decode replica only continues.
+            request = request.replace(kv_handle=prefilled.kv_handle, first_token_id=first,
+                                      sampling=params.replace(prompt_logprobs=None))
             async for event in self._decode(request, hints, tracker, lease):
                 yield event
 
@@ -304,10 +327,11 @@ class PoolClient:
         """
         request_id = f"{prompt.request_id}-m{migration}"
         params = prompt.sampling
-        if output:
+        if output:  # the prompt's scores, if asked for, went out with the first token
             request = PoolRequest(request_id=request_id, token_ids=prompt.token_ids + tuple(output[:-1]),
-                                  sampling=params.replace(max_tokens=params.max_tokens - len(output) + 1),
-                                  first_token_id=output[-1])
+                                  sampling=params.replace(max_tokens=params.max_tokens - len(output) + 1,
+                                                          prompt_logprobs=None),
+                                  first_token_id=output[-1], num_generated=len(output) - 1)
         else:
             request = prompt.replace(request_id=request_id, kv_handle=None, first_token_id=None)
         hints = RouteHints(request_id=request_id, num_prompt_tokens=len(request.token_ids),
@@ -332,7 +356,10 @@ class PoolClient:
                     self.metrics.prefill_path.inc(tags={"path": chunk.kv_source.value})
                     if lease is not None:
                         lease.settle(chunk.kv_source)
-                event = tracker.add(list(chunk.token_ids), list(chunk.logprobs), chunk.finish_reason)
+                    if chunk.kv_source is not KVSource.REMOTE and not tracker.token_ids:
+                        tracker.num_cached_tokens = chunk.num_cached_tokens  # the prompt ran here
+                event = tracker.add(list(chunk.token_ids), list(chunk.logprobs), chunk.finish_reason,
+                                    top_logprobs=chunk.top_logprobs, prompt_logprobs=chunk.prompt_logprobs)
                 engine_finished = chunk.finish_reason is not None
                 yield event
                 if event.finish_reason is not None:

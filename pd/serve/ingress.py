@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import uuid
+from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -21,12 +22,15 @@ from ray import serve
 from pd.model.config import load_model_config
 from pd.model.paths import resolve_model_path
 from pd.model.tokenizer import Tokenizer
-from pd.sampling_params import SamplingParams
+from pd.sampling_params import SamplingParams, StructuredOutput
 from pd.serve.args import AppArgs
 from pd.serve.body_limit import BodyLimit
+from pd.serve.choices import run_choices
 from pd.serve.generation import GenerationEvent, PoolClient, RequestFailedError
 from pd.serve.handle_api import GenerateChunk, GenerateRequest
+from pd.serve.openai_render import ChatRenderer, ChoiceOutput, CompletionRenderer
 from pd.serve.prompts import PromptEncoder
+from pd.serve.tools import tool_call_mode
 from pd.serve.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -130,6 +134,21 @@ def _sse(payload: Any) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
 
+@dataclass(frozen=True)
+class _Call:
+    """One HTTP request's identity, as every frame of its response repeats it."""
+
+    rid: str
+    model: str
+    kind: str  # the response object's "object"
+    num_prompt_tokens: int
+    generate: bool  # False for echo with max_tokens=0: no completion tokens
+    body: Any
+
+    def frame(self, choices: list[dict]) -> dict:
+        return {"id": self.rid, "object": self.kind, "created": now(), "model": self.model, "choices": choices}
+
+
 @serve.deployment(name="Ingress")
 @serve.ingress(app)
 class Ingress:
@@ -150,6 +169,8 @@ class Ingress:
                                      self.args.tokenizer_threads, self.args.max_stop_strings, self.args.max_stop_chars)
         self._api_keys = configured_api_keys(self.args.api_keys, os.environ.get(self.args.api_keys_env, ""))
         app.state.max_request_body_bytes = self.args.max_request_body_bytes
+        self.vocab_size = model_config.vocab_size
+        self._grammar_compiler = None
 
     # Input checks shared by every entry point --------------------------------
 
@@ -170,9 +191,10 @@ class Ingress:
             raise OpenAIError(404, f"model {model!r} does not exist; this server has "
                                    f"{self.args.served_model_name!r}", param="model", code="model_not_found")
 
-    def _params(self, body, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _params(self, body, max_tokens: int | None, logprobs: int | None, structured: StructuredOutput | None,
+                prompt_logprobs: int | None = None) -> SamplingParams:
         try:
-            return body.sampling_params(max_tokens, logprobs)
+            return body.sampling_params(max_tokens, logprobs, structured, prompt_logprobs)
         except ValueError as exc:
             raise OpenAIError(400, str(exc)) from None
 
@@ -193,95 +215,117 @@ class Ingress:
     async def completions(self, body: CompletionRequest, request: Request):
         self._authorize(request)
         self._check_model(body.model)
-        token_ids = await self.prompts.encode(body.single_prompt())
-        params = self._params(body, body.max_tokens, body.logprobs)
+        prompt = body.single_prompt()
+        token_ids = await self.prompts.encode(prompt)
+        n, num_runs = self._num_choices(body.n, body.best_of)
+        generate = body.max_tokens != 0  # max_tokens=0 (with echo): the prompt's scores alone
+        # best_of ranks its runs by their log-probability, asked for or not.
+        run_logprobs = body.logprobs if num_runs == n else (body.logprobs or 0)
+        prompt_logprobs = body.logprobs if body.echo else None
+        structured = await self._check_structured(body.structured_output())
+        params = self._params(body, body.max_tokens if generate else 1, run_logprobs, structured, prompt_logprobs)
         self.prompts.check_lengths(token_ids, params)
-        rid = completion_id("cmpl")
-        events = with_deadline(self.pools.generate(rid, token_ids, params, self.prompts.check_stop(body.stop_strings())),
-                               self.args.request_timeout_s)
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-
-        def choice(event: GenerationEvent) -> dict:
-            logprobs = None
-            if body.logprobs is not None:
-                logprobs = {"tokens": [self._token_text(t) for t in event.token_ids],
-                            "token_logprobs": event.logprobs, "top_logprobs": None}
-            return {"index": 0, "text": event.text, "logprobs": logprobs, "finish_reason": event.finish_reason}
-
-        def frame(event: GenerationEvent) -> dict:
-            return {"id": rid, "object": "text_completion", "created": now(), "model": body.model,
-                    "choices": [choice(event)]}
-
+        stop = self.prompts.check_stop(body.stop_strings())
+        echo_text = None
+        if body.echo:
+            echo_text = prompt if isinstance(prompt, str) else self._decode(token_ids)
+        renderer = CompletionRenderer(self._token_text, body.logprobs, token_ids, echo_text, generate)
+        call = _Call(completion_id("cmpl"), body.model, "text_completion", len(token_ids), generate, body)
+        events = self._choices(call.rid, token_ids, params, stop, num_runs)
         if body.stream:
-            return self._stream(events, frame, include_usage, rid, body.model, "text_completion")
-        return await self._collect(events, frame, merge_text=("text",))
+            return self._stream(events, renderer, call)
+        return await self._collect(events, renderer, call, n)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
         self._authorize(request)
         self._check_model(body.model)
+        tools, tool_constraint = tool_call_mode(body)
         token_ids = await self.prompts.chat(body.chat_messages())
-        params = self._params(body, body.max_completion_tokens or body.max_tokens, None)
+        n, _ = self._num_choices(body.n, None)
+        structured = await self._check_structured(tool_constraint or body.structured_output())
+        params = self._params(body, body.max_completion_tokens or body.max_tokens, body.logprobs_k(), structured)
         self.prompts.check_lengths(token_ids, params)
-        rid = completion_id("chatcmpl")
-        events = with_deadline(self.pools.generate(rid, token_ids, params, self.prompts.check_stop(body.stop_strings())),
-                               self.args.request_timeout_s)
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-
+        stop = self.prompts.check_stop(body.stop_strings())
+        renderer = ChatRenderer(self._token_text, body.logprobs_k(), tools)
+        kind = "chat.completion.chunk" if body.stream else "chat.completion"
+        call = _Call(completion_id("chatcmpl"), body.model, kind, len(token_ids), True, body)
+        events = self._choices(call.rid, token_ids, params, stop, n)
         if body.stream:
-            first = [True]
+            return self._stream(events, renderer, call)
+        return await self._collect(events, renderer, call, n)
 
-            def chunk(event: GenerationEvent) -> dict:
-                delta = {"content": event.text}
-                if first[0]:
-                    delta["role"] = "assistant"
-                    first[0] = False
-                return {"id": rid, "object": "chat.completion.chunk", "created": now(), "model": body.model,
-                        "choices": [{"index": 0, "delta": delta, "finish_reason": event.finish_reason}]}
+    def _num_choices(self, n: int, best_of: int | None) -> tuple[int, int]:
+        """``(choices returned, sequences run)``, within ``max_n``."""
+        runs = best_of or n
+        if runs > self.args.max_n:
+            param = "n" if best_of is None else "best_of"
+            raise OpenAIError(400, f"{param}={runs} is more than this server's max_n ({self.args.max_n})", param=param)
+        return n, runs
 
-            return self._stream(events, chunk, include_usage, rid, body.model, "chat.completion.chunk")
+    async def _check_structured(self, constraint: StructuredOutput | None) -> StructuredOutput | None:
+        """``constraint``, once it compiles; a bad schema or regex is the client's 400, never a replica's error."""
+        if constraint is not None:
+            try:
+                await self.prompts.run(self._grammars().compile, constraint)
+            except ValueError as exc:
+                raise OpenAIError(400, str(exc), param="response_format") from None
+        return constraint
 
-        def message(event: GenerationEvent) -> dict:
-            return {"id": rid, "object": "chat.completion", "created": now(), "model": body.model,
-                    "choices": [{"index": 0, "message": {"role": "assistant", "content": event.text},
-                                 "finish_reason": event.finish_reason}]}
+    def _grammars(self):
+        """The ingress's grammar compiler, made on the first structured request (xgrammar loads lazily)."""
+        if self._grammar_compiler is None:
+            from pd.engine.structured import GrammarCompiler
 
-        return await self._collect(events, message, merge_text=("message", "content"))
+            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.pools.eos_token_ids)
+        return self._grammar_compiler
+
+    def _choices(self, rid: str, token_ids: list[int], params: SamplingParams, stop: list[str], n: int):
+        return with_deadline(run_choices(self.pools, rid, token_ids, params, stop, n), self.args.request_timeout_s)
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False) if self.tokenizer else ""
 
-    async def _collect(self, events: AsyncIterator[GenerationEvent], render, merge_text: tuple[str, ...]) -> dict:
-        texts, token_ids, logprobs, last = [], [], [], None
-        async for event in events:
-            texts.append(event.text)
-            token_ids.extend(event.token_ids)
-            logprobs.extend(event.logprobs)
-            last = event
-        merged = GenerationEvent(token_ids, "".join(texts), logprobs, last.finish_reason,
-                                 last.num_prompt_tokens, last.num_output_tokens)
-        response = render(merged)
-        response["usage"] = usage(last.num_prompt_tokens, last.num_output_tokens)
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=False) if self.tokenizer else ""
+
+    async def _collect(self, events, renderer, call: "_Call", n: int) -> dict:
+        outputs: dict[int, ChoiceOutput] = {}
+        async for index, event in events:
+            outputs.setdefault(index, ChoiceOutput()).add(event)
+        runs = [outputs[i] for i in sorted(outputs)]
+        if len(runs) > n:  # best_of: the n runs the model finds most likely
+            runs = sorted(runs, key=lambda out: sum(out.logprobs), reverse=True)[:n]
+        response = call.frame([renderer.choice(i, out) for i, out in enumerate(runs)])
+        completion_tokens = sum(out.num_output_tokens for out in outputs.values()) if call.generate else 0
+        response["usage"] = usage(call.num_prompt_tokens, completion_tokens, runs[0].num_cached_tokens)
         return response
 
-    def _stream(self, events, render, include_usage: bool, rid: str, model: str, kind: str) -> StreamingResponse:
+    def _stream(self, events, renderer, call: "_Call") -> StreamingResponse:
         async def body() -> AsyncIterator[str]:
-            last = None
+            num_output_tokens: dict[int, int] = {}
+            num_cached_tokens = 0
             try:
-                async for event in events:
-                    last = event
-                    yield _sse(render(event))
+                async for index, event in events:
+                    num_output_tokens[index] = event.num_output_tokens if call.generate else 0
+                    num_cached_tokens = event.num_cached_tokens if index == 0 else num_cached_tokens
+                    frame = call.frame([renderer.delta(index, event)])
+                    if call.body.continuous_usage:
+                        frame["usage"] = usage(call.num_prompt_tokens, sum(num_output_tokens.values()),
+                                               num_cached_tokens)
+                    yield _sse(frame)
             except OpenAIError as exc:
                 yield _sse(exc.body())
                 return
             except Exception as exc:  # noqa: BLE001 - the stream must end with an error event, not a hang
                 status, message, kind_name = _classify(exc)
-                logger.warning("stream %s failed: %r", rid, exc)
+                logger.warning("stream %s failed: %r", call.rid, exc)
                 yield _sse(OpenAIError(status, message, type=kind_name).body())
                 return
-            if include_usage and last is not None:
-                yield _sse({"id": rid, "object": kind, "created": now(), "model": model, "choices": [],
-                            "usage": usage(last.num_prompt_tokens, last.num_output_tokens)})
+            if call.body.include_usage:
+                final = call.frame([])
+                final["usage"] = usage(call.num_prompt_tokens, sum(num_output_tokens.values()), num_cached_tokens)
+                yield _sse(final)
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(body(), media_type="text/event-stream")

@@ -1,19 +1,23 @@
 """The OpenAI-compatible HTTP schema: request models, error bodies, response shapes.
 
 Unknown field names are refused with 400. Fields of the OpenAI schema that
-this server does not implement are accepted at their neutral values and
-refused, naming the field, otherwise.
+ask for no behaviour (``store``, ``metadata``, ``service_tier``, ``user``,
+``parallel_tool_calls``) are accepted at any value; fields that would change
+the output and are not implemented are accepted only at their neutral values
+and refused otherwise, naming the field. Unknown keys inside
+``stream_options`` are ignored, as OpenAI's clients add new ones freely.
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, model_validator
 
-from pd.sampling_params import SamplingParams
+from pd.sampling_params import MAX_TOP_LOGPROBS, SamplingParams, StructuredKind, StructuredOutput
 
 # Seeds seed a torch.Generator: a signed 64-bit integer (SamplingParams checks the same).
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
@@ -33,6 +37,7 @@ Text = Annotated[str, AfterValidator(_unicode)]
 # Token ids: integers, never booleans.
 TokenIds = list[StrictInt]
 Seed = Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)]
+TopK = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]
 
 
 class OpenAIError(Exception):
@@ -56,8 +61,41 @@ def unsupported(field: str, value: Any) -> OpenAIError:
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="ignore")
     include_usage: bool = False
+    # vLLM's extension: usage in every chunk, not only in a last one.
+    continuous_usage_stats: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str = "response"
+    description: str | None = None
+    json_schema: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> "ResponseFormat":
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required with type 'json_schema', and only with it")
+        return self
+
+
+def _schema_text(schema: dict[str, Any] | str, field: str) -> str:
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError as exc:
+            raise OpenAIError(400, f"{field} is not valid JSON: {exc}", param=field) from None
+    if not isinstance(schema, dict):
+        raise OpenAIError(400, f"{field} must be a JSON schema object", param=field)
+    return json.dumps(schema)
 
 
 class _Common(BaseModel):
@@ -67,18 +105,26 @@ class _Common(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    n: int = 1
+    n: int = Field(1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: Text | list[Text] | None = None
     seed: Seed | None = None
-    user: str | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
+    # Accepted at any value: they ask for no behaviour of the model.
+    user: str | None = None
+    store: bool | None = None
+    metadata: dict[str, Any] | None = None
+    service_tier: str | None = None
     # Extensions, as in vLLM.
     top_k: int | None = Field(None, ge=1)
     ignore_eos: bool = False
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[Text] | None = Field(None, min_length=1)
 
     def _check_neutral(self, neutral: dict[str, tuple]) -> None:
         for name, allowed in neutral.items():
@@ -91,7 +137,38 @@ class _Common(BaseModel):
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and (self.stream_options.include_usage
+                                             or self.stream_options.continuous_usage_stats))
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+    def structured_output(self) -> StructuredOutput | None:
+        """The grammar the output must follow, from ``response_format`` or a ``guided_*`` extension."""
+        given = [name for name in ("guided_json", "guided_regex", "guided_choice") if getattr(self, name) is not None]
+        if self.response_format is not None and self.response_format.type != "text":
+            given.append("response_format")
+        if len(given) > 1:
+            raise OpenAIError(400, f"give at most one output constraint; got {', '.join(given)}", param=given[1])
+        if not given:
+            return None
+        if given[0] == "guided_json":
+            return StructuredOutput(kind=StructuredKind.JSON_SCHEMA, spec=_schema_text(self.guided_json, "guided_json"))
+        if given[0] == "guided_regex":
+            return StructuredOutput(kind=StructuredKind.REGEX, spec=self.guided_regex)
+        if given[0] == "guided_choice":
+            return StructuredOutput(kind=StructuredKind.CHOICE, spec=json.dumps(self.guided_choice))
+        if self.response_format.type == "json_object":
+            return StructuredOutput(kind=StructuredKind.JSON_OBJECT)
+        schema = _schema_text(self.response_format.json_schema.json_schema, "response_format.json_schema.schema")
+        return StructuredOutput(kind=StructuredKind.JSON_SCHEMA, spec=schema)
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        structured: StructuredOutput | None = None, prompt_logprobs: int | None = None
+                        ) -> SamplingParams:
         return SamplingParams(
             max_tokens=max_tokens if max_tokens is not None else 16,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -100,22 +177,32 @@ class _Common(BaseModel):
             seed=self.seed,
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            structured=structured,
         )
 
 
 class CompletionRequest(_Common):
     prompt: Text | TokenIds | list[Text] | list[TokenIds]
-    logprobs: int | None = Field(None, ge=0, le=5)
+    # 0 asks for nothing to generate: with echo, only the prompt's scores come back.
+    max_tokens: int | None = Field(None, ge=0)
+    logprobs: TopK | None = None
     echo: bool = False
-    best_of: int | None = None
+    best_of: int | None = Field(None, ge=1)
     suffix: str | None = None
 
     @model_validator(mode="after")
     def _neutral(self) -> "CompletionRequest":
         self._check_neutral({
-            "n": (1,), "echo": (False,), "best_of": (None, 1), "suffix": (None, ""),
-            "presence_penalty": (0.0,), "frequency_penalty": (0.0,), "logit_bias": (None, {}),
+            "suffix": (None, ""), "presence_penalty": (0.0,), "frequency_penalty": (0.0,), "logit_bias": (None, {}),
         })
+        if self.max_tokens == 0 and not self.echo:
+            raise OpenAIError(400, "max_tokens=0 asks for nothing; it is only allowed with echo=true",
+                              param="max_tokens")
+        if self.best_of is not None and self.best_of < self.n:
+            raise OpenAIError(400, f"best_of ({self.best_of}) must be at least n ({self.n})", param="best_of")
+        if self.best_of not in (None, self.n) and self.stream:
+            raise OpenAIError(400, "best_of > n cannot be streamed", param="best_of")
         return self
 
     def single_prompt(self) -> str | list[int]:
@@ -149,39 +236,64 @@ class ChatMessage(BaseModel):
         return "".join(parts)
 
 
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: dict[Literal["name"], str]
+
+
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    top_logprobs: TopK | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    # Accepted at any value: a forced tool choice makes exactly one call, which either value allows.
     parallel_tool_calls: bool | None = None
-    response_format: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _neutral(self) -> "ChatCompletionRequest":
-        self._check_neutral({
-            "n": (1,), "presence_penalty": (0.0,), "frequency_penalty": (0.0,), "logit_bias": (None, {}),
-            "logprobs": (False,), "top_logprobs": (None, 0), "tools": (None, []), "tool_choice": (None, "none"),
-            "response_format": (None, {"type": "text"}),
-        })
+        self._check_neutral({"presence_penalty": (0.0,), "frequency_penalty": (0.0,), "logit_bias": (None, {})})
+        if self.top_logprobs is not None and not self.logprobs:
+            raise OpenAIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         return self
 
     def chat_messages(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        """The messages as the chat template takes them; ``developer`` is the newer name of ``system``."""
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+
+    def logprobs_k(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 def completion_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
+    out = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+    if cached_tokens is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return out
 
 
 def now() -> int:

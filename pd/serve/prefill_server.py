@@ -44,6 +44,8 @@ class PrefillServer(EngineServer):
             first_logprob=last.new_logprobs[0] if last.new_logprobs else None,
             kv_handle=last.kv_handle,
             num_cached_tokens=last.num_cached_tokens,
+            first_top_logprobs=last.new_top_logprobs[0] if last.new_top_logprobs else None,
+            prompt_logprobs=tuple(last.prompt_logprobs) if last.prompt_logprobs is not None else None,
         ).encode()
 
     async def release(self, hints: bytes, data: bytes) -> None:

@@ -46,19 +46,19 @@ class PromptEncoder:
         if self.tokenizer is None:
             raise OpenAIError(400, "this model has no tokenizer; send the prompt as token ids", param="prompt")
         self._check_chars(prompt, "prompt")
-        return await self._run(self.tokenizer.encode, prompt, add_special_tokens)
+        return await self.run(self.tokenizer.encode, prompt, add_special_tokens)
 
     async def chat(self, messages: list[dict[str, str]]) -> list[int]:
         if self.tokenizer is None:
             raise OpenAIError(400, "this model has no tokenizer or chat template", param="messages")
         self._check_chars("".join(m["content"] for m in messages), "messages")
         try:
-            text = await self._run(self.tokenizer.apply_chat_template, messages)
+            text = await self.run(self.tokenizer.apply_chat_template, messages)
         except ValueError as exc:
             raise OpenAIError(400, str(exc), param="messages") from None
         self._check_chars(text, "messages")
         # The template writes BOS itself.
-        return await self._run(self.tokenizer.encode, text, False)
+        return await self.run(self.tokenizer.encode, text, False)
 
     def check_lengths(self, token_ids: list[int], params: SamplingParams) -> None:
         if not token_ids:
@@ -89,5 +89,6 @@ class PromptEncoder:
             raise OpenAIError(400, f"{param} has {len(text)} characters: more than {self.max_model_len - 1} tokens "
                                    "however it is tokenized", param=param, code="context_length_exceeded")
 
-    async def _run(self, fn, *args):
+    async def run(self, fn, *args):
+        """``fn(*args)`` on the tokenizer threads: client-controlled work kept off the event loop."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)

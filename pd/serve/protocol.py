@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from pd.engine.logprobs import PromptLogprob, TopLogprobs
 from pd.engine.request import FinishReason, KVSource
 from pd.sampling_params import SamplingParams
 from transfer.wire import NonNegativeInt, WireMessage
@@ -31,6 +32,9 @@ class PoolRequest(WireMessage, frozen=True, kw_only=True):
     sampling: SamplingParams
     kv_handle: bytes | None = None
     first_token_id: NonNegativeInt | None = None
+    # The last ``num_generated`` of ``token_ids`` are output already streamed (a stream that moved
+    # replicas): a structured-output grammar replays them before continuing.
+    num_generated: NonNegativeInt = 0
 
 
 class PoolControl(WireMessage, frozen=True, kw_only=True):
@@ -43,7 +47,11 @@ class PoolControl(WireMessage, frozen=True, kw_only=True):
 
 
 class PrefillResult(WireMessage, frozen=True, kw_only=True):
-    """A prefill replica's answer: the first token and the handle to the pinned KV."""
+    """A prefill replica's answer: the first token and the handle to the pinned KV.
+
+    ``first_top_logprobs`` and ``prompt_logprobs`` are there when the request
+    asked for them: the prompt is scored where it runs.
+    """
 
     KIND: ClassVar[str] = "prefill_result"
 
@@ -53,6 +61,8 @@ class PrefillResult(WireMessage, frozen=True, kw_only=True):
     first_logprob: float | None
     kv_handle: bytes
     num_cached_tokens: NonNegativeInt
+    first_top_logprobs: TopLogprobs | None = None
+    prompt_logprobs: tuple[PromptLogprob, ...] | None = None
 
 
 class RequestFailed(WireMessage, frozen=True, kw_only=True):
@@ -65,7 +75,12 @@ class RequestFailed(WireMessage, frozen=True, kw_only=True):
 
 
 class DecodeChunk(WireMessage, frozen=True, kw_only=True):
-    """New tokens from a decode replica; the last chunk has a finish reason (``ERROR`` with ``error``)."""
+    """New tokens from a decode replica; the last chunk has a finish reason (``ERROR`` with ``error``).
+
+    ``top_logprobs`` has one entry per token when the request asked for
+    alternatives; ``prompt_logprobs`` comes once, with the first sampled token,
+    when the request asked for prompt scores.
+    """
 
     KIND: ClassVar[str] = "decode_chunk"
 
@@ -76,3 +91,5 @@ class DecodeChunk(WireMessage, frozen=True, kw_only=True):
     num_cached_tokens: NonNegativeInt
     kv_source: KVSource
     error: str = ""
+    top_logprobs: tuple[TopLogprobs, ...] = ()
+    prompt_logprobs: tuple[PromptLogprob, ...] | None = None

@@ -1,0 +1,85 @@
+"""``n`` choices of one prompt, run as ``n`` sequences that compute the prompt once.
+
+Choice 0 runs first, on whatever path the prompt would take alone. As soon as
+it streams from a decode replica, that replica holds the prompt's KV in its
+prefix cache, and choice 1 starts there, pinned to it and prefilled locally:
+every full block of the prompt is a cache hit, so the prompt costs once (plus,
+per choice, the last partial block). Each later choice starts on its
+predecessor's first token, one at a time: several calls issued in the same
+instant from one ingress were seen to stall in Serve's routing queue (two of
+three never routed), and a decode step between starts costs little. Each choice has its own
+request id and, when the request has a seed, its own seed derived from it
+(choice 0 keeps the request's seed, so ``n=1`` is what it always was).
+
+One choice failing fails the request: its other choices are cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import AsyncIterator
+
+from pd.engine.sampler import position_seed
+from pd.sampling_params import SamplingParams
+from pd.serve.generation import GenerationEvent, PoolClient
+
+_CHOICE_SEED_SALT = 0x5EED_C401CE
+
+
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """The seed of choice ``index``: the request's own for choice 0, a distinct derived one after."""
+    if seed is None or index == 0:
+        return seed
+    return position_seed(seed ^ _CHOICE_SEED_SALT, index)
+
+
+class _Done:
+    """A choice's end marker on the merge queue."""
+
+
+async def run_choices(pools: PoolClient, request_id: str, token_ids: list[int], params: SamplingParams,
+                      stop: list[str], n: int) -> AsyncIterator[tuple[int, GenerationEvent]]:
+    """``(choice index, event)`` pairs of ``n`` choices, interleaved as they arrive."""
+    if n == 1:
+        async for event in pools.generate(request_id, token_ids, params, stop):
+            yield 0, event
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    tasks: list[asyncio.Task] = []
+
+    async def run(index: int, decode_replica: str | None) -> None:
+        choice_id = f"{request_id}-{index}"
+        choice_params = params.replace(seed=choice_seed(params.seed, index))
+        try:
+            async for event in pools.generate(choice_id, token_ids, choice_params, stop,
+                                              decode_replica=decode_replica):
+                if len(tasks) == index + 1:
+                    start_next(pools.decode_replica_of(choice_id) or decode_replica, event.finish_reason is not None)
+                queue.put_nowait((index, event))
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer, which raises it
+            queue.put_nowait((index, exc))
+        finally:
+            if len(tasks) == index + 1:
+                start_next(decode_replica, True)  # it ended before reaching a decode replica
+            queue.put_nowait((index, _Done))
+
+    def start_next(replica: str | None, finished: bool) -> None:
+        """Start the next choice once this one streams from a decode replica (or has ended)."""
+        if len(tasks) < n and (replica is not None or finished):
+            tasks.append(asyncio.ensure_future(run(len(tasks), replica)))
+
+    tasks.append(asyncio.ensure_future(run(0, None)))
+    try:
+        num_done = 0
+        while num_done < n:
+            index, item = await queue.get()
+            if item is _Done:
+                num_done += 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
