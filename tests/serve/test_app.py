@@ -113,7 +113,7 @@ def test_stop_strings_cut_the_text(app, offline):
     [
         ({"model": "other", "prompt": "x"}, 404, "model"),
         ({"model": MODEL, "prompt": "x", "temperature": -1}, 400, "temperature"),
-        ({"model": MODEL, "prompt": "x", "n": 2}, 400, "n"),
+        ({"model": MODEL, "prompt": "x", "n": 9}, 400, "n"),
         ({"model": MODEL, "prompt": "x", "frobnicate": True}, 400, "frobnicate"),
         ({"model": MODEL, "prompt": "x", "max_tokens": 100000}, 400, "max_tokens"),
         ({"model": MODEL, "prompt": "x " * 5000}, 400, "prompt"),
