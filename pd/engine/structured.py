@@ -1,0 +1,269 @@
+"""Structured output: constraints compiled to xgrammar grammars, one matcher per request.
+
+Three pieces, from slowest-changing to fastest:
+
+- ``GrammarCompiler`` turns a ``StructuredOutput`` into a compiled grammar for
+  one tokenizer and vocabulary, cached by ``(kind, spec)``. The engine builds
+  one lazily, on its first structured request; the HTTP ingress can build its
+  own to reject a bad constraint before dispatch.
+- ``RequestGrammar`` is one request's position in its grammar: it accepts
+  each token the request produces, in order, and says which tokens may follow.
+- ``GrammarMask`` is one step's token masks for the rows that have a grammar.
+  Rows without one are never touched.
+
+xgrammar is imported lazily (it takes about a second to import), so an engine
+that never sees a structured request never loads it.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import re
+import threading
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from pd.model.tokenizer import Tokenizer
+from pd.sampling_params import StructuredKind, StructuredOutput
+
+if TYPE_CHECKING:
+    import xgrammar
+
+# Compiled grammars kept per compiler, least recently used evicted first. Each
+# holds a token-mask cache that grows with the vocabulary (up to a few MB).
+MAX_CACHED_GRAMMARS = 64
+# The longest spec compiled: compilation cost is client-controlled, and the
+# cache only bounds repeats of the same spec.
+MAX_SPEC_CHARS = 128 * 1024
+# JSON is generated without optional whitespace: a weak model given the
+# choice can emit whitespace until max_tokens.
+JSON_SEPARATORS = (",", ":")
+# The schema of JSON_OBJECT: any object, any keys (not strict, unlike a user schema).
+ANY_OBJECT_SCHEMA = '{"type": "object"}'
+# xgrammar prefixes its messages with "[time] path/file.cc:line: " and sometimes a failed check.
+_LIBRARY_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: .*? is false: )?")
+
+
+def _xgr():
+    import xgrammar
+
+    return xgrammar
+
+
+def vocab_type(decoder_specs: Sequence[dict[str, Any]]) -> tuple[xgrammar.VocabType, bool]:
+    """``(vocab type, add_prefix_space)`` from a tokenizer's decoder steps (``Tokenizer.decoder_specs``).
+
+    ByteLevel decoders spell bytes with printable stand-ins (GPT-2's "Ġ");
+    ByteFallback ones write "<0x0A>" pieces and "▁" for a space, and a
+    leading ``Strip`` or a prepending ``Metaspace`` means the encoder added a
+    space the first token's text does not carry. Anything else is raw text.
+    """
+    xgr = _xgr()
+    types = {step.get("type") for step in decoder_specs}
+    if "ByteLevel" in types:
+        return xgr.VocabType.BYTE_LEVEL, False
+    if "ByteFallback" not in types:
+        return xgr.VocabType.RAW, False
+    prefix_space = any(
+        (step.get("type") == "Strip" and step.get("start", 0) > 0)
+        or (step.get("type") == "Metaspace"
+            and (step.get("add_prefix_space") or step.get("prepend_scheme") in ("always", "first")))
+        for step in decoder_specs
+    )
+    return xgr.VocabType.BYTE_FALLBACK, prefix_space
+
+
+def tokenizer_info(tokenizer: Tokenizer, vocab_size: int, eos_token_ids: Sequence[int]) -> xgrammar.TokenizerInfo:
+    """xgrammar's view of ``tokenizer`` padded to the model's ``vocab_size``, built without transformers.
+
+    Special tokens and padding ids are empty entries, so no grammar ever
+    allows them as text; ``eos_token_ids`` are the stop tokens a complete
+    grammar allows (and only they).
+    """
+    kind, prefix_space = vocab_type(tokenizer.decoder_specs())
+    return _xgr().TokenizerInfo(
+        tokenizer.token_strings(vocab_size), kind, vocab_size=vocab_size,
+        stop_token_ids=list(eos_token_ids), add_prefix_space=prefix_space,
+    )
+
+
+def choice_grammar(spec: str) -> str:
+    """The EBNF grammar whose sentences are exactly the strings of the JSON array ``spec``."""
+    try:
+        choices = json.loads(spec)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"structured output: invalid choice list: not JSON: {exc}") from exc
+    if not isinstance(choices, list) or not choices or not all(isinstance(c, str) for c in choices):
+        raise ValueError("structured output: invalid choice list: expected a non-empty JSON array of strings")
+    return "root ::= " + " | ".join(_ebnf_literal(choice) for choice in choices)
+
+
+def _ebnf_literal(text: str) -> str:
+    escaped = []
+    for char in text:
+        if char in '"\\':
+            escaped.append("\\" + char)
+        elif ord(char) < 0x20 or ord(char) == 0x7F:
+            escaped.append(f"\\x{ord(char):02x}")
+        else:
+            escaped.append(char)
+    return '"' + "".join(escaped) + '"'
+
+
+def _library_message(exc: Exception) -> str:
+    lines = [line for line in str(exc).strip().splitlines() if line.strip()]
+    return _LIBRARY_PREFIX.sub("", lines[0] if lines else type(exc).__name__).strip()
+
+
+class GrammarCompiler:
+    """Compiles constraints for one tokenizer and vocabulary; safe to call from several threads.
+
+    ``compile`` raises ``ValueError("structured output: invalid <what>: <why>")``
+    for a constraint that cannot be compiled. Its cost is client-controlled:
+    it is bounded by ``MAX_SPEC_CHARS`` per spec and, for repeats, by an LRU
+    cache of ``cache_size`` compiled grammars (a schema compiles in a few ms on
+    a small vocabulary; pathological regexes can take longer).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: Sequence[int], *,
+                 cache_size: int = MAX_CACHED_GRAMMARS):
+        if not eos_token_ids:
+            raise ValueError("structured output needs the model's EOS token ids, and this model has none")
+        self.vocab_size = vocab_size
+        self.cache_size = cache_size
+        self._info = tokenizer_info(tokenizer, vocab_size, eos_token_ids)
+        # Our own bounded cache replaces xgrammar's, which is unbounded by default.
+        self._compiler = _xgr().GrammarCompiler(self._info, max_threads=1, cache_enabled=False)
+        self._cache: collections.OrderedDict[tuple[StructuredKind, str], xgrammar.CompiledGrammar] = (
+            collections.OrderedDict())
+        self._lock = threading.Lock()
+
+    def compile(self, constraint: StructuredOutput) -> xgrammar.CompiledGrammar:
+        """The compiled grammar of ``constraint``; ``ValueError`` naming the problem if it has none."""
+        key = (constraint.kind, constraint.spec)
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                return self._cache[key]
+        compiled = self._compile_uncached(constraint)
+        with self._lock:
+            self._cache[key] = compiled
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+        return compiled
+
+    def start(self, constraint: StructuredOutput) -> RequestGrammar:
+        """A fresh matcher for one request, at the start of ``constraint``'s grammar."""
+        return RequestGrammar(_xgr().GrammarMatcher(self.compile(constraint)))
+
+    def _compile_uncached(self, constraint: StructuredOutput) -> xgrammar.CompiledGrammar:
+        kind, spec = constraint.kind, constraint.spec
+        what = {StructuredKind.JSON_OBJECT: "JSON object constraint", StructuredKind.JSON_SCHEMA: "JSON schema",
+                StructuredKind.REGEX: "regex", StructuredKind.CHOICE: "choice list"}[kind]
+        if len(spec) > MAX_SPEC_CHARS:
+            raise ValueError(f"structured output: invalid {what}: {len(spec)} characters, over {MAX_SPEC_CHARS}")
+        if kind is StructuredKind.JSON_OBJECT and spec:
+            raise ValueError(f"structured output: invalid {what}: spec must be empty, got {spec[:40]!r}")
+        if kind is StructuredKind.JSON_SCHEMA:
+            try:
+                json.loads(spec)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"structured output: invalid {what}: not JSON: {exc}") from exc
+        grammar = choice_grammar(spec) if kind is StructuredKind.CHOICE else None
+        try:
+            if kind is StructuredKind.JSON_OBJECT:
+                return self._compiler.compile_json_schema(
+                    ANY_OBJECT_SCHEMA, any_whitespace=False, separators=JSON_SEPARATORS, strict_mode=False)
+            if kind is StructuredKind.JSON_SCHEMA:
+                return self._compiler.compile_json_schema(spec, any_whitespace=False, separators=JSON_SEPARATORS)
+            if kind is StructuredKind.REGEX:
+                return self._compiler.compile_regex(spec)
+            return self._compiler.compile_grammar(grammar)
+        except (RuntimeError, ValueError, TypeError) as exc:  # xgrammar reports every parse error as one of these
+            raise ValueError(f"structured output: invalid {what}: {_library_message(exc)}") from exc
+
+
+class RequestGrammar:
+    """One request's matcher: where its output so far leaves it in its grammar.
+
+    Invariant: it has accepted exactly the request's output tokens (and, for a
+    migrated stream, the replayed ones), in order. Preemption recomputes KV
+    but samples nothing new, so it never needs to roll back.
+    """
+
+    def __init__(self, matcher: xgrammar.GrammarMatcher):
+        self._matcher = matcher
+
+    @property
+    def is_terminated(self) -> bool:
+        """A stop token was accepted: the grammar allows nothing more."""
+        return self._matcher.is_terminated()
+
+    def accept(self, token_id: int) -> bool:
+        """Advance past ``token_id``; False (and no change) if the grammar does not allow it here."""
+        return self._matcher.accept_token(token_id)
+
+    def replay(self, token_ids: Sequence[int]) -> None:
+        """Accept tokens generated earlier under this grammar; ``ValueError`` at the first it rejects."""
+        for index, token_id in enumerate(token_ids):
+            if self.is_terminated or not self.accept(token_id):
+                raise ValueError(
+                    f"structured output: token {token_id} (generated token {index}) does not follow the grammar")
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the allowed next tokens into row ``row`` of ``bitmask`` (int32, one bit per token)."""
+        self._matcher.fill_next_token_bitmask(bitmask, row)
+
+
+class GrammarMask:
+    """One step's masks for the logits rows whose request has a grammar.
+
+    ``fill`` writes the bitmask (it reads only matcher state, so it may run
+    while the forward pass does); ``apply`` then masks a copy of the logits,
+    leaving the raw ones for log-probabilities.
+    """
+
+    def __init__(self, grammars: Sequence[RequestGrammar | None], vocab_size: int):
+        self.rows = [row for row, grammar in enumerate(grammars) if grammar is not None]
+        self.grammars = list(grammars)
+        # [num_rows, ceil(vocab_size / 32)] int32: bit t of a row set = token t allowed.
+        self.bitmask = _xgr().allocate_token_bitmask(len(grammars), vocab_size)
+
+    @classmethod
+    def for_rows(cls, grammars: Sequence[RequestGrammar | None], vocab_size: int) -> GrammarMask | None:
+        """None when no row has a grammar: such steps pay nothing."""
+        if all(grammar is None for grammar in grammars):
+            return None
+        return cls(grammars, vocab_size)
+
+    def fill(self) -> None:
+        for row in self.rows:
+            self.grammars[row].fill(self.bitmask, row)
+
+    def apply(self, logits: torch.Tensor) -> tuple[torch.Tensor, dict[int, str]]:
+        """``(masked copy of logits [num_rows, vocab], {row: error})``; a row left with no token is an error."""
+        masked = logits.clone()
+        bitmask = self.bitmask.to(logits.device, non_blocking=True)
+        _xgr().apply_token_bitmask_inplace(masked, bitmask, indices=self.rows)
+        empty = (masked[self.rows].amax(dim=-1) == float("-inf")).tolist()
+        errors = {row: "structured output: the grammar allows no next token"
+                  for row, is_empty in zip(self.rows, empty) if is_empty}
+        return masked, errors
+
+    def accept(self, sampled_token_ids: Sequence[int | None]) -> tuple[dict[int, str], frozenset[int]]:
+        """Advance each grammar row past its sampled token: ``({row: error}, rows whose grammar terminated)``."""
+        errors: dict[int, str] = {}
+        terminated = set()
+        for row in self.rows:
+            token_id = sampled_token_ids[row]
+            if token_id is None:
+                continue
+            grammar = self.grammars[row]
+            if not grammar.accept(token_id):
+                errors[row] = f"structured output: the grammar rejected sampled token {token_id}"
+            elif grammar.is_terminated:
+                terminated.add(row)
+        return errors, frozenset(terminated)
