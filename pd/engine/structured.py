@@ -43,6 +43,14 @@ MAX_SPEC_CHARS = 128 * 1024
 JSON_SEPARATORS = (",", ":")
 # The schema of JSON_OBJECT: any object, any keys (not strict, unlike a user schema).
 ANY_OBJECT_SCHEMA = '{"type": "object"}'
+# How error messages name each kind's spec.
+KIND_NAMES = {StructuredKind.JSON_OBJECT: "JSON object constraint", StructuredKind.JSON_SCHEMA: "JSON schema",
+              StructuredKind.REGEX: "regex", StructuredKind.CHOICE: "choice list"}
+# xgrammar 0.2.9 lowers a string with minLength/maxLength to this bare class, which admits raw
+# control characters (invalid JSON) and no escapes (mlc-ai/xgrammar#800). Each bounded character
+# becomes one JSON character instead: an unescaped one, or one escape.
+_BOUNDED_STRING_CHAR = r'[^\"\\\r\n]'
+_JSON_STRING_CHAR = r'([^\0-\x1f\"\\] | "\\" basic_escape)'
 # xgrammar prefixes its messages with "[time] path/file.cc:line: " and sometimes a failed check.
 _LIBRARY_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: .*? is false: )?")
 
@@ -99,6 +107,21 @@ def choice_grammar(spec: str) -> str:
     if not isinstance(choices, list) or not choices or not all(isinstance(c, str) for c in choices):
         raise ValueError("structured output: invalid choice list: expected a non-empty JSON array of strings")
     return "root ::= " + " | ".join(_ebnf_literal(choice) for choice in choices)
+
+
+def json_schema_grammar(schema: str, strict: bool = True) -> str:
+    """xgrammar's EBNF grammar of compact JSON text valid under ``schema``."""
+    return str(_xgr().Grammar.from_json_schema(
+        schema, any_whitespace=False, separators=JSON_SEPARATORS, strict_mode=strict))
+
+
+def fix_bounded_strings(grammar: str) -> str:
+    """``grammar`` with each length-bounded string character a JSON character (see ``_BOUNDED_STRING_CHAR``)."""
+    if _BOUNDED_STRING_CHAR in grammar:
+        if "basic_escape ::=" not in grammar:
+            raise RuntimeError("xgrammar's JSON grammar changed shape: no basic_escape rule to fix bounded strings")
+        grammar = grammar.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR)
+    return grammar
 
 
 def _ebnf_literal(text: str) -> str:
@@ -161,8 +184,7 @@ class GrammarCompiler:
 
     def _compile_uncached(self, constraint: StructuredOutput) -> xgrammar.CompiledGrammar:
         kind, spec = constraint.kind, constraint.spec
-        what = {StructuredKind.JSON_OBJECT: "JSON object constraint", StructuredKind.JSON_SCHEMA: "JSON schema",
-                StructuredKind.REGEX: "regex", StructuredKind.CHOICE: "choice list"}[kind]
+        what = KIND_NAMES[kind]
         if len(spec) > MAX_SPEC_CHARS:
             raise ValueError(f"structured output: invalid {what}: {len(spec)} characters, over {MAX_SPEC_CHARS}")
         if kind is StructuredKind.JSON_OBJECT and spec:
@@ -172,17 +194,21 @@ class GrammarCompiler:
                 json.loads(spec)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"structured output: invalid {what}: not JSON: {exc}") from exc
-        grammar = choice_grammar(spec) if kind is StructuredKind.CHOICE else None
+        if kind is StructuredKind.CHOICE:
+            return self._compile_ebnf(choice_grammar(spec), what)
         try:
-            if kind is StructuredKind.JSON_OBJECT:
-                return self._compiler.compile_json_schema(
-                    ANY_OBJECT_SCHEMA, any_whitespace=False, separators=JSON_SEPARATORS, strict_mode=False)
-            if kind is StructuredKind.JSON_SCHEMA:
-                return self._compiler.compile_json_schema(spec, any_whitespace=False, separators=JSON_SEPARATORS)
             if kind is StructuredKind.REGEX:
                 return self._compiler.compile_regex(spec)
-            return self._compiler.compile_grammar(grammar)
+            grammar = json_schema_grammar(ANY_OBJECT_SCHEMA if kind is StructuredKind.JSON_OBJECT else spec,
+                                          strict=kind is StructuredKind.JSON_SCHEMA)
         except (RuntimeError, ValueError, TypeError) as exc:  # xgrammar reports every parse error as one of these
+            raise ValueError(f"structured output: invalid {what}: {_library_message(exc)}") from exc
+        return self._compile_ebnf(fix_bounded_strings(grammar), what)
+
+    def _compile_ebnf(self, grammar: str, what: str) -> xgrammar.CompiledGrammar:
+        try:
+            return self._compiler.compile_grammar(grammar)
+        except (RuntimeError, ValueError, TypeError) as exc:
             raise ValueError(f"structured output: invalid {what}: {_library_message(exc)}") from exc
 
 
