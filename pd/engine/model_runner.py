@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import os
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -78,7 +76,6 @@ class ModelRunner:
         # Per-layer strided views [num_blocks, block_size, num_kv_heads, head_dim].
         self.kv_views = [(self.kv_cache[:, i, 0], self.kv_cache[:, i, 1]) for i in range(model_config.num_layers)]
         self.sampler = Sampler(config.seed, self.device)
-        self._mask_worker: ThreadPoolExecutor | None = None  # started on the first step with a grammar
         self.graphs = None
         if config.cuda_graphs and self.device.type == "cuda" and self.backend == "triton":
             self.graphs = DecodeGraphs(self.model, self.kv_views, self.backend,
@@ -132,35 +129,27 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, block_tables: list[list[int]]) -> ForwardOutput:
         batch = self.prepare(out, block_tables)
+        # Masks are filled before the forward pass, not beside it on a worker thread: with the
+        # forward using every core, the overlap measured slower (bench.engine's structured case).
         mask = GrammarMask.for_rows([r.grammar for r in batch.sampling_requests], self.model_config.vocab_size)
-        filling = self._start_fill(mask)
+        if mask is not None:
+            mask.fill()
         logits = self.graphs.run(batch) if self.graphs is not None else None
         if logits is None:
             logits = self.model.forward(batch.token_ids, batch.positions, batch.attn, self.kv_views,
                                         batch.logits_indices)
         if not batch.sampling_requests:
             return ForwardOutput(sampled_token_ids=[], logprobs=None)
-        if filling is not None:
-            filling.result()
         forward = self.sampler.sample(logits, batch.sampling_requests, mask)
         return forward if mask is None else advance_grammars(mask, forward)
-
-    def _start_fill(self, mask: GrammarMask | None) -> Future | None:
-        """Fill the step's grammar masks; on a worker thread, overlapping the forward pass, if OVERLAP."""
-        if mask is None:
-            return None
-        if os.environ.get("PD_OVERLAP_MASK") != "1":
-            mask.fill()
-            return None
-        if self._mask_worker is None:
-            self._mask_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pd-grammar-mask")
-        return self._mask_worker.submit(mask.fill)
 
 
 def advance_grammars(mask: GrammarMask, forward: ForwardOutput) -> ForwardOutput:
     """Feed each grammar row its sampled token: a rejected token fails its row, a finished grammar stops it."""
-    errors, stop_rows = mask.accept(forward.sampled_token_ids)
+    errors, stop_rows = mask.accept(forward.sampled_token_ids, forward.errors)
     if errors:
         sampled = [None if row in errors else token for row, token in enumerate(forward.sampled_token_ids)]
         forward = dataclasses.replace(forward, sampled_token_ids=sampled, errors=forward.errors | errors)
-    return dataclasses.replace(forward, stop_rows=forward.stop_rows | stop_rows)
+    if stop_rows:
+        forward = dataclasses.replace(forward, stop_rows=forward.stop_rows | stop_rows)
+    return forward

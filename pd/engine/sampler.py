@@ -61,11 +61,10 @@ class Sampler:
                grammar: GrammarMask | None = None) -> ForwardOutput:
         """Pick one token per row of fp32 ``logits [num_requests, vocab]``, within ``grammar``'s masks if any."""
         # Grammar rows draw from masked logits; ``logits`` itself stays raw for the log-probabilities.
-        masked, grammar_errors = (logits, {}) if grammar is None else grammar.apply(logits)
+        masked = logits if grammar is None else grammar.apply(logits)
         # A row's max is NaN if any logit is, +inf if one is, -inf if all are: each unsamplable.
         usable = torch.isfinite(logits.amax(dim=-1)).tolist()
         errors = {row: NON_FINITE for row, ok in enumerate(usable) if not ok}
-        errors = grammar_errors | errors
         token_ids = masked.argmax(dim=-1)
         for row, request in enumerate(requests):
             if row in errors or request.sampling_params.greedy:

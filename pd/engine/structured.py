@@ -24,6 +24,7 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from pd.model.tokenizer import Tokenizer
@@ -48,9 +49,11 @@ KIND_NAMES = {StructuredKind.JSON_OBJECT: "JSON object constraint", StructuredKi
               StructuredKind.REGEX: "regex", StructuredKind.CHOICE: "choice list"}
 # xgrammar 0.2.9 lowers a string with minLength/maxLength to this bare class, which admits raw
 # control characters (invalid JSON) and no escapes (mlc-ai/xgrammar#800). Each bounded character
-# becomes one JSON character instead: an unescaped one, or one escape.
+# becomes an unescaped JSON character instead: escapes stay out of reach there, as before, but
+# the output is valid JSON. (A rule that also allows an escape made filling a mask inside such a
+# string about 150 times slower: xgrammar cannot precompute its token masks.)
 _BOUNDED_STRING_CHAR = r'[^\"\\\r\n]'
-_JSON_STRING_CHAR = r'([^\0-\x1f\"\\] | "\\" basic_escape)'
+_JSON_STRING_CHAR = r"[^\0-\x1f\"\\]"
 # xgrammar prefixes its messages with "[time] path/file.cc:line: " and sometimes a failed check.
 _LIBRARY_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: .*? is false: )?")
 
@@ -117,11 +120,7 @@ def json_schema_grammar(schema: str, strict: bool = True) -> str:
 
 def fix_bounded_strings(grammar: str) -> str:
     """``grammar`` with each length-bounded string character a JSON character (see ``_BOUNDED_STRING_CHAR``)."""
-    if _BOUNDED_STRING_CHAR in grammar:
-        if "basic_escape ::=" not in grammar:
-            raise RuntimeError("xgrammar's JSON grammar changed shape: no basic_escape rule to fix bounded strings")
-        grammar = grammar.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR)
-    return grammar
+    return grammar.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR)
 
 
 def _ebnf_literal(text: str) -> str:
@@ -221,41 +220,43 @@ class RequestGrammar:
     """
 
     def __init__(self, matcher: xgrammar.GrammarMatcher):
-        self._matcher = matcher
+        self.matcher = matcher
+        # Only a stop token can terminate the grammar: the one case to ask the matcher about.
+        self.stop_token_ids = frozenset(matcher.stop_token_ids)
 
     @property
     def is_terminated(self) -> bool:
         """A stop token was accepted: the grammar allows nothing more."""
-        return self._matcher.is_terminated()
-
-    def accept(self, token_id: int) -> bool:
-        """Advance past ``token_id``; False (and no change) if the grammar does not allow it here."""
-        return self._matcher.accept_token(token_id)
+        return self.matcher.is_terminated()
 
     def replay(self, token_ids: Sequence[int]) -> None:
         """Accept tokens generated earlier under this grammar; ``ValueError`` at the first it rejects."""
         for index, token_id in enumerate(token_ids):
-            if self.is_terminated or not self.accept(token_id):
+            if self.is_terminated or not self.matcher.accept_token(token_id):
                 raise ValueError(
                     f"structured output: token {token_id} (generated token {index}) does not follow the grammar")
-
-    def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        """Write the allowed next tokens into row ``row`` of ``bitmask`` (int32, one bit per token)."""
-        self._matcher.fill_next_token_bitmask(bitmask, row)
 
 
 class GrammarMask:
     """One step's masks for the logits rows whose request has a grammar.
 
-    ``fill`` writes the bitmask (it reads only matcher state, so it may run
-    while the forward pass does); ``apply`` then masks a copy of the logits,
-    leaving the raw ones for log-probabilities.
+    ``fill`` writes the bitmask (it reads only matcher state); ``apply`` then
+    masks a copy of the logits, leaving the raw ones for log-probabilities;
+    ``accept`` advances each matcher past its row's sampled token. Rows
+    without a grammar keep an all-ones mask row, so applying the whole
+    bitmask leaves them as they are.
+
+    A row whose mask allows nothing is all ``-inf``: its draw fails or picks a
+    token the grammar rejects, so it fails alone, and only then is its mask
+    read again to say why (checking every row every step costs more than the
+    rest of the masking).
     """
 
     def __init__(self, grammars: Sequence[RequestGrammar | None], vocab_size: int):
         self.rows = [row for row, grammar in enumerate(grammars) if grammar is not None]
-        self.grammars = list(grammars)
-        # [num_rows, ceil(vocab_size / 32)] int32: bit t of a row set = token t allowed.
+        self.grammars = [grammars[row] for row in self.rows]
+        self.vocab_size = vocab_size
+        # [num_rows, ceil(vocab_size / 32)] int32, all ones: bit t of a row set = token t allowed.
         self.bitmask = _xgr().allocate_token_bitmask(len(grammars), vocab_size)
 
     @classmethod
@@ -266,30 +267,43 @@ class GrammarMask:
         return cls(grammars, vocab_size)
 
     def fill(self) -> None:
-        for row in self.rows:
-            self.grammars[row].fill(self.bitmask, row)
+        for row, grammar in zip(self.rows, self.grammars):
+            try:
+                grammar.matcher.fill_next_token_bitmask(self.bitmask, row)
+            except RuntimeError:  # a terminated (or broken) matcher: its row allows nothing, and fails alone
+                self.bitmask[row] = 0
 
-    def apply(self, logits: torch.Tensor) -> tuple[torch.Tensor, dict[int, str]]:
-        """``(masked copy of logits [num_rows, vocab], {row: error})``; a row left with no token is an error."""
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """A masked copy of ``logits [num_rows, vocab]``, after ``fill``."""
         masked = logits.clone()
-        bitmask = self.bitmask.to(logits.device, non_blocking=True)
-        _xgr().apply_token_bitmask_inplace(masked, bitmask, indices=self.rows)
-        empty = (masked[self.rows].amax(dim=-1) == float("-inf")).tolist()
-        errors = {row: "structured output: the grammar allows no next token"
-                  for row, is_empty in zip(self.rows, empty) if is_empty}
-        return masked, errors
+        # Without ``indices`` xgrammar's CPU kernel is twice as fast, and all-ones rows change nothing.
+        _xgr().apply_token_bitmask_inplace(masked, self.bitmask.to(logits.device, non_blocking=True))
+        return masked
 
-    def accept(self, sampled_token_ids: Sequence[int | None]) -> tuple[dict[int, str], frozenset[int]]:
-        """Advance each grammar row past its sampled token: ``({row: error}, rows whose grammar terminated)``."""
-        errors: dict[int, str] = {}
+    def accept(self, sampled_token_ids: Sequence[int | None], errors: dict[int, str]) -> tuple[
+            dict[int, str], frozenset[int]]:
+        """Advance each grammar row past its sampled token.
+
+        ``errors`` are the rows sampling already failed. Returns
+        ``({row: error}, rows whose grammar terminated)``: rejected tokens,
+        and failed rows whose mask allowed nothing, with that as the reason.
+        """
+        new_errors: dict[int, str] = {}
         terminated = set()
-        for row in self.rows:
+        for row, grammar in zip(self.rows, self.grammars):
             token_id = sampled_token_ids[row]
-            if token_id is None:
+            if row not in errors and grammar.matcher.accept_token(token_id):
+                if token_id in grammar.stop_token_ids and grammar.is_terminated:
+                    terminated.add(row)
                 continue
-            grammar = self.grammars[row]
-            if not grammar.accept(token_id):
-                errors[row] = f"structured output: the grammar rejected sampled token {token_id}"
-            elif grammar.is_terminated:
-                terminated.add(row)
-        return errors, frozenset(terminated)
+            if self._allows_nothing(row):
+                new_errors[row] = "structured output: the grammar allows no next token"
+            elif row not in errors:
+                new_errors[row] = f"structured output: the grammar rejected sampled token {token_id}"
+        return new_errors, frozenset(terminated)
+
+    def _allows_nothing(self, row: int) -> bool:
+        words = self.bitmask[row].numpy().view(np.uint32).copy()
+        if self.vocab_size % 32:
+            words[-1] &= (1 << (self.vocab_size % 32)) - 1  # bits past the vocabulary are no tokens
+        return not words.any()

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from pd.config import EngineConfig
 from pd.engine.engine import LLMEngine
 from pd.engine.request import FinishReason
-from pd.engine.structured import GrammarCompiler, vocab_type
+from pd.engine.structured import GrammarCompiler, GrammarMask, vocab_type
 from pd.sampling_params import SamplingParams, StructuredKind, StructuredOutput
 
 PROMPTS = ["Tell me about the weather.", "A list of things:", "Hello there", "Name, age and city of a person"]
@@ -79,7 +79,9 @@ def _objects_and_arrays(children):
             lambda required: {"type": "object", "properties": properties, "required": required,
                               "additionalProperties": False},
             st.lists(st.sampled_from(sorted(properties)), unique=True)))
-    arrays = st.builds(lambda items, n: {"type": "array", "items": items, "maxItems": n}, children, st.integers(0, 3))
+    arrays = st.builds(lambda items, low, span: {"type": "array", "items": items, "minItems": low,
+                                                 "maxItems": low + span},
+                       children, st.integers(0, 2), st.integers(0, 2))
     return st.one_of(objects, arrays)
 
 
@@ -209,12 +211,13 @@ def test_replayed_tokens_the_grammar_rejects_raise_value_error(engine):
 
 
 def test_bounded_strings_are_json_strings(engine):
-    """xgrammar 0.2.9 lets a length-bounded string hold raw control characters and no escapes; ours does not."""
+    """xgrammar 0.2.9 lets a length-bounded string hold raw control characters; ours does not."""
     import xgrammar
 
     schema = json.dumps({"type": "string", "minLength": 1, "maxLength": 3})
     compiled = engine.grammar_compiler.compile(StructuredOutput(kind=StructuredKind.JSON_SCHEMA, spec=schema))
-    for text, valid in [('"a\\nb"', True), ('"\\u00e9"', True), ('"a\x13"', False), ('"abcd"', False), ('""', False)]:
+    cases = [('"a b"', True), ('"é"', True), ('"a\x13"', False), ('"\t"', False), ('"abcd"', False), ('""', False)]
+    for text, valid in cases:
         matcher = xgrammar.GrammarMatcher(compiled)
         assert (matcher.accept_string(text) and matcher.is_completed()) == valid, text
 
@@ -229,3 +232,31 @@ def test_vocab_type_follows_the_decoder():
     assert vocab_type([{"type": "ByteLevel", "add_prefix_space": True}]) == (xgrammar.VocabType.BYTE_LEVEL, False)
     assert vocab_type([{"type": "WordPiece"}]) == (xgrammar.VocabType.RAW, False)
     assert vocab_type([]) == (xgrammar.VocabType.RAW, False)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_grammar_that_allows_nothing_fails_its_request_alone(engine, plain_alone, temperature):
+    params = constrained(StructuredKind.REGEX, "ab", temperature=temperature, seed=1)
+    prompt = engine.tokenizer.encode(PROMPTS[1])
+    stuck = engine.add_request("stuck", prompt, params)
+    # Walk its matcher to the end behind the engine's back: no token can follow.
+    assert stuck.grammar.matcher.accept_string("ab") and stuck.grammar.matcher.accept_token(engine.eos_token_ids[0])
+    engine.add_request("plain", engine.tokenizer.encode(PROMPTS[0]), PLAIN)
+    ends: dict = {}
+    tokens = collect(engine, ends)
+    assert ends["stuck"] == (FinishReason.ERROR, "structured output: the grammar allows no next token")
+    assert "stuck" not in tokens or tokens["stuck"] == []
+    assert (engine.tokenizer.decode(tokens["plain"]), *ends["plain"]) == plain_alone
+    assert engine.stats().num_used_blocks == 0
+
+
+def test_a_token_outside_the_mask_is_rejected(engine):
+    grammar = engine.grammar_compiler.start(StructuredOutput(kind=StructuredKind.REGEX, spec="[0-9]+"))
+    [digit] = engine.tokenizer.encode("7", add_special_tokens=False)
+    [word] = engine.tokenizer.encode("hello", add_special_tokens=False)[:1]
+    mask = GrammarMask.for_rows([None, grammar], engine.model_config.vocab_size)
+    mask.fill()
+    assert mask.accept([5, word], {}) == ({1: f"structured output: the grammar rejected sampled token {word}"},
+                                          frozenset())
+    assert mask.accept([5, digit], {}) == ({}, frozenset())
+    assert GrammarMask.for_rows([None, None], engine.model_config.vocab_size) is None
