@@ -6,10 +6,11 @@ Three pieces, from slowest-changing to fastest:
   one tokenizer and vocabulary, cached by ``(kind, spec)``. The engine builds
   one lazily, on its first structured request; the HTTP ingress can build its
   own to reject a bad constraint before dispatch.
-- ``RequestGrammar`` is one request's position in its grammar: it accepts
-  each token the request produces, in order, and says which tokens may follow.
-- ``GrammarMask`` is one step's token masks for the rows that have a grammar.
-  Rows without one are never touched.
+- ``RequestGrammar`` is one request's position in its grammar: its matcher
+  has accepted every token the request produced, in order.
+- ``GrammarMask`` is one step's token masks for the logits rows that have a
+  grammar: filled from the matchers, applied to a copy of the logits before
+  sampling, then fed the sampled tokens. Rows without a grammar are untouched.
 
 xgrammar is imported lazily (it takes about a second to import), so an engine
 that never sees a structured request never loads it.
@@ -59,6 +60,7 @@ _LIBRARY_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: .*? is false:
 
 
 def _xgr():
+    """The xgrammar module, imported on first use."""
     import xgrammar
 
     return xgrammar
@@ -144,7 +146,10 @@ class GrammarCompiler:
     """Compiles constraints for one tokenizer and vocabulary; safe to call from several threads.
 
     ``compile`` raises ``ValueError("structured output: invalid <what>: <why>")``
-    for a constraint that cannot be compiled. Its cost is client-controlled:
+    for a constraint that cannot be compiled. A JSON schema compiles in
+    xgrammar's strict mode (as vLLM does): an object has only the properties
+    its schema lists unless ``additionalProperties`` says otherwise. JSON is
+    compact (no optional whitespace). Compilation cost is client-controlled:
     it is bounded by ``MAX_SPEC_CHARS`` per spec and, for repeats, by an LRU
     cache of ``cache_size`` compiled grammars (a schema compiles in a few ms on
     a small vocabulary; pathological regexes can take longer).

@@ -260,3 +260,26 @@ def test_a_token_outside_the_mask_is_rejected(engine):
                                           frozenset())
     assert mask.accept([5, digit], {}) == ({}, frozenset())
     assert GrammarMask.for_rows([None, None], engine.model_config.vocab_size) is None
+
+
+def test_a_prefill_replica_masks_its_one_token_and_the_decode_replica_continues(engine):
+    """Disaggregated: the prefill role samples token one under the grammar; decode replays it and goes on."""
+    from transfer import create_transport
+
+    transport = create_transport("torch", "prefill-structured", role="prefill")
+    try:
+        prefill = LLMEngine(EngineConfig(model="builtin:tiny-llama", num_blocks=64), transport)
+        choices = ["alpha", "beta gamma", "delta"]
+        for seed in range(4):
+            params = constrained(StructuredKind.CHOICE, json.dumps(choices), temperature=1.0, seed=seed)
+            prompt = engine.tokenizer.encode(PROMPTS[seed % 4])
+            prefill.add_request(f"p{seed}", prompt, params, pin_kv=True)
+            [first] = collect(prefill)[f"p{seed}"]
+            prefill.release_kv(f"p{seed}")
+            engine.add_request(f"d{seed}", prompt, params, first_token_id=first)
+            ends: dict = {}
+            rest = collect(engine, ends).get(f"d{seed}", [])
+            assert engine.tokenizer.decode([first] + rest) in choices
+            assert ends[f"d{seed}"] == (FinishReason.STOP, None)
+    finally:
+        transport.close()
