@@ -283,3 +283,16 @@ def test_a_prefill_replica_masks_its_one_token_and_the_decode_replica_continues(
             assert ends[f"d{seed}"] == (FinishReason.STOP, None)
     finally:
         transport.close()
+
+
+def test_logprobs_are_the_raw_model_ones_not_the_masked(engine):
+    """"Q" then EOS are the only tokens the grammar allows: under the mask each has probability 1."""
+    params = constrained(StructuredKind.REGEX, "Q", logprobs=0)
+    engine.add_request("forced", engine.tokenizer.encode(PROMPTS[0]), params)
+    tokens, logprobs = [], []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens += out.new_token_ids
+            logprobs += out.new_logprobs
+    assert tokens == engine.tokenizer.encode("Q", add_special_tokens=False) + [engine.eos_token_ids[0]]
+    assert len(logprobs) == 2 and all(logprob < -0.01 for logprob in logprobs), logprobs
