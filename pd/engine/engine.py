@@ -218,7 +218,7 @@ class LLMEngine:
             raise ValueError("structured output: the generated tokens already complete the grammar; "
                              "nothing is left to generate")
         if first_token_id is not None:
-            grammar.replay([first_token_id])
+            grammar.replay([first_token_id], first_index=len(generated))
         return grammar
 
     def abort_request(self, request_id: str) -> Request | None:

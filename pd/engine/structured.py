@@ -234,9 +234,12 @@ class RequestGrammar:
         """A stop token was accepted: the grammar allows nothing more."""
         return self.matcher.is_terminated()
 
-    def replay(self, token_ids: Sequence[int]) -> None:
-        """Accept tokens generated earlier under this grammar; ``ValueError`` at the first it rejects."""
-        for index, token_id in enumerate(token_ids):
+    def replay(self, token_ids: Sequence[int], first_index: int = 0) -> None:
+        """Accept tokens generated earlier under this grammar; ``ValueError`` at the first it rejects.
+
+        ``first_index`` is the position of ``token_ids[0]`` in the output, for the message.
+        """
+        for index, token_id in enumerate(token_ids, start=first_index):
             if self.is_terminated or not self.matcher.accept_token(token_id):
                 raise ValueError(
                     f"structured output: token {token_id} (generated token {index}) does not follow the grammar")

@@ -202,8 +202,11 @@ def test_replayed_tokens_the_grammar_rejects_raise_value_error(engine):
     [not_json] = engine.tokenizer.encode("hello", add_special_tokens=False)[:1]
     with pytest.raises(ValueError, match=f"structured output: token {not_json} .* does not follow the grammar"):
         engine.add_request("bad-first", prompt, params, first_token_id=not_json)
-    with pytest.raises(ValueError, match="does not follow the grammar"):
+    with pytest.raises(ValueError, match=f"token {not_json} \\(generated token 0\\) does not follow"):
         engine.add_request("bad-moved", prompt + [not_json], params, num_generated=1)
+    [brace] = engine.tokenizer.encode("{", add_special_tokens=False)
+    with pytest.raises(ValueError, match=f"token {not_json} \\(generated token 1\\) does not follow"):
+        engine.add_request("bad-after-moved", prompt + [brace], params, num_generated=1, first_token_id=not_json)
     with pytest.raises(ValueError, match="num_generated"):
         engine.add_request("too-many", prompt, params, num_generated=len(prompt) + 1)
     assert not engine.has_unfinished_requests()
