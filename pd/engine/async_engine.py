@@ -63,12 +63,14 @@ class AsyncLLMEngine:
         pin_kv: bool = False,
         remote_kv: KVHandle | None = None,
         first_token_id: int | None = None,
+        num_generated: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Queue a request and return the stream of its incremental outputs.
 
         Bad input raises ``ValueError`` here, before anything is queued. Leaving
         the stream early (``aclose()``, or cancelling its consumer) aborts it.
-        ``pin_kv``, ``remote_kv`` and ``first_token_id`` are as in ``LLMEngine.add_request``.
+        ``pin_kv``, ``remote_kv``, ``first_token_id`` and ``num_generated`` are as in
+        ``LLMEngine.add_request``.
         """
         if self._closed:
             raise RuntimeError("engine is shut down")
@@ -78,7 +80,8 @@ class AsyncLLMEngine:
         self._ensure_loop()
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = queue
-        options = {"pin_kv": pin_kv, "remote_kv": remote_kv, "first_token_id": first_token_id}
+        options = {"pin_kv": pin_kv, "remote_kv": remote_kv, "first_token_id": first_token_id,
+                   "num_generated": num_generated}
         self._pending_adds.append((request_id, list(prompt_token_ids), params, options))
         self._wakeup.set()
         return self._stream(request_id, queue)

@@ -15,6 +15,7 @@ from pd.engine.model_runner import ModelRunner, kv_block_bytes
 from pd.engine.outputs import RequestOutput
 from pd.engine.request import FinishReason, KVSource, Request, RequestStatus, finish_reason
 from pd.engine.scheduler import Scheduler
+from pd.engine.structured import GrammarCompiler, RequestGrammar
 from pd.model.config import load_model_config
 from pd.model.loader import resolve_dtype
 from pd.model.paths import resolve_model_path
@@ -100,12 +101,27 @@ class LLMEngine:
         self.eos_token_ids = mc.eos_token_ids or (
             (self.tokenizer.eos_token_id,) if self.tokenizer and self.tokenizer.eos_token_id is not None else ()
         )
+        self._grammar_compiler: GrammarCompiler | None = None  # built on the first structured request
         self._requests: dict[str, Request] = {}
         self._finished_at_admission: list[RequestOutput] = []
         logger.info("engine ready: %s, %d KV blocks of %d tokens", self.model_dir, num_blocks, config.block_size)
 
+    @property
+    def grammar_compiler(self) -> GrammarCompiler:
+        """Compiles (and caches) structured-output constraints for this model; built on first use."""
+        if self._grammar_compiler is None:
+            if self.tokenizer is None:
+                raise ValueError(f"structured output needs a tokenizer, and model {self.model_dir} has no "
+                                 "tokenizer.json")
+            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
+                                                     self.eos_token_ids)
+        return self._grammar_compiler
+
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise ``ValueError`` naming the field if this request cannot be served."""
+        """Raise ``ValueError`` naming the field if this request cannot be served.
+
+        A ``structured`` constraint is compiled here (then cached, so admission reuses it).
+        """
         if not prompt_token_ids:
             raise ValueError("prompt is empty: prompt_token_ids must hold at least one token")
         if len(prompt_token_ids) >= self.max_model_len:
@@ -125,6 +141,8 @@ class LLMEngine:
                 f"request needs {blocks} KV blocks (prompt + max_tokens = {total} tokens) but the pool has "
                 f"{self.block_pool.num_blocks}; raise num_blocks or lower max_tokens"
             )
+        if params.structured is not None:
+            self.grammar_compiler.compile(params.structured)
 
     def add_request(
         self,
@@ -135,6 +153,7 @@ class LLMEngine:
         pin_kv: bool = False,
         remote_kv: KVHandle | None = None,
         first_token_id: int | None = None,
+        num_generated: int = 0,
     ) -> Request:
         """Queue a request.
 
@@ -144,10 +163,18 @@ class LLMEngine:
         and continue from the handle's first token, which counts as the first output.
         ``first_token_id`` without ``remote_kv``: the first output token was sampled
         elsewhere but its KV cannot be had, so the prompt is recomputed here.
+        ``num_generated``: the last ``num_generated`` prompt tokens were generated
+        under this request's ``structured`` constraint (a stream moved here mid-way).
+        The request's grammar accepts those, then ``first_token_id``, before any
+        token it samples; ``ValueError`` if one does not follow it. Compiling the
+        grammar is client-controlled work, bounded as ``GrammarCompiler`` says.
         """
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         self.validate(prompt_token_ids, params)
+        if not 0 <= num_generated <= len(prompt_token_ids):
+            raise ValueError(f"num_generated {num_generated} is not in [0, {len(prompt_token_ids)}] "
+                             "(the prompt's length)")
         if pin_kv:
             self.connector.require_transport()
             params = params.replace(max_tokens=1)
@@ -156,18 +183,21 @@ class LLMEngine:
             if first_token_id is not None and first_token_id != remote_kv.first_token_id:
                 raise ValueError(f"first_token_id {first_token_id} disagrees with the kv_handle's")
             first_token_id = remote_kv.first_token_id
+        if first_token_id is not None and not 0 <= first_token_id < self.model_config.vocab_size:
+            raise ValueError(f"first_token_id {first_token_id} is outside the vocabulary")
+        generated = prompt_token_ids[len(prompt_token_ids) - num_generated:]
+        grammar = self._start_grammar(params, generated, first_token_id)
         if first_token_id is not None:
-            if not 0 <= first_token_id < self.model_config.vocab_size:
-                raise ValueError(f"first_token_id {first_token_id} is outside the vocabulary")
             request.append_output(first_token_id, None)
             request.kv_source = KVSource.RECOMPUTE
-            reason = finish_reason(params, first_token_id, 1, request.num_tokens, self.max_model_len,
-                                   self.eos_token_ids)
+            reason = FinishReason.STOP if grammar is not None and grammar.is_terminated else finish_reason(
+                params, first_token_id, 1, request.num_tokens, self.max_model_len, self.eos_token_ids)
             if reason is not None:  # the first token already ends it: nothing to pull or compute
                 self._finished_at_admission.append(RequestOutput(
                     request_id=request_id, new_token_ids=[], new_logprobs=[], finished=True, finish_reason=reason,
                     num_cached_tokens=0, kv_source=KVSource.RECOMPUTE))
                 return request
+        request.grammar = grammar
         if remote_kv is not None:
             if self.connector.accept(remote_kv, request.prompt_token_ids):
                 request.remote_kv = remote_kv
@@ -176,6 +206,20 @@ class LLMEngine:
         self._requests[request_id] = request
         self.scheduler.add(request)
         return request
+
+    def _start_grammar(self, params: SamplingParams, generated: list[int],
+                       first_token_id: int | None) -> RequestGrammar | None:
+        """The request's matcher, past every token it has before admission; None without a constraint."""
+        if params.structured is None:
+            return None
+        grammar = self.grammar_compiler.start(params.structured)
+        grammar.replay(generated)
+        if grammar.is_terminated:
+            raise ValueError("structured output: the generated tokens already complete the grammar; "
+                             "nothing is left to generate")
+        if first_token_id is not None:
+            grammar.replay([first_token_id], first_index=len(generated))
+        return grammar
 
     def abort_request(self, request_id: str) -> Request | None:
         """Finish a request wherever it is and free its blocks (and any lease); None if unknown."""
@@ -242,7 +286,9 @@ class LLMEngine:
         return early + results
 
     def _forget(self, request_id: str) -> None:
-        self._requests.pop(request_id, None)
+        request = self._requests.pop(request_id, None)
+        if request is not None:
+            request.grammar = None  # its matcher's native memory goes now, not with the last reference
         self.runner.sampler.forget(request_id)
 
     def stats(self) -> EngineStats:

@@ -58,6 +58,8 @@ class ForwardOutput:
     """Sampled tokens, one per request whose ``samples`` flag was set, in schedule order.
 
     A row whose sampling failed has no token: ``errors`` maps its index to why.
+    ``stop_rows`` are rows whose token completed their request's grammar: the
+    request stops there whatever its other settings say (``ignore_eos``).
     """
 
     sampled_token_ids: list[int | None]
@@ -67,6 +69,7 @@ class ForwardOutput:
     top_logprobs: list[TopLogprobs | None] | None = None
     # Prompt scores computed this step, by request id, in prompt order.
     prompt_logprobs: dict[str, list[PromptLogprob]] = field(default_factory=dict)
+    stop_rows: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True)

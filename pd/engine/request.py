@@ -5,10 +5,14 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pd.engine.logprobs import PromptLogprob
 from pd.sampling_params import SamplingParams
 from transfer.wire import KVHandle
+
+if TYPE_CHECKING:
+    from pd.engine.structured import RequestGrammar
 
 
 class RequestStatus(enum.Enum):
@@ -84,6 +88,9 @@ class Request:
     # Decode role: the prompt's KV lives on a prefill replica; pull it instead of computing it.
     remote_kv: KVHandle | None = None
     kv_source: KVSource = KVSource.LOCAL
+    # Structured output: the matcher of ``sampling_params.structured``, set by the engine at
+    # admission and dropped when the request ends. The scheduler never reads it.
+    grammar: RequestGrammar | None = None
 
     def __post_init__(self) -> None:
         self.token_ids: list[int] = list(self.prompt_token_ids)

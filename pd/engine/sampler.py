@@ -13,12 +13,16 @@ is sampled as if it were not there.
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 
 from pd.engine.logprobs import TopLogprobs, top_logprobs
 from pd.engine.outputs import ForwardOutput
 from pd.engine.request import Request
+
+if TYPE_CHECKING:
+    from pd.engine.structured import GrammarMask
 
 logger = logging.getLogger(__name__)
 
@@ -54,17 +58,20 @@ class Sampler:
         generator.manual_seed(position_seed(seed, request.num_tokens))
         return generator
 
-    def sample(self, logits: torch.Tensor, requests: list[Request]) -> ForwardOutput:
-        """Pick one token per row of fp32 ``logits [num_requests, vocab]``."""
+    def sample(self, logits: torch.Tensor, requests: list[Request],
+               grammar: GrammarMask | None = None) -> ForwardOutput:
+        """Pick one token per row of fp32 ``logits [num_requests, vocab]``, within ``grammar``'s masks if any."""
+        # Grammar rows draw from masked logits; ``logits`` itself stays raw for the log-probabilities.
+        masked = logits if grammar is None else grammar.apply(logits)
         # A row's max is NaN if any logit is, +inf if one is, -inf if all are: each unsamplable.
         usable = torch.isfinite(logits.amax(dim=-1)).tolist()
         errors = {row: NON_FINITE for row, ok in enumerate(usable) if not ok}
-        token_ids = logits.argmax(dim=-1)
+        token_ids = masked.argmax(dim=-1)
         for row, request in enumerate(requests):
             if row in errors or request.sampling_params.greedy:
                 continue
             try:
-                token_ids[row] = self._sample_row(logits[row], request)
+                token_ids[row] = self._sample_row(masked[row], request)
             except RuntimeError as exc:  # this request's draw alone: fail it, keep the batch
                 logger.warning("request %s: sampling failed: %s", request.request_id, exc)
                 errors[row] = f"sampling failed: {exc}"

@@ -163,14 +163,16 @@ class Scheduler:
             logprob = forward.logprobs[sample_index] if forward.logprobs is not None else None
             top = forward.top_logprobs[sample_index] if forward.top_logprobs is not None else None
             error = forward.errors.get(sample_index)
+            stops = sample_index in forward.stop_rows
             sample_index += 1
             if error is not None:
                 self._finish(request, FinishReason.ERROR)
                 results.append(self._output(request, [], [], FinishReason.ERROR, error))
                 continue
             request.append_output(token_id, logprob)
-            reason = finish_reason(request.sampling_params, token_id, len(request.output_token_ids),
-                                   request.num_tokens, self.config.max_model_len, request.eos_token_ids)
+            reason = FinishReason.STOP if stops else finish_reason(
+                request.sampling_params, token_id, len(request.output_token_ids), request.num_tokens,
+                self.config.max_model_len, request.eos_token_ids)
             if reason is not None:
                 self._finish(request, reason)
             output = self._output(request, [token_id], [logprob] if logprob is not None else [], reason)

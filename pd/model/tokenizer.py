@@ -80,6 +80,39 @@ class Tokenizer:
         """The most characters any token's vocabulary entry spans (an upper bound on what one token covers)."""
         return max(len(token) for token in self._tokenizer.get_vocab(with_added_tokens=True))
 
+    def token_strings(self, num_ids: int) -> list[str]:
+        """Each id's vocabulary entry for ids ``[0, num_ids)``, as written in tokenizer.json.
+
+        Ids the tokenizer does not know (a model's vocabulary is often padded
+        past the tokenizer's) and special tokens map to ``""``: neither spells
+        text, and grammar libraries read an empty entry as "never text".
+        """
+        strings = [""] * num_ids
+        for token, token_id in self._tokenizer.get_vocab(with_added_tokens=True).items():
+            if token_id < num_ids:
+                strings[token_id] = token
+        for token_id, added in self._tokenizer.get_added_tokens_decoder().items():
+            if added.special and token_id < num_ids:
+                strings[token_id] = ""
+        return strings
+
+    def decoder_specs(self) -> list[dict[str, Any]]:
+        """The decoder's steps as tokenizer.json writes them (a ``Sequence`` flattened); [] without one.
+
+        Each is a dict with at least ``"type"`` (``"ByteLevel"``, ``"ByteFallback"``,
+        ``"Metaspace"``, ``"Strip"``, ...): they say how token strings map to bytes.
+        """
+        spec = json.loads(self._tokenizer.to_str()).get("decoder")
+        steps: list[dict[str, Any]] = []
+        pending = [spec] if spec else []
+        while pending:
+            step = pending.pop(0)
+            if step.get("type") == "Sequence":
+                pending = list(step.get("decoders", [])) + pending
+            else:
+                steps.append(step)
+        return steps
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # The batch call releases the GIL throughout (a single encode may hold it for seconds on a
         # long text), and the fast one skips the character offsets nobody here reads.

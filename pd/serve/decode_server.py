@@ -47,7 +47,8 @@ class DecodeServer(EngineServer):
         if request.kv_handle is not None:
             remote_kv = self.engine.open_kv_handle(request.kv_handle, token_ids)
         stream = self.engine.add_request(request.request_id, token_ids, request.sampling,
-                                         remote_kv=remote_kv, first_token_id=request.first_token_id)
+                                         remote_kv=remote_kv, first_token_id=request.first_token_id,
+                                         num_generated=request.num_generated)
         async with contextlib.aclosing(stream):
             async for out in stream:
                 if out.finished:

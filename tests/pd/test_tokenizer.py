@@ -48,6 +48,25 @@ def test_special_token_ids_and_vocab_size(tokenizer):
     assert tokenizer.encode(EOT_TOKEN, add_special_tokens=False) == [tokenizer.eos_token_id]
 
 
+def test_token_strings_blank_special_and_padding_ids(tokenizer):
+    strings = tokenizer.token_strings(1030)
+    assert len(strings) == 1030 and strings[1019:] == [""] * 11  # five special tokens, six padding ids
+    [hello] = tokenizer.encode("hello", add_special_tokens=False)[:1]
+    assert strings[hello] and tokenizer.decode([hello]).startswith(strings[hello][:1])
+    assert tokenizer.token_strings(10) == strings[:10]
+
+
+def test_decoder_specs_flatten_the_decoder(tokenizer, tmp_path):
+    assert [step["type"] for step in tokenizer.decoder_specs()] == ["ByteLevel"]
+    spec = json.loads(build_tokenizer(1024).to_str())
+    spec["decoder"] = {"type": "Sequence", "decoders": [
+        {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "}, {"type": "ByteFallback"},
+        {"type": "Fuse"}, {"type": "Strip", "content": " ", "start": 1, "stop": 0}]}
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec), encoding="utf-8")
+    steps = Tokenizer.from_dir(tmp_path).decoder_specs()
+    assert [step["type"] for step in steps] == ["Replace", "ByteFallback", "Fuse", "Strip"]
+
+
 def test_special_tokens_as_added_token_dicts(tmp_path):
     path = _write_checkpoint_tokenizer(
         tmp_path, bos_token={"content": BOS_TOKEN, "special": True}, eos_token={"content": EOT_TOKEN}

@@ -54,6 +54,14 @@ def _totals(deployment: str, key: str) -> int:
     return sum(s[key] for s in pool_stats(deployment))
 
 
+def _computed_prompt_tokens() -> int:
+    """Prompt tokens either pool computed: admitted, less prefix-cache hits and blocks pulled."""
+    total = 0
+    for pool in ("DecodeServer", "PrefillServer"):
+        total += _totals(pool, "num_prompt_tokens") - _totals(pool, "num_prefix_hit_tokens")
+    return total - _totals("DecodeServer", "num_pulled_blocks") * 16
+
+
 # Tolerant fields ------------------------------------------------------------------
 
 
@@ -103,7 +111,7 @@ def test_what_would_change_the_output_unimplemented_is_refused(app, body, param)
 @PATHS
 def test_n_choices_share_the_prompt(app, sdk, prompt):
     hits_before = _totals("DecodeServer", "num_prefix_hit_tokens")
-    prompt_before = _totals("DecodeServer", "num_prompt_tokens") + _totals("PrefillServer", "num_prompt_tokens")
+    computed_before = _computed_prompt_tokens()
     out = sdk.completions.create(model=MODEL, prompt=prompt, n=4, max_tokens=8, temperature=1.0, seed=7)
     again = sdk.completions.create(model=MODEL, prompt=prompt, n=4, max_tokens=8, temperature=1.0, seed=7)
     assert [c.index for c in out.choices] == [0, 1, 2, 3]
@@ -118,8 +126,8 @@ def test_n_choices_share_the_prompt(app, sdk, prompt):
     full_blocks = (num_prompt - 1) // 16 * 16
     hits = _totals("DecodeServer", "num_prefix_hit_tokens") - hits_before
     assert hits >= 3 * full_blocks  # choices 1..3 of the first request found the prompt cached
-    computed = _totals("DecodeServer", "num_prompt_tokens") + _totals("PrefillServer", "num_prompt_tokens") - prompt_before
-    assert computed - hits <= 3 * num_prompt + 3 * 3 * 16  # the prompt ran once per request, not once per choice
+    computed = _computed_prompt_tokens() - computed_before
+    assert computed <= 3 * num_prompt + 6 * 16  # once per request (and a partial block per choice), not per choice
 
 
 def test_n_streamed_and_chat(app, sdk):
@@ -207,3 +215,91 @@ def test_usage_reports_cached_tokens(sdk, prompt):
     second = sdk.completions.create(model=MODEL, prompt=unique, max_tokens=2, temperature=0)
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     assert second.usage.prompt_tokens_details.cached_tokens == (second.usage.prompt_tokens - 1) // 16 * 16
+
+
+# Structured output and forced tool calls -------------------------------------------
+
+SCHEMA = {"type": "object", "properties": {
+    "city": {"type": "string", "maxLength": 12},
+    "rooms": {"type": "integer", "minimum": 1, "maximum": 9},
+    "tags": {"type": "array", "items": {"enum": ["sea", "sky", "sun"]}, "maxItems": 3},
+}, "required": ["city", "rooms", "tags"]}
+
+
+@PATHS
+def test_json_schema_response_format_validates(sdk, prompt):
+    """Through both paths: the remote prefill's first token obeys the grammar too."""
+    for seed in range(3):
+        out = sdk.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=120, temperature=1.0, seed=seed,
+            response_format={"type": "json_schema", "json_schema": {"name": "hotel", "schema": SCHEMA}})
+        assert out.choices[0].finish_reason == "stop", out.choices[0]
+        jsonschema.validate(json.loads(out.choices[0].message.content), SCHEMA)
+
+
+def test_guided_extensions_and_json_object(app):
+    def text(body: dict) -> str:
+        status, answer = app.post("/v1/completions", {"model": MODEL, "prompt": SHORT, "max_tokens": 60,
+                                                      "temperature": 1.0, "seed": 5, **body})
+        assert status == 200, answer
+        return answer["choices"][0]["text"]
+
+    assert text({"guided_choice": ["yes", "no", "maybe so"]}) in ("yes", "no", "maybe so")
+    import re
+
+    assert re.fullmatch(r"[a-c]{2,5}-\d{3}", text({"guided_regex": r"[a-c]{2,5}-\d{3}"}))
+    assert isinstance(json.loads(text({"guided_json": SCHEMA, "max_tokens": 120})), dict)
+    status, answer = app.post("/v1/chat/completions", {
+        "model": MODEL, "messages": [{"role": "user", "content": SHORT}], "max_tokens": 200, "temperature": 0,
+        "response_format": {"type": "json_object"}})
+    assert status == 200, answer
+    if answer["choices"][0]["finish_reason"] == "stop":
+        assert isinstance(json.loads(answer["choices"][0]["message"]["content"]), dict)
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"guided_json": {"type": "objec"}}, "invalid JSON schema"),
+    ({"guided_regex": "(unclosed"}, "invalid regex"),
+    ({"response_format": {"type": "json_schema"}}, "json_schema is required"),
+])
+def test_bad_constraints_are_the_clients_400(app, body, message):
+    status, answer = app.post("/v1/completions", {"model": MODEL, "prompt": SHORT, **body})
+    assert status == 400, answer
+    assert message in answer["error"]["message"]
+    assert app.request("GET", "/health")[0] == 200
+
+
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 10}}, "required": ["city"]}}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}}, "required": ["zone"]}}},
+]
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_time"}}],
+                         ids=["required", "named"])
+def test_forced_tool_calls(sdk, tool_choice):
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": SHORT}], tools=TOOLS, tool_choice=tool_choice,
+                  max_tokens=80, temperature=1.0, seed=2)
+    out = sdk.chat.completions.create(**kwargs)
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    [call] = choice.message.tool_calls
+    assert call.type == "function" and call.id
+    schemas = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
+    jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+    if isinstance(tool_choice, dict):
+        assert call.function.name == "get_time"
+    streamed = list(sdk.chat.completions.create(stream=True, **kwargs))
+    calls = [c.choices[0].delta.tool_calls for c in streamed if c.choices and c.choices[0].delta.tool_calls]
+    assert len(calls) == 1 and calls[0][0].function.arguments == call.function.arguments.replace(" ", "") or \
+        json.loads(calls[0][0].function.arguments) == json.loads(call.function.arguments)
+    assert streamed[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_tool_choice_auto_is_refused_by_name(app):
+    status, answer = app.post("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                                                       "tools": TOOLS})
+    assert status == 400 and answer["error"]["param"] == "tool_choice"
+    assert "auto" in answer["error"]["message"]
