@@ -179,12 +179,7 @@ class LLMEngine:
             self.connector.require_transport()
             params = params.replace(max_tokens=1)
         request = Request(request_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids, pin_kv=pin_kv)
-        if remote_kv is not None:
-            if first_token_id is not None and first_token_id != remote_kv.first_token_id:
-                raise ValueError(f"first_token_id {first_token_id} disagrees with the kv_handle's")
-            first_token_id = remote_kv.first_token_id
-        if first_token_id is not None and not 0 <= first_token_id < self.model_config.vocab_size:
-            raise ValueError(f"first_token_id {first_token_id} is outside the vocabulary")
+        first_token_id = self._first_token(remote_kv, first_token_id)
         generated = prompt_token_ids[len(prompt_token_ids) - num_generated:]
         grammar = self._start_grammar(params, generated, first_token_id)
         if first_token_id is not None:
@@ -206,6 +201,16 @@ class LLMEngine:
         self._requests[request_id] = request
         self.scheduler.add(request)
         return request
+
+    def _first_token(self, remote_kv: KVHandle | None, first_token_id: int | None) -> int | None:
+        """The request's first output token, sampled elsewhere: the handle's, checked against ``first_token_id``."""
+        if remote_kv is not None:
+            if first_token_id is not None and first_token_id != remote_kv.first_token_id:
+                raise ValueError(f"first_token_id {first_token_id} disagrees with the kv_handle's")
+            first_token_id = remote_kv.first_token_id
+        if first_token_id is not None and not 0 <= first_token_id < self.model_config.vocab_size:
+            raise ValueError(f"first_token_id {first_token_id} is outside the vocabulary")
+        return first_token_id
 
     def _start_grammar(self, params: SamplingParams, generated: list[int],
                        first_token_id: int | None) -> RequestGrammar | None:

@@ -174,6 +174,11 @@ def replica_ids(app: str, deployment: str) -> list[str]:
     return [a["name"][len(prefix):] for a in actors if a["name"].startswith(prefix)]
 
 
+def token_counts(usage: dict) -> dict:
+    """A usage object's token counts (its ``prompt_tokens_details`` depend on what earlier tests cached)."""
+    return {key: usage[key] for key in ("prompt_tokens", "completion_tokens", "total_tokens")}
+
+
 def wait_until(predicate, timeout: float = 30.0, interval: float = 0.2):
     """Poll ``predicate`` until it returns a truthy value; the value, or a TimeoutError."""
     deadline = time.monotonic() + timeout

@@ -1,0 +1,111 @@
+"""``n`` choices against ``n`` separate requests: prompt tokens computed and latency.
+
+``python -m bench.choices [--n 4] [--trials 5] [--max-tokens 16]`` starts
+``serve_configs/default.yaml`` on a local Ray. For each trial it takes a fresh
+prompt (a unique first block, so nothing is cached), sends one completion
+with ``n`` choices, then the same prompt with another unique first block as
+``n`` concurrent requests of one choice, and reads from the pools' stats how
+many prompt tokens each way computed (admitted, less prefix-cache hits and
+pulled blocks). Prints one JSON line per prompt path (short prompts prefill
+on the decode replica, long ones on the prefill pool) with the medians and
+the ratios n-choices / separate (goal: prompt tokens ~1/n).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import requests
+import yaml
+
+from bench.engine import cpu_name
+
+CONFIG = Path(__file__).resolve().parents[1] / "serve_configs" / "default.yaml"
+PROMPTS = {"local": "Tell me about the sea and the sky.", "remote": " ".join(f"word{i}" for i in range(150))}
+
+
+def pool_stats(deployment: str) -> list[dict]:
+    import ray
+    from ray import serve
+
+    from router.protocol import RouteHints
+
+    prefix = f"SERVE_REPLICA::pd#{deployment}#"
+    ids = [a["name"][len(prefix):] for a in ray.util.list_named_actors(all_namespaces=True)
+           if a["name"].startswith(prefix)]
+    handle = serve.get_deployment_handle(deployment, "pd")
+    return [handle.stats_of.remote(RouteHints(request_id="", target_replica_id=i).encode()).result() for i in ids]
+
+
+def computed_prompt_tokens() -> int:
+    total = 0
+    for pool in ("DecodeServer", "PrefillServer"):
+        for stats in pool_stats(pool):
+            total += stats["num_prompt_tokens"] - stats["num_prefix_hit_tokens"]
+            total -= stats["num_pulled_blocks"] * 16 if pool == "DecodeServer" else 0
+    return total
+
+
+def timed(fn) -> tuple[float, int]:
+    before = computed_prompt_tokens()
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start, computed_prompt_tokens() - before
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--n", type=int, default=4)
+    parser.add_argument("--trials", type=int, default=5)
+    parser.add_argument("--max-tokens", type=int, default=16)
+    args = parser.parse_args()
+
+    from ray import serve
+
+    from pd.serve.app import build_app
+
+    config = yaml.safe_load(CONFIG.read_text())
+    port = config["http_options"]["port"]
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app(config["applications"][0]["args"]), name="pd", route_prefix="/")
+    url = f"http://127.0.0.1:{port}/v1/completions"
+
+    def complete(prompt: str, n: int, seed: int) -> None:
+        body = {"model": "builtin:tiny-llama", "prompt": prompt, "n": n, "max_tokens": args.max_tokens,
+                "temperature": 1.0, "seed": seed, "ignore_eos": True}
+        response = requests.post(url, json=body, timeout=300)
+        response.raise_for_status()
+
+    complete("warm-up", args.n, 0)
+    pool = ThreadPoolExecutor(args.n)
+    try:
+        for path, text in PROMPTS.items():
+            together, separate = [], []
+            for trial in range(args.trials):
+                prompt = f"{uuid.uuid4().hex} {text}"
+                together.append(timed(lambda: complete(prompt, args.n, trial)))
+                prompt = f"{uuid.uuid4().hex} {text}"
+                separate.append(timed(lambda: list(pool.map(lambda i: complete(prompt, 1, 1000 * trial + i),
+                                                            range(args.n)))))
+            med = {name: (statistics.median(t for t, _ in runs), statistics.median(c for _, c in runs))
+                   for name, runs in (("n_choices", together), ("separate", separate))}
+            print(json.dumps({
+                "bench": "choices", "path": path, "n": args.n, "cpu": cpu_name(), "trials": args.trials,
+                "n_choices_latency_s": round(med["n_choices"][0], 3), "separate_latency_s": round(med["separate"][0], 3),
+                "n_choices_prompt_tokens": med["n_choices"][1], "separate_prompt_tokens": med["separate"][1],
+                "prompt_tokens_ratio": round(med["n_choices"][1] / med["separate"][1], 3),
+                "latency_ratio": round(med["n_choices"][0] / med["separate"][0], 3),
+            }), flush=True)
+    finally:
+        pool.shutdown()
+        serve.shutdown()
+
+
+if __name__ == "__main__":
+    main()
