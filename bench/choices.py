@@ -7,8 +7,11 @@ with ``n`` choices, then the same prompt with another unique first block as
 ``n`` concurrent requests of one choice, and reads from the pools' stats how
 many prompt tokens each way computed (admitted, less prefix-cache hits and
 pulled blocks). Prints one JSON line per prompt path (short prompts prefill
-on the decode replica, long ones on the prefill pool) with the medians and
-the ratios n-choices / separate (goal: prompt tokens ~1/n).
+on the decode replica, long ones on the prefill pool) with the medians, the
+ratios n-choices / separate, and n-choices against ``n`` times the prompt
+(what the choices would cost computing it each; goal: about 1/n). On one
+replica per pool, separate requests that arrive a step apart share the
+prompt through the prefix cache too; n choices share it by construction.
 """
 
 from __future__ import annotations
@@ -76,17 +79,21 @@ def main() -> None:
     serve.run(build_app(config["applications"][0]["args"]), name="pd", route_prefix="/")
     url = f"http://127.0.0.1:{port}/v1/completions"
 
+    prompt_lens = []
+
     def complete(prompt: str, n: int, seed: int) -> None:
         body = {"model": "builtin:tiny-llama", "prompt": prompt, "n": n, "max_tokens": args.max_tokens,
                 "temperature": 1.0, "seed": seed, "ignore_eos": True}
         response = requests.post(url, json=body, timeout=300)
         response.raise_for_status()
+        prompt_lens.append(response.json()["usage"]["prompt_tokens"])
 
     complete("warm-up", args.n, 0)
     pool = ThreadPoolExecutor(args.n)
     try:
         for path, text in PROMPTS.items():
             together, separate = [], []
+            prompt_lens.clear()
             for trial in range(args.trials):
                 prompt = f"{uuid.uuid4().hex} {text}"
                 together.append(timed(lambda: complete(prompt, args.n, trial)))
@@ -99,7 +106,9 @@ def main() -> None:
                 "bench": "choices", "path": path, "n": args.n, "cpu": cpu_name(), "trials": args.trials,
                 "n_choices_latency_s": round(med["n_choices"][0], 3), "separate_latency_s": round(med["separate"][0], 3),
                 "n_choices_prompt_tokens": med["n_choices"][1], "separate_prompt_tokens": med["separate"][1],
+                "unshared_prompt_tokens": args.n * statistics.median(prompt_lens),
                 "prompt_tokens_ratio": round(med["n_choices"][1] / med["separate"][1], 3),
+                "prompt_tokens_vs_unshared": round(med["n_choices"][1] / (args.n * statistics.median(prompt_lens)), 3),
                 "latency_ratio": round(med["n_choices"][0] / med["separate"][0], 3),
             }), flush=True)
     finally:
