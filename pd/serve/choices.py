@@ -5,9 +5,12 @@ it streams from a decode replica, that replica holds the prompt's KV in its
 prefix cache, and choice 1 starts there, pinned to it and prefilled locally:
 every full block of the prompt is a cache hit, so the prompt costs once (plus,
 per choice, the last partial block). Each later choice starts on its
-predecessor's first token, one at a time: several calls issued in the same
-instant from one ingress were seen to stall in Serve's routing queue (two of
-three never routed), and a decode step between starts costs little. Each choice has its own
+predecessor's first token, one at a time. Never several at once: calls made
+while one HTTP request is handled inherit its Serve request context, so they
+share one ``internal_request_id``, and Serve's router indexes the calls it is
+still placing by that id (Ray 2.60, ``_pending_requests_by_id``). Issued
+together, all but one were never placed (seen: two of three hung). Started
+one at a time, each is placed before the next is made. Each choice has its own
 request id and, when the request has a seed, its own seed derived from it
 (choice 0 keeps the request's seed, so ``n=1`` is what it always was).
 
