@@ -44,6 +44,8 @@ logger = logging.getLogger(__name__)
 PREFILL_POOL_COOLDOWN_S = 5.0
 # How often a prefill call in flight checks that its replica is still alive.
 LIVENESS_POLL_S = 0.1
+# How long a retry waits for the failed attempt's lease release to go out (see _release_before_retry).
+RELEASE_BEFORE_RETRY_S = 1.0
 
 
 class RequestFailedError(RuntimeError):
@@ -211,7 +213,7 @@ class PoolClient:
                 failed = self.prefill_routing.routed_replica(attempt_id)
                 if failed is not None:
                     excluded.append(failed)
-                    self._release(attempt_id, failed)  # in case it got pinned after all
+                    await self._release_before_retry(attempt_id, failed)  # in case it got pinned after all
                 logger.warning("request %s: prefill attempt %d failed on %s: %r",
                                request.request_id, attempt + 1, failed, exc)
                 if attempt == 0:
@@ -253,6 +255,25 @@ class PoolClient:
         hints = RouteHints(request_id=request_id, target_replica_id=replica_id)
         self.prefill.release.remote(hints.encode(), PoolControl(request_id=request_id).encode())
 
+    async def _release_before_retry(self, request_id: str, replica_id: str) -> None:
+        """Release a failed attempt's lease, and let the call be placed before the retry's call is made.
+
+        Calls made for one HTTP request share its Serve request context, and
+        Serve's router indexes the calls it is still placing by the context's
+        internal request id (Ray 2.60): a release and a retry in placement at
+        once could swap replicas (the retry going to the replica it excludes)
+        or leave one never placed. The wait is short: a lease the release
+        misses expires by itself.
+        """
+        if not self.prefill_routing.is_live(replica_id):
+            return  # its leases died with it
+        hints = RouteHints(request_id=request_id, target_replica_id=replica_id)
+        response = self.prefill.release.remote(hints.encode(), PoolControl(request_id=request_id).encode())
+        try:
+            await asyncio.wait_for(_result(response), RELEASE_BEFORE_RETRY_S)
+        except Exception:  # noqa: BLE001 - timed out or failed: the lease expires by itself
+            response.cancel()
+
     def release_lease(self, result: PrefillResult) -> None:
         self._release(result.request_id, result.replica_id)
 
@@ -269,6 +290,8 @@ class PoolClient:
         ``decode_replica`` pins the request to that decode replica, prefilled
         there (it holds the prompt's KV already: see ``pd.serve.choices``).
         """
+        if decode_replica is not None and not self.decode_routing.is_live(decode_replica):
+            decode_replica = None  # a pinned call to a replica that is gone would wait for it forever
         tracker = StreamTracker(self.metrics, TextStream(self.tokenizer, token_ids, stop), len(token_ids))
         hints = RouteHints(request_id=request_id, num_prompt_tokens=len(token_ids),
                            block_hashes=tuple(hash_block_tokens(token_ids, self.args.engine.block_size)),

@@ -222,7 +222,7 @@ class Ingress:
         # best_of ranks its runs by their log-probability, asked for or not.
         run_logprobs = body.logprobs if num_runs == n else (body.logprobs or 0)
         prompt_logprobs = body.logprobs if body.echo else None
-        structured = await self._check_structured(body.structured_output())
+        structured = await self._check_structured(body.structured_output(), body)
         params = self._params(body, body.max_tokens if generate else 1, run_logprobs, structured, prompt_logprobs)
         self.prompts.check_lengths(token_ids, params)
         stop = self.prompts.check_stop(body.stop_strings())
@@ -243,7 +243,7 @@ class Ingress:
         tools, tool_constraint = tool_call_mode(body)
         token_ids = await self.prompts.chat(body.chat_messages())
         n, _ = self._num_choices(body.n, None)
-        structured = await self._check_structured(tool_constraint or body.structured_output())
+        structured = await self._check_structured(tool_constraint or body.structured_output(), body)
         params = self._params(body, body.max_completion_tokens or body.max_tokens, body.logprobs_k(), structured)
         self.prompts.check_lengths(token_ids, params)
         stop = self.prompts.check_stop(body.stop_strings())
@@ -263,13 +263,14 @@ class Ingress:
             raise OpenAIError(400, f"{param}={runs} is more than this server's max_n ({self.args.max_n})", param=param)
         return n, runs
 
-    async def _check_structured(self, constraint: StructuredOutput | None) -> StructuredOutput | None:
+    async def _check_structured(self, constraint: StructuredOutput | None, body) -> StructuredOutput | None:
         """``constraint``, once it compiles; a bad schema or regex is the client's 400, never a replica's error."""
         if constraint is not None:
             try:
                 await self.prompts.run(self._grammars().compile, constraint)
             except ValueError as exc:
-                raise OpenAIError(400, str(exc), param="response_format") from None
+                param = (body.constraint_fields() or ["tools"])[0]
+                raise OpenAIError(400, str(exc), param=param) from None
         return constraint
 
     def _grammars(self):

@@ -146,11 +146,16 @@ class _Common(BaseModel):
     def continuous_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
-    def structured_output(self) -> StructuredOutput | None:
-        """The grammar the output must follow, from ``response_format`` or a ``guided_*`` extension."""
+    def constraint_fields(self) -> list[str]:
+        """The fields that constrain the output, as given."""
         given = [name for name in ("guided_json", "guided_regex", "guided_choice") if getattr(self, name) is not None]
         if self.response_format is not None and self.response_format.type != "text":
             given.append("response_format")
+        return given
+
+    def structured_output(self) -> StructuredOutput | None:
+        """The grammar the output must follow, from ``response_format`` or a ``guided_*`` extension."""
+        given = self.constraint_fields()
         if len(given) > 1:
             raise OpenAIError(400, f"give at most one output constraint; got {', '.join(given)}", param=given[1])
         if not given:

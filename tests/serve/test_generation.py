@@ -59,3 +59,69 @@ def test_one_finish_rule(token, num_output, num_tokens, expected):
     ignoring = params.replace(ignore_eos=True)
     if token == 2:
         assert finish_reason(ignoring, token, num_output, num_tokens, 32, (2,)) is None
+
+
+class _Response:
+    """A fake ``DeploymentResponse``: awaitable, cancellable, answered when ``answer`` says."""
+
+    def __init__(self, answer):
+        self._answer = answer
+        self.cancelled = False
+
+    def __await__(self):
+        return self._answer().__await__()
+
+    def cancel(self):
+        self.cancelled = True
+
+
+class _PrefillPool:
+    """A fake prefill handle: the first attempt fails; records when each call is made and when releases end."""
+
+    def __init__(self, routing):
+        self.routing = routing
+        self.log: list[str] = []
+        self.prefill = _Method(self, "prefill")
+        self.release = _Method(self, "release")
+
+
+class _Method:
+    def __init__(self, pool: _PrefillPool, name: str):
+        self.pool, self.name = pool, name
+
+    def remote(self, hints: bytes, data: bytes) -> _Response:
+        import asyncio
+
+        from router.protocol import RouteHints
+
+        request_id = RouteHints.decode(hints).request_id
+        self.pool.log.append(f"{self.name} {request_id}")
+        self.pool.routing.note_routed(request_id, f"replica-{request_id[-1]}")
+
+        async def answer():
+            await asyncio.sleep(0)  # answered on a later turn of the loop, as a real call is
+            if self.name == "release":
+                self.pool.log.append(f"released {request_id}")
+                return None
+            raise RuntimeError("this attempt's replica failed")
+
+        return _Response(answer)
+
+
+def test_a_retry_is_made_only_after_the_failed_attempts_release_went_out():
+    """Serve places calls of one HTTP request by one id: a release and a retry must not be in placement at once."""
+    import asyncio
+
+    from pd.serve.args import AppArgs
+    from pd.serve.generation import PoolClient
+    from pd.serve.protocol import PoolRequest
+    from router.protocol import RouteHints
+    from router.shared import PREFILL_SCOPE, RoutingScopes
+
+    scopes = RoutingScopes()
+    pool = _PrefillPool(scopes.open(PREFILL_SCOPE))
+    client = PoolClient(AppArgs(), pool, None, None, (2,), 64, scopes)
+    request = PoolRequest(request_id="r", token_ids=(1, 2, 3), sampling=SamplingParams())
+    assert asyncio.run(client.remote_prefill(request, RouteHints(request_id="r"))) is None  # then prefilled locally
+    assert pool.log == ["prefill r-p0", "release r-p0", "released r-p0", "prefill r-p1", "release r-p1",
+                        "released r-p1"]

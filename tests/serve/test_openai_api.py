@@ -257,15 +257,17 @@ def test_guided_extensions_and_json_object(app):
         assert isinstance(json.loads(answer["choices"][0]["message"]["content"]), dict)
 
 
-@pytest.mark.parametrize("body, message", [
-    ({"guided_json": {"type": "objec"}}, "invalid JSON schema"),
-    ({"guided_regex": "(unclosed"}, "invalid regex"),
-    ({"response_format": {"type": "json_schema"}}, "json_schema is required"),
+@pytest.mark.parametrize("body, message, param", [
+    ({"guided_json": {"type": "objec"}}, "invalid JSON schema", "guided_json"),
+    ({"guided_regex": "(unclosed"}, "invalid regex", "guided_regex"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objec"}}}},
+     "invalid JSON schema", "response_format"),
+    ({"response_format": {"type": "json_schema"}}, "json_schema is required", "response_format"),
 ])
-def test_bad_constraints_are_the_clients_400(app, body, message):
+def test_bad_constraints_are_the_clients_400(app, body, message, param):
     status, answer = app.post("/v1/completions", {"model": MODEL, "prompt": SHORT, **body})
     assert status == 400, answer
-    assert message in answer["error"]["message"]
+    assert message in answer["error"]["message"] and answer["error"]["param"] == param
     assert app.request("GET", "/health")[0] == 200
 
 
