@@ -18,7 +18,16 @@ from tests.serve.conftest import pool_stats
 MODEL = "builtin:tiny-llama"
 SHORT = "Tell me about the sea."
 LONG = " ".join(f"word{i}" for i in range(150))
-PATHS = pytest.mark.parametrize("prompt", [SHORT, LONG], ids=["local-prefill", "remote-prefill"])
+PATHS = pytest.mark.parametrize("path", ["local", "remote"])
+
+
+def prompt_for(path: str) -> str:
+    """SHORT, or a LONG prompt no replica holds yet, so that it is prefilled remotely."""
+    return SHORT if path == "local" else f"{uuid.uuid4().hex} {LONG}"
+
+
+def pulls() -> int:
+    return _totals("DecodeServer", "num_remote_pulls")
 # fp32 here and in HF, summed in other orders: log-probabilities agree to this.
 LOGPROB_ATOL = 2e-4
 
@@ -109,7 +118,8 @@ def test_what_would_change_the_output_unimplemented_is_refused(app, body, param)
 
 
 @PATHS
-def test_n_choices_share_the_prompt(app, sdk, prompt):
+def test_n_choices_share_the_prompt(app, sdk, path):
+    prompt = prompt_for(path)
     hits_before = _totals("DecodeServer", "num_prefix_hit_tokens")
     computed_before = _computed_prompt_tokens()
     out = sdk.completions.create(model=MODEL, prompt=prompt, n=4, max_tokens=8, temperature=1.0, seed=7)
@@ -157,11 +167,15 @@ def test_best_of_returns_the_most_likely(sdk):
 
 
 @PATHS
-def test_completion_echo_scores_the_prompt_like_hf(app, hf_model, offline, prompt):
+def test_completion_echo_scores_the_prompt_like_hf(app, hf_model, offline, path):
     """lm-eval's log-likelihood request: echo, max_tokens 0, logprobs k."""
+    prompt = prompt_for(path)
+    prefilled_before = _totals("PrefillServer", "num_prompt_tokens")
     status, body = app.post("/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 0, "echo": True,
                                                 "logprobs": 2, "temperature": 0})
     assert status == 200, body
+    prefilled = _totals("PrefillServer", "num_prompt_tokens") - prefilled_before
+    assert prefilled == (body["usage"]["prompt_tokens"] if path == "remote" else 0)  # scored where it ran
     token_ids = offline.tokenizer.encode(prompt)
     choice = body["choices"][0]
     assert choice["text"] == prompt and body["usage"]["completion_tokens"] == 0
@@ -176,9 +190,12 @@ def test_completion_echo_scores_the_prompt_like_hf(app, hf_model, offline, promp
 
 
 @PATHS
-def test_chat_top_logprobs_like_hf(sdk, hf_model, offline, prompt):
+def test_chat_top_logprobs_like_hf(sdk, hf_model, offline, path):
+    prompt = prompt_for(path)
+    pulls_before = pulls()
     out = sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=6,
                                       temperature=0, logprobs=True, top_logprobs=5, extra_body={"ignore_eos": True})
+    assert pulls() - pulls_before == (path == "remote")
     content = out.choices[0].logprobs.content
     assert len(content) == 6 and all(len(entry.top_logprobs) == 5 for entry in content)
     for entry in content:
@@ -209,7 +226,8 @@ def test_completion_logprobs_k_alternatives(sdk):
 
 
 @PATHS
-def test_usage_reports_cached_tokens(sdk, prompt):
+def test_usage_reports_cached_tokens(sdk, path):
+    prompt = prompt_for(path)
     unique = f"{uuid.uuid4().hex} {prompt}"  # a first block no replica has seen
     first = sdk.completions.create(model=MODEL, prompt=unique, max_tokens=2, temperature=0)
     second = sdk.completions.create(model=MODEL, prompt=unique, max_tokens=2, temperature=0)
@@ -227,14 +245,17 @@ SCHEMA = {"type": "object", "properties": {
 
 
 @PATHS
-def test_json_schema_response_format_validates(sdk, prompt):
+def test_json_schema_response_format_validates(sdk, path):
     """Through both paths: the remote prefill's first token obeys the grammar too."""
+    prompt = prompt_for(path)
+    pulls_before = pulls()
     for seed in range(3):
         out = sdk.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=120, temperature=1.0, seed=seed,
             response_format={"type": "json_schema", "json_schema": {"name": "hotel", "schema": SCHEMA}})
         assert out.choices[0].finish_reason == "stop", out.choices[0]
         jsonschema.validate(json.loads(out.choices[0].message.content), SCHEMA)
+    assert (pulls() > pulls_before) == (path == "remote")  # the first of them, at least, prefilled remotely
 
 
 def test_guided_extensions_and_json_object(app):
