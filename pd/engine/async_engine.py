@@ -40,6 +40,7 @@ class AsyncLLMEngine:
     def __init__(self, config: EngineConfig, transport: KVTransport | None = None):
         self.engine = LLMEngine(config, transport)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pd-engine-step")
+        self._grammar_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pd-grammar")
         self._streams: dict[str, asyncio.Queue] = {}
         self._pending_adds: list[tuple[str, list[int], SamplingParams, dict]] = []
         self._pending_aborts: list[str] = []
@@ -85,6 +86,20 @@ class AsyncLLMEngine:
         self._pending_adds.append((request_id, list(prompt_token_ids), params, options))
         self._wakeup.set()
         return self._stream(request_id, queue)
+
+    async def compile_constraint(self, params: SamplingParams) -> None:
+        """Compile ``params.structured`` on a worker thread, so that ``add_request`` finds it cached.
+
+        Compiling a grammar is work whose cost the client picks (and the first
+        one loads xgrammar, about a second): done in ``add_request`` it would
+        run on the replica's event loop and stall every stream it serves.
+        ``ValueError`` for a constraint that does not compile.
+        """
+        if params.structured is not None:
+            def compile_constraint() -> None:
+                self.engine.grammar_compiler.compile(params.structured)
+
+            await asyncio.get_running_loop().run_in_executor(self._grammar_executor, compile_constraint)
 
     async def _stream(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
         try:
@@ -223,3 +238,4 @@ class AsyncLLMEngine:
             self._wakeup.set()
             await asyncio.gather(self._loop_task, return_exceptions=True)
         self._executor.shutdown(wait=True)
+        self._grammar_executor.shutdown(wait=False, cancel_futures=True)

@@ -46,6 +46,7 @@ class DecodeServer(EngineServer):
         remote_kv = None
         if request.kv_handle is not None:
             remote_kv = self.engine.open_kv_handle(request.kv_handle, token_ids)
+        await self.engine.compile_constraint(request.sampling)  # off the event loop
         stream = self.engine.add_request(request.request_id, token_ids, request.sampling,
                                          remote_kv=remote_kv, first_token_id=request.first_token_id,
                                          num_generated=request.num_generated)

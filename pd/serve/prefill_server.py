@@ -27,6 +27,7 @@ class PrefillServer(EngineServer):
         aborts the request and frees its blocks.
         """
         request = PoolRequest.decode(data)
+        await self.engine.compile_constraint(request.sampling)  # off the event loop
         stream = self.engine.add_request(request.request_id, list(request.token_ids), request.sampling, pin_kv=True)
         last = None
         async with contextlib.aclosing(stream):

@@ -114,3 +114,34 @@ def test_freed_memory_goes_back_to_the_os_when_idle_and_while_busy(model_dir, mo
     assert idle_calls == 1
     assert len(calls) >= 1 + GREEDY.max_tokens
     assert all(name.startswith("pd-engine-step") for name in calls)  # between steps, on the step thread
+
+
+def test_grammars_compile_off_the_event_loop():
+    """A grammar's compile (and xgrammar's first load) never runs on the loop that serves every stream."""
+    import threading
+
+    from pd.sampling_params import StructuredKind, StructuredOutput
+
+    constraint = StructuredOutput(kind=StructuredKind.REGEX, spec="[ab]{3}")
+    params = SamplingParams(max_tokens=8, temperature=0, structured=constraint)
+
+    async def main():
+        engine = AsyncLLMEngine(EngineConfig(model="builtin:tiny-llama", num_blocks=64))
+        loop_thread = threading.current_thread()
+        compiled_on = []
+        compiler = engine.engine.grammar_compiler
+        original = compiler.compile
+
+        def recording(c):
+            compiled_on.append(threading.current_thread())
+            return original(c)
+
+        compiler.compile = recording
+        await engine.compile_constraint(params)
+        tokens, last = await _collect(engine.add_request("g", [5, 6, 7], params))
+        await engine.shutdown()
+        return loop_thread, compiled_on, engine.tokenizer.decode(tokens), last
+
+    loop_thread, compiled_on, text, last = asyncio.run(main())
+    assert compiled_on[0] is not loop_thread
+    assert text in {a + b + c for a in "ab" for b in "ab" for c in "ab"} and last.finish_reason is FinishReason.STOP
