@@ -9,6 +9,7 @@ import hmac
 import json
 import logging
 import os
+import threading
 import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
@@ -171,6 +172,7 @@ class Ingress:
         app.state.max_request_body_bytes = self.args.max_request_body_bytes
         self.vocab_size = model_config.vocab_size
         self._grammar_compiler = None
+        self._grammar_lock = threading.Lock()
 
     # Input checks shared by every entry point --------------------------------
 
@@ -267,19 +269,22 @@ class Ingress:
         """``constraint``, once it compiles; a bad schema or regex is the client's 400, never a replica's error."""
         if constraint is not None:
             try:
-                await self.prompts.run(self._grammars().compile, constraint)
+                await self.prompts.run(self._compile, constraint)
             except ValueError as exc:
                 param = (body.constraint_fields() or ["tools"])[0]
                 raise OpenAIError(400, str(exc), param=param) from None
         return constraint
 
-    def _grammars(self):
-        """The ingress's grammar compiler, made on the first structured request (xgrammar loads lazily)."""
-        if self._grammar_compiler is None:
-            from pd.engine.structured import GrammarCompiler
+    def _compile(self, constraint: StructuredOutput) -> None:
+        """Compile ``constraint`` (on a tokenizer thread); the compiler is made on first use, loading xgrammar."""
+        with self._grammar_lock:
+            if self._grammar_compiler is None:
+                if self.tokenizer is None:
+                    raise ValueError("structured output needs the model's tokenizer, and this model has none")
+                from pd.engine.structured import GrammarCompiler
 
-            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.pools.eos_token_ids)
-        return self._grammar_compiler
+                self._grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.pools.eos_token_ids)
+        self._grammar_compiler.compile(constraint)
 
     def _choices(self, rid: str, token_ids: list[int], params: SamplingParams, stop: list[str], n: int):
         return with_deadline(run_choices(self.pools, rid, token_ids, params, stop, n), self.args.request_timeout_s)
