@@ -8,13 +8,12 @@ import uuid
 from dataclasses import dataclass
 
 from pd.config import EngineConfig, SchedulerConfig
-from pd.engine.block_pool import BlockPool, CacheEvent
-from pd.engine.kv_cache_manager import KVCacheManager
+from pd.engine.block_pool import CacheEvent
 from pd.engine.kv_connector import KVConnector
 from pd.engine.model_runner import ModelRunner, kv_block_bytes
 from pd.engine.outputs import RequestOutput
 from pd.engine.request import FinishReason, KVSource, Request, RequestStatus, finish_reason
-from pd.engine.scheduler import Scheduler
+from pd.engine.scheduler import make_scheduler
 from pd.engine.structured import GrammarCompiler, RequestGrammar
 from pd.model.config import load_model_config
 from pd.model.loader import resolve_dtype
@@ -79,9 +78,9 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs,
             max_model_len=self.max_model_len,
         )
-        self.block_pool = BlockPool(num_blocks)
-        self.kv_cache = KVCacheManager(self.block_pool, config.block_size)
-        self.scheduler = Scheduler(self.scheduler_config, self.kv_cache)
+        self.scheduler = make_scheduler(self.scheduler_config)
+        self.kv_cache = self.scheduler.kv_cache
+        self.block_pool = self.kv_cache.pool
         self.runner = ModelRunner(config, mc, self.model_dir, num_blocks, self.max_model_len)
         self.fingerprint = LayoutFingerprint(
             model=config.model,

@@ -21,6 +21,7 @@ import time
 from collections import deque
 
 from pd.config import SchedulerConfig
+from pd.engine.block_pool import BlockPool
 from pd.engine.kv_cache_manager import NO_MATCH, KVCacheManager
 from pd.engine.outputs import ForwardOutput, RequestOutput, ScheduledRequest, SchedulerOutput
 from pd.engine.request import FinishReason, KVSource, Request, RequestStatus, finish_reason
@@ -215,3 +216,8 @@ class Scheduler:
                     self._finish(request, FinishReason.ABORT)
                     return request
         return None
+
+
+def make_scheduler(config: SchedulerConfig) -> Scheduler:
+    """A scheduler over a fresh pool of ``config.num_blocks`` blocks: the engine's, and the simulator's."""
+    return Scheduler(config, KVCacheManager(BlockPool(config.num_blocks), config.block_size))

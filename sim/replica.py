@@ -1,0 +1,103 @@
+"""One replica serving a trace in simulated time, and what each request saw.
+
+    arrival ──> SimEngine queue ──> step ... step ──> finished
+                  (admitted at the next step start)   (outputs land at each step's end)
+
+The replica steps back to back while it has work, as ``AsyncLLMEngine``'s
+loop does; a request arriving during a step is admitted at the next one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from bench.stats import percentile
+from bench.trace import TraceRequest
+from sim.clock import EventLoop
+from sim.engine import SimEngine
+from sim.workload import prompt_token_ids, scaled
+
+
+@dataclass
+class RequestRecord:
+    arrival_s: float
+    num_prompt_tokens: int
+    token_times_s: list[float] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    finished_s: float | None = None
+
+    @property
+    def ttft_s(self) -> float:
+        return self.token_times_s[0] - self.arrival_s
+
+    @property
+    def e2e_s(self) -> float:
+        return self.finished_s - self.arrival_s
+
+    def itls_s(self) -> list[float]:
+        return [b - a for a, b in zip(self.token_times_s, self.token_times_s[1:])]
+
+
+class SimReplica:
+    """Feeds a ``SimEngine`` from the event loop and records every request's token times."""
+
+    def __init__(self, loop: EventLoop, engine: SimEngine):
+        self.loop = loop
+        self.engine = engine
+        self.records: dict[str, RequestRecord] = {}
+        self._stepping = False
+
+    def arrive(self, request_id: str, prompt: list[int], max_tokens: int) -> None:
+        self.records[request_id] = RequestRecord(self.loop.now, len(prompt))
+        self.engine.add(request_id, prompt, max_tokens)
+        if not self._stepping:
+            self._step()
+
+    def _step(self) -> None:
+        seconds, results = self.engine.step()
+        if not results and seconds == 0.0:
+            self._stepping = False  # nothing schedulable: the next arrival starts the loop again
+            return
+        self._stepping = True
+        self.loop.at(self.loop.now + seconds, lambda: self._land(results))
+
+    def _land(self, results) -> None:
+        for result in results:
+            record = self.records[result.request_id]
+            record.token_times_s += [self.loop.now] * len(result.new_token_ids)
+            record.num_cached_tokens = result.num_cached_tokens
+            if result.finished:
+                record.finished_s = self.loop.now
+        self._step()
+
+
+def replay(trace: Sequence[TraceRequest], engine: SimEngine, block_tokens: int) -> list[RequestRecord]:
+    """Serve ``trace`` (arrival times as recorded) on one replica; the records in trace order."""
+    loop = EventLoop()
+    replica = SimReplica(loop, engine)
+    for index, request in enumerate(trace):
+        prompt = prompt_token_ids(request, block_tokens, engine.vocab_size)
+        max_tokens = scaled(request.output_length, block_tokens) if request.output_length else 1
+
+        def arrive(index=index, prompt=prompt, max_tokens=max_tokens):
+            replica.arrive(f"r{index}", prompt, max_tokens)
+
+        loop.at(request.timestamp_ms / 1000, arrive)
+    loop.run()
+    return [replica.records[f"r{index}"] for index in range(len(trace))]
+
+
+def summarize(records: Sequence[RequestRecord]) -> dict:
+    """Latency percentiles (seconds) and throughput of finished requests."""
+    done = [r for r in records if r.finished_s is not None]
+    itls = [gap for r in done for gap in r.itls_s()]
+    span = max(r.finished_s for r in done) - min(r.arrival_s for r in done) if done else 0.0
+    return {
+        "requests": len(records), "finished": len(done),
+        "ttft_p50_s": percentile([r.ttft_s for r in done], 50), "ttft_p90_s": percentile([r.ttft_s for r in done], 90),
+        "itl_p50_s": percentile(itls, 50) if itls else None, "itl_p90_s": percentile(itls, 90) if itls else None,
+        "e2e_p50_s": percentile([r.e2e_s for r in done], 50),
+        "output_tokens_per_s": sum(len(r.token_times_s) for r in done) / span if span else None,
+        "prefix_hit_tokens": sum(r.num_cached_tokens for r in done),
+    }
