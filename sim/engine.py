@@ -1,50 +1,50 @@
-"""One engine replica in simulated time: the real scheduler, with the forward pass replaced by its cost.
+"""One engine replica in simulated time: the real ``LLMEngine`` with its model replaced by a cost.
 
-``SimEngine.step`` is ``LLMEngine.step`` with the model taken out: the real
-``Scheduler`` schedules (admission, chunked prefill, prefix-cache hits,
-preemption), ``CostModel`` says how long the batch takes, and the real
-``Scheduler.update`` advances every request and caches its blocks. Sampled
-tokens are drawn from a seeded generator; requests end at their
-``max_tokens`` (``ignore_eos``), as a trace's output lengths say.
+``sim_engine`` builds a real ``LLMEngine`` whose runner is a
+``ModelledRunner``: the engine's own step runs unchanged (the scheduler's
+admission, chunked prefill, prefix-cache hits, preemption, its update and
+bookkeeping), and where it would run the model, the runner says how long
+the batch would take (``CostModel``) and draws the sampled tokens from a
+seeded generator. Requests end at their ``max_tokens`` (``ignore_eos``), as
+a trace's output lengths say.
 """
 
 from __future__ import annotations
 
+import functools
 import random
+from pathlib import Path
 
-from pd.config import SchedulerConfig
-from pd.engine.outputs import ForwardOutput, RequestOutput
-from pd.engine.request import Request
-from pd.engine.scheduler import make_scheduler
-from pd.sampling_params import SamplingParams
+from pd.config import EngineConfig
+from pd.engine.engine import LLMEngine
+from pd.engine.outputs import ForwardOutput, SchedulerOutput
+from pd.model.config import ModelConfig
+from pd.model.loader import resolve_dtype
 from sim.cost import CostModel, StepShape
 
 
-class SimEngine:
-    def __init__(self, config: SchedulerConfig, cost: CostModel, vocab_size: int, seed: int = 0):
-        self.config = config
+class ModelledRunner:
+    """``ModelRunner``'s interface, without a model: each ``execute`` records its modelled seconds."""
+
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, model_dir: Path, num_blocks: int,
+                 max_model_len: int, *, cost: CostModel, seed: int):
+        self.dtype = resolve_dtype(config.dtype, model_config)
+        self.vocab_size = model_config.vocab_size
         self.cost = cost
-        self.vocab_size = vocab_size
-        self.scheduler = make_scheduler(config)
         self._tokens = random.Random(seed)
+        self.last_step_seconds = 0.0
         self.num_steps = 0
 
-    def add(self, request_id: str, prompt_token_ids: list[int], max_tokens: int) -> Request:
-        request = Request(request_id, prompt_token_ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
-        self.scheduler.add(request)
-        return request
-
-    @property
-    def has_work(self) -> bool:
-        return self.scheduler.has_unfinished
-
-    def step(self) -> tuple[float, list[RequestOutput]]:
-        """``(seconds the step takes, its outputs)``; ``(0, [])`` when nothing could be scheduled."""
-        out = self.scheduler.schedule()
-        if out.is_empty:
-            return 0.0, []
-        seconds = self.cost.step_seconds(StepShape.of(out.scheduled))
-        sampled = [self._tokens.randrange(self.vocab_size) for item in out.scheduled if item.samples]
-        results = self.scheduler.update(out, ForwardOutput(sampled_token_ids=sampled, logprobs=None))
+    def execute(self, out: SchedulerOutput, block_tables: list[list[int]]) -> ForwardOutput:
+        self.last_step_seconds = self.cost.step_seconds(StepShape.of(out.scheduled))
         self.num_steps += 1
-        return seconds, results
+        sampled = [self._tokens.randrange(self.vocab_size) for item in out.scheduled if item.samples]
+        return ForwardOutput(sampled_token_ids=sampled, logprobs=None)
+
+    def forget(self, request_id: str) -> None:
+        """Nothing is kept per request."""
+
+
+def sim_engine(config: EngineConfig, cost: CostModel, seed: int = 0) -> LLMEngine:
+    """A real engine for ``config.model`` (its config and tokenizer are read; no weights are loaded)."""
+    return LLMEngine(config, make_runner=functools.partial(ModelledRunner, cost=cost, seed=seed))

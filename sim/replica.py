@@ -1,10 +1,11 @@
 """One replica serving a trace in simulated time, and what each request saw.
 
-    arrival ──> SimEngine queue ──> step ... step ──> finished
-                  (admitted at the next step start)   (outputs land at each step's end)
+    arrival ──> engine queue ──> step ... step ──> finished
+                (admitted at the next step start)   (outputs land at each step's end)
 
 The replica steps back to back while it has work, as ``AsyncLLMEngine``'s
 loop does; a request arriving during a step is admitted at the next one.
+The engine is a real ``LLMEngine`` with a modelled runner (``sim.engine``).
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ from typing import Sequence
 
 from bench.stats import percentile
 from bench.trace import TraceRequest
+from pd.engine.engine import LLMEngine
+from pd.sampling_params import SamplingParams
 from sim.clock import EventLoop
-from sim.engine import SimEngine
 from sim.workload import prompt_token_ids, scaled
 
 
@@ -40,9 +42,9 @@ class RequestRecord:
 
 
 class SimReplica:
-    """Feeds a ``SimEngine`` from the event loop and records every request's token times."""
+    """Feeds an engine from the event loop and records every request's token times."""
 
-    def __init__(self, loop: EventLoop, engine: SimEngine):
+    def __init__(self, loop: EventLoop, engine: LLMEngine):
         self.loop = loop
         self.engine = engine
         self.records: dict[str, RequestRecord] = {}
@@ -50,15 +52,21 @@ class SimReplica:
 
     def arrive(self, request_id: str, prompt: list[int], max_tokens: int) -> None:
         self.records[request_id] = RequestRecord(self.loop.now, len(prompt))
-        self.engine.add(request_id, prompt, max_tokens)
+        self.engine.add_request(request_id, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
         if not self._stepping:
             self._step()
 
     def _step(self) -> None:
-        seconds, results = self.engine.step()
-        if not results and seconds == 0.0:
-            self._stepping = False  # nothing schedulable: the next arrival starts the loop again
+        if not self.engine.has_unfinished_requests():
+            self._stepping = False  # idle: the next arrival starts the loop again
             return
+        steps_before = self.engine.runner.num_steps
+        results = self.engine.step()
+        ran = self.engine.runner.num_steps > steps_before
+        if not ran and not results:
+            self._stepping = False  # nothing schedulable now (say, no free blocks): wait for an arrival
+            return
+        seconds = self.engine.runner.last_step_seconds if ran else 0.0
         self._stepping = True
         self.loop.at(self.loop.now + seconds, lambda: self._land(results))
 
@@ -72,12 +80,12 @@ class SimReplica:
         self._step()
 
 
-def replay(trace: Sequence[TraceRequest], engine: SimEngine, block_tokens: int) -> list[RequestRecord]:
+def replay(trace: Sequence[TraceRequest], engine: LLMEngine, block_tokens: int) -> list[RequestRecord]:
     """Serve ``trace`` (arrival times as recorded) on one replica; the records in trace order."""
     loop = EventLoop()
     replica = SimReplica(loop, engine)
     for index, request in enumerate(trace):
-        prompt = prompt_token_ids(request, block_tokens, engine.vocab_size)
+        prompt = prompt_token_ids(request, block_tokens, engine.model_config.vocab_size)
         max_tokens = scaled(request.output_length, block_tokens) if request.output_length else 1
 
         def arrive(index=index, prompt=prompt, max_tokens=max_tokens):

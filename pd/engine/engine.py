@@ -6,6 +6,7 @@ import dataclasses
 import logging
 import uuid
 from dataclasses import dataclass
+from typing import Callable
 
 from pd.config import EngineConfig, SchedulerConfig
 from pd.engine.block_pool import CacheEvent
@@ -51,10 +52,12 @@ class LLMEngine:
     """Owns a scheduler and a model runner. Not thread-safe: one caller drives ``step``.
 
     With a ``transport`` the engine also serves disaggregated requests: see
-    ``pd.engine.kv_connector``.
+    ``pd.engine.kv_connector``. ``make_runner`` builds what runs the model
+    (``ModelRunner``'s signature); the simulator passes one that models it.
     """
 
-    def __init__(self, config: EngineConfig, transport: KVTransport | None = None):
+    def __init__(self, config: EngineConfig, transport: KVTransport | None = None, *,
+                 make_runner: Callable[..., ModelRunner] = ModelRunner):
         self.config = config
         self.engine_id = uuid.uuid4().hex
         self.model_dir = resolve_model_path(config.model)
@@ -81,7 +84,7 @@ class LLMEngine:
         self.scheduler = make_scheduler(self.scheduler_config)
         self.kv_cache = self.scheduler.kv_cache
         self.block_pool = self.kv_cache.pool
-        self.runner = ModelRunner(config, mc, self.model_dir, num_blocks, self.max_model_len)
+        self.runner = make_runner(config, mc, self.model_dir, num_blocks, self.max_model_len)
         self.fingerprint = LayoutFingerprint(
             model=config.model,
             dtype=str(self.runner.dtype).removeprefix("torch."),
@@ -293,7 +296,7 @@ class LLMEngine:
         request = self._requests.pop(request_id, None)
         if request is not None:
             request.grammar = None  # its matcher's native memory goes now, not with the last reference
-        self.runner.sampler.forget(request_id)
+        self.runner.forget(request_id)
 
     def stats(self) -> EngineStats:
         return EngineStats(

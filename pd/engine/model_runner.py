@@ -85,6 +85,10 @@ class ModelRunner:
                                        max_blocks_per_seq=-(-max_model_len // config.block_size), device=self.device)
             self.graphs.capture()
 
+    def forget(self, request_id: str) -> None:
+        """A request ended: drop what sampling kept for it."""
+        self.sampler.forget(request_id)
+
     def prepare(self, out: SchedulerOutput, block_tables: list[list[int]]) -> ForwardInput:
         """Flatten the schedule into host lists, then copy them all to the device in one transfer."""
         bs = self.block_size

@@ -7,17 +7,17 @@ import dataclasses
 import pytest
 
 from bench.trace import TraceRequest
-from pd.config import SchedulerConfig
+from pd.config import EngineConfig
 from pd.engine.outputs import ScheduledRequest
 from pd.engine.request import Request
 from pd.sampling_params import SamplingParams
 from sim.cost import CostModel, StepShape
-from sim.engine import SimEngine
+from sim.engine import sim_engine
 from sim.replica import replay, summarize
 
 COST = CostModel(base_s=0.002, per_token_s=5e-5, per_pair_s=1e-7, per_seq_s=2e-4, per_sample_s=1e-4)
-CONFIG = SchedulerConfig(block_size=16, num_blocks=2048, max_num_batched_tokens=512, max_num_seqs=64,
-                         max_model_len=8192)
+CONFIG = EngineConfig(model="builtin:tiny-llama", block_size=16, num_blocks=2048, max_num_batched_tokens=512,
+                      max_num_seqs=64)
 
 
 def burst(num_requests: int, shared_blocks: int = 0, every_ms: float = 1.0) -> list[TraceRequest]:
@@ -28,7 +28,7 @@ def burst(num_requests: int, shared_blocks: int = 0, every_ms: float = 1.0) -> l
 
 
 def run(trace, config=CONFIG, seed=0, block_tokens=32):
-    return replay(trace, SimEngine(config, COST, vocab_size=1024, seed=seed), block_tokens)
+    return replay(trace, sim_engine(config, COST, seed=seed), block_tokens)
 
 
 def test_a_step_shape_counts_tokens_pairs_and_samples():
