@@ -176,8 +176,8 @@ class Scheduler:
                 self.config.max_model_len, request.eos_token_ids)
             if reason is not None:
                 self._finish(request, reason)
-            output = self._output(request, [token_id], [logprob] if logprob is not None else [], reason)
-            output.new_top_logprobs.extend([top] if top is not None else [])
+            output = self._output(request, [token_id], [logprob] if logprob is not None else [], reason,
+                                  top_logprobs=[top] if top is not None else [])
             if request.sampling_params.prompt_logprobs is not None and not request.prompt_logprobs_reported:
                 request.prompt_logprobs_reported = True  # the prompt is whole by its first sample
                 output = dataclasses.replace(output, prompt_logprobs=list(request.prompt_logprobs))
@@ -188,7 +188,7 @@ class Scheduler:
 
     @staticmethod
     def _output(request: Request, token_ids: list[int], logprobs: list[float], reason: FinishReason | None,
-                error: str | None = None) -> RequestOutput:
+                error: str | None = None, top_logprobs: list | None = None) -> RequestOutput:
         return RequestOutput(
             request_id=request.request_id,
             new_token_ids=token_ids,
@@ -199,6 +199,7 @@ class Scheduler:
             kv_source=request.kv_source,
             queue_seconds=request.queue_seconds,
             error=error,
+            new_top_logprobs=top_logprobs or [],
         )
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
@@ -219,5 +220,5 @@ class Scheduler:
 
 
 def make_scheduler(config: SchedulerConfig) -> Scheduler:
-    """A scheduler over a fresh pool of ``config.num_blocks`` blocks: the engine's, and the simulator's."""
+    """A scheduler over a fresh pool of ``config.num_blocks`` blocks, as an engine starts with."""
     return Scheduler(config, KVCacheManager(BlockPool(config.num_blocks), config.block_size))
