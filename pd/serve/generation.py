@@ -249,11 +249,12 @@ class PoolClient:
         self.metrics.prefill.observe(time.monotonic() - start)
         return answer
 
-    def _release(self, request_id: str, replica_id: str) -> None:
+    def _release(self, request_id: str, replica_id: str):
+        """Send the lease release (its response, not awaited); None when the replica is gone with its leases."""
         if not self.prefill_routing.is_live(replica_id):
-            return  # its leases died with it
+            return None
         hints = RouteHints(request_id=request_id, target_replica_id=replica_id)
-        self.prefill.release.remote(hints.encode(), PoolControl(request_id=request_id).encode())
+        return self.prefill.release.remote(hints.encode(), PoolControl(request_id=request_id).encode())
 
     async def _release_before_retry(self, request_id: str, replica_id: str) -> None:
         """Release a failed attempt's lease, and let the call be placed before the retry's call is made.
@@ -265,10 +266,9 @@ class PoolClient:
         or leave one never placed. The wait is short: a lease the release
         misses expires by itself.
         """
-        if not self.prefill_routing.is_live(replica_id):
-            return  # its leases died with it
-        hints = RouteHints(request_id=request_id, target_replica_id=replica_id)
-        response = self.prefill.release.remote(hints.encode(), PoolControl(request_id=request_id).encode())
+        response = self._release(request_id, replica_id)
+        if response is None:
+            return
         try:
             await asyncio.wait_for(_result(response), RELEASE_BEFORE_RETRY_S)
         except Exception:  # noqa: BLE001 - timed out or failed: the lease expires by itself
