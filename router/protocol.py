@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 
 import msgspec
 
+from router.policy import ReplicaLoad
 from transfer.wire import NonNegativeInt, WireError, WireMessage
 
 ROUTING_STATS_KEY = "pd_routing_stats"
@@ -91,6 +92,16 @@ class RoutingStats(WireMessage, frozen=True, kw_only=True):
 
 
 NO_STATS = RoutingStats()
+
+
+def replica_load(replica_id: str, stats: RoutingStats) -> ReplicaLoad:
+    """A replica's reported load, as the policies take it."""
+    return ReplicaLoad(
+        replica_id=replica_id,
+        queued_prefill_tokens=stats.num_waiting_tokens,
+        num_active_requests=stats.num_running + stats.num_waiting,
+        kv_usage=stats.kv_usage,
+    )
 
 
 def read_route_hints(data: Any) -> RouteHints | None:

@@ -33,7 +33,7 @@ from router.policy import (
     RoutingDecision,
 )
 from router.prefix_index import PrefixIndex
-from router.protocol import NO_STATS, ROUTING_STATS_KEY, RouteHints, RoutingStats, read_route_hints
+from router.protocol import NO_STATS, ROUTING_STATS_KEY, RouteHints, RoutingStats, read_route_hints, replica_load
 from router.shared import MAX_REMEMBERED, PoolRouting, RoutingScopes
 from transfer.wire import WireError
 
@@ -76,13 +76,7 @@ class ReplicaReports:
 
     def load(self, replica: RunningReplica) -> ReplicaLoad:
         """The replica's reported load, as the policies take it."""
-        stats = self.get(replica)
-        return ReplicaLoad(
-            replica_id=replica.replica_id.unique_id,
-            queued_prefill_tokens=stats.num_waiting_tokens,
-            num_active_requests=stats.num_running + stats.num_waiting,
-            kv_usage=stats.kv_usage,
-        )
+        return replica_load(replica.replica_id.unique_id, self.get(replica))
 
     def retain(self, live_replica_ids: set[str]) -> None:
         for gone in set(self._reports) - live_replica_ids:

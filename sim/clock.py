@@ -7,6 +7,7 @@ import itertools
 from typing import Callable
 
 
+
 class EventLoop:
     """Deterministic: the same events scheduled in the same order run in the same order."""
 
@@ -15,9 +16,16 @@ class EventLoop:
         self._events: list[tuple[float, int, Callable[[], None]]] = []
         self._order = itertools.count()
 
+    def time(self) -> float:
+        """The simulated time, for what reads a clock."""
+        return self.now
+
     def at(self, time_s: float, action: Callable[[], None]) -> None:
         """Run ``action`` at ``time_s`` (never before now)."""
         heapq.heappush(self._events, (max(time_s, self.now), next(self._order), action))
+
+    def has_events(self) -> bool:
+        return bool(self._events)
 
     def run(self) -> None:
         """Run events until none is left."""

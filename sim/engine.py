@@ -15,12 +15,17 @@ import functools
 import random
 from pathlib import Path
 
+import torch
+
 from pd.config import EngineConfig
+from pd.engine.clock import SYSTEM_CLOCK, Clock
 from pd.engine.engine import LLMEngine
 from pd.engine.outputs import ForwardOutput, SchedulerOutput
 from pd.model.config import ModelConfig
 from pd.model.loader import resolve_dtype
+from sim.clock import EventLoop
 from sim.cost import CostModel, StepShape
+from transfer.base import KVTransport
 
 
 class ModelledRunner:
@@ -29,6 +34,9 @@ class ModelledRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, model_dir: Path, num_blocks: int,
                  max_model_len: int, *, cost: CostModel, seed: int):
         self.dtype = resolve_dtype(config.dtype, model_config)
+        # The pool's shape, on the meta device: a transport checks its geometry, and no byte exists.
+        self.kv_cache = torch.empty((num_blocks, model_config.num_layers, 2, config.block_size,
+                                     model_config.num_kv_heads, model_config.head_dim), dtype=self.dtype, device="meta")
         self.vocab_size = model_config.vocab_size
         self.cost = cost
         self._tokens = random.Random(seed)
@@ -45,6 +53,14 @@ class ModelledRunner:
         """Nothing is kept per request."""
 
 
-def sim_engine(config: EngineConfig, cost: CostModel, seed: int = 0) -> LLMEngine:
-    """A real engine for ``config.model`` (its config and tokenizer are read; no weights are loaded)."""
-    return LLMEngine(config, make_runner=functools.partial(ModelledRunner, cost=cost, seed=seed))
+def sim_engine(config: EngineConfig, cost: CostModel, seed: int = 0, *, transport: KVTransport | None = None,
+               loop: EventLoop | None = None) -> LLMEngine:
+    """A real engine for ``config.model`` (its config and tokenizer are read; no weights are loaded).
+
+    With a ``loop``, the engine's clock is the loop's (leases expire and pulls
+    time out in simulated time); a ``transport`` makes it able to serve
+    disaggregated requests (``sim.transport``).
+    """
+    clock = SYSTEM_CLOCK if loop is None else Clock(wall=loop.time, monotonic=loop.time)
+    return LLMEngine(config, transport, make_runner=functools.partial(ModelledRunner, cost=cost, seed=seed),
+                     clock=clock)

@@ -11,11 +11,12 @@ The engine is a real ``LLMEngine`` with a modelled runner (``sim.engine``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 from bench.stats import percentile
 from bench.trace import TraceRequest
 from pd.engine.engine import LLMEngine
+from pd.engine.outputs import RequestOutput
 from pd.sampling_params import SamplingParams
 from sim.clock import EventLoop
 from sim.workload import prompt_token_ids, scaled
@@ -37,63 +38,81 @@ class RequestRecord:
     def e2e_s(self) -> float:
         return self.finished_s - self.arrival_s
 
+    def add(self, output: RequestOutput, now_s: float) -> None:
+        """An engine's output for this request, seen at ``now_s``."""
+        self.token_times_s += [now_s] * len(output.new_token_ids)
+        self.num_cached_tokens = max(self.num_cached_tokens, output.num_cached_tokens)
+        if output.finished:
+            self.finished_s = now_s
+
     def itls_s(self) -> list[float]:
         return [b - a for a, b in zip(self.token_times_s, self.token_times_s[1:])]
 
 
 class SimReplica:
-    """Feeds an engine from the event loop and records every request's token times."""
+    """Steps one engine from the event loop, as ``AsyncLLMEngine``'s loop does, and hands on its outputs.
 
-    def __init__(self, loop: EventLoop, engine: LLMEngine):
+    ``on_output`` gets every ``RequestOutput`` at the end of the step that
+    made it. ``busy_s`` adds up the modelled time of the steps run.
+    """
+
+    def __init__(self, loop: EventLoop, engine: LLMEngine, replica_id: str = "replica",
+                 on_output: Callable[[RequestOutput], None] | None = None):
         self.loop = loop
         self.engine = engine
-        self.records: dict[str, RequestRecord] = {}
+        self.replica_id = replica_id
+        self.on_output = on_output or (lambda output: None)
+        self.busy_s = 0.0
         self._stepping = False
 
-    def arrive(self, request_id: str, prompt: list[int], max_tokens: int) -> None:
-        self.records[request_id] = RequestRecord(self.loop.now, len(prompt))
-        self.engine.add_request(request_id, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    def add(self, request_id: str, prompt: list[int], params: SamplingParams, **options) -> None:
+        """``LLMEngine.add_request`` now; it runs from the next step."""
+        self.engine.add_request(request_id, prompt, params, **options)
+        self.wake()
+
+    def wake(self) -> None:
+        """Step now unless a step is under way (new work, a finished read, a notice)."""
         if not self._stepping:
             self._step()
 
     def _step(self) -> None:
-        if not self.engine.has_unfinished_requests():
-            self._stepping = False  # idle: the next arrival starts the loop again
-            return
         steps_before = self.engine.runner.num_steps
         results = self.engine.step()
         ran = self.engine.runner.num_steps > steps_before
         if not ran and not results:
-            self._stepping = False  # nothing schedulable now (say, no free blocks): wait for an arrival
+            self._stepping = False  # idle, or nothing schedulable now: the next arrival or notice wakes it
             return
         seconds = self.engine.runner.last_step_seconds if ran else 0.0
+        self.busy_s += seconds
         self._stepping = True
         self.loop.at(self.loop.now + seconds, lambda: self._land(results))
 
-    def _land(self, results) -> None:
+    def _land(self, results: list[RequestOutput]) -> None:
         for result in results:
-            record = self.records[result.request_id]
-            record.token_times_s += [self.loop.now] * len(result.new_token_ids)
-            record.num_cached_tokens = result.num_cached_tokens
-            if result.finished:
-                record.finished_s = self.loop.now
+            self.on_output(result)
         self._step()
 
 
 def replay(trace: Sequence[TraceRequest], engine: LLMEngine, block_tokens: int) -> list[RequestRecord]:
     """Serve ``trace`` (arrival times as recorded) on one replica; the records in trace order."""
     loop = EventLoop()
-    replica = SimReplica(loop, engine)
+    records: dict[str, RequestRecord] = {}
+
+    def land(result: RequestOutput) -> None:
+        records[result.request_id].add(result, loop.now)
+
+    replica = SimReplica(loop, engine, on_output=land)
     for index, request in enumerate(trace):
         prompt = prompt_token_ids(request, block_tokens, engine.model_config.vocab_size)
         max_tokens = scaled(request.output_length, block_tokens) if request.output_length else 1
 
-        def arrive(index=index, prompt=prompt, max_tokens=max_tokens):
-            replica.arrive(f"r{index}", prompt, max_tokens)
+        def arrive(request_id=f"r{index}", prompt=prompt, max_tokens=max_tokens):
+            records[request_id] = RequestRecord(loop.now, len(prompt))
+            replica.add(request_id, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
 
         loop.at(request.timestamp_ms / 1000, arrive)
     loop.run()
-    return [replica.records[f"r{index}"] for index in range(len(trace))]
+    return [records[f"r{index}"] for index in range(len(trace))]
 
 
 def summarize(records: Sequence[RequestRecord]) -> dict:

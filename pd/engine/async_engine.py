@@ -20,6 +20,7 @@ from pd.engine.memory import release_free_memory
 from pd.engine.outputs import RequestOutput
 from pd.engine.request import FinishReason
 from pd.sampling_params import SamplingParams
+from router.protocol import RoutingStats
 from transfer.base import KVTransport
 from transfer.wire import KVHandle
 
@@ -141,6 +142,10 @@ class AsyncLLMEngine:
     def cache_events(self) -> tuple[int, list[CacheEvent]]:
         """The prefix cache's numbered events (``LLMEngine.cache_events``); safe while a step runs."""
         return self.engine.cache_events()
+
+    def routing_stats(self) -> RoutingStats:
+        """See ``LLMEngine.routing_stats``; safe while a step runs, as ``cache_events`` is."""
+        return self.engine.routing_stats()
 
     def open_kv_handle(self, data: bytes, prompt_token_ids: list[int]) -> KVHandle | None:
         """See ``LLMEngine.open_kv_handle``."""

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from pd.config import EngineConfig, SchedulerConfig
+from pd.engine.clock import SYSTEM_CLOCK, Clock
 from pd.engine.block_pool import CacheEvent
 from pd.engine.kv_connector import KVConnector
 from pd.engine.model_runner import ModelRunner, kv_block_bytes
@@ -21,6 +22,7 @@ from pd.model.loader import resolve_dtype
 from pd.model.paths import resolve_model_path
 from pd.model.tokenizer import Tokenizer
 from pd.sampling_params import SamplingParams
+from router.protocol import RoutingStats
 from transfer.base import KVTransport
 from transfer.wire import KVHandle, LayoutFingerprint, WireError
 
@@ -53,11 +55,12 @@ class LLMEngine:
 
     With a ``transport`` the engine also serves disaggregated requests: see
     ``pd.engine.kv_connector``. ``make_runner`` builds what runs the model
-    (``ModelRunner``'s signature); the simulator passes one that models it.
+    (``ModelRunner``'s signature); the simulator passes one that models it,
+    and its own ``clock``.
     """
 
     def __init__(self, config: EngineConfig, transport: KVTransport | None = None, *,
-                 make_runner: Callable[..., ModelRunner] = ModelRunner):
+                 make_runner: Callable[..., ModelRunner] = ModelRunner, clock: Clock = SYSTEM_CLOCK):
         self.config = config
         self.engine_id = uuid.uuid4().hex
         self.model_dir = resolve_model_path(config.model)
@@ -98,7 +101,7 @@ class LLMEngine:
         self.connector = KVConnector(
             self.engine_id, transport, self.fingerprint, self.kv_cache, self.scheduler,
             config.kv_lease_s, config.kv_read_timeout_s,
-            block_bytes=kv_block_bytes(mc, config.block_size, self.runner.dtype),
+            block_bytes=kv_block_bytes(mc, config.block_size, self.runner.dtype), clock=clock,
         )
         self.eos_token_ids = mc.eos_token_ids or (
             (self.tokenizer.eos_token_id,) if self.tokenizer and self.tokenizer.eos_token_id is not None else ()
@@ -272,6 +275,20 @@ class LLMEngine:
     def cache_events(self) -> tuple[int, list[CacheEvent]]:
         """``(first_seq, events)`` of the prefix cache (see ``BlockPool.cache_event_window``)."""
         return self.block_pool.cache_event_window()
+
+    def routing_stats(self) -> RoutingStats:
+        """What this engine's replica publishes to request routers: its load and prefix-cache event window."""
+        stats = self.stats()
+        total = stats.num_free_blocks + stats.num_used_blocks
+        first_seq, events = self.cache_events()
+        return RoutingStats.of(
+            first_seq, events,
+            num_running=stats.num_running,
+            num_waiting=stats.num_waiting,
+            num_waiting_tokens=stats.num_waiting_tokens,
+            kv_usage=stats.num_used_blocks / total if total else 0.0,
+            num_free_blocks=stats.num_free_blocks,
+        )
 
     def step(self) -> list[RequestOutput]:
         early, self._finished_at_admission = self._finished_at_admission, []

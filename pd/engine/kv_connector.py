@@ -21,9 +21,9 @@ expiry, so the prefill side never frees blocks that a pull still counts on.
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 
+from pd.engine.clock import SYSTEM_CLOCK, Clock
 from pd.engine.kv_cache_manager import KVCacheManager
 from pd.engine.kv_lease import LeaseTable
 from pd.engine.request import Request
@@ -41,7 +41,7 @@ MIN_LEASE_MARGIN_S = 0.5
 class _Pull:
     request: Request
     handle: TransferHandle
-    started: float  # time.monotonic()
+    started: float  # clock.monotonic()
     deadline: float
     block_ids: list[int]  # the local blocks it writes, each with a reference held by the pull
 
@@ -69,11 +69,13 @@ class KVConnector:
         lease_s: float,
         read_timeout_s: float,
         block_bytes: int,
+        clock: Clock = SYSTEM_CLOCK,
     ):
         self.engine_id = engine_id
         self.transport = transport
         self.fingerprint = fingerprint
         self.block_bytes = block_bytes
+        self.clock = clock
         # The engine's own state that requests and blocks move through.
         self.kv_cache = kv_cache
         self.scheduler = scheduler
@@ -103,7 +105,7 @@ class KVConnector:
     def pin(self, request: Request) -> bytes:
         """Keep a finished prefill's blocks under a lease and describe them in a KVHandle."""
         transport = self.require_transport()
-        expiry = time.time() + self.lease_s
+        expiry = self.clock.wall() + self.lease_s
         self.leases.pin(request.request_id, expiry)
         self._pinned[request.request_id] = request
         self.stats.num_pinned_leases = len(self.leases)
@@ -142,7 +144,7 @@ class KVConnector:
         A handle for a different layout, transport or prompt is refused with ``WireError``.
         """
         self.check(handle, prompt_token_ids)
-        if handle.lease_expiry - time.time() < MIN_LEASE_MARGIN_S:
+        if handle.lease_expiry - self.clock.wall() < MIN_LEASE_MARGIN_S:
             self.note_fallback()
             logger.warning("request %s: KV lease already expired; recomputing locally", handle.request_id)
             return False
@@ -175,8 +177,8 @@ class KVConnector:
         num_hit_blocks = request.num_computed_tokens // self.kv_cache.block_size
         local = self.kv_cache.block_ids(request.request_id)[num_hit_blocks : len(handle.block_ids)]
         remote = handle.block_ids[num_hit_blocks:]
-        lease_left = handle.lease_expiry - time.time() - MIN_LEASE_MARGIN_S
-        started = time.monotonic()
+        lease_left = handle.lease_expiry - self.clock.wall() - MIN_LEASE_MARGIN_S
+        started = self.clock.monotonic()
         deadline = started + min(self.read_timeout_s, max(lease_left, 0.0))
         transfer = transport.read_blocks(peer, remote, local, notify=handle.request_id)  # the prefill's lease
         self.kv_cache.touch_blocks(local)
@@ -230,12 +232,12 @@ class KVConnector:
         if self.transport is not None:
             for request_id in self.transport.poll_notifications():
                 self.release(request_id)
-        now = time.time()
+        now = self.clock.wall()
         for request_id in self.leases.expired(now):
             logger.warning("request %s: KV lease expired before the decode side pulled it", request_id)
             self.stats.num_leases_expired += 1
             self.release(request_id)
-        mono = time.monotonic()
+        mono = self.clock.monotonic()
         for request_id, pull in list(self._pulls.items()):
             state = pull.handle.poll()
             if state is TransferState.PENDING and mono < pull.deadline:

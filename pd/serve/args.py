@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
 
 from pd.config import EngineConfig
+from router.remote_prefill import RemotePrefillRule
 from router.shared import DECODE_SCOPE, PREFILL_SCOPE
 
 PREFILL_ROUTER = "router.serve:PrefixAffinityRouter"
@@ -162,6 +163,8 @@ class AppArgs(_Strict):
     ucx_net_devices: str | None = Field(None, pattern=r"^[A-Za-z0-9_.:,-]+$")
     # Prompts with at most this many uncached tokens prefill on the decode replica.
     remote_prefill_threshold: int = Field(256, ge=0)
+    # ... plus this many per prefill call in flight: the bar rises as the prefill pool fills.
+    remote_prefill_threshold_per_in_flight: float = Field(0.0, ge=0)
     # Above this many requests in flight to the prefill pool, prefill locally instead.
     prefill_queue_bound: int = Field(32, ge=1)
     prefill_timeout_s: float = Field(30.0, gt=0)
@@ -222,6 +225,10 @@ class AppArgs(_Strict):
 
     def engine_config(self):
         return self.engine.engine_config(self.kv_lease_s, self.kv_read_timeout_s)
+
+    def remote_prefill_rule(self) -> RemotePrefillRule:
+        return RemotePrefillRule(threshold=self.remote_prefill_threshold, queue_bound=self.prefill_queue_bound,
+                                 threshold_per_in_flight=self.remote_prefill_threshold_per_in_flight)
 
 
 SECRET_FIELDS = ("api_keys",)

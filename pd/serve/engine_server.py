@@ -14,7 +14,6 @@ from ray import serve
 from pd.engine.async_engine import AsyncLLMEngine
 from pd.serve.args import AppArgs
 from pd.serve.metrics import ReplicaMetrics
-from router.protocol import RoutingStats
 from transfer import KVTransport, create_transport
 
 logger = logging.getLogger(__name__)
@@ -99,18 +98,8 @@ class EngineServer:
 
     def record_routing_stats(self) -> dict[str, bytes]:
         """Reaches this deployment's request routers as ``replica.routing_stats`` (``RoutingStats``)."""
-        stats = self.engine.stats()
-        total = stats.num_free_blocks + stats.num_used_blocks
-        self.metrics.record_state(stats)
-        first_seq, events = self.engine.cache_events()
-        return RoutingStats.of(
-            first_seq, events,
-            num_running=stats.num_running,
-            num_waiting=stats.num_waiting,
-            num_waiting_tokens=stats.num_waiting_tokens,
-            kv_usage=stats.num_used_blocks / total if total else 0.0,
-            num_free_blocks=stats.num_free_blocks,
-        ).publish()
+        self.metrics.record_state(self.engine.stats())
+        return self.engine.routing_stats().publish()
 
     async def stats(self) -> dict[str, Any]:
         """Engine counters, the replica id and its node, for tests and operators."""

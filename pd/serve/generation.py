@@ -161,6 +161,7 @@ class PoolClient:
         self.prefill = prefill_handle
         self.decode = decode_handle
         self.metrics = RequestMetrics(args.served_model_name)
+        self.rule = args.remote_prefill_rule()
         # What finishing a remote prefill's first token needs to know of the model.
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
@@ -172,22 +173,17 @@ class PoolClient:
         self.num_migrations = 0  # streams moved off a lost decode replica
 
     def wants_remote_prefill(self, hints: RouteHints) -> bool:
-        """Remote when the uncached prompt is long and the prefill pool has room.
+        """``router.remote_prefill``'s rule, while the prefill pool is not cooling down after failures.
 
         "Uncached" is what the decode replica would compute itself, estimated
-        from the decode router's prefix index: a prompt whose prefix the decode
-        pool already holds prefills locally even when it is long.
+        from the decode router's prefix index.
         """
         if self.args.mode != "disaggregated" or self.prefill is None:
             return False
-        if hints.num_prompt_tokens <= self.args.remote_prefill_threshold:
+        if not self.rule.may_go_remote(hints.num_prompt_tokens) or time.monotonic() < self.prefill_pool_down_until:
             return False
         uncached = self.decode_routing.estimate_uncached_tokens(hints.block_hashes, hints.num_prompt_tokens)
-        return (
-            uncached > self.args.remote_prefill_threshold
-            and self.prefill_in_flight < self.args.prefill_queue_bound
-            and time.monotonic() >= self.prefill_pool_down_until
-        )
+        return self.rule.wants_remote(hints.num_prompt_tokens, uncached, self.prefill_in_flight)
 
     async def remote_prefill(self, request: PoolRequest, hints: RouteHints) -> PrefillResult | None:
         """Prefill on the pool, retrying once elsewhere; None means prefill locally.

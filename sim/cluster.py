@@ -1,0 +1,234 @@
+"""A whole deployment in simulated time: the ingress's decisions, both pools, their routers, KV transfers.
+
+    submit ──> ingress: RemotePrefillRule (router.remote_prefill) on the decode pool's prefix index
+                 │ remote                                   │ local
+                 v                                          │
+               PrefixAffinityPolicy ──> prefill replica     │
+                 (pin_kv: first token, KVHandle, lease)     │
+                 │ first token streams                      │
+                 v                                          v
+               DecodePolicy ──> decode replica (pulls the blocks it lacks, then decodes) ──> tokens
+
+What decides is the project's own code: the rule, the routing policies fed
+by the replicas' prefix-cache events every ``report_period_s`` (as Serve's
+``record_routing_stats`` does), and real engines (``sim.engine``) whose
+``KVConnector`` leases, pulls and releases over ``sim.transport``. What is
+modelled: each engine step's time (``CostModel``), each read's time
+(``TransferModel``), and one Ray call's overhead each way (``call_s``).
+Serve's own queueing (``max_ongoing_requests``) is not: a replica admits
+whatever is routed to it, and its scheduler queues it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Callable
+
+from pd.config import EngineConfig
+from pd.engine.outputs import RequestOutput
+from pd.sampling_params import SamplingParams
+from router.cache_feed import CacheEventFeed
+from router.hashing import hash_block_tokens
+from router.policy import DecodePolicy, DecodePolicyConfig, PolicyConfig, PrefixAffinityPolicy, RoutingDecision
+from router.prefix_index import PrefixIndex
+from router.protocol import NO_STATS, RoutingStats, replica_load
+from router.remote_prefill import RemotePrefillRule
+from router.shared import PoolRouting
+from sim.clock import EventLoop
+from sim.cost import CostModel
+from sim.engine import sim_engine
+from sim.replica import RequestRecord, SimReplica
+from sim.transport import LINKS, SimNetwork, TransferModel
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    num_replicas: int
+    engine: EngineConfig
+    cost: CostModel
+
+    def __post_init__(self) -> None:
+        if self.num_replicas < 1:
+            raise ValueError(f"a pool needs at least one replica, got {self.num_replicas}")
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """A deployment: ``prefill`` None is colocated (the decode pool prefills everything)."""
+
+    decode: PoolSpec
+    prefill: PoolSpec | None = None
+    rule: RemotePrefillRule = RemotePrefillRule()
+    prefill_policy: dict = field(default_factory=dict)  # PolicyConfig fields beyond block_size
+    decode_policy: dict = field(default_factory=dict)  # DecodePolicyConfig fields beyond block_size
+    transfer: TransferModel = LINKS["loopback"]
+    report_period_s: float = 1.0  # request_routing_stats_period_s
+    call_s: float = 0.0  # one Ray call's overhead, each way
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.prefill is not None and self.prefill.engine.block_size != self.decode.engine.block_size:
+            raise ValueError("the prefill and decode pools need the same block_size")
+
+    @property
+    def block_size(self) -> int:
+        return self.decode.engine.block_size
+
+    @property
+    def num_replicas(self) -> int:
+        return self.decode.num_replicas + (self.prefill.num_replicas if self.prefill else 0)
+
+
+class _Pool:
+    """One pool's replicas, their latest reports, and the routing knowledge fed from them."""
+
+    def __init__(self, name: str, spec: PoolSpec, loop: EventLoop, network: SimNetwork | None, seed: int,
+                 on_output: Callable[[str, RequestOutput], None]):
+        self.replicas: dict[str, SimReplica] = {}
+        for index in range(spec.num_replicas):
+            replica_id = f"{name}-{index}"
+            transport = network.transport(replica_id, on_event=lambda: None) if network else None
+            engine = sim_engine(spec.engine, spec.cost, seed=seed * 100_003 + index, transport=transport, loop=loop)
+            replica = SimReplica(loop, engine, replica_id, on_output=lambda out, rid=replica_id: on_output(rid, out))
+            if transport is not None:
+                transport.on_event = replica.wake
+            self.replicas[replica_id] = replica
+        self.reports: dict[str, RoutingStats] = {replica_id: NO_STATS for replica_id in self.replicas}
+        self.index = PrefixIndex(max_blocks=1 << 20)
+        self.feed = CacheEventFeed(self.index)
+
+    def report(self) -> None:
+        """Every replica publishes its ``RoutingStats``; the routers' feed applies them."""
+        for replica_id, replica in self.replicas.items():
+            stats = replica.engine.routing_stats()
+            self.reports[replica_id] = stats
+            self.feed.apply(replica_id, stats)
+
+    def loads(self):
+        return [replica_load(replica_id, stats) for replica_id, stats in self.reports.items()]
+
+
+@dataclass
+class _Flow:
+    record: RequestRecord
+    prompt: list[int]
+    hashes: list[bytes]
+    params: SamplingParams
+    remote: bool = False
+
+
+class SimCluster:
+    def __init__(self, loop: EventLoop, spec: ClusterSpec):
+        self.loop = loop
+        self.spec = spec
+        block_size = spec.block_size
+        self.network = SimNetwork(loop, spec.transfer) if spec.prefill is not None else None
+        self.decode = _Pool("decode", spec.decode, loop, self.network, spec.seed, self._decode_output)
+        self.decode_policy = DecodePolicy(DecodePolicyConfig(block_size=block_size, seed=spec.seed,
+                                                             **spec.decode_policy))
+        self.decode_routing = PoolRouting()  # what the ingress asks of the decode pool's index
+        self.decode_routing.share_index(self.decode.index, block_size)
+        self.prefill = None
+        if spec.prefill is not None:
+            self.prefill = _Pool("prefill", spec.prefill, loop, self.network, spec.seed + 1, self._prefill_output)
+            self.prefill_policy = PrefixAffinityPolicy(PolicyConfig(block_size=block_size, seed=spec.seed,
+                                                                    **spec.prefill_policy), self.prefill.index)
+        self.prefill_in_flight = 0
+        self.records: dict[str, RequestRecord] = {}
+        self._flows: dict[str, _Flow] = {}
+        self._reporting = False
+
+    # The ingress ------------------------------------------------------------
+
+    def submit(self, request_id: str, prompt: list[int], params: SamplingParams) -> RequestRecord:
+        """A request arrives at the ingress now."""
+        record = RequestRecord(self.loop.now, len(prompt))
+        self.records[request_id] = record
+        flow = _Flow(record, prompt, hash_block_tokens(prompt, self.spec.block_size), params)
+        self._flows[request_id] = flow
+        self._start_reports()
+        if self.prefill is not None:
+            uncached = self.decode_routing.estimate_uncached_tokens(flow.hashes, len(prompt))
+            flow.remote = self.spec.rule.wants_remote(len(prompt), uncached, self.prefill_in_flight)
+        if flow.remote:
+            self._send_prefill(request_id, flow)
+        else:
+            self._send_decode(request_id, flow)
+        return record
+
+    def _send_prefill(self, request_id: str, flow: _Flow) -> None:
+        decision = self.prefill_policy.choose(flow.hashes, len(flow.prompt), self.prefill.loads())
+        self.prefill_policy.record_routed(decision, flow.hashes)
+        self.prefill_in_flight += 1
+        replica = self.prefill.replicas[decision.replica_id]
+        self.loop.at(self.loop.now + self.spec.call_s,
+                     lambda: replica.add(request_id, flow.prompt, flow.params, pin_kv=True))
+
+    def _prefill_output(self, replica_id: str, output: RequestOutput) -> None:
+        if not output.finished:
+            return
+        self.loop.at(self.loop.now + self.spec.call_s, lambda: self._prefilled(replica_id, output))
+
+    def _prefilled(self, replica_id: str, output: RequestOutput) -> None:
+        """The prefill's answer is back: its first token streams, and the decode call goes out with the handle."""
+        self.prefill_in_flight -= 1
+        flow = self._flows[output.request_id]
+        flow.record.add(dataclasses.replace(output, finished=False), self.loop.now)
+        if flow.params.max_tokens == 1:
+            flow.record.finished_s = self.loop.now
+            self.prefill.replicas[replica_id].engine.release_kv(output.request_id)  # nobody will pull it
+            self._done(output.request_id)
+            return
+        self._send_decode(output.request_id, flow, kv_handle=output.kv_handle, first_token_id=output.new_token_ids[0])
+
+    def _send_decode(self, request_id: str, flow: _Flow, kv_handle: bytes | None = None,
+                     first_token_id: int | None = None) -> None:
+        pool = self.decode
+        decision: RoutingDecision = self.decode_policy.choose(pool.loads(), pool.index.match(flow.hashes),
+                                                              len(flow.prompt))
+        self.decode_policy.record_routed(decision)
+        replica = pool.replicas[decision.replica_id]
+
+        def call() -> None:
+            options = {}
+            if kv_handle is not None:
+                options["remote_kv"] = replica.engine.open_kv_handle(kv_handle, flow.prompt)
+                options["first_token_id"] = first_token_id
+            replica.add(request_id, flow.prompt, flow.params, **options)
+
+        self.loop.at(self.loop.now + self.spec.call_s, call)
+
+    def _decode_output(self, replica_id: str, output: RequestOutput) -> None:
+        self.loop.at(self.loop.now + self.spec.call_s, lambda: self._streamed(output))
+
+    def _streamed(self, output: RequestOutput) -> None:
+        flow = self._flows[output.request_id]
+        flow.record.add(output, self.loop.now)
+        if output.finished:
+            self._done(output.request_id)
+
+    def _done(self, request_id: str) -> None:
+        del self._flows[request_id]
+
+    # Reports ------------------------------------------------------------------
+
+    def pools(self) -> list[_Pool]:
+        return [pool for pool in (self.prefill, self.decode) if pool is not None]
+
+    def _start_reports(self) -> None:
+        if not self._reporting:
+            self._reporting = True
+            self.loop.at(self.loop.now + self.spec.report_period_s, self._report)
+
+    def _report(self) -> None:
+        for pool in self.pools():
+            pool.report()
+        if self.loop.has_events():  # arrivals, steps or reads to come; with none, nothing can change
+            self.loop.at(self.loop.now + self.spec.report_period_s, self._report)
+        else:
+            self._reporting = False
+
+    def busy_s(self) -> dict[str, float]:
+        """Each replica's modelled compute time so far."""
+        return {replica_id: replica.busy_s for pool in self.pools() for replica_id, replica in pool.replicas.items()}

@@ -1,0 +1,104 @@
+"""The simulated deployment: the ingress's rule, both pools' routers and real KV leases and pulls."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+
+from pd.config import EngineConfig
+from pd.sampling_params import SamplingParams
+from router.remote_prefill import RemotePrefillRule
+from sim.clock import EventLoop
+from sim.cluster import ClusterSpec, PoolSpec, SimCluster
+from sim.cost import CostModel
+from sim.replica import summarize
+from sim.transport import TransferModel
+
+COST = CostModel(base_s=0.002, per_token_s=5e-5, per_pair_s=1e-7, per_seq_s=2e-4, per_sample_s=1e-4)
+CONFIG = EngineConfig(model="builtin:tiny-llama", block_size=16, num_blocks=2048, max_num_batched_tokens=512,
+                      max_num_seqs=64)
+LINK = TransferModel(per_transfer_s=1e-3, per_descriptor_s=1e-5, bytes_per_s=2e9)
+
+
+def spec(num_prefill=1, num_decode=2, **changes) -> ClusterSpec:
+    prefill = PoolSpec(num_prefill, CONFIG, COST) if num_prefill else None
+    return ClusterSpec(decode=PoolSpec(num_decode, CONFIG, COST), prefill=prefill,
+                       **{"transfer": LINK, "call_s": 0.001, **changes})
+
+
+def serve(cluster_spec: ClusterSpec, prompts: list[list[int]], max_tokens=12, every_s=0.02) -> SimCluster:
+    loop = EventLoop()
+    cluster = SimCluster(loop, cluster_spec)
+    for index, prompt in enumerate(prompts):
+        loop.at(index * every_s, lambda index=index, prompt=prompt: cluster.submit(
+            f"r{index}", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True)))
+    loop.run()
+    return cluster
+
+
+def prompts(num: int, lengths=(64, 600), shared: int = 0, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    head = [rng.randrange(1, 1000) for _ in range(shared)]
+    return [head + [rng.randrange(1, 1000) for _ in range(rng.choice(lengths))] for _ in range(num)]
+
+
+def pool_stats(cluster: SimCluster, pool: str):
+    return [replica.engine.stats() for replica in getattr(cluster, pool).replicas.values()]
+
+
+def test_long_prompts_prefill_remotely_and_every_lease_ends_pulled():
+    cluster = serve(spec(), prompts(30))
+    assert all(len(r.token_times_s) == 12 and r.finished_s is not None for r in cluster.records.values())
+    prefill, decode = pool_stats(cluster, "prefill"), pool_stats(cluster, "decode")
+    remote = sum(1 for p in prompts(30) if len(p) > 256)
+    assert sum(s.num_remote_pulls for s in decode) == cluster.network.num_reads == remote
+    assert sum(s.num_recompute_fallbacks for s in decode) == 0
+    assert all(s.num_pinned_leases == 0 and s.num_used_blocks == 0 for s in prefill)  # every lease released
+
+
+def test_the_ingress_rule_decides_a_threshold_above_every_prompt_keeps_them_local():
+    cluster = serve(spec(rule=RemotePrefillRule(threshold=10_000)), prompts(30))
+    assert cluster.network.num_reads == 0
+    assert all(s.num_prompt_tokens == 0 for s in pool_stats(cluster, "prefill"))
+
+
+def test_a_decode_replica_pulls_only_the_blocks_it_lacks():
+    """Every prompt shares 20 blocks; once the decode pool reports holding them, pulls shrink."""
+    shared = prompts(40, lengths=(40,), shared=320)
+    cluster = serve(spec(num_decode=1, rule=RemotePrefillRule(threshold=16)), shared, every_s=0.1)
+    decode = pool_stats(cluster, "decode")[0]
+    assert decode.num_prefix_hit_tokens > 0
+    full = sum(-(-len(p) // 16) for p in shared)
+    assert 0 < decode.num_pulled_blocks < full / 2
+
+
+def test_a_slower_link_delays_the_second_token_not_the_first():
+    fast = serve(spec(), prompts(10, lengths=(600,)), every_s=0.5)
+    slow = serve(spec(transfer=dataclasses.replace(LINK, bytes_per_s=2e7)), prompts(10, lengths=(600,)), every_s=0.5)
+    first = [r.token_times_s[0] - r.arrival_s for r in fast.records.values()]
+    assert first == [r.token_times_s[0] - r.arrival_s for r in slow.records.values()]
+    gap = lambda c: [r.token_times_s[1] - r.token_times_s[0] for r in c.records.values()]  # noqa: E731
+    assert min(b - a for a, b in zip(gap(fast), gap(slow))) > 0.1  # 600 tokens of KV at 20 MB/s
+
+
+def test_the_prefill_router_spreads_load_and_follows_prefixes():
+    cluster = serve(spec(num_prefill=3), prompts(60, lengths=(400,), shared=256), every_s=0.01)
+    prompt_tokens = [s.num_prompt_tokens for s in pool_stats(cluster, "prefill")]
+    assert min(prompt_tokens) > 0  # no replica starved
+    assert sum(s.num_prefix_hit_tokens for s in pool_stats(cluster, "prefill")) > 0
+
+
+def test_colocated_has_no_prefill_pool_and_the_same_seed_repeats_exactly():
+    first = serve(spec(num_prefill=0), prompts(30))
+    second = serve(spec(num_prefill=0), prompts(30))
+    assert first.prefill is None and first.network is None
+    assert summarize(list(first.records.values())) == summarize(list(second.records.values()))
+    runs = [serve(spec(), prompts(30)) for _ in range(2)]
+    assert [r.token_times_s for r in runs[0].records.values()] == [r.token_times_s for r in runs[1].records.values()]
+
+
+def test_pools_must_share_a_block_size():
+    with pytest.raises(ValueError, match="block_size"):
+        ClusterSpec(decode=PoolSpec(1, CONFIG, COST), prefill=PoolSpec(1, dataclasses.replace(CONFIG, block_size=32), COST))
