@@ -91,6 +91,13 @@ class CostModel:
         coefficients[active] = solution
         return cls(*map(float, coefficients), source=source)
 
+    def scaled(self, factor: float, why: str) -> CostModel:
+        """Every coefficient times ``factor`` (a machine the profile's steps ran slower on, and why)."""
+        if factor <= 0:
+            raise ValueError(f"a cost scale factor must be > 0, got {factor}")
+        values = {name: value * factor for name, value in asdict(self).items() if name != "source"}
+        return CostModel(**values, source=f"{self.source}; x{factor:.3g}: {why}")
+
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)
 

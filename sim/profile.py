@@ -23,7 +23,7 @@ from bench.engine import cpu_name
 from sim.cost import CostModel, StepShape
 
 BATCH_SIZES = (1, 4, 16)
-PROMPT_LENS = (32, 128, 512)
+PROMPT_LENS = (32, 128, 512, 1024)
 MAX_TOKENS = 8
 
 

@@ -1,0 +1,58 @@
+"""A ``ClusterSpec`` from a serving app's args: the same YAML ``serve run`` takes, read by its own schema.
+
+The args are validated by ``pd.serve.args.AppArgs`` (the app's one schema,
+which needs no running Ray), so the simulator reads replica counts, engine
+limits, the remote-prefill rule and the routers' kwargs exactly as the app
+does. A replica computes on ``ceil(num_cpus)`` threads (as
+``pd.serve.engine_server.replica_threads`` gives it within the machine's
+cores), and ``cost_for_threads`` gives the profile for that many.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+from pd.serve.args import AppArgs, PoolArgs
+from sim.cluster import ClusterSpec, PoolSpec
+from sim.cost import CostModel
+from sim.transport import TransferModel
+
+DEFAULT_ROUTERS = {"prefill": "router.serve:PrefixAffinityRouter", "decode": "router.serve:DecodeLoadRouter"}
+
+
+def pool_threads(pool: PoolArgs) -> int:
+    num_cpus = pool.ray_actor_options.get("num_cpus") or 1
+    return max(1, math.ceil(num_cpus))
+
+
+def _policy_kwargs(name: str, pool: PoolArgs) -> dict[str, Any]:
+    router = pool.router
+    if router.request_router_class not in (None, DEFAULT_ROUTERS[name]):
+        raise ValueError(f"{name}.router.request_router_class {router.request_router_class!r}: the simulator "
+                         "runs the project's own routers only")
+    return dict(router.request_router_kwargs)
+
+
+def cluster_spec(args: dict | AppArgs, cost_for_threads: Callable[[int], CostModel], transfer: TransferModel,
+                 call_s: float = 0.0, seed: int = 0) -> ClusterSpec:
+    app = args if isinstance(args, AppArgs) else AppArgs.parse(args)
+    if app.decode.num_replicas is None or (app.mode == "disaggregated" and app.prefill.num_replicas is None):
+        raise ValueError("the simulator needs fixed num_replicas in each pool (autoscaling is not simulated yet)")
+    engine = app.engine_config()
+
+    def pool(args: PoolArgs) -> PoolSpec:
+        return PoolSpec(args.num_replicas, engine, cost_for_threads(pool_threads(args)))
+
+    disaggregated = app.mode == "disaggregated"
+    return ClusterSpec(
+        decode=pool(app.decode),
+        prefill=pool(app.prefill) if disaggregated else None,
+        rule=app.remote_prefill_rule(),
+        prefill_policy=_policy_kwargs("prefill", app.prefill) if disaggregated else {},
+        decode_policy=_policy_kwargs("decode", app.decode),
+        transfer=transfer,
+        report_period_s=app.decode.router.request_routing_stats_period_s,
+        call_s=call_s,
+        seed=seed,
+    )

@@ -1,0 +1,277 @@
+"""Validate the simulator against the real app: the same arrivals, served for real and simulated.
+
+``python -m sim.validate [--workload mixed|chat] [--rates 0.5,1,2] [--configs A.yaml B.yaml] [--duration 60]``
+
+1. Profiles the real engine on this machine (``sim.profile``), for each
+   thread count a replica of the configs computes on, while nothing else runs.
+2. Serves each config for real with open-loop locust at each rate
+   (``python -m loadtest.sweep``: Ray Serve, the OpenAI API, real HTTP),
+   which logs every request's arrival, prompt length and timings.
+3. Replays exactly those arrivals in the simulator: the same prompts (the
+   workload regenerated from its seed, tokenized as the ingress does), the
+   same output lengths, the config's own replicas, limits and routers.
+4. Summarizes both sides with the load-test report's own code
+   (``loadtest.report.summarize``: the same percentiles, SLOs, cut-off rule)
+   and prints one JSON object per config, rate and metric with the relative
+   error ``(simulated - measured) / measured``, then a last line with the
+   median absolute error of each metric across configs and rates. Writes
+   ``OUT/validate.json`` and ``OUT/sim-vs-real.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+from loadtest.client import CHAT_PATH
+from loadtest.records import META_SUFFIX, REQUESTS_SUFFIX, RequestRecord, RunMeta, Status, read_requests
+from loadtest.report import RunSummary, summarize
+from loadtest.workloads import LoadRequest, make_workload, parse_workload_args
+from pd.model.paths import resolve_model_path
+from pd.model.tokenizer import Tokenizer
+from pd.sampling_params import SamplingParams
+from sim.clock import EventLoop
+from sim.cluster import ClusterSpec, SimCluster
+from sim.cost import CostModel
+from sim.replica import RequestRecord as SimRecord
+from sim.transport import LINKS
+
+METRICS = ("ttft_p50", "e2e_p50", "goodput", "ttft_p90", "itl_p90")
+REPO_ROOT = Path(__file__).resolve().parents[1]
+# One Ray Serve call's overhead each way (HTTP proxy, handle call, streaming back), not profiled.
+DEFAULT_CALL_S = 0.002
+
+
+def prompt_token_ids(request: LoadRequest, endpoint: str, tokenizer: Tokenizer) -> list[int]:
+    """The prompt the ingress made of ``request`` on ``endpoint``: the chat template, or the text as sent."""
+    if endpoint == CHAT_PATH:
+        return tokenizer.encode(tokenizer.apply_chat_template(request.chat_messages()), False)
+    prompt = request.completion_prompt()
+    return list(prompt) if isinstance(prompt, list) else tokenizer.encode(prompt)
+
+
+def metric_values(summary: RunSummary) -> dict[str, float]:
+    return {"ttft_p50": summary.ttft_ms.p50, "e2e_p50": summary.e2e_ms.p50, "goodput": summary.goodput_rps,
+            "ttft_p90": summary.ttft_ms.p90, "itl_p90": summary.itl_ms.p90}
+
+
+def relative_error(simulated: float, measured: float) -> float:
+    if measured == 0 or math.isnan(measured) or math.isnan(simulated):
+        return 0.0 if simulated == measured else math.nan
+    return (simulated - measured) / measured
+
+
+def _as_loadtest_record(real: RequestRecord, sim: SimRecord, end_s: float) -> RequestRecord:
+    """A simulated request as the load test would have logged it, cut off at the run's end."""
+    tokens = [t for t in sim.token_times_s if t <= end_s]
+    finished = sim.finished_s is not None and sim.finished_s <= end_s
+    ttft_ms = (tokens[0] - sim.arrival_s) * 1000 if tokens else math.nan
+    e2e_ms = ((sim.finished_s if finished else end_s) - sim.arrival_s) * 1000
+    tpot_ms = (e2e_ms - ttft_ms) / (len(tokens) - 1) if finished and len(tokens) > 1 else math.nan
+    return RequestRecord(
+        index=real.index, kind=real.kind, endpoint=real.endpoint, start_time=real.start_time,
+        status=Status.OK if finished else Status.CUTOFF, ttft_ms=ttft_ms, tpot_ms=tpot_ms, e2e_ms=e2e_ms,
+        prompt_tokens=sim.num_prompt_tokens, max_tokens=real.max_tokens, output_tokens=len(tokens),
+        num_chunks=len(tokens), itl_ms=tuple((b - a) * 1000 for a, b in zip(tokens, tokens[1:])))
+
+
+def simulate_run(records: list[RequestRecord], meta: RunMeta, spec: ClusterSpec) -> tuple[list[RequestRecord], int]:
+    """The run's requests, arriving when they did, in the simulator; and how many prompt lengths differ."""
+    workload = make_workload(meta.workload, meta.seed, parse_workload_args(meta.workload_args))
+    tokenizer = Tokenizer.from_dir(resolve_model_path(spec.decode.engine.model))
+    loop = EventLoop()
+    cluster = SimCluster(loop, spec)
+    start = meta.start_time
+    mismatched = 0
+    for record in records:
+        prompt = prompt_token_ids(workload.request(record.index), record.endpoint, tokenizer)
+        if record.status == Status.OK and len(prompt) != record.prompt_tokens:
+            mismatched += 1
+        params = SamplingParams(max_tokens=record.max_tokens, ignore_eos=True)
+        loop.at(record.start_time - start,
+                lambda record=record, prompt=prompt, params=params: cluster.submit(f"r{record.index}", prompt, params))
+    loop.run()
+    end_s = meta.end_time - start
+    simulated = [_as_loadtest_record(record, cluster.records[f"r{record.index}"], end_s) for record in records]
+    return simulated, mismatched
+
+
+def compare(prefix: Path, spec: ClusterSpec) -> dict:
+    """Measured and simulated metrics of one locust run (``PREFIX_requests.csv`` and ``PREFIX_meta.json``)."""
+    records = read_requests(str(prefix) + REQUESTS_SUFFIX)
+    meta = RunMeta.read(str(prefix) + META_SUFFIX)
+    started = time.perf_counter()
+    simulated, mismatched = simulate_run(records, meta, spec)
+    wall_s = time.perf_counter() - started
+    real = metric_values(summarize(prefix.name, records, meta))
+    sim = metric_values(summarize(prefix.name, simulated, meta))
+    return {"requests": len(records), "prompt_length_mismatches": mismatched, "sim_wall_s": round(wall_s, 2),
+            "measured": real, "simulated": sim,
+            "error": {name: relative_error(sim[name], real[name]) for name in METRICS}}
+
+
+def median_abs_errors(results: list[dict], key: str = "error") -> dict[str, float]:
+    out = {}
+    for name in METRICS:
+        errors = [abs(r[key][name]) for r in results if key in r and not math.isnan(r[key][name])]
+        out[name] = round(statistics.median(errors), 4) if errors else math.nan
+    return out
+
+
+def profile(model: str, threads: int, out: Path) -> CostModel:
+    from bench.engine import cpu_name
+    from sim.profile import measure, median_relative_error
+
+    shapes, seconds = measure(model, threads)
+    cost = CostModel.fit(shapes, seconds, f"measured: {model}, {cpu_name()}, {threads} threads, {len(shapes)} steps")
+    out.write_text(cost.to_json())
+    print(json.dumps({"profile_threads": threads, "fit_median_relative_error":
+                      round(median_relative_error(cost, shapes, seconds), 3)}), flush=True)
+    return cost
+
+
+def run_sweep(configs: list[Path], rates: list[float], duration_s: float, workload: str, out: Path,
+              extra: list[str]) -> None:
+    command = [sys.executable, "-m", "loadtest.sweep", "--configs", *map(str, configs),
+               "--rates", ",".join(f"{rate:g}" for rate in rates), "--duration", f"{duration_s:g}",
+               "--out", str(out), "--workload", workload, *extra]
+    subprocess.run(command, cwd=REPO_ROOT, check=True, stdout=sys.stderr)
+
+
+def write_plot(results: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = ("ttft_p50", "ttft_p90", "e2e_p50", "itl_p90")
+    figure, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.4))
+    for config in sorted({r["config"] for r in results}):
+        rows = sorted((r for r in results if r["config"] == config), key=lambda r: r["rate"])
+        rates = [r["rate"] for r in rows]
+        for axis, name in zip(axes, panels):
+            line, = axis.plot(rates, [r["measured"][name] for r in rows], marker="o", label=f"{config} measured")
+            axis.plot(rates, [r["simulated"][name] for r in rows], marker="x", linestyle="--", color=line.get_color(),
+                      label=f"{config} simulated")
+            axis.set_title(name.replace("_", " ") + " (ms)")
+            axis.set_xlabel("offered load (req/s)")
+    axes[0].legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+CALIBRATION_METRICS = ("ttft_p50", "e2e_p50", "itl_p50")
+
+
+def calibrate(prefix: Path, spec_for: Callable[[float], ClusterSpec], iterations: int = 3) -> float:
+    """The factor on the profile's step times that makes one run's medians match (geometric mean of ratios).
+
+    The profile is measured on a quiet machine; served, the engine shares
+    the cores with the HTTP proxy, the ingress and the load generator. One
+    factor per config, from a run at a rate that is not validated.
+    """
+    records = read_requests(str(prefix) + REQUESTS_SUFFIX)
+    meta = RunMeta.read(str(prefix) + META_SUFFIX)
+    real = summarize(prefix.name, records, meta)
+    measured = {"ttft_p50": real.ttft_ms.p50, "e2e_p50": real.e2e_ms.p50, "itl_p50": real.itl_ms.p50}
+    factor = 1.0
+    for _ in range(iterations):
+        sim = summarize(prefix.name, simulate_run(records, meta, spec_for(factor))[0], meta)
+        simulated = {"ttft_p50": sim.ttft_ms.p50, "e2e_p50": sim.e2e_ms.p50, "itl_p50": sim.itl_ms.p50}
+        ratios = [measured[name] / simulated[name] for name in CALIBRATION_METRICS
+                  if simulated[name] > 0 and measured[name] > 0]
+        factor *= math.exp(statistics.fmean(math.log(r) for r in ratios)) if ratios else 1.0
+    return factor
+
+
+def validate(configs: list[Path], rates: list[float], calibration_rate: float | None, out: Path,
+             costs: dict[int, CostModel], call_s: float) -> list[dict]:
+    """Compare every run under ``out/real`` with its simulation; one JSON line per config, rate and metric."""
+    import yaml
+
+    from sim.deployment import cluster_spec
+
+    results = []
+    for config in configs:
+        args = yaml.safe_load(config.read_text())["applications"][0]["args"]
+
+        def spec_for(factor: float) -> ClusterSpec:
+            why = f"served {config.stem} at {calibration_rate:g} req/s" if calibration_rate else ""
+            return cluster_spec(args, lambda threads: costs[threads].scaled(factor, why) if factor != 1 else
+                                costs[threads], LINKS["loopback"], call_s=call_s)
+
+        factor = 1.0
+        if calibration_rate is not None:
+            factor = calibrate(out / "real" / config.stem / f"rate-{calibration_rate:g}", spec_for)
+            print(json.dumps({"config": config.stem, "calibration_rate": calibration_rate,
+                              "step_time_factor": round(factor, 3)}), flush=True)
+        for rate in rates:
+            prefix = out / "real" / config.stem / f"rate-{rate:g}"
+            result = {"config": config.stem, "rate": rate, "step_time_factor": factor,
+                      **compare(prefix, spec_for(factor))}
+            if factor != 1.0:
+                result["uncalibrated_error"] = compare(prefix, spec_for(1.0))["error"]
+            results.append(result)
+            for name in METRICS:
+                print(json.dumps({"config": config.stem, "rate": rate, "metric": name,
+                                  "measured": result["measured"][name], "simulated": result["simulated"][name],
+                                  "error": result["error"][name]}), flush=True)
+    return results
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", choices=("mixed", "chat"), default="mixed")
+    parser.add_argument("--rates", default="0.5,1,2", help="offered loads in requests/s, comma-separated")
+    parser.add_argument("--configs", nargs="+", default=["serve_configs/default.yaml", "serve_configs/colocated.yaml"])
+    parser.add_argument("--duration", type=float, default=60.0, help="seconds of load per rate")
+    parser.add_argument("--out", help="output directory (default sim-validate-<time>)")
+    parser.add_argument("--call-ms", type=float, default=DEFAULT_CALL_S * 1000,
+                        help="modelled overhead of one Serve call, each way")
+    parser.add_argument("--calibration-rate", type=float, default=0.75,
+                        help="one more rate, run first and not validated, that sets each config's step-time "
+                             "factor (0: none, the quiet-machine profile as measured)")
+    parser.add_argument("--reuse", action="store_true", help="compare the runs already under OUT/real")
+    args, sweep_extra = parser.parse_known_args(argv)
+    rates = [float(rate) for rate in args.rates.split(",") if rate.strip()]
+    configs = [Path(path).resolve() for path in args.configs]
+    out = Path(args.out or f"sim-validate-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    out.mkdir(parents=True, exist_ok=True)
+
+    import yaml
+
+    from pd.serve.args import AppArgs
+    from sim.deployment import pool_threads
+
+    apps = [AppArgs.parse(yaml.safe_load(path.read_text())["applications"][0]["args"]) for path in configs]
+    threads = sorted({pool_threads(pool) for app in apps for pool in (app.decode, app.prefill)})
+    models = {app.engine.model for app in apps}
+    if len(models) != 1:
+        raise SystemExit(f"the configs serve different models: {sorted(models)}")
+    costs = {}
+    for count in threads:  # before any load runs: the profile owns the machine
+        path = out / f"profile-{count}-threads.json"
+        costs[count] = CostModel.load(path) if args.reuse and path.exists() else profile(apps[0].engine.model, count, path)
+    calibration = args.calibration_rate or None
+    if not args.reuse:
+        run_sweep(configs, ([calibration] if calibration else []) + rates, args.duration, args.workload,
+                  out / "real", sweep_extra)
+    results = validate(configs, rates, calibration, out, costs, args.call_ms / 1000)
+    summary = {"summary": True, "median_abs_error": median_abs_errors(results)}
+    if calibration:
+        summary["uncalibrated_median_abs_error"] = median_abs_errors(results, "uncalibrated_error")
+    (out / "validate.json").write_text(json.dumps({"workload": args.workload, "results": results, **summary}, indent=1))
+    write_plot(results, out / "sim-vs-real.png")
+    print(json.dumps(summary), flush=True)
+
+
+if __name__ == "__main__":
+    main()
