@@ -14,7 +14,8 @@ by the replicas' prefix-cache events every ``report_period_s`` (as Serve's
 ``record_routing_stats`` does), and real engines (``sim.engine``) whose
 ``KVConnector`` leases, pulls and releases over ``sim.transport``. What is
 modelled: each engine step's time (``CostModel``), each read's time
-(``TransferModel``), and one Ray call's overhead each way (``call_s``).
+(``TransferModel``), one Ray call's overhead each way (``call_s``) and the
+ingress's own work on a request before it decides (``ingress_s``).
 Serve's own queueing (``max_ongoing_requests``) is not: a replica admits
 whatever is routed to it, and its scheduler queues it.
 """
@@ -38,6 +39,7 @@ from router.shared import PoolRouting
 from sim.clock import EventLoop
 from sim.cost import CostModel
 from sim.engine import sim_engine
+from sim.host import HostModel, SharedHost
 from sim.replica import RequestRecord, SimReplica
 from sim.transport import LINKS, SimNetwork, TransferModel
 
@@ -47,6 +49,7 @@ class PoolSpec:
     num_replicas: int
     engine: EngineConfig
     cost: CostModel
+    threads: int = 1  # compute threads per replica (what a shared host counts)
 
     def __post_init__(self) -> None:
         if self.num_replicas < 1:
@@ -65,6 +68,8 @@ class ClusterSpec:
     transfer: TransferModel = LINKS["loopback"]
     report_period_s: float = 1.0  # request_routing_stats_period_s
     call_s: float = 0.0  # one Ray call's overhead, each way
+    ingress_s: float = 0.0  # from a request's arrival to the ingress's decision (parsing, template, tokens)
+    host: HostModel | None = None  # every replica on one machine's cores (sim.host); None: each has its own
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -84,13 +89,14 @@ class _Pool:
     """One pool's replicas, their latest reports, and the routing knowledge fed from them."""
 
     def __init__(self, name: str, spec: PoolSpec, loop: EventLoop, network: SimNetwork | None, seed: int,
-                 on_output: Callable[[str, RequestOutput], None]):
+                 on_output: Callable[[str, RequestOutput], None], host: SharedHost | None):
         self.replicas: dict[str, SimReplica] = {}
         for index in range(spec.num_replicas):
             replica_id = f"{name}-{index}"
             transport = network.transport(replica_id, on_event=lambda: None) if network else None
             engine = sim_engine(spec.engine, spec.cost, seed=seed * 100_003 + index, transport=transport, loop=loop)
-            replica = SimReplica(loop, engine, replica_id, on_output=lambda out, rid=replica_id: on_output(rid, out))
+            replica = SimReplica(loop, engine, replica_id, on_output=lambda out, rid=replica_id: on_output(rid, out),
+                                 host=host, threads=spec.threads)
             if transport is not None:
                 transport.on_event = replica.wake
             self.replicas[replica_id] = replica
@@ -124,14 +130,16 @@ class SimCluster:
         self.spec = spec
         block_size = spec.block_size
         self.network = SimNetwork(loop, spec.transfer) if spec.prefill is not None else None
-        self.decode = _Pool("decode", spec.decode, loop, self.network, spec.seed, self._decode_output)
+        self.host = SharedHost(loop, spec.host) if spec.host is not None else None
+        self.decode = _Pool("decode", spec.decode, loop, self.network, spec.seed, self._decode_output, self.host)
         self.decode_policy = DecodePolicy(DecodePolicyConfig(block_size=block_size, seed=spec.seed,
                                                              **spec.decode_policy))
         self.decode_routing = PoolRouting()  # what the ingress asks of the decode pool's index
         self.decode_routing.share_index(self.decode.index, block_size)
         self.prefill = None
         if spec.prefill is not None:
-            self.prefill = _Pool("prefill", spec.prefill, loop, self.network, spec.seed + 1, self._prefill_output)
+            self.prefill = _Pool("prefill", spec.prefill, loop, self.network, spec.seed + 1, self._prefill_output,
+                                 self.host)
             self.prefill_policy = PrefixAffinityPolicy(PolicyConfig(block_size=block_size, seed=spec.seed,
                                                                     **spec.prefill_policy), self.prefill.index)
         self.prefill_in_flight = 0
@@ -148,6 +156,15 @@ class SimCluster:
         flow = _Flow(record, prompt, hash_block_tokens(prompt, self.spec.block_size), params)
         self._flows[request_id] = flow
         self._start_reports()
+        if self.spec.ingress_s:
+            self.loop.at(self.loop.now + self.spec.ingress_s, lambda: self._place(request_id, flow))
+        else:
+            self._place(request_id, flow)
+        return record
+
+    def _place(self, request_id: str, flow: _Flow) -> None:
+        """The ingress's decision: prefill remotely or on the decode replica."""
+        prompt = flow.prompt
         if self.prefill is not None:
             uncached = self.decode_routing.estimate_uncached_tokens(flow.hashes, len(prompt))
             flow.remote = self.spec.rule.wants_remote(len(prompt), uncached, self.prefill_in_flight)
@@ -155,7 +172,6 @@ class SimCluster:
             self._send_prefill(request_id, flow)
         else:
             self._send_decode(request_id, flow)
-        return record
 
     def _send_prefill(self, request_id: str, flow: _Flow) -> None:
         decision = self.prefill_policy.choose(flow.hashes, len(flow.prompt), self.prefill.loads())
@@ -175,6 +191,8 @@ class SimCluster:
         self.prefill_in_flight -= 1
         flow = self._flows[output.request_id]
         flow.record.add(dataclasses.replace(output, finished=False), self.loop.now)
+        if self.host is not None:
+            self.host.note_tokens(1)
         if flow.params.max_tokens == 1:
             flow.record.finished_s = self.loop.now
             self.prefill.replicas[replica_id].engine.release_kv(output.request_id)  # nobody will pull it
@@ -205,6 +223,8 @@ class SimCluster:
     def _streamed(self, output: RequestOutput) -> None:
         flow = self._flows[output.request_id]
         flow.record.add(output, self.loop.now)
+        if self.host is not None:
+            self.host.note_tokens(len(output.new_token_ids))
         if output.finished:
             self._done(output.request_id)
 

@@ -42,7 +42,8 @@ def cluster_spec(args: dict | AppArgs, cost_for_threads: Callable[[int], CostMod
     engine = app.engine_config()
 
     def pool(args: PoolArgs) -> PoolSpec:
-        return PoolSpec(args.num_replicas, engine, cost_for_threads(pool_threads(args)))
+        threads = pool_threads(args)
+        return PoolSpec(args.num_replicas, engine, cost_for_threads(threads), threads)
 
     disaggregated = app.mode == "disaggregated"
     return ClusterSpec(

@@ -19,6 +19,7 @@ from pd.engine.engine import LLMEngine
 from pd.engine.outputs import RequestOutput
 from pd.sampling_params import SamplingParams
 from sim.clock import EventLoop
+from sim.host import SharedHost
 from sim.workload import prompt_token_ids, scaled
 
 
@@ -57,11 +58,14 @@ class SimReplica:
     """
 
     def __init__(self, loop: EventLoop, engine: LLMEngine, replica_id: str = "replica",
-                 on_output: Callable[[RequestOutput], None] | None = None):
+                 on_output: Callable[[RequestOutput], None] | None = None, host: SharedHost | None = None,
+                 threads: int = 1):
         self.loop = loop
         self.engine = engine
         self.replica_id = replica_id
         self.on_output = on_output or (lambda output: None)
+        self.host = host  # cores shared with other processes (``sim.host``), if any
+        self.threads = threads
         self.busy_s = 0.0
         self._stepping = False
 
@@ -83,11 +87,15 @@ class SimReplica:
             self._stepping = False  # idle, or nothing schedulable now: the next arrival or notice wakes it
             return
         seconds = self.engine.runner.last_step_seconds if ran else 0.0
+        if ran and self.host is not None:
+            seconds *= self.host.begin_step(self.replica_id, self.threads)
         self.busy_s += seconds
         self._stepping = True
         self.loop.at(self.loop.now + seconds, lambda: self._land(results))
 
     def _land(self, results: list[RequestOutput]) -> None:
+        if self.host is not None:
+            self.host.end_step(self.replica_id)
         for result in results:
             self.on_output(result)
         self._step()

@@ -21,12 +21,15 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
+import os
 import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -40,6 +43,7 @@ from pd.sampling_params import SamplingParams
 from sim.clock import EventLoop
 from sim.cluster import ClusterSpec, SimCluster
 from sim.cost import CostModel
+from sim.host import HostModel
 from sim.replica import RequestRecord as SimRecord
 from sim.transport import LINKS
 
@@ -68,12 +72,12 @@ def relative_error(simulated: float, measured: float) -> float:
     return (simulated - measured) / measured
 
 
-def _as_loadtest_record(real: RequestRecord, sim: SimRecord, end_s: float) -> RequestRecord:
+def _as_loadtest_record(real: RequestRecord, sim: SimRecord, end_s: float, arrival_s: float) -> RequestRecord:
     """A simulated request as the load test would have logged it, cut off at the run's end."""
     tokens = [t for t in sim.token_times_s if t <= end_s]
     finished = sim.finished_s is not None and sim.finished_s <= end_s
-    ttft_ms = (tokens[0] - sim.arrival_s) * 1000 if tokens else math.nan
-    e2e_ms = ((sim.finished_s if finished else end_s) - sim.arrival_s) * 1000
+    ttft_ms = (tokens[0] - arrival_s) * 1000 if tokens else math.nan
+    e2e_ms = ((sim.finished_s if finished else end_s) - arrival_s) * 1000
     tpot_ms = (e2e_ms - ttft_ms) / (len(tokens) - 1) if finished and len(tokens) > 1 else math.nan
     return RequestRecord(
         index=real.index, kind=real.kind, endpoint=real.endpoint, start_time=real.start_time,
@@ -82,39 +86,65 @@ def _as_loadtest_record(real: RequestRecord, sim: SimRecord, end_s: float) -> Re
         num_chunks=len(tokens), itl_ms=tuple((b - a) * 1000 for a, b in zip(tokens, tokens[1:])))
 
 
-def simulate_run(records: list[RequestRecord], meta: RunMeta, spec: ClusterSpec) -> tuple[list[RequestRecord], int]:
-    """The run's requests, arriving when they did, in the simulator; and how many prompt lengths differ."""
-    workload = make_workload(meta.workload, meta.seed, parse_workload_args(meta.workload_args))
+@dataclass(frozen=True)
+class Run:
+    """One locust run's log: ``PREFIX_requests.csv`` and ``PREFIX_meta.json``."""
+
+    prefix: Path
+    records: list[RequestRecord]
+    meta: RunMeta
+
+    @classmethod
+    def read(cls, prefix: Path) -> Run:
+        return cls(prefix, read_requests(str(prefix) + REQUESTS_SUFFIX), RunMeta.read(str(prefix) + META_SUFFIX))
+
+    def summary(self, records: list[RequestRecord] | None = None) -> RunSummary:
+        return summarize(self.prefix.name, self.records if records is None else records, self.meta)
+
+
+def simulate_runs(runs: list[Run], spec: ClusterSpec) -> tuple[list[list[RequestRecord]], int]:
+    """The runs' requests, each arriving when it did, on one simulated deployment; and the prompt-length mismatches.
+
+    One deployment for all of a config's runs, in the order they ran: the
+    real app's prefix caches carry from one run to the next (each run's
+    workload starts again at request 0), and so do the simulated ones.
+    """
     tokenizer = Tokenizer.from_dir(resolve_model_path(spec.decode.engine.model))
     loop = EventLoop()
     cluster = SimCluster(loop, spec)
-    start = meta.start_time
+    origin = min(run.meta.start_time for run in runs)
     mismatched = 0
-    for record in records:
-        prompt = prompt_token_ids(workload.request(record.index), record.endpoint, tokenizer)
-        if record.status == Status.OK and len(prompt) != record.prompt_tokens:
-            mismatched += 1
-        params = SamplingParams(max_tokens=record.max_tokens, ignore_eos=True)
-        loop.at(record.start_time - start,
-                lambda record=record, prompt=prompt, params=params: cluster.submit(f"r{record.index}", prompt, params))
+    for number, run in enumerate(runs):
+        meta = run.meta
+        workload = make_workload(meta.workload, meta.seed, parse_workload_args(meta.workload_args))
+        for record in run.records:
+            prompt = prompt_token_ids(workload.request(record.index), record.endpoint, tokenizer)
+            if record.status == Status.OK and len(prompt) != record.prompt_tokens:
+                mismatched += 1
+            params = SamplingParams(max_tokens=record.max_tokens, ignore_eos=True)
+            loop.at(record.start_time - origin, lambda request_id=f"{number}-{record.index}", prompt=prompt,
+                    params=params: cluster.submit(request_id, prompt, params))
     loop.run()
-    end_s = meta.end_time - start
-    simulated = [_as_loadtest_record(record, cluster.records[f"r{record.index}"], end_s) for record in records]
+    simulated = []
+    for number, run in enumerate(runs):
+        end_s = run.meta.end_time - origin
+        simulated.append([_as_loadtest_record(record, cluster.records[f"{number}-{record.index}"], end_s,
+                                              record.start_time - origin) for record in run.records])
     return simulated, mismatched
 
 
-def compare(prefix: Path, spec: ClusterSpec) -> dict:
-    """Measured and simulated metrics of one locust run (``PREFIX_requests.csv`` and ``PREFIX_meta.json``)."""
-    records = read_requests(str(prefix) + REQUESTS_SUFFIX)
-    meta = RunMeta.read(str(prefix) + META_SUFFIX)
+def compare(runs: list[Run], spec: ClusterSpec) -> list[dict]:
+    """Measured and simulated metrics of each run, all simulated in one sequence."""
     started = time.perf_counter()
-    simulated, mismatched = simulate_run(records, meta, spec)
+    simulated, mismatched = simulate_runs(runs, spec)
     wall_s = time.perf_counter() - started
-    real = metric_values(summarize(prefix.name, records, meta))
-    sim = metric_values(summarize(prefix.name, simulated, meta))
-    return {"requests": len(records), "prompt_length_mismatches": mismatched, "sim_wall_s": round(wall_s, 2),
-            "measured": real, "simulated": sim,
-            "error": {name: relative_error(sim[name], real[name]) for name in METRICS}}
+    results = []
+    for run, sim_records in zip(runs, simulated):
+        real, sim = metric_values(run.summary()), metric_values(run.summary(sim_records))
+        results.append({"requests": len(run.records), "prompt_length_mismatches": mismatched,
+                        "sim_wall_s": round(wall_s, 2), "measured": real, "simulated": sim,
+                        "error": {name: relative_error(sim[name], real[name]) for name in METRICS}})
+    return results
 
 
 def median_abs_errors(results: list[dict], key: str = "error") -> dict[str, float]:
@@ -168,28 +198,55 @@ def write_plot(results: list[dict], path: Path) -> None:
     plt.close(figure)
 
 
-CALIBRATION_METRICS = ("ttft_p50", "e2e_p50", "itl_p50")
+@dataclass(frozen=True)
+class Calibration:
+    """What the profile does not see of the served app.
 
-
-def calibrate(prefix: Path, spec_for: Callable[[float], ClusterSpec], iterations: int = 3) -> float:
-    """The factor on the profile's step times that makes one run's medians match (geometric mean of ratios).
-
-    The profile is measured on a quiet machine; served, the engine shares
-    the cores with the HTTP proxy, the ingress and the load generator. One
-    factor per config, from a run at a rate that is not validated.
+    Its steps run ``step_time_factor`` slower even alone; the engines share
+    the machine's cores with the HTTP proxy, the ingress and the load
+    generator, which spend ``cpu_per_token_s`` on each streamed token
+    (``sim.host``); and the ingress spends ``ingress_s`` on a request before
+    it places it (parsing, chat template, tokens, hashes).
     """
-    records = read_requests(str(prefix) + REQUESTS_SUFFIX)
-    meta = RunMeta.read(str(prefix) + META_SUFFIX)
-    real = summarize(prefix.name, records, meta)
-    measured = {"ttft_p50": real.ttft_ms.p50, "e2e_p50": real.e2e_ms.p50, "itl_p50": real.itl_ms.p50}
-    factor = 1.0
+
+    step_time_factor: float = 1.0
+    ingress_s: float = 0.0
+    cpu_per_token_s: float = 0.0
+
+
+CPU_PER_TOKEN_GRID_S = (0.0, 1e-3, 2e-3, 4e-3, 6e-3, 8e-3)
+
+
+def _fit_factor_and_ingress(run: Run, spec_for: Callable[[Calibration], ClusterSpec], cpu_per_token_s: float,
+                            iterations: int) -> tuple[Calibration, RunSummary]:
+    """ITL p50 is a decode step: it sets the step-time factor; what TTFT p50 still misses is the ingress's."""
+    measured = run.summary()
+    calibration = Calibration(cpu_per_token_s=cpu_per_token_s)
     for _ in range(iterations):
-        sim = summarize(prefix.name, simulate_run(records, meta, spec_for(factor))[0], meta)
-        simulated = {"ttft_p50": sim.ttft_ms.p50, "e2e_p50": sim.e2e_ms.p50, "itl_p50": sim.itl_ms.p50}
-        ratios = [measured[name] / simulated[name] for name in CALIBRATION_METRICS
-                  if simulated[name] > 0 and measured[name] > 0]
-        factor *= math.exp(statistics.fmean(math.log(r) for r in ratios)) if ratios else 1.0
-    return factor
+        [records], _ = simulate_runs([run], spec_for(calibration))
+        simulated = run.summary(records)
+        factor = calibration.step_time_factor
+        if simulated.itl_ms.p50 > 0 and measured.itl_ms.p50 > 0:
+            factor *= measured.itl_ms.p50 / simulated.itl_ms.p50
+        ingress_s = max(0.0, calibration.ingress_s + (measured.ttft_ms.p50 - simulated.ttft_ms.p50) / 1000)
+        calibration = Calibration(factor, ingress_s, cpu_per_token_s)
+    [records], _ = simulate_runs([run], spec_for(calibration))
+    return calibration, run.summary(records)
+
+
+def calibrate(run: Run, spec_for: Callable[[Calibration], ClusterSpec], iterations: int = 3) -> Calibration:
+    """The calibration that makes one run's ITL p50, TTFT p50 and ITL p90 match.
+
+    For each per-token CPU cost of a grid, the step-time factor and the
+    ingress time are fitted to the medians; the cost whose ITL p90 (the
+    tail, where the cores run short) comes closest wins. From a run at a
+    rate that is not validated (the config's first run, so nothing before
+    it is simulated).
+    """
+    target = run.summary().itl_ms.p90
+    fits = [_fit_factor_and_ingress(run, spec_for, cost, iterations) for cost in CPU_PER_TOKEN_GRID_S]
+    best, _ = min(fits, key=lambda fit: abs(math.log(max(fit[1].itl_ms.p90, 1e-9) / target)))
+    return best
 
 
 def validate(configs: list[Path], rates: list[float], calibration_rate: float | None, out: Path,
@@ -203,22 +260,30 @@ def validate(configs: list[Path], rates: list[float], calibration_rate: float | 
     for config in configs:
         args = yaml.safe_load(config.read_text())["applications"][0]["args"]
 
-        def spec_for(factor: float) -> ClusterSpec:
-            why = f"served {config.stem} at {calibration_rate:g} req/s" if calibration_rate else ""
-            return cluster_spec(args, lambda threads: costs[threads].scaled(factor, why) if factor != 1 else
+        def spec_for(calibration: Calibration) -> ClusterSpec:
+            factor = calibration.step_time_factor
+            why = f"served {config.stem} at {calibration_rate:g} req/s"
+            spec = cluster_spec(args, lambda threads: costs[threads].scaled(factor, why) if factor != 1 else
                                 costs[threads], LINKS["loopback"], call_s=call_s)
+            host = HostModel(os.cpu_count() or 1, calibration.cpu_per_token_s) if calibration.cpu_per_token_s else None
+            return dataclasses.replace(spec, ingress_s=calibration.ingress_s, host=host)
 
-        factor = 1.0
+        runs = sorted((Run.read(out / "real" / config.stem / f"rate-{rate:g}")
+                       for rate in ([calibration_rate] if calibration_rate else []) + rates),
+                      key=lambda run: run.meta.start_time)
+        calibration = Calibration()
         if calibration_rate is not None:
-            factor = calibrate(out / "real" / config.stem / f"rate-{calibration_rate:g}", spec_for)
+            calibration = calibrate(runs[0], spec_for)
             print(json.dumps({"config": config.stem, "calibration_rate": calibration_rate,
-                              "step_time_factor": round(factor, 3)}), flush=True)
-        for rate in rates:
-            prefix = out / "real" / config.stem / f"rate-{rate:g}"
-            result = {"config": config.stem, "rate": rate, "step_time_factor": factor,
-                      **compare(prefix, spec_for(factor))}
-            if factor != 1.0:
-                result["uncalibrated_error"] = compare(prefix, spec_for(1.0))["error"]
+                              **dataclasses.asdict(calibration)}), flush=True)
+        compared = compare(runs, spec_for(calibration))
+        uncalibrated = compare(runs, spec_for(Calibration())) if calibration != Calibration() else compared
+        for run, result, plain in zip(runs, compared, uncalibrated):
+            rate = run.meta.arrival_rate
+            if calibration_rate is not None and rate == calibration_rate:
+                continue
+            result = {"config": config.stem, "rate": rate, **dataclasses.asdict(calibration), **result,
+                      "uncalibrated_error": plain["error"]}
             results.append(result)
             for name in METRICS:
                 print(json.dumps({"config": config.stem, "rate": rate, "metric": name,

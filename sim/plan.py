@@ -1,0 +1,212 @@
+"""Size the pools: which prefill:decode split (or colocated) gives the most goodput per GPU under SLOs.
+
+``python -m sim.plan --model llama-3-8b --hardware h200 --gpus 1000 [--trace F | --workload mooncake]
+--slo-ttft-ms 500 --slo-itl-ms 50``
+
+The fleet is planned as ``gpus / unit_gpus`` copies of one unit of
+``--unit-gpus`` replicas (one GPU each), each unit serving its share of the
+traffic. For every layout of a unit (colocated, and every ``p:d`` with
+``p + d = unit``), every remote-prefill threshold and chunk size asked for,
+the simulator finds the highest arrival rate at which at least 90% of
+requests meet both SLOs (TTFT, and mean inter-token latency). Goodput per
+GPU is that rate times the attainment over the unit's GPUs. Prints one JSON
+object per candidate, then the best with a ``serve_configs``-style YAML for
+the whole fleet (checked by ``AppArgs``).
+
+Profiles are analytic (``sim.hardware``) unless ``--profile`` gives a measured one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import random
+from dataclasses import dataclass
+
+from bench.trace import MultiTenantTraceConfig, TraceRequest, generate_multi_tenant, load_trace
+from pd.config import EngineConfig
+from pd.model.config import load_model_config
+from pd.sampling_params import SamplingParams
+from router.remote_prefill import RemotePrefillRule
+from sim.clock import EventLoop
+from sim.cluster import ClusterSpec, PoolSpec, SimCluster
+from sim.cost import CostModel
+from sim.hardware import HARDWARE, MODELS, Efficiency, analytic_cost, kv_cache_bytes, link, model_dir
+from sim.workload import prompt_token_ids
+
+ATTAINMENT = 0.9
+WORKLOADS = ("long-short", "short-long", "mooncake")
+
+
+def synthetic(workload: str, num_requests: int, seed: int) -> list[TraceRequest]:
+    """A trace at 1 request/s: long prompts with short outputs, the reverse, or the multi-tenant mix."""
+    if workload == "mooncake":
+        return generate_multi_tenant(MultiTenantTraceConfig(num_requests=num_requests, rate_per_s=1.0, seed=seed))
+    rng = random.Random(seed)
+    prompt, output = ((6144, 10240), (32, 160)) if workload == "long-short" else ((128, 512), (512, 1536))
+    requests, now_ms = [], 0.0
+    for index in range(num_requests):
+        now_ms += rng.expovariate(1.0) * 1000
+        length = rng.randint(*prompt)
+        first = 10_000_000 * (index + 1)  # no two requests share a block
+        requests.append(TraceRequest(timestamp_ms=now_ms, input_length=length, output_length=rng.randint(*output),
+                                     hash_ids=tuple(range(first, first + -(-length // 512)))))
+    return requests
+
+
+@dataclass(frozen=True)
+class Layout:
+    num_prefill: int
+    num_decode: int
+    threshold: int
+    max_num_batched_tokens: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.num_prefill}:{self.num_decode}" if self.num_prefill else f"colocated:{self.num_decode}"
+
+
+@dataclass(frozen=True)
+class Slo:
+    ttft_s: float
+    itl_s: float
+
+
+def attainment(cluster: SimCluster, slo: Slo) -> float:
+    met = 0
+    for record in cluster.records.values():
+        if record.finished_s is None or not record.token_times_s:
+            continue
+        gaps = record.itls_s()
+        if record.ttft_s <= slo.ttft_s and (not gaps or sum(gaps) / len(gaps) <= slo.itl_s):
+            met += 1
+    return met / len(cluster.records) if cluster.records else 0.0
+
+
+def run(spec: ClusterSpec, trace: list[TraceRequest], rate: float, seconds: float) -> SimCluster:
+    """Serve the trace's first ``seconds`` at ``rate`` requests/s (its times rescaled from 1 request/s)."""
+    loop = EventLoop()
+    cluster = SimCluster(loop, spec)
+    vocab = next(iter(cluster.decode.replicas.values())).engine.model_config.vocab_size
+    for index, request in enumerate(trace):
+        at = request.timestamp_ms / 1000 / rate
+        if at > seconds:
+            break
+        loop.at(at, lambda index=index, request=request: cluster.submit(
+            f"r{index}", prompt_token_ids(request, 512, vocab),
+            SamplingParams(max_tokens=max(1, request.output_length), ignore_eos=True)))
+    loop.run()
+    return cluster
+
+
+def max_goodput(spec: ClusterSpec, trace, slo: Slo, seconds: float, steps: int = 6) -> tuple[float, float]:
+    """``(rate, attainment)``: the highest rate found that meets the SLOs for ``ATTAINMENT`` of requests."""
+    good, good_attained, bad = 0.0, 0.0, None
+    rate = 0.5 * spec.num_replicas
+    for _ in range(12):  # grow until it fails
+        attained = attainment(run(spec, trace, rate, seconds), slo)
+        if attained < ATTAINMENT:
+            bad = rate
+            break
+        good, good_attained, rate = rate, attained, rate * 2
+    if bad is None:
+        return good, good_attained
+    for _ in range(steps):  # then bisect
+        rate = (good + bad) / 2
+        attained = attainment(run(spec, trace, rate, seconds), slo)
+        if attained >= ATTAINMENT:
+            good, good_attained = rate, attained
+        else:
+            bad = rate
+    return good, good_attained
+
+
+def unit_spec(layout: Layout, engine: EngineConfig, cost: CostModel, transfer) -> ClusterSpec:
+    engine = dataclasses.replace(engine, max_num_batched_tokens=layout.max_num_batched_tokens)
+    return ClusterSpec(decode=PoolSpec(layout.num_decode, engine, cost),
+                       prefill=PoolSpec(layout.num_prefill, engine, cost) if layout.num_prefill else None,
+                       rule=RemotePrefillRule(threshold=layout.threshold), transfer=transfer, call_s=0.001)
+
+
+def fleet_yaml(layout: Layout, model: str, engine: EngineConfig, units: int) -> dict:
+    """The ``serve run`` config of the whole fleet, its args checked by ``AppArgs``."""
+    from pd.serve.args import AppArgs
+
+    gpu_pool = {"ray_actor_options": {"num_gpus": 1, "num_cpus": 4}, "max_ongoing_requests": 256}
+    args = {
+        "mode": "disaggregated" if layout.num_prefill else "colocated",
+        "engine": {"model": model, "dtype": "bfloat16", "device": "cuda", "block_size": engine.block_size,
+                   "kv_cache_bytes": engine.kv_cache_bytes, "max_num_batched_tokens": layout.max_num_batched_tokens},
+        "decode": {"num_replicas": layout.num_decode * units, **gpu_pool},
+        "ingress": {"num_replicas": max(1, units // 4)},
+    }
+    if layout.num_prefill:
+        args["prefill"] = {"num_replicas": layout.num_prefill * units, **gpu_pool}
+        args["remote_prefill_threshold"] = layout.threshold
+    AppArgs.parse(args)
+    return {"applications": [{"name": "pd", "route_prefix": "/", "import_path": "pd.serve.app:build_app",
+                              "args": args}]}
+
+
+def _ints(text: str) -> list[int]:
+    return [int(value) for value in text.split(",") if value.strip()]
+
+
+def main(argv: list[str] | None = None) -> None:
+    import yaml
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="llama-3-8b", help=f"a preset ({', '.join(MODELS)}) or a model directory")
+    parser.add_argument("--hardware", choices=sorted(HARDWARE), default="h200")
+    parser.add_argument("--gpus", type=int, default=1000)
+    parser.add_argument("--unit-gpus", type=int, default=8)
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--trace", help="a Mooncake-format trace (its arrival times are rescaled)")
+    source.add_argument("--workload", choices=WORKLOADS, default="mooncake")
+    parser.add_argument("--slo-ttft-ms", type=float, default=500.0)
+    parser.add_argument("--slo-itl-ms", type=float, default=50.0)
+    parser.add_argument("--thresholds", default="256", help="remote-prefill thresholds to try, comma-separated")
+    parser.add_argument("--chunks", default="8192", help="max_num_batched_tokens values to try, comma-separated")
+    parser.add_argument("--profile", help="a measured CostModel JSON instead of the analytic one")
+    parser.add_argument("--seconds", type=float, default=60.0, help="simulated seconds of traffic per trial")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.gpus % args.unit_gpus:
+        parser.error(f"--gpus {args.gpus} is not a multiple of --unit-gpus {args.unit_gpus}")
+
+    path = model_dir(args.model)
+    config, gpu = load_model_config(path), HARDWARE[args.hardware]
+    cost = CostModel.load(args.profile) if args.profile else analytic_cost(config, gpu, Efficiency())
+    engine = EngineConfig(model=path, dtype="bfloat16", block_size=args.block_size,
+                          kv_cache_bytes=kv_cache_bytes(config, gpu), max_num_seqs=256)
+    trace = load_trace(args.trace) if args.trace else synthetic(args.workload, 20_000, args.seed)
+    if args.trace:  # to 1 request/s, as the rates are
+        mean_rate = len(trace) / max(1e-9, (trace[-1].timestamp_ms - trace[0].timestamp_ms) / 1000)
+        trace = [dataclasses.replace(r, timestamp_ms=(r.timestamp_ms - trace[0].timestamp_ms) * mean_rate)
+                 for r in trace]
+    slo = Slo(args.slo_ttft_ms / 1000, args.slo_itl_ms / 1000)
+    units = args.gpus // args.unit_gpus
+    layouts = [Layout(p, args.unit_gpus - p, t, c) for c in _ints(args.chunks) for t in _ints(args.thresholds)
+               for p in range(args.unit_gpus)]
+    results = []
+    for layout in layouts:
+        if layout.num_prefill == 0 and layout.threshold != _ints(args.thresholds)[0]:
+            continue  # colocated has no threshold
+        rate, attained = max_goodput(unit_spec(layout, engine, cost, link(gpu, "rdma")), trace, slo, args.seconds)
+        result = {"layout": layout.name, "remote_prefill_threshold": layout.threshold,
+                  "max_num_batched_tokens": layout.max_num_batched_tokens, "rate_per_unit": round(rate, 3),
+                  "attainment": round(attained, 3), "goodput_per_gpu": round(rate * attained / args.unit_gpus, 4)}
+        results.append((layout, result))
+        print(json.dumps(result), flush=True)
+    best_layout, best = max(results, key=lambda item: item[1]["goodput_per_gpu"])
+    colocated = max((r["goodput_per_gpu"] for layout, r in results if not layout.num_prefill), default=0.0)
+    print(json.dumps({"best": best, "gain_over_colocated": round(best["goodput_per_gpu"] / colocated, 3)
+                      if colocated else None, "gpus": args.gpus, "hardware": args.hardware, "model": args.model,
+                      "workload": args.trace or args.workload, "profile": cost.source}), flush=True)
+    print(yaml.safe_dump(fleet_yaml(best_layout, args.model, engine, units), sort_keys=False))
+
+
+if __name__ == "__main__":
+    main()

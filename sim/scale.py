@@ -1,0 +1,121 @@
+"""How far the simulator reaches: a fleet of replicas under a Mooncake-like trace, and the wall time it takes.
+
+``python -m sim.scale --replicas 1000 --minutes 10 [--hardware h200] [--model llama-3-8b]
+[--prefill-fraction 0.25] [--utilization 0.7]``
+
+The fleet runs the analytic profile of ``--model`` on ``--hardware``
+(``sim.hardware``), disaggregated with ``--prefill-fraction`` of its
+replicas prefilling (0: colocated). The load is ``bench.trace``'s
+multi-tenant generator (Zipf tenants with long shared contexts, multi-turn
+conversations), at the rate that keeps the replicas about ``--utilization``
+busy: a pilot of 16 replicas finds the rate, and the fleet gets it times
+``replicas / 16``. Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+
+from bench.trace import MultiTenantTraceConfig, generate_multi_tenant
+from pd.config import EngineConfig
+from pd.model.config import load_model_config
+from pd.sampling_params import SamplingParams
+from sim.clock import EventLoop
+from sim.cluster import ClusterSpec, PoolSpec, SimCluster
+from sim.hardware import HARDWARE, MODELS, Efficiency, analytic_cost, kv_cache_bytes, link, model_dir
+from sim.workload import prompt_token_ids
+
+PILOT_REPLICAS = 16
+PILOT_S = 60.0
+
+
+def fleet(model: str, hardware: str, replicas: int, prefill_fraction: float, block_size: int,
+          max_num_batched_tokens: int) -> ClusterSpec:
+    path = model_dir(model)
+    config = load_model_config(path)
+    gpu = HARDWARE[hardware]
+    engine = EngineConfig(model=path, dtype="bfloat16", block_size=block_size,
+                          kv_cache_bytes=kv_cache_bytes(config, gpu), max_num_batched_tokens=max_num_batched_tokens,
+                          max_num_seqs=256)
+    cost = analytic_cost(config, gpu, Efficiency())
+    num_prefill = round(replicas * prefill_fraction)
+    return ClusterSpec(decode=PoolSpec(replicas - num_prefill, engine, cost),
+                       prefill=PoolSpec(num_prefill, engine, cost) if num_prefill else None,
+                       transfer=link(gpu, "rdma"), call_s=0.001)
+
+
+def serve_trace(spec: ClusterSpec, rate_per_s: float, duration_s: float, seed: int) -> tuple[SimCluster, int, float]:
+    """Serve ``duration_s`` of the trace; ``(cluster, requests, wall seconds)``."""
+    trace = generate_multi_tenant(MultiTenantTraceConfig(num_requests=max(1, round(rate_per_s * duration_s)),
+                                                         rate_per_s=rate_per_s, seed=seed))
+    loop = EventLoop()
+    cluster = SimCluster(loop, spec)
+    vocab = next(iter(cluster.decode.replicas.values())).engine.model_config.vocab_size
+    started = time.perf_counter()
+    for index, request in enumerate(trace):
+        def arrive(index=index, request=request):
+            prompt = prompt_token_ids(request, 512, vocab)  # the trace's own 512-token blocks
+            cluster.submit(f"r{index}", prompt, SamplingParams(max_tokens=max(1, request.output_length),
+                                                               ignore_eos=True))
+
+        loop.at(request.timestamp_ms / 1000, arrive)
+    loop.run()
+    return cluster, len(trace), time.perf_counter() - started
+
+
+def utilization(cluster: SimCluster, span_s: float) -> float:
+    busy = cluster.busy_s()
+    return sum(busy.values()) / (len(busy) * span_s) if busy and span_s > 0 else 0.0
+
+
+def pilot_rate(spec: ClusterSpec, target: float, seed: int) -> float:
+    """Requests/s per replica that keep a pilot fleet ``target`` busy (two corrections of a first guess)."""
+    pilot = _resized(spec, PILOT_REPLICAS)
+    rate = 1.0 * PILOT_REPLICAS
+    for _ in range(3):
+        cluster, _, _ = serve_trace(pilot, rate, PILOT_S, seed)
+        busy = utilization(cluster, PILOT_S)
+        rate *= min(4.0, target / max(busy, 1e-3))
+    return rate / PILOT_REPLICAS
+
+
+def _resized(spec: ClusterSpec, replicas: int) -> ClusterSpec:
+    prefill_fraction = spec.prefill.num_replicas / spec.num_replicas if spec.prefill else 0.0
+    num_prefill = round(replicas * prefill_fraction) if prefill_fraction else 0
+    return dataclasses.replace(
+        spec, decode=dataclasses.replace(spec.decode, num_replicas=replicas - num_prefill),
+        prefill=dataclasses.replace(spec.prefill, num_replicas=num_prefill) if num_prefill else None)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--replicas", type=int, default=1000)
+    parser.add_argument("--minutes", type=float, default=10.0)
+    parser.add_argument("--hardware", choices=sorted(HARDWARE), default="h200")
+    parser.add_argument("--model", default="llama-3-8b", help=f"a preset ({', '.join(MODELS)}) or a model directory")
+    parser.add_argument("--prefill-fraction", type=float, default=0.25)
+    parser.add_argument("--utilization", type=float, default=0.7)
+    parser.add_argument("--block-size", type=int, default=64)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    spec = fleet(args.model, args.hardware, args.replicas, args.prefill_fraction, args.block_size,
+                 args.max_num_batched_tokens)
+    rate = pilot_rate(spec, args.utilization, args.seed) * args.replicas
+    duration_s = args.minutes * 60
+    cluster, requests, wall_s = serve_trace(spec, rate, duration_s, args.seed)
+    steps = sum(replica.engine.runner.num_steps for pool in cluster.pools() for replica in pool.replicas.values())
+    print(json.dumps({
+        "replicas": args.replicas, "simulated_s": round(cluster.loop.now, 1), "wall_s": round(wall_s, 1),
+        "requests": requests, "requests_per_wall_s": round(requests / wall_s, 1),
+        "replica_steps_per_wall_s": round(steps / wall_s, 1), "rate_per_s": round(rate, 1),
+        "utilization": round(utilization(cluster, duration_s), 3), "hardware": args.hardware, "model": args.model,
+        "profile": spec.decode.cost.source,
+    }))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+"""A short version of ``python -m sim.validate`` in CI: the default app served for real, then simulated.
+
+One config (the default app of the shared test cluster), one validated rate.
+The profile is measured here, on a small grid; a first run at a lower rate
+sets the step-time factor (``sim.validate.calibrate``), a second is
+validated. Tolerance: each of TTFT p50, E2E p50 and goodput within 50% of
+the measured value, loose because this machine also runs the test cluster's
+second node and pytest itself; ``sim.validate`` reports the real figures.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.serve.conftest import test_args
+
+REPO = Path(__file__).resolve().parents[2]
+TOLERANCE = 0.5
+
+
+def _locust(url: str, prefix: Path, rate: float, seconds: int) -> None:
+    command = [sys.executable, "-m", "locust", "-f", str(REPO / "loadtest" / "locustfile.py"), "--headless",
+               "--host", url, "--csv", str(prefix), "--only-summary", "-u", "1", "-r", "1",
+               "--run-time", f"{seconds}s", "--arrival-rate", str(rate), "--workload", "mixed",
+               "--workload-args", "long_short.prompt_len=384,short_long.output_len=48,chat.output_len=24",
+               "--seed", "7"]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=seconds + 90)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+
+
+def test_the_simulator_predicts_a_real_run_of_the_default_app(default_app, tmp_path):
+    from sim.cost import CostModel
+    from sim.deployment import cluster_spec
+    from sim.profile import measure
+    from sim.transport import LINKS
+    from sim.validate import calibrate, compare
+
+    shapes, seconds = measure("builtin:tiny-llama", 1, batch_sizes=(1, 4), prompt_lens=(32, 384), repeats=1)
+    cost = CostModel.fit(shapes, seconds, "measured in CI")
+    args = test_args("default.yaml")
+
+    def spec_for(factor: float):
+        return cluster_spec(args, lambda threads: cost.scaled(factor, "served"), LINKS["loopback"], call_s=0.002)
+
+    _locust(default_app.url, tmp_path / "calibration", 0.5, 12)
+    _locust(default_app.url, tmp_path / "validation", 1.0, 20)
+    factor = calibrate(tmp_path / "calibration", spec_for)
+    result = compare(tmp_path / "validation", spec_for(factor))
+    print(json.dumps({"step_time_factor": factor, **result}))
+    assert result["requests"] >= 10 and result["prompt_length_mismatches"] == 0
+    for metric in ("ttft_p50", "e2e_p50", "goodput"):
+        assert abs(result["error"][metric]) <= TOLERANCE, (metric, result)

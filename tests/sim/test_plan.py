@@ -1,0 +1,77 @@
+"""Configs in, configs out: the app's YAML read by its own schema, analytic profiles, the planner's YAML."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pd.model.config import load_model_config
+from pd.serve.args import AppArgs
+from sim.cost import CostModel, StepShape
+from sim.deployment import cluster_spec
+from sim.hardware import HARDWARE, MODELS, analytic_cost, kv_cache_bytes, model_dir, num_params
+from sim.plan import Layout, Slo, fleet_yaml, max_goodput, synthetic, unit_spec
+from sim.transport import LINKS
+
+CONFIGS = Path(__file__).resolve().parents[2] / "serve_configs"
+COST = CostModel(base_s=0.002, per_token_s=5e-5, per_pair_s=1e-7, per_seq_s=2e-4, per_sample_s=1e-4)
+
+
+def app_args(name: str) -> dict:
+    return yaml.safe_load((CONFIGS / name).read_text())["applications"][0]["args"]
+
+
+def test_a_serve_config_becomes_its_cluster():
+    costs = {1: COST, 2: COST.scaled(0.5, "two threads")}
+    default = cluster_spec(app_args("default.yaml"), costs.__getitem__, LINKS["loopback"])
+    assert default.prefill.num_replicas == default.decode.num_replicas == 1
+    assert default.prefill.cost == COST  # num_cpus 0.5: one thread
+    assert default.rule.threshold == 256 and default.rule.queue_bound == 32
+    colocated = cluster_spec(app_args("colocated.yaml"), costs.__getitem__, LINKS["loopback"])
+    assert colocated.prefill is None and colocated.decode.cost == costs[2]  # num_cpus 1.5: two threads
+    with pytest.raises(ValueError, match="remote_prefill_treshold"):
+        cluster_spec({**app_args("default.yaml"), "remote_prefill_treshold": 5}, costs.__getitem__, LINKS["loopback"])
+
+
+def test_the_analytic_profile_follows_the_roofline():
+    config = load_model_config(model_dir("llama-3-8b"))
+    assert 6.5e9 < num_params(config) < 7.5e9  # Llama-3-8B without its embeddings
+    h100, h200 = (analytic_cost(config, HARDWARE[name]) for name in ("h100", "h200"))
+    assert h100.source.startswith("analytic")
+    decode = StepShape(num_tokens=64, attn_pairs=64 * 2048, num_seqs=64, num_samples=64)
+    prefill = StepShape(num_tokens=8192, attn_pairs=8192 * 4096, num_seqs=1, num_samples=1)
+    assert h200.step_seconds(decode) < h100.step_seconds(decode)  # more HBM bandwidth
+    assert h200.step_seconds(prefill) == pytest.approx(h100.step_seconds(prefill), rel=0.05)  # the same FLOP/s
+    assert 3e-3 < h200.step_seconds(decode) < 20e-3
+    assert kv_cache_bytes(config, HARDWARE["h200"]) > 100e9
+    assert set(MODELS) >= {"llama-3-8b"}
+
+
+def test_a_larger_unit_or_looser_slo_never_plans_less_goodput():
+    trace = synthetic("short-long", 400, seed=1)
+    config = load_model_config(model_dir("llama-3-8b"))
+    from pd.config import EngineConfig
+
+    engine = EngineConfig(model=model_dir("llama-3-8b"), dtype="bfloat16", block_size=64,
+                          kv_cache_bytes=kv_cache_bytes(config, HARDWARE["h200"]), max_num_seqs=256)
+    spec = unit_spec(Layout(0, 2, 256, 8192), engine, analytic_cost(config, HARDWARE["h200"]), LINKS["rdma400"])
+    tight, _ = max_goodput(spec, trace, Slo(ttft_s=0.2, itl_s=0.012), seconds=20, steps=3)
+    loose, _ = max_goodput(spec, trace, Slo(ttft_s=2.0, itl_s=0.05), seconds=20, steps=3)
+    assert 0 < tight <= loose and math.isfinite(loose)
+
+
+def test_the_planned_yaml_passes_the_apps_own_checks():
+    config = load_model_config(model_dir("llama-3-8b"))
+    from pd.config import EngineConfig
+
+    engine = EngineConfig(model=model_dir("llama-3-8b"), dtype="bfloat16",
+                          kv_cache_bytes=kv_cache_bytes(config, HARDWARE["h200"]))
+    document = fleet_yaml(Layout(3, 5, 1024, 8192), "llama-3-8b", engine, units=125)
+    args = AppArgs.parse(document["applications"][0]["args"])
+    assert (args.prefill.num_replicas, args.decode.num_replicas) == (375, 625)
+    assert args.remote_prefill_threshold == 1024 and args.mode == "disaggregated"
+    colocated = fleet_yaml(Layout(0, 8, 256, 8192), "llama-3-8b", engine, units=125)["applications"][0]["args"]
+    assert AppArgs.parse(colocated).mode == "colocated" and colocated["decode"]["num_replicas"] == 1000
