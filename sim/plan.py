@@ -61,6 +61,7 @@ class Layout:
     num_decode: int
     threshold: int
     max_num_batched_tokens: int
+    threshold_per_in_flight: float = 0.0
 
     @property
     def name(self) -> str:
@@ -126,7 +127,9 @@ def unit_spec(layout: Layout, engine: EngineConfig, cost: CostModel, transfer) -
     engine = dataclasses.replace(engine, max_num_batched_tokens=layout.max_num_batched_tokens)
     return ClusterSpec(decode=PoolSpec(layout.num_decode, engine, cost),
                        prefill=PoolSpec(layout.num_prefill, engine, cost) if layout.num_prefill else None,
-                       rule=RemotePrefillRule(threshold=layout.threshold), transfer=transfer, call_s=0.001)
+                       rule=RemotePrefillRule(threshold=layout.threshold,
+                                              threshold_per_in_flight=layout.threshold_per_in_flight),
+                       transfer=transfer, call_s=0.001)
 
 
 def fleet_yaml(layout: Layout, model: str, engine: EngineConfig, units: int) -> dict:
@@ -144,6 +147,7 @@ def fleet_yaml(layout: Layout, model: str, engine: EngineConfig, units: int) -> 
     if layout.num_prefill:
         args["prefill"] = {"num_replicas": layout.num_prefill * units, **gpu_pool}
         args["remote_prefill_threshold"] = layout.threshold
+        args["remote_prefill_threshold_per_in_flight"] = layout.threshold_per_in_flight
     AppArgs.parse(args)
     return {"applications": [{"name": "pd", "route_prefix": "/", "import_path": "pd.serve.app:build_app",
                               "args": args}]}
@@ -167,7 +171,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--slo-ttft-ms", type=float, default=500.0)
     parser.add_argument("--slo-itl-ms", type=float, default=50.0)
     parser.add_argument("--thresholds", default="256", help="remote-prefill thresholds to try, comma-separated")
+    parser.add_argument("--slopes", default="0", help="remote_prefill_threshold_per_in_flight values to try "
+                        "(tokens added to the threshold per prefill call in flight), comma-separated")
     parser.add_argument("--chunks", default="8192", help="max_num_batched_tokens values to try, comma-separated")
+    parser.add_argument("--splits", help="prefill replicas per unit to try, comma-separated (default: all, "
+                        "0 meaning colocated)")
     parser.add_argument("--profile", help="a measured CostModel JSON instead of the analytic one")
     parser.add_argument("--seconds", type=float, default=60.0, help="simulated seconds of traffic per trial")
     parser.add_argument("--block-size", type=int, default=16)
@@ -188,14 +196,18 @@ def main(argv: list[str] | None = None) -> None:
                  for r in trace]
     slo = Slo(args.slo_ttft_ms / 1000, args.slo_itl_ms / 1000)
     units = args.gpus // args.unit_gpus
-    layouts = [Layout(p, args.unit_gpus - p, t, c) for c in _ints(args.chunks) for t in _ints(args.thresholds)
-               for p in range(args.unit_gpus)]
+    splits = _ints(args.splits) if args.splits else range(args.unit_gpus)
+    slopes = [float(value) for value in args.slopes.split(",") if value.strip()]
+    layouts = [Layout(p, args.unit_gpus - p, t, c, slope) for c in _ints(args.chunks) for p in splits
+               for t in _ints(args.thresholds) for slope in slopes]
     results = []
     for layout in layouts:
-        if layout.num_prefill == 0 and layout.threshold != _ints(args.thresholds)[0]:
-            continue  # colocated has no threshold
+        if layout.num_prefill == 0 and (layout.threshold, layout.threshold_per_in_flight) != (
+                _ints(args.thresholds)[0], slopes[0]):
+            continue  # colocated has no remote-prefill rule
         rate, attained = max_goodput(unit_spec(layout, engine, cost, link(gpu, "rdma")), trace, slo, args.seconds)
         result = {"layout": layout.name, "remote_prefill_threshold": layout.threshold,
+                  "threshold_per_in_flight": layout.threshold_per_in_flight,
                   "max_num_batched_tokens": layout.max_num_batched_tokens, "rate_per_unit": round(rate, 3),
                   "attainment": round(attained, 3), "goodput_per_gpu": round(rate * attained / args.unit_gpus, 4)}
         results.append((layout, result))

@@ -249,24 +249,30 @@ def calibrate(run: Run, spec_for: Callable[[Calibration], ClusterSpec], iteratio
     return best
 
 
+def calibrated_spec(args: dict, cost_for_threads: Callable[[int], CostModel], calibration: Calibration,
+                    call_s: float, why: str = "served") -> ClusterSpec:
+    """The app of ``args`` as served on this machine: its profile scaled, its ingress timed, its host's cores shared."""
+    from sim.deployment import cluster_spec
+
+    factor = calibration.step_time_factor
+    spec = cluster_spec(args, lambda threads: cost_for_threads(threads).scaled(factor, why) if factor != 1 else
+                        cost_for_threads(threads), LINKS["loopback"], call_s=call_s)
+    host = HostModel(os.cpu_count() or 1, calibration.cpu_per_token_s) if calibration.cpu_per_token_s else None
+    return dataclasses.replace(spec, ingress_s=calibration.ingress_s, host=host)
+
+
 def validate(configs: list[Path], rates: list[float], calibration_rate: float | None, out: Path,
              costs: dict[int, CostModel], call_s: float) -> list[dict]:
     """Compare every run under ``out/real`` with its simulation; one JSON line per config, rate and metric."""
     import yaml
-
-    from sim.deployment import cluster_spec
 
     results = []
     for config in configs:
         args = yaml.safe_load(config.read_text())["applications"][0]["args"]
 
         def spec_for(calibration: Calibration) -> ClusterSpec:
-            factor = calibration.step_time_factor
-            why = f"served {config.stem} at {calibration_rate:g} req/s"
-            spec = cluster_spec(args, lambda threads: costs[threads].scaled(factor, why) if factor != 1 else
-                                costs[threads], LINKS["loopback"], call_s=call_s)
-            host = HostModel(os.cpu_count() or 1, calibration.cpu_per_token_s) if calibration.cpu_per_token_s else None
-            return dataclasses.replace(spec, ingress_s=calibration.ingress_s, host=host)
+            return calibrated_spec(args, costs.__getitem__, calibration, call_s,
+                                   why=f"served {config.stem} at {calibration_rate:g} req/s")
 
         runs = sorted((Run.read(out / "real" / config.stem / f"rate-{rate:g}")
                        for rate in ([calibration_rate] if calibration_rate else []) + rates),

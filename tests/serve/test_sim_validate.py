@@ -2,8 +2,9 @@
 
 One config (the default app of the shared test cluster), one validated rate.
 The profile is measured here, on a small grid; a first run at a lower rate
-sets the step-time factor (``sim.validate.calibrate``), a second is
-validated. Tolerance: each of TTFT p50, E2E p50 and goodput within 50% of
+calibrates what the profile does not see (``sim.validate.calibrate``), a
+second is validated, and both are replayed in order on one simulated
+deployment. Tolerance: each of TTFT p50, E2E p50 and goodput within 50% of
 the measured value, loose because this machine also runs the test cluster's
 second node and pytest itself; ``sim.validate`` reports the real figures.
 """
@@ -32,24 +33,25 @@ def _locust(url: str, prefix: Path, rate: float, seconds: int) -> None:
 
 
 def test_the_simulator_predicts_a_real_run_of_the_default_app(default_app, tmp_path):
+    import dataclasses
+
     from sim.cost import CostModel
-    from sim.deployment import cluster_spec
     from sim.profile import measure
-    from sim.transport import LINKS
-    from sim.validate import calibrate, compare
+    from sim.validate import Run, calibrate, calibrated_spec, compare
 
     shapes, seconds = measure("builtin:tiny-llama", 1, batch_sizes=(1, 4), prompt_lens=(32, 384), repeats=1)
     cost = CostModel.fit(shapes, seconds, "measured in CI")
     args = test_args("default.yaml")
 
-    def spec_for(factor: float):
-        return cluster_spec(args, lambda threads: cost.scaled(factor, "served"), LINKS["loopback"], call_s=0.002)
+    def spec_for(calibration):
+        return calibrated_spec(args, lambda threads: cost, calibration, call_s=0.002)
 
     _locust(default_app.url, tmp_path / "calibration", 0.5, 12)
     _locust(default_app.url, tmp_path / "validation", 1.0, 20)
-    factor = calibrate(tmp_path / "calibration", spec_for)
-    result = compare(tmp_path / "validation", spec_for(factor))
-    print(json.dumps({"step_time_factor": factor, **result}))
+    runs = [Run.read(tmp_path / "calibration"), Run.read(tmp_path / "validation")]
+    calibration = calibrate(runs[0], spec_for)
+    result = compare(runs, spec_for(calibration))[1]
+    print(json.dumps({"calibration": dataclasses.asdict(calibration), **result}))
     assert result["requests"] >= 10 and result["prompt_length_mismatches"] == 0
     for metric in ("ttft_p50", "e2e_p50", "goodput"):
         assert abs(result["error"][metric]) <= TOLERANCE, (metric, result)
