@@ -150,10 +150,19 @@ def uncached_tokens(matches: Mapping[str, int], block_size: int, num_prompt_toke
 
 
 class RecentRouted:
-    """Requests and prefill tokens this router sent each replica, decaying by ``1 - 1/window`` per decision."""
+    """Requests and prefill tokens this router sent each replica, decaying by ``1 - 1/window`` per decision.
+
+    A decision costs O(1), not one multiplication per replica: the values
+    are kept divided by ``scale`` (the decay since the last renormalisation),
+    so decaying everyone is one multiplication of ``scale``.
+    """
+
+    # Below this scale, stored values are renormalised before they overflow.
+    _MIN_SCALE = 1e-100
 
     def __init__(self, window: int) -> None:
         self._decay = 1.0 - 1.0 / window
+        self._scale = 1.0  # a value is its stored number times this
         self._requests: dict[str, float] = {}
         self._prefill_tokens: dict[str, float] = {}
 
@@ -166,22 +175,24 @@ class RecentRouted:
     def requests(self, replica_id: str) -> float:
         if replica_id not in self._requests:
             self._admit(replica_id)
-        return self._requests[replica_id]
+        return self._requests[replica_id] * self._scale
 
     def prefill_tokens(self, replica_id: str) -> float:
         if replica_id not in self._prefill_tokens:
             self._admit(replica_id)
-        return self._prefill_tokens[replica_id]
+        return self._prefill_tokens[replica_id] * self._scale
 
     def record(self, replica_id: str, prefill_tokens: int) -> None:
         if replica_id not in self._requests:
             self._admit(replica_id)
-        decay = self._decay
-        for key in self._requests:
-            self._requests[key] *= decay
-            self._prefill_tokens[key] *= decay
-        self._requests[replica_id] += 1.0
-        self._prefill_tokens[replica_id] += prefill_tokens
+        self._scale *= self._decay
+        self._requests[replica_id] += 1.0 / self._scale
+        self._prefill_tokens[replica_id] += prefill_tokens / self._scale
+        if self._scale < self._MIN_SCALE:
+            for values in (self._requests, self._prefill_tokens):
+                for key in values:
+                    values[key] *= self._scale
+            self._scale = 1.0
 
     def remove(self, replica_id: str) -> None:
         self._requests.pop(replica_id, None)

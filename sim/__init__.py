@@ -1,12 +1,14 @@
 """A discrete-event simulator of the serving system that runs the project's real deciding code.
 
-What decides runs unmodified: a real ``LLMEngine``, with its ``Scheduler``,
-``KVCacheManager`` and ``BlockPool`` (chunked prefill, prefix caching,
-preemption). What is modelled: the forward pass (``sim.engine``'s runner,
-timed by ``sim.cost``, fitted to the real engine by ``python -m sim.profile``)
-and time itself (``sim.clock``). It runs in one
-process, without Ray and without a model.
+What decides runs unmodified: real ``LLMEngine``s (their ``Scheduler``,
+``KVCacheManager``, ``BlockPool`` and ``KVConnector``), the ingress's
+remote-prefill rule and both pools' routing policies (``sim.cluster``).
+What is modelled: the forward pass (``sim.cost``, fitted to the real engine
+by ``sim.profile`` or from a datasheet by ``sim.hardware``), KV transfers
+(``sim.transport``), Ray (``sim.clock``, a call's overhead) and, on a small
+host, the cores shared with the rest of the serving path (``sim.host``).
+It runs in one process, without Ray.
 
-So far: one engine replica driven by a trace (``python -m sim.run``). Pools,
-routers and KV transfers are the next layers.
+Commands: ``sim.profile``, ``sim.validate`` (against the real app),
+``sim.scale``, ``sim.plan`` (pool sizing), ``sim.run`` (one replica).
 """

@@ -101,18 +101,29 @@ class _Pool:
                 transport.on_event = replica.wake
             self.replicas[replica_id] = replica
         self.reports: dict[str, RoutingStats] = {replica_id: NO_STATS for replica_id in self.replicas}
+        self._last_seq: dict[str, int] = {}
+        self._loads = [replica_load(replica_id, NO_STATS) for replica_id in self.replicas]
         self.index = PrefixIndex(max_blocks=1 << 20)
         self.feed = CacheEventFeed(self.index)
 
     def report(self) -> None:
-        """Every replica publishes its ``RoutingStats``; the routers' feed applies them."""
+        """Every replica publishes its ``RoutingStats``; the routers' feed applies them.
+
+        A replica sends only the events after the last it sent (the one feed
+        here has applied the rest): the same events a full window would bring
+        it, without re-reading the window every period.
+        """
         for replica_id, replica in self.replicas.items():
-            stats = replica.engine.routing_stats()
+            stats = replica.engine.routing_stats(after_seq=self._last_seq.get(replica_id))
+            if stats.last_seq is not None:
+                self._last_seq[replica_id] = stats.last_seq
             self.reports[replica_id] = stats
             self.feed.apply(replica_id, stats)
+        self._loads = [replica_load(replica_id, stats) for replica_id, stats in self.reports.items()]
 
     def loads(self):
-        return [replica_load(replica_id, stats) for replica_id, stats in self.reports.items()]
+        """Each replica's load as of its last report (what a router sees between reports)."""
+        return self._loads
 
 
 @dataclass

@@ -49,8 +49,10 @@ def fleet(model: str, hardware: str, replicas: int, prefill_fraction: float, blo
 
 def serve_trace(spec: ClusterSpec, rate_per_s: float, duration_s: float, seed: int) -> tuple[SimCluster, int, float]:
     """Serve ``duration_s`` of the trace; ``(cluster, requests, wall seconds)``."""
-    trace = generate_multi_tenant(MultiTenantTraceConfig(num_requests=max(1, round(rate_per_s * duration_s)),
+    # Conversations go on after the window (later turns): generate more, keep the window's arrivals.
+    trace = generate_multi_tenant(MultiTenantTraceConfig(num_requests=max(1, round(2 * rate_per_s * duration_s)),
                                                          rate_per_s=rate_per_s, seed=seed))
+    trace = [request for request in trace if request.timestamp_ms <= duration_s * 1000]
     loop = EventLoop()
     cluster = SimCluster(loop, spec)
     vocab = next(iter(cluster.decode.replicas.values())).engine.model_config.vocab_size
@@ -66,8 +68,9 @@ def serve_trace(spec: ClusterSpec, rate_per_s: float, duration_s: float, seed: i
     return cluster, len(trace), time.perf_counter() - started
 
 
-def utilization(cluster: SimCluster, span_s: float) -> float:
-    busy = cluster.busy_s()
+def utilization(cluster: SimCluster) -> float:
+    """Modelled compute time over replica time, from the first arrival to the last output."""
+    busy, span_s = cluster.busy_s(), cluster.loop.now
     return sum(busy.values()) / (len(busy) * span_s) if busy and span_s > 0 else 0.0
 
 
@@ -77,7 +80,7 @@ def pilot_rate(spec: ClusterSpec, target: float, seed: int) -> float:
     rate = 1.0 * PILOT_REPLICAS
     for _ in range(3):
         cluster, _, _ = serve_trace(pilot, rate, PILOT_S, seed)
-        busy = utilization(cluster, PILOT_S)
+        busy = utilization(cluster)
         rate *= min(4.0, target / max(busy, 1e-3))
     return rate / PILOT_REPLICAS
 
@@ -112,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
         "replicas": args.replicas, "simulated_s": round(cluster.loop.now, 1), "wall_s": round(wall_s, 1),
         "requests": requests, "requests_per_wall_s": round(requests / wall_s, 1),
         "replica_steps_per_wall_s": round(steps / wall_s, 1), "rate_per_s": round(rate, 1),
-        "utilization": round(utilization(cluster, duration_s), 3), "hardware": args.hardware, "model": args.model,
+        "utilization": round(utilization(cluster), 3), "hardware": args.hardware, "model": args.model,
         "profile": spec.decode.cost.source,
     }))
 

@@ -40,14 +40,19 @@ class CacheEventLog:
         self._events.append(CacheEvent(self._next_seq, block_hash, stored))
         self._next_seq += 1
 
-    def window(self) -> tuple[int, list[CacheEvent]]:
+    def window(self, after_seq: int | None = None) -> tuple[int, list[CacheEvent]]:
         """``(first_seq, events)``: every change still kept, compacted to each hash's latest.
 
         The window covers every event numbered ``first_seq`` or later; a reader
         that has applied events only up to ``first_seq - 2`` missed some.
+        With ``after_seq``, only events numbered after it (a reader that has
+        applied those already needs no more).
         """
         events = list(self._events)  # one C-level copy: safe against a step running on another thread
         first_seq = events[0].seq if events else self._next_seq
+        if after_seq is not None and after_seq >= first_seq:
+            events = events[after_seq + 1 - first_seq:]  # seqs are consecutive: the index is the offset
+            first_seq = after_seq + 1
         latest = {e.block_hash: e for e in events}
         return first_seq, sorted(latest.values(), key=lambda e: e.seq)
 
@@ -68,9 +73,9 @@ class BlockPool:
         self._block_tokens: dict[int, tuple[int, ...]] = {}
         self.events = CacheEventLog(max_cache_events)
 
-    def cache_event_window(self) -> tuple[int, list[CacheEvent]]:
+    def cache_event_window(self, after_seq: int | None = None) -> tuple[int, list[CacheEvent]]:
         """See ``CacheEventLog.window``."""
-        return self.events.window()
+        return self.events.window(after_seq)
 
     @property
     def num_free_blocks(self) -> int:

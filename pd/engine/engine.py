@@ -136,7 +136,10 @@ class LLMEngine:
         if params.max_tokens > self.max_model_len:
             raise ValueError(f"max_tokens {params.max_tokens} exceeds max_model_len {self.max_model_len}")
         vocab = self.model_config.vocab_size
-        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if set(map(type, prompt_token_ids)) == {int} and 0 <= min(prompt_token_ids) and max(prompt_token_ids) < vocab:
+            bad = []  # the common case, checked at C speed
+        else:
+            bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt_token_ids holds ids outside the vocabulary [0, {vocab}): {bad[:5]}")
         total = min(len(prompt_token_ids) + params.max_tokens, self.max_model_len)
@@ -272,15 +275,18 @@ class LLMEngine:
         """Leases, notifications and pulls, between steps."""
         self.connector.poll()
 
-    def cache_events(self) -> tuple[int, list[CacheEvent]]:
+    def cache_events(self, after_seq: int | None = None) -> tuple[int, list[CacheEvent]]:
         """``(first_seq, events)`` of the prefix cache (see ``BlockPool.cache_event_window``)."""
-        return self.block_pool.cache_event_window()
+        return self.block_pool.cache_event_window(after_seq)
 
-    def routing_stats(self) -> RoutingStats:
-        """What this engine's replica publishes to request routers: its load and prefix-cache event window."""
+    def routing_stats(self, after_seq: int | None = None) -> RoutingStats:
+        """What this engine's replica publishes to request routers: its load and prefix-cache event window.
+
+        ``after_seq``: only the events after it (for a reader known to have applied the rest).
+        """
         stats = self.stats()
         total = stats.num_free_blocks + stats.num_used_blocks
-        first_seq, events = self.cache_events()
+        first_seq, events = self.cache_events(after_seq)
         return RoutingStats.of(
             first_seq, events,
             num_running=stats.num_running,

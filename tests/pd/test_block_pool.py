@@ -122,3 +122,6 @@ def test_cache_event_window_keeps_each_hashs_latest_event_and_says_where_it_star
         small.free([block])
     first_seq, events = small.cache_event_window()
     assert first_seq == 3 and [(e.seq, e.stored) for e in events] == [(3, False), (4, True)]
+    assert small.cache_event_window(after_seq=3) == (4, [events[1]])  # what a reader has not applied yet
+    assert small.cache_event_window(after_seq=4) == (5, [])
+    assert small.cache_event_window(after_seq=1) == (3, events)  # older than the window: the whole window

@@ -1,4 +1,5 @@
 import dataclasses
+import random
 from collections import Counter
 
 import pytest
@@ -297,3 +298,26 @@ def test_a_burst_of_decodes_spreads_before_the_next_report():
         policy.record_routed(decision)
         placed[decision.replica_id] += 1
     assert placed["b"] >= 2 and placed["a"] >= placed["b"], placed
+
+
+def test_recent_routed_decays_everyone_per_decision_without_touching_everyone():
+    """O(1) per decision (a running scale), equal to multiplying every replica's counts at every decision."""
+    from router.policy import RecentRouted
+
+    recent, rng, decay = RecentRouted(window=16), random.Random(0), 1 - 1 / 16
+    expected: dict[str, list[float]] = {}
+    for _ in range(5000):  # far past the renormalisation (the scale falls below 1e-100 near 3,600 decisions)
+        replica, tokens = f"r{rng.randrange(5)}", rng.randrange(100)
+        if replica not in expected:
+            mean = [sum(v[i] for v in expected.values()) / len(expected) if expected else 0.0 for i in (0, 1)]
+            recent.requests(replica)  # admitted at the mean, as the policy admits a newcomer
+            expected[replica] = mean
+        recent.record(replica, tokens)
+        for counts in expected.values():
+            counts[0] *= decay
+            counts[1] *= decay
+        expected[replica][0] += 1
+        expected[replica][1] += tokens
+    for replica, (requests, prefill_tokens) in expected.items():
+        assert recent.requests(replica) == pytest.approx(requests, rel=1e-9)
+        assert recent.prefill_tokens(replica) == pytest.approx(prefill_tokens, rel=1e-9)

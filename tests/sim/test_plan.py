@@ -50,16 +50,16 @@ def test_the_analytic_profile_follows_the_roofline():
     assert set(MODELS) >= {"llama-3-8b"}
 
 
-def test_a_larger_unit_or_looser_slo_never_plans_less_goodput():
-    trace = synthetic("short-long", 400, seed=1)
+def test_a_looser_slo_never_plans_less_goodput():
+    trace = synthetic("long-short", 400, seed=1)
     config = load_model_config(model_dir("llama-3-8b"))
     from pd.config import EngineConfig
 
     engine = EngineConfig(model=model_dir("llama-3-8b"), dtype="bfloat16", block_size=64,
                           kv_cache_bytes=kv_cache_bytes(config, HARDWARE["h200"]), max_num_seqs=256)
     spec = unit_spec(Layout(0, 2, 256, 8192), engine, analytic_cost(config, HARDWARE["h200"]), LINKS["rdma400"])
-    tight, _ = max_goodput(spec, trace, Slo(ttft_s=0.2, itl_s=0.012), seconds=20, steps=3)
-    loose, _ = max_goodput(spec, trace, Slo(ttft_s=2.0, itl_s=0.05), seconds=20, steps=3)
+    tight, _ = max_goodput(spec, trace, Slo(ttft_s=0.3, itl_s=0.05), seconds=9, steps=1)
+    loose, _ = max_goodput(spec, trace, Slo(ttft_s=3.0, itl_s=0.05), seconds=9, steps=1)
     assert 0 < tight <= loose and math.isfinite(loose)
 
 
