@@ -16,7 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.serve.conftest import test_args
+from tests.serve import conftest
 
 REPO = Path(__file__).resolve().parents[2]
 TOLERANCE = 0.5
@@ -41,7 +41,7 @@ def test_the_simulator_predicts_a_real_run_of_the_default_app(default_app, tmp_p
 
     shapes, seconds = measure("builtin:tiny-llama", 1, batch_sizes=(1, 4), prompt_lens=(32, 384), repeats=1)
     cost = CostModel.fit(shapes, seconds, "measured in CI")
-    args = test_args("default.yaml")
+    args = conftest.test_args("default.yaml")
 
     def spec_for(calibration):
         return calibrated_spec(args, lambda threads: cost, calibration, call_s=0.002)
