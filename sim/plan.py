@@ -174,6 +174,15 @@ def fleet_yaml(layout: Layout, model: str, engine: EngineConfig, units: int) -> 
                               "args": args}]}
 
 
+def workload_trace(path: str | None, workload: str, seed: int) -> list[TraceRequest]:
+    """The trace a plan serves, at 1 request/s (a file's arrival times rescaled to it)."""
+    if not path:
+        return synthetic(workload, 20_000, seed)
+    trace = load_trace(path)
+    mean_rate = len(trace) / max(1e-9, (trace[-1].timestamp_ms - trace[0].timestamp_ms) / 1000)
+    return [dataclasses.replace(r, timestamp_ms=(r.timestamp_ms - trace[0].timestamp_ms) * mean_rate) for r in trace]
+
+
 def _ints(text: str) -> list[int]:
     return [int(value) for value in text.split(",") if value.strip()]
 
@@ -211,11 +220,7 @@ def main(argv: list[str] | None = None) -> None:
     cost = CostModel.load(args.profile) if args.profile else analytic_cost(config, gpu, Efficiency())
     engine = EngineConfig(model=path, dtype="bfloat16", block_size=args.block_size,
                           kv_cache_bytes=kv_cache_bytes(config, gpu), max_num_seqs=256)
-    trace = load_trace(args.trace) if args.trace else synthetic(args.workload, 20_000, args.seed)
-    if args.trace:  # to 1 request/s, as the rates are
-        mean_rate = len(trace) / max(1e-9, (trace[-1].timestamp_ms - trace[0].timestamp_ms) / 1000)
-        trace = [dataclasses.replace(r, timestamp_ms=(r.timestamp_ms - trace[0].timestamp_ms) * mean_rate)
-                 for r in trace]
+    trace = workload_trace(args.trace, args.workload, args.seed)
     slo = Slo(args.slo_ttft_ms / 1000, args.slo_itl_ms / 1000)
     units = args.gpus // args.unit_gpus
     splits = _ints(args.splits) if args.splits else range(args.unit_gpus)

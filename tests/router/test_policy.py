@@ -302,7 +302,7 @@ def test_a_burst_of_decodes_spreads_before_the_next_report():
 
 def test_recent_routed_decays_everyone_per_decision_without_touching_everyone():
     """O(1) per decision (a running scale), equal to multiplying every replica's counts at every decision."""
-    from router.policy import RecentRouted
+    from router.recent import RecentRouted
 
     recent, rng, decay = RecentRouted(window=16), random.Random(0), 1 - 1 / 16
     expected: dict[str, list[float]] = {}
