@@ -201,6 +201,9 @@ class SimCluster:
         """The prefill's answer is back: its first token streams, and the decode call goes out with the handle."""
         self.prefill_in_flight -= 1
         flow = self._flows[output.request_id]
+        if output.kv_handle is None:  # a failed prefill pinned nothing: the decode replica prefills
+            self._send_decode(output.request_id, flow)
+            return
         flow.record.add(dataclasses.replace(output, finished=False), self.loop.now)
         if self.host is not None:
             self.host.note_tokens(1)

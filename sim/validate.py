@@ -9,7 +9,11 @@
    which logs every request's arrival, prompt length and timings.
 3. Replays exactly those arrivals in the simulator: the same prompts (the
    workload regenerated from its seed, tokenized as the ingress does), the
-   same output lengths, the config's own replicas, limits and routers.
+   same output lengths, the config's own replicas, limits and routers, and
+   one simulated deployment per config across its runs, in the order they
+   ran (the real caches carry from one run to the next). The first run, at
+   ``--calibration-rate`` and not validated, calibrates what a quiet-machine
+   profile cannot see (``Calibration``).
 4. Summarizes both sides with the load-test report's own code
    (``loadtest.report.summarize``: the same percentiles, SLOs, cut-off rule)
    and prints one JSON object per config, rate and metric with the relative
@@ -271,8 +275,8 @@ def validate(configs: list[Path], rates: list[float], calibration_rate: float | 
         args = yaml.safe_load(config.read_text())["applications"][0]["args"]
 
         def spec_for(calibration: Calibration) -> ClusterSpec:
-            return calibrated_spec(args, costs.__getitem__, calibration, call_s,
-                                   why=f"served {config.stem} at {calibration_rate:g} req/s")
+            why = f"served {config.stem} at {calibration_rate:g} req/s" if calibration_rate else "served"
+            return calibrated_spec(args, costs.__getitem__, calibration, call_s, why)
 
         runs = sorted((Run.read(out / "real" / config.stem / f"rate-{rate:g}")
                        for rate in ([calibration_rate] if calibration_rate else []) + rates),
@@ -308,8 +312,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--call-ms", type=float, default=DEFAULT_CALL_S * 1000,
                         help="modelled overhead of one Serve call, each way")
     parser.add_argument("--calibration-rate", type=float, default=0.75,
-                        help="one more rate, run first and not validated, that sets each config's step-time "
-                             "factor (0: none, the quiet-machine profile as measured)")
+                        help="one more rate, run first and not validated, that calibrates each config "
+                             "(see Calibration; 0: none, the quiet-machine profile as measured)")
     parser.add_argument("--reuse", action="store_true", help="compare the runs already under OUT/real")
     args, sweep_extra = parser.parse_known_args(argv)
     rates = [float(rate) for rate in args.rates.split(",") if rate.strip()]
@@ -330,7 +334,8 @@ def main(argv: list[str] | None = None) -> None:
     costs = {}
     for count in threads:  # before any load runs: the profile owns the machine
         path = out / f"profile-{count}-threads.json"
-        costs[count] = CostModel.load(path) if args.reuse and path.exists() else profile(apps[0].engine.model, count, path)
+        reused = args.reuse and path.exists()
+        costs[count] = CostModel.load(path) if reused else profile(apps[0].engine.model, count, path)
     calibration = args.calibration_rate or None
     if not args.reuse:
         run_sweep(configs, ([calibration] if calibration else []) + rates, args.duration, args.workload,

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from pd.config import EngineConfig, SchedulerConfig
-from pd.engine.clock import SYSTEM_CLOCK, Clock
 from pd.engine.block_pool import CacheEvent
+from pd.engine.clock import SYSTEM_CLOCK, Clock
 from pd.engine.kv_connector import KVConnector
 from pd.engine.model_runner import ModelRunner, kv_block_bytes
 from pd.engine.outputs import RequestOutput
