@@ -154,7 +154,10 @@ def unit_spec(layout: Layout, engine: EngineConfig, cost: CostModel, transfer) -
 
 
 def fleet_yaml(layout: Layout, model: str, engine: EngineConfig, units: int) -> dict:
-    """The ``serve run`` config of the whole fleet, its args checked by ``AppArgs``."""
+    """The ``serve run`` config of the whole fleet, its args checked by ``AppArgs``.
+
+    ``engine.model`` is what ``--model`` named: for a preset, point it at the checkpoint's directory.
+    """
     from pd.serve.args import AppArgs
 
     gpu_pool = {"ray_actor_options": {"num_gpus": 1, "num_cpus": 4}, "max_ongoing_requests": 256}
