@@ -49,12 +49,9 @@ class TransferModel:
         return cls(**json.loads(Path(path).read_text()))
 
 
-# Link presets, from datasheets (per direction; efficiency not applied), and this machine's loopback:
-# bench.kv_transfer measured NIXL over UCX at 2 to 3 GB/s here (README); its fixed costs are assumed.
+# Links that belong to no GPU preset (NVLink and RDMA NICs come with each GPU: sim.hardware.link).
+# loopback: bench.kv_transfer measured NIXL over UCX at 2 to 3 GB/s here (README); its fixed costs are assumed.
 LINKS = {
-    "nvlink4": TransferModel(20e-6, 1e-6, 450e9, "analytic: NVLink 4 (H100/H200), 450 GB/s per direction"),
-    "nvlink5": TransferModel(20e-6, 1e-6, 900e9, "analytic: NVLink 5 (B200), 900 GB/s per direction"),
-    "rdma400": TransferModel(50e-6, 2e-6, 50e9, "analytic: 400 Gb/s RDMA NIC"),
     "tcp100": TransferModel(200e-6, 5e-6, 12.5e9, "analytic: 100 Gb/s TCP"),
     "loopback": TransferModel(1e-3, 20e-6, 2.0e9, "NIXL/UCX over loopback on a 2-core VM: bandwidth as "
                               "bench.kv_transfer measured it, fixed costs assumed"),

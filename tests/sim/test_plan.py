@@ -12,7 +12,7 @@ from pd.model.config import load_model_config
 from pd.serve.args import AppArgs
 from sim.cost import CostModel, StepShape
 from sim.deployment import cluster_spec
-from sim.hardware import HARDWARE, MODELS, analytic_cost, kv_cache_bytes, model_dir, num_params
+from sim.hardware import HARDWARE, MODELS, analytic_cost, kv_cache_bytes, link, model_dir, num_params
 from sim.plan import Layout, Slo, fleet_yaml, max_goodput, synthetic, unit_spec
 from sim.transport import LINKS
 
@@ -57,7 +57,8 @@ def test_a_looser_slo_never_plans_less_goodput():
 
     engine = EngineConfig(model=model_dir("llama-3-8b"), dtype="bfloat16", block_size=64,
                           kv_cache_bytes=kv_cache_bytes(config, HARDWARE["h200"]), max_num_seqs=256)
-    spec = unit_spec(Layout(0, 2, 256, 8192), engine, analytic_cost(config, HARDWARE["h200"]), LINKS["rdma400"])
+    spec = unit_spec(Layout(0, 2, 256, 8192), engine, analytic_cost(config, HARDWARE["h200"]),
+                     link(HARDWARE["h200"], "rdma"))
     tight, _ = max_goodput(spec, trace, Slo(ttft_s=0.6, itl_s=0.05), seconds=9, steps=1)
     loose, _ = max_goodput(spec, trace, Slo(ttft_s=3.0, itl_s=0.05), seconds=9, steps=1)
     assert 0 < tight <= loose and math.isfinite(loose)
