@@ -1,33 +1,39 @@
 """Ray Serve LLM's prefix-aware router, as a comparator in ``bench.router``.
 
-Each trace block id is fed to Ray's ``PrefixTree`` as a fixed-length
-synthesized string (``ray_block_text``); ``ray`` is imported only when the
-router is built.
+Ray's router matches the prompt's text; here each of the prompt's engine
+blocks is fed to Ray's ``PrefixTree`` as a fixed-length string derived from
+its chained hash (``ray_block_text``), so the tree matches whole blocks, as
+an engine can reuse them. ``ray`` is imported only when the router is built.
 """
 
 from __future__ import annotations
 
 import math
 
-from bench.baseline_routers import PowerOfTwo, replica_name
-from bench.replica_model import PoolView
-from bench.trace import TraceRequest
+from bench.baseline_routers import PowerOfTwo
+from sim.placement import Arrival, PoolView
 
 # Fixed length of the string standing for one block. A block's first character
 # is its id's lowest base-0xD000 digit (code points below the surrogates), so
-# blocks diverge at their first character and the tree never matches part of one.
+# two blocks differ at their first character (but for 1 pair in 53,248) and the
+# tree does not match part of a block.
 RAY_BLOCK_CHARS = 4
 _RAY_ALPHABET = 0xD000
 
 
-def ray_block_text(hash_id: int) -> str:
-    """The ``RAY_BLOCK_CHARS``-character string that stands for block ``hash_id`` in Ray's tree."""
+def ray_block_text(block_id: int) -> str:
+    """The ``RAY_BLOCK_CHARS``-character string that stands for block ``block_id`` in Ray's tree."""
     chars = []
-    value = hash_id
+    value = block_id % _RAY_ALPHABET**RAY_BLOCK_CHARS
     for _ in range(RAY_BLOCK_CHARS):
         value, digit = divmod(value, _RAY_ALPHABET)
         chars.append(chr(digit))
     return "".join(chars)
+
+
+def hash_number(block_hash: bytes) -> int:
+    """An engine block's chained hash as a number."""
+    return int.from_bytes(block_hash[:8], "big")
 
 
 class RayPrefixRouter(PowerOfTwo):
@@ -41,36 +47,36 @@ class RayPrefixRouter(PowerOfTwo):
     Serve then sends the request to the candidate with the shortest queue (the
     first on a tie), and ``on_request_routed`` inserts the prompt for it. The
     tree never hears of cache evictions: Ray's eviction loop is off by default,
-    and trims by size rather than from replica reports.
+    and trims by size rather than from replica reports. Queue lengths are the
+    requests in flight.
     """
 
-    def __init__(self, num_replicas: int, seed: int, imbalanced_threshold: float = math.inf,
-                 match_rate_threshold: float = 0.1) -> None:
+    def __init__(self, seed: int, imbalanced_threshold: float = math.inf, match_rate_threshold: float = 0.1) -> None:
         from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_tree import PrefixTree
 
-        super().__init__(num_replicas, seed)
+        super().__init__(seed)
         self.tree = PrefixTree()
-        self._names = [replica_name(replica) for replica in range(num_replicas)]
-        self._replica_by_name = {name: replica for replica, name in enumerate(self._names)}
-        self.tree.add_tenants(self._names, 0.0)
+        self._tenants: set[str] = set()
         self._imbalanced_threshold = imbalanced_threshold
         self._match_rate_threshold = match_rate_threshold
 
-    def prepare(self, request: TraceRequest, pool: PoolView) -> str:
-        return "".join(ray_block_text(h) for h in request.hash_ids)
-
-    def route(self, text: str, pool: PoolView) -> int:
-        fallback = super().route(None, pool)
-        queue_lens = [pool.queue_len(replica) for replica in range(len(self._names))]
-        chosen_names: list[str] = []
-        if max(queue_lens) - min(queue_lens) <= self._imbalanced_threshold:
-            matched_text, matched_names = self.tree.prefix_match(text, self._names)
+    def place(self, arrival: Arrival, pool: PoolView) -> str:
+        replica_ids = pool.replica_ids
+        new = [replica_id for replica_id in replica_ids if replica_id not in self._tenants]
+        if new:
+            self.tree.add_tenants(new, arrival.now_s)
+            self._tenants.update(new)
+        text = "".join(ray_block_text(hash_number(h)) for h in arrival.block_hashes)
+        fallback = super().place(arrival, pool)
+        queue_lens = {replica_id: pool.in_flight(replica_id) for replica_id in replica_ids}
+        chosen: list[str] = []
+        if text and max(queue_lens.values()) - min(queue_lens.values()) <= self._imbalanced_threshold:
+            matched_text, matched_ids = self.tree.prefix_match(text, replica_ids)
             if len(matched_text) / len(text) < self._match_rate_threshold:
-                chosen_names = self.tree.get_smallest_tenants() or []
+                chosen = self.tree.get_smallest_tenants() or []
             else:
-                chosen_names = matched_names or []
-        replica = fallback
-        if chosen_names:
-            replica = min((self._replica_by_name[name] for name in chosen_names), key=lambda r: queue_lens[r])
-        self.tree.insert(text, self._names[replica], pool.now_s)
-        return replica
+                chosen = matched_ids or []
+        replica_id = min(chosen, key=lambda r: queue_lens[r]) if chosen else fallback
+        if text:
+            self.tree.insert(text, replica_id, arrival.now_s)
+        return replica_id

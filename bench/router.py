@@ -1,34 +1,30 @@
-"""Trace-driven comparison of prefill routers on a modelled replica pool.
+"""Trace-driven comparison of prefill routers, in the cluster simulator (``sim``).
 
-``python -m bench.router [--trace FILE | --generate {multi_tenant,system_prompt}] [--replicas 8]
-[--cache-blocks 256]`` replays one Mooncake-format trace (``bench.trace``)
-through every policy and prints one JSON line per policy:
+``python -m bench.router [--trace FILE | --generate {multi_tenant,system_prompt,mooncake}] [--replicas 8]
+[--cache-blocks 256]`` serves one Mooncake-format trace (``bench.trace``) with
+every policy and prints one JSON line per policy:
 
-- ``pd``: this project's ``router.policy.PrefixAffinityPolicy``, which also
-  learns from the modelled replicas' stored/evicted block reports;
+- ``pd``: this project's ``router.policy.PrefixAffinityPolicy``, fed the
+  replicas' own ``RoutingStats`` every report period, as in the app;
 - ``round_robin``;
-- ``pow2``: two random replicas, the one with fewer active requests;
+- ``pow2``: two random replicas, the one with fewer requests in flight;
 - ``ray_prefix``: Ray Serve LLM's ``PrefixCacheAffinityRouter`` decision logic
   over Ray's own ``PrefixTree`` with Ray's defaults (match threshold 0.1,
-  imbalance threshold infinite, smallest-tenant fallback). Each hash id is
-  fed to the tree as a fixed-length synthesized string (``bench.ray_prefix``).
+  imbalance threshold infinite, smallest-tenant fallback). Each engine block
+  is fed to the tree as a fixed-length string (``bench.ray_prefix``).
 
-Replay model, the same for every policy (``bench.replica_model``):
+The pool is the simulator's (``sim.cluster``), the same for every policy: a
+colocated pool of ``--replicas`` real ``LLMEngine``s (prefix caching,
+chunked prefill, batching, preemption) whose steps cost what the analytic
+profile of ``--model`` on ``--hardware`` says (``sim.hardware``). Each
+replica's KV pool holds ``--cache-blocks`` of the trace's 512-token blocks:
+its prefix cache, and the KV of the requests it runs. Arrivals come
+``--time-scale`` times faster than the trace says.
 
-- each replica has an LRU prefix cache of ``--cache-blocks`` 512-token blocks.
-  A request reuses the leading run of its ``hash_ids`` that its replica's cache
-  holds when it is routed; its blocks are cached from then on (the replica is
-  FIFO, so every later request on it runs after this one's prefill);
-- each replica serves one request at a time, FIFO. A request occupies it for
-  ``a + b * uncached_prompt_tokens + c * output_length`` seconds and its first
-  token comes ``a + b * uncached_prompt_tokens`` after it starts; TTFT adds the
-  wait in the queue;
-- routers see the queues exactly: active requests, queued prefill tokens, and
-  KV usage (the running request's blocks over the cache size).
-
-Fields: ``hit_rate`` (cached prompt blocks over all prompt blocks, at routing
-time), ``max_min_load_ratio`` (most over fewest requests routed to a replica;
-null when some replica got none), ``ttft_p50_s``/``ttft_p99_s`` (modelled),
+Fields: ``hit_rate`` (prompt tokens the engines found cached over all prompt
+tokens), ``max_min_load_ratio`` (most over fewest requests routed to a replica;
+null when some replica got none), ``ttft_p50_s``/``ttft_p99_s`` (simulated),
+``utilization`` (the replicas' modelled compute time over their time),
 ``decide_us_p99`` (wall time of one routing decision plus the router's
 bookkeeping for it, measured here), and the per-replica request counts.
 Percentiles interpolate between ranks, as ``bench.stats`` defines them.
@@ -38,16 +34,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import time
-from collections import Counter
 from dataclasses import dataclass
 
-from bench.baseline_routers import PowerOfTwo, RoundRobin, Router, replica_name
+from bench.baseline_routers import PowerOfTwo, RoundRobin
 from bench.ray_prefix import RayPrefixRouter
-from bench.replica_model import PoolView, ReplicaCache, ReplicaQueue, block_key
 from bench.stats import percentile, percentiles
 from bench.trace import (
+    MOONCAKE_LIKE,
     TRACE_BLOCK_TOKENS,
     MultiTenantTraceConfig,
     SystemPromptTraceConfig,
@@ -57,88 +53,82 @@ from bench.trace import (
     generate_system_prompt,
     load_trace,
 )
-from router.cache_feed import CacheEventFeed
-from router.policy import PolicyConfig, PrefixAffinityPolicy, ReplicaLoad
-from router.protocol import NO_STATS, RoutingStats
+from pd.config import EngineConfig
+from pd.model.config import load_model_config
+from router.policy import PolicyConfig
+from router.protocol import RoutingStats
+from sim.clock import EventLoop
+from sim.cluster import ClusterSpec, PoolSpec, SimCluster
+from sim.hardware import HARDWARE, MODELS, Efficiency, analytic_cost, kv_bytes_per_token, model_dir
+from sim.placement import AffinityPlacement, Arrival, Placement, PoolView
+from sim.scale import utilization
+from sim.workload import submit_trace
 
 POLICIES = ("pd", "round_robin", "pow2", "ray_prefix")
-DEFAULT_COST_A_S = 0.010  # fixed per-request overhead
-DEFAULT_COST_B_S = 1e-4  # per uncached prompt token: 10k tokens/s of prefill
-DEFAULT_COST_C_S = 2e-4  # per output token, what one request's decode steps cost the replica
 DEFAULT_REPORT_INTERVAL_S = 1.0
 
 
 @dataclass(frozen=True)
 class ReplayConfig:
-    """The modelled pool: size, cache, per-request cost ``a + b * uncached + c * output``, report period."""
+    """The simulated pool: size, KV per replica, the profile its steps cost, arrivals' speed, report period."""
 
     num_replicas: int = 8
-    cache_blocks: int = 256
-    cost_a_s: float = DEFAULT_COST_A_S
-    cost_b_s: float = DEFAULT_COST_B_S
-    cost_c_s: float = DEFAULT_COST_C_S
+    cache_blocks: int = 256  # KV per replica, in the trace's 512-token blocks
+    model: str = "llama-3-8b"
+    hardware: str = "h200"
+    block_size: int = 64
+    max_num_batched_tokens: int = 8192
+    time_scale: float = 1.0
     report_interval_s: float = DEFAULT_REPORT_INTERVAL_S
     num_ingress: int = 1  # pd only: ingress replicas, each with its own router
     seed: int = 0
 
+    def cluster_spec(self) -> ClusterSpec:
+        path = model_dir(self.model)
+        config = load_model_config(path)
+        engine = EngineConfig(model=path, dtype="bfloat16", block_size=self.block_size,
+                              kv_cache_bytes=self.cache_blocks * TRACE_BLOCK_TOKENS * kv_bytes_per_token(config),
+                              max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=256)
+        cost = analytic_cost(config, HARDWARE[self.hardware], Efficiency())
+        return ClusterSpec(decode=PoolSpec(self.num_replicas, engine, cost),
+                           report_period_s=self.report_interval_s, call_s=0.001, seed=self.seed)
 
-class PdRouter:
-    """``PrefixAffinityPolicy``, fed the queues' loads and the caches' periodic reports.
 
-    As in ``router.serve.PrefixAffinityRouter``: every decision first brings
-    the policy's index up to the replicas' latest reports through a
-    ``CacheEventFeed``, then chooses; both are timed.
+class Timed:
+    """A placement whose decisions are timed on the wall clock.
 
-    With ``num_ingress`` > 1 there is one policy per ingress replica, as in a
-    Serve app with several ingress replicas: requests reach them in turn, each
-    learns only from its own decisions and from the replicas' reports (which
-    every one of them receives).
+    The garbage collector is paused while one runs: the simulator around the
+    router allocates far more than a router process does, and a collection it
+    set off would be charged to whichever decision ran into it.
     """
 
-    def __init__(self, config: PolicyConfig, num_replicas: int, num_ingress: int = 1) -> None:
-        self.policies = [PrefixAffinityPolicy(dataclasses.replace(config, seed=config.seed + i))
-                         for i in range(num_ingress)]
-        self.feeds = [CacheEventFeed(policy.index) for policy in self.policies]
-        self._next = 0
-        self._names = [replica_name(replica) for replica in range(num_replicas)]
-        self._replica_by_name = {name: replica for replica, name in enumerate(self._names)}
-        self._reports = {name: NO_STATS for name in self._names}
+    def __init__(self, placement: Placement) -> None:
+        self.placement = placement
+        self.decide_ns: list[int] = []
 
-    @property
-    def reason_counts(self) -> Counter:
-        return sum((policy.reason_counts for policy in self.policies), Counter())
+    def place(self, arrival: Arrival, pool: PoolView) -> str:
+        gc.disable()
+        try:
+            started_ns = time.perf_counter_ns()
+            replica_id = self.placement.place(arrival, pool)
+            self.decide_ns.append(time.perf_counter_ns() - started_ns)
+        finally:
+            gc.enable()
+        return replica_id
 
-    def prepare(self, request: TraceRequest, pool: PoolView) -> tuple[list[bytes], int, list[ReplicaLoad]]:
-        loads = [
-            ReplicaLoad(name, queue.queued_prefill_tokens(pool.now_s), len(queue.jobs),
-                        queue.kv_usage(pool.now_s, pool.cache_blocks))
-            for name, queue in zip(self._names, pool.queues)
-        ]
-        return [block_key(h) for h in request.hash_ids], request.input_length, loads
-
-    def route(self, prepared: tuple[list[bytes], int, list[ReplicaLoad]], pool: PoolView) -> int:
-        block_hashes, num_tokens, loads = prepared
-        policy, feed = self.policies[self._next], self.feeds[self._next]
-        self._next = (self._next + 1) % len(self.policies)
-        for name, stats in self._reports.items():
-            feed.apply(name, stats)
-        decision = policy.choose(block_hashes, num_tokens, loads)
-        policy.record_routed(decision, block_hashes)
-        return self._replica_by_name[decision.replica_id]
-
-    def report(self, replica: int, stats: RoutingStats) -> None:
-        self._reports[self._names[replica]] = stats
+    def report(self, replica_id: str, stats: RoutingStats) -> None:
+        self.placement.report(replica_id, stats)
 
 
-def make_router(policy: str, config: ReplayConfig, pd_config: PolicyConfig) -> Router:
+def make_placement(policy: str, config: ReplayConfig, pd_config: PolicyConfig) -> Placement:
     if policy == "pd":
-        return PdRouter(pd_config, config.num_replicas, config.num_ingress)
+        return AffinityPlacement(pd_config, config.num_ingress)
     if policy == "round_robin":
-        return RoundRobin(config.num_replicas)
+        return RoundRobin()
     if policy == "pow2":
-        return PowerOfTwo(config.num_replicas, config.seed)
+        return PowerOfTwo(config.seed)
     if policy == "ray_prefix":
-        return RayPrefixRouter(config.num_replicas, config.seed)
+        return RayPrefixRouter(config.seed)
     raise ValueError(f"unknown policy {policy!r}; expected one of {', '.join(POLICIES)}")
 
 
@@ -149,6 +139,7 @@ class PolicyResult:
     max_min_load_ratio: float | None
     ttft_p50_s: float
     ttft_p99_s: float
+    utilization: float
     decide_us_p99: float
     routed_per_replica: list[int]
     extra: dict
@@ -157,58 +148,38 @@ class PolicyResult:
         record = {"policy": self.policy, **context, "hit_rate": round(self.hit_rate, 4),
                   "max_min_load_ratio": None if self.max_min_load_ratio is None else round(self.max_min_load_ratio, 3),
                   "ttft_p50_s": round(self.ttft_p50_s, 4), "ttft_p99_s": round(self.ttft_p99_s, 4),
-                  "decide_us_p99": round(self.decide_us_p99, 1), "routed_per_replica": self.routed_per_replica,
-                  **self.extra}
+                  "utilization": round(self.utilization, 3), "decide_us_p99": round(self.decide_us_p99, 1),
+                  "routed_per_replica": self.routed_per_replica, **self.extra}
         return json.dumps(record)
 
 
 def replay(policy: str, trace: list[TraceRequest], config: ReplayConfig, pd_config: PolicyConfig) -> PolicyResult:
-    """Route every request of ``trace`` with ``policy`` through the modelled pool."""
-    router = make_router(policy, config, pd_config)
-    queues = [ReplicaQueue() for _ in range(config.num_replicas)]
-    caches = [ReplicaCache(config.cache_blocks) for _ in range(config.num_replicas)]
-    next_report_s = config.report_interval_s
-    cached_blocks = total_blocks = 0
-    ttfts: list[float] = []
-    decide_ns: list[int] = []
-    for request in trace:
-        now_s = request.timestamp_ms / 1000.0
-        for queue in queues:
-            queue.retire(now_s)
-        while now_s >= next_report_s:
-            for replica, cache in enumerate(caches):
-                router.report(replica, cache.report())
-            next_report_s += config.report_interval_s
-        pool = PoolView(now_s, queues, config.cache_blocks)
-        prepared = router.prepare(request, pool)
-        started_ns = time.perf_counter_ns()
-        replica = router.route(prepared, pool)
-        decide_ns.append(time.perf_counter_ns() - started_ns)
-
-        num_cached = caches[replica].match(request.hash_ids)
-        caches[replica].insert(request.hash_ids)
-        cached_blocks += num_cached
-        total_blocks += len(request.hash_ids)
-        uncached = max(1, request.input_length - num_cached * TRACE_BLOCK_TOKENS)
-        prefill_s = config.cost_a_s + config.cost_b_s * uncached
-        decode_s = config.cost_c_s * request.output_length
-        ttfts.append(queues[replica].submit(now_s, prefill_s, decode_s, uncached, len(request.hash_ids)))
-
-    routed = [queue.num_routed for queue in queues]
-    ttft_p50_s, ttft_p99_s = percentiles(ttfts, [50, 99])
+    """Serve ``trace`` in the simulator, every prompt placed by ``policy``."""
+    placement = make_placement(policy, config, pd_config)
+    timed = Timed(placement)
+    cluster = SimCluster(EventLoop(), config.cluster_spec(), timed)
+    submit_trace(cluster, trace, time_scale=config.time_scale)
+    cluster.loop.run()
+    records = list(cluster.records.values())
+    ttft_p50_s, ttft_p99_s = percentiles([record.ttft_s for record in records], [50, 99])
+    routed = [cluster.decode.num_routed[replica_id] for replica_id in cluster.decode.replica_ids]
     extra = {}
-    if isinstance(router, PdRouter):
-        extra["reasons"] = {reason.value: count for reason, count in sorted(router.reason_counts.items())}
+    if isinstance(placement, AffinityPlacement):
+        extra["reasons"] = {reason.value: count for reason, count in sorted(placement.reason_counts.items())}
     return PolicyResult(
         policy=policy,
-        hit_rate=cached_blocks / total_blocks if total_blocks else 0.0,
+        hit_rate=sum(r.num_cached_tokens for r in records) / max(1, sum(r.num_prompt_tokens for r in records)),
         max_min_load_ratio=max(routed) / min(routed) if min(routed) > 0 else None,
         ttft_p50_s=ttft_p50_s,
         ttft_p99_s=ttft_p99_s,
-        decide_us_p99=percentile(decide_ns, 99) / 1000.0,
+        utilization=utilization(cluster),
+        decide_us_p99=percentile(timed.decide_ns, 99) / 1000.0,
         routed_per_replica=routed,
         extra=extra,
     )
+
+
+GENERATORS = ("multi_tenant", "system_prompt", "mooncake")
 
 
 def build_trace(args: argparse.Namespace) -> tuple[str, list[TraceRequest]]:
@@ -218,9 +189,10 @@ def build_trace(args: argparse.Namespace) -> tuple[str, list[TraceRequest]]:
         config = SystemPromptTraceConfig(num_requests=args.requests or SystemPromptTraceConfig.num_requests,
                                          rate_per_s=args.rate or SystemPromptTraceConfig.rate_per_s, seed=args.seed)
         return "system_prompt", generate_system_prompt(config)
-    config = MultiTenantTraceConfig(num_requests=args.requests or MultiTenantTraceConfig.num_requests,
-                                    rate_per_s=args.rate or MultiTenantTraceConfig.rate_per_s, seed=args.seed)
-    return "multi_tenant", generate_multi_tenant(config)
+    preset = MOONCAKE_LIKE if args.generate == "mooncake" else MultiTenantTraceConfig()
+    config = dataclasses.replace(preset, num_requests=args.requests or preset.num_requests,
+                                 rate_per_s=args.rate or preset.rate_per_s, seed=args.seed)
+    return args.generate, generate_multi_tenant(config)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -229,18 +201,20 @@ def main(argv: list[str] | None = None) -> None:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--trace", help="Mooncake-format JSONL trace to replay")
-    source.add_argument("--generate", choices=("multi_tenant", "system_prompt"), default="multi_tenant",
+    source.add_argument("--generate", choices=GENERATORS, default="multi_tenant",
                         help="built-in trace generator, used when no --trace is given")
     parser.add_argument("--requests", type=int, default=0, help="generated requests (0: the generator's default)")
     parser.add_argument("--rate", type=float, default=0.0, help="generated arrivals per second (0: the generator's default)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the generator and of the random policies")
-    parser.add_argument("--replicas", type=int, default=8, help="replicas in the modelled pool")
-    parser.add_argument("--cache-blocks", type=int, default=256, help="prefix-cache capacity per replica, in 512-token blocks")
-    parser.add_argument("--cost-a", type=float, default=DEFAULT_COST_A_S, help="a: seconds per request")
-    parser.add_argument("--cost-b", type=float, default=DEFAULT_COST_B_S, help="b: seconds per uncached prompt token")
-    parser.add_argument("--cost-c", type=float, default=DEFAULT_COST_C_S, help="c: seconds per output token")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the generator, the engines and the random policies")
+    parser.add_argument("--replicas", type=int, default=8, help="replicas in the pool")
+    parser.add_argument("--cache-blocks", type=int, default=256, help="KV per replica, in 512-token blocks")
+    parser.add_argument("--model", default="llama-3-8b", help=f"a preset ({', '.join(MODELS)}) or a model directory")
+    parser.add_argument("--hardware", choices=sorted(HARDWARE), default="h200")
+    parser.add_argument("--block-size", type=int, default=64, help="the engines' block size, in tokens")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--time-scale", type=float, default=1.0, help="arrivals come this many times faster")
     parser.add_argument("--report-interval", type=float, default=DEFAULT_REPORT_INTERVAL_S,
-                        help="seconds between the replicas' stored/evicted block reports to the pd router")
+                        help="seconds between the replicas' routing-stats reports")
     parser.add_argument("--ingress", type=int, default=1,
                         help="ingress replicas, each with its own pd router (requests reach them in turn)")
     parser.add_argument("--policies", default=",".join(POLICIES), help="comma-separated subset of " + ",".join(POLICIES))
@@ -250,11 +224,11 @@ def main(argv: list[str] | None = None) -> None:
     trace_name, trace = build_trace(args)
     if args.save_trace:
         dump_trace(trace, args.save_trace)
-    config = ReplayConfig(num_replicas=args.replicas, cache_blocks=args.cache_blocks, cost_a_s=args.cost_a,
-                          cost_b_s=args.cost_b, cost_c_s=args.cost_c, report_interval_s=args.report_interval,
-                          num_ingress=args.ingress,
-                          seed=args.seed)
-    pd_config = PolicyConfig(block_size=TRACE_BLOCK_TOKENS, seed=args.seed)
+    config = ReplayConfig(num_replicas=args.replicas, cache_blocks=args.cache_blocks, model=args.model,
+                          hardware=args.hardware, block_size=args.block_size,
+                          max_num_batched_tokens=args.max_num_batched_tokens, time_scale=args.time_scale,
+                          report_interval_s=args.report_interval, num_ingress=args.ingress, seed=args.seed)
+    pd_config = PolicyConfig(block_size=args.block_size, seed=args.seed)
     for policy in args.policies.split(","):
         result = replay(policy.strip(), trace, config, pd_config)
         print(result.to_json(trace=trace_name, replicas=args.replicas, requests=len(trace)), flush=True)

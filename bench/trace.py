@@ -164,6 +164,14 @@ class MultiTenantTraceConfig:
                 raise ValueError(f"{name} must be 1 <= min <= max, got {(low, high)}")
 
 
+# Multi-tenant traffic shaped like Mooncake's published traces: prompts of about
+# 8-12k tokens on average, mostly reused context, outputs of a few hundred tokens,
+# many tenants with a long tail.
+MOONCAKE_LIKE = MultiTenantTraceConfig(num_tenants=256, zipf_s=0.8, context_tokens=(2048, 16384),
+                                       user_tokens=(128, 2048), output_tokens=(16, 512), max_turns=12,
+                                       think_time_s=60.0)
+
+
 @dataclass
 class _Turn:
     arrival_s: float

@@ -7,8 +7,13 @@ Prefill placement scores every candidate replica in prompt-token units:
     load(r) = queued_prefill_tokens(r)                                   reported
             + request_load_tokens  * num_active_requests(r)              reported
             + kv_usage_load_tokens * kv_usage(r)                         reported
+            + unreported_prefill_weight * unreported_prefill_tokens(r)    this router's own
             + recent_prefill_weight * (recent_prefill_tokens(r) - least)  this router's own
             + recent_request_load_tokens * (recent_requests(r) - least)  this router's own
+
+``unreported_prefill_tokens`` are the uncached prompt tokens this router sent
+a replica since that replica's last report (``reported``): queued work its
+report cannot show yet.
 
 ``recent_*`` count what this router sent each replica, decaying over about
 ``recent_window`` decisions, minus the least among the candidates. They see
@@ -106,6 +111,7 @@ class PolicyConfig:
     w_load: float = 1.0
     request_load_tokens: float = 256.0  # load of one active request
     kv_usage_load_tokens: float = 4096.0  # load of a full KV cache
+    unreported_prefill_weight: float = 1.0  # load per prefill token sent since the replica's last report
     recent_prefill_weight: float = 0.1  # load per recent prefill token beyond the least candidate's
     recent_request_load_tokens: float = 256.0  # load per recent request beyond the least candidate's
     recent_window: int = 1024  # decisions over which "recent" decays by 1/e
@@ -121,7 +127,7 @@ class PolicyConfig:
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         for name in ("w_prefix", "w_load", "request_load_tokens", "kv_usage_load_tokens",
-                     "recent_prefill_weight", "recent_request_load_tokens"):
+                     "unreported_prefill_weight", "recent_prefill_weight", "recent_request_load_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.w_prefix == 0 and self.w_load == 0:
@@ -195,6 +201,11 @@ class PrefixAffinityPolicy:
         self.recent = RecentRouted(config.recent_window)
         self.reason_counts: Counter[RoutingReason] = Counter()
         self._rng = random.Random(config.seed)
+        self._unreported_prefill_tokens: dict[str, int] = {}
+
+    def reported(self, replica_id: str) -> None:
+        """A new report from ``replica_id`` came in: what was sent it before is in its figures."""
+        self._unreported_prefill_tokens.pop(replica_id, None)
 
     def reported_load(self, replica: ReplicaLoad) -> float:
         """The part of ``load`` that comes from the replica's own report, in prompt tokens."""
@@ -210,8 +221,10 @@ class PrefixAffinityPolicy:
         config, recent = self.config, self.recent
         least_requests = min(recent.requests(replica.replica_id) for replica in candidates)
         least_prefill = min(recent.prefill_tokens(replica.replica_id) for replica in candidates)
+        unreported = self._unreported_prefill_tokens
         return {
             replica.replica_id: self.reported_load(replica)
+            + config.unreported_prefill_weight * unreported.get(replica.replica_id, 0)
             + config.recent_prefill_weight * (recent.prefill_tokens(replica.replica_id) - least_prefill)
             + config.recent_request_load_tokens * (recent.requests(replica.replica_id) - least_requests)
             for replica in candidates
@@ -263,12 +276,15 @@ class PrefixAffinityPolicy:
         """
         self.index.insert(decision.replica_id, block_hashes)
         self.recent.record(decision.replica_id, decision.uncached_tokens)
+        unreported = self._unreported_prefill_tokens
+        unreported[decision.replica_id] = unreported.get(decision.replica_id, 0) + decision.uncached_tokens
         self.reason_counts[decision.reason] += 1
 
     def remove_replica(self, replica_id: str) -> None:
         """Forget a replica that left the pool."""
         self.index.remove_replica(replica_id)
         self.recent.remove(replica_id)
+        self._unreported_prefill_tokens.pop(replica_id, None)
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ import dataclasses
 import logging
 import random
 from collections import OrderedDict
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 from ray import serve
 from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
@@ -53,10 +53,11 @@ def caller_pool_routing(scope: str) -> PoolRouting:
 
 
 class ReplicaReports:
-    """Each replica's latest ``RoutingStats``, decoded once per report."""
+    """Each replica's latest ``RoutingStats``, decoded once per report; ``on_new`` hears of each new one."""
 
     def __init__(self) -> None:
         self._reports: dict[str, tuple[bytes, RoutingStats]] = {}
+        self.on_new: Callable[[str], None] = lambda replica_id: None
 
     def get(self, replica: RunningReplica) -> RoutingStats:
         raw = (replica.routing_stats or {}).get(ROUTING_STATS_KEY)
@@ -72,6 +73,7 @@ class ReplicaReports:
             logger.warning("replica %s published unreadable routing stats: %s", replica_id, exc)
             stats = NO_STATS
         self._reports[replica_id] = (raw, stats)
+        self.on_new(replica_id)
         return stats
 
     def load(self, replica: RunningReplica) -> ReplicaLoad:
@@ -186,6 +188,7 @@ class PrefixAffinityRouter(PinnedRequestRouter):
     def initialize_policy(self, **policy_kwargs: Any) -> None:
         config = PolicyConfig(**policy_kwargs)
         self.policy = PrefixAffinityPolicy(config)
+        self.reports.on_new = self.policy.reported
         self.feed = CacheEventFeed(self.policy.index)
         self.pool.share_index(self.policy.index, config.block_size)
         self.metrics = _DecisionMetrics("prefill")

@@ -7,7 +7,8 @@ What is modelled: the forward pass (``sim.cost``, fitted to the real engine
 by ``sim.profile`` or from a datasheet by ``sim.hardware``), KV transfers
 (``sim.transport``), Ray (``sim.clock``, a call's overhead) and, on a small
 host, the cores shared with the rest of the serving path (``sim.host``).
-It runs in one process, without Ray.
+It runs in one process, without Ray. Where a prompt is computed is a seam
+(``sim.placement``): ``bench.router`` compares routers through it.
 
 Commands: ``sim.profile``, ``sim.validate`` (against the real app),
 ``sim.scale``, ``sim.plan`` (pool sizing), ``sim.run`` (one replica).

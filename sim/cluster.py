@@ -23,6 +23,7 @@ whatever is routed to it, and its scheduler queues it.
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -31,7 +32,7 @@ from pd.engine.outputs import RequestOutput
 from pd.sampling_params import SamplingParams
 from router.cache_feed import CacheEventFeed
 from router.hashing import hash_block_tokens
-from router.policy import DecodePolicy, DecodePolicyConfig, PolicyConfig, PrefixAffinityPolicy, RoutingDecision
+from router.policy import DecodePolicy, DecodePolicyConfig, PolicyConfig, ReplicaLoad, RoutingDecision
 from router.prefix_index import PrefixIndex
 from router.protocol import NO_STATS, RoutingStats, replica_load
 from router.remote_prefill import RemotePrefillRule
@@ -40,6 +41,7 @@ from sim.clock import EventLoop
 from sim.cost import CostModel
 from sim.engine import sim_engine
 from sim.host import HostModel, SharedHost
+from sim.placement import AffinityPlacement, Arrival, Placement
 from sim.replica import RequestRecord, SimReplica
 from sim.transport import LINKS, SimNetwork, TransferModel
 
@@ -105,6 +107,23 @@ class _Pool:
         self._loads = [replica_load(replica_id, NO_STATS) for replica_id in self.replicas]
         self.index = PrefixIndex(max_blocks=1 << 20)
         self.feed = CacheEventFeed(self.index)
+        self.placement: Placement | None = None  # also told every report
+        self.num_in_flight: Counter[str] = Counter()  # sent by the ingress, not yet back
+        self.num_routed: Counter[str] = Counter()
+
+    @property
+    def replica_ids(self) -> list[str]:
+        return list(self.replicas)
+
+    def in_flight(self, replica_id: str) -> int:
+        return self.num_in_flight[replica_id]
+
+    def sent(self, replica_id: str) -> None:
+        self.num_in_flight[replica_id] += 1
+        self.num_routed[replica_id] += 1
+
+    def returned(self, replica_id: str) -> None:
+        self.num_in_flight[replica_id] -= 1
 
     def report(self) -> None:
         """Every replica publishes its ``RoutingStats``; the routers' feed applies them.
@@ -119,9 +138,11 @@ class _Pool:
                 self._last_seq[replica_id] = stats.last_seq
             self.reports[replica_id] = stats
             self.feed.apply(replica_id, stats)
+            if self.placement is not None:
+                self.placement.report(replica_id, stats)
         self._loads = [replica_load(replica_id, stats) for replica_id, stats in self.reports.items()]
 
-    def loads(self):
+    def loads(self) -> list[ReplicaLoad]:
         """Each replica's load as of its last report (what a router sees between reports)."""
         return self._loads
 
@@ -136,7 +157,15 @@ class _Flow:
 
 
 class SimCluster:
-    def __init__(self, loop: EventLoop, spec: ClusterSpec):
+    """``spec`` served in ``loop``'s time.
+
+    ``placement`` chooses the replica that computes each prompt: in the
+    prefill pool, or in the decode pool when colocated. None is the app's
+    own routers (``AffinityPlacement`` for prefill, ``DecodePolicy`` for a
+    colocated pool); ``bench.router`` passes the routers it compares.
+    """
+
+    def __init__(self, loop: EventLoop, spec: ClusterSpec, placement: Placement | None = None):
         self.loop = loop
         self.spec = spec
         block_size = spec.block_size
@@ -151,8 +180,10 @@ class SimCluster:
         if spec.prefill is not None:
             self.prefill = _Pool("prefill", spec.prefill, loop, self.network, spec.seed + 1, self._prefill_output,
                                  self.host)
-            self.prefill_policy = PrefixAffinityPolicy(PolicyConfig(block_size=block_size, seed=spec.seed,
-                                                                    **spec.prefill_policy), self.prefill.index)
+            self.prefill.placement = placement or AffinityPlacement(
+                PolicyConfig(block_size=block_size, seed=spec.seed, **spec.prefill_policy))
+        else:
+            self.decode.placement = placement
         self.prefill_in_flight = 0
         self.records: dict[str, RequestRecord] = {}
         self._flows: dict[str, _Flow] = {}
@@ -184,11 +215,15 @@ class SimCluster:
         else:
             self._send_decode(request_id, flow)
 
+    def _arrival(self, request_id: str, flow: _Flow) -> Arrival:
+        return Arrival(request_id, flow.hashes, len(flow.prompt), self.loop.now)
+
     def _send_prefill(self, request_id: str, flow: _Flow) -> None:
-        decision = self.prefill_policy.choose(flow.hashes, len(flow.prompt), self.prefill.loads())
-        self.prefill_policy.record_routed(decision, flow.hashes)
+        pool = self.prefill
+        replica_id = pool.placement.place(self._arrival(request_id, flow), pool)
+        pool.sent(replica_id)
         self.prefill_in_flight += 1
-        replica = self.prefill.replicas[decision.replica_id]
+        replica = pool.replicas[replica_id]
         self.loop.at(self.loop.now + self.spec.call_s,
                      lambda: replica.add(request_id, flow.prompt, flow.params, pin_kv=True))
 
@@ -200,6 +235,7 @@ class SimCluster:
     def _prefilled(self, replica_id: str, output: RequestOutput) -> None:
         """The prefill's answer is back: its first token streams, and the decode call goes out with the handle."""
         self.prefill_in_flight -= 1
+        self.prefill.returned(replica_id)
         flow = self._flows[output.request_id]
         if output.kv_handle is None:  # a failed prefill pinned nothing: the decode replica prefills
             self._send_decode(output.request_id, flow)
@@ -217,10 +253,15 @@ class SimCluster:
     def _send_decode(self, request_id: str, flow: _Flow, kv_handle: bytes | None = None,
                      first_token_id: int | None = None) -> None:
         pool = self.decode
-        decision: RoutingDecision = self.decode_policy.choose(pool.loads(), pool.index.match(flow.hashes),
-                                                              len(flow.prompt))
-        self.decode_policy.record_routed(decision)
-        replica = pool.replicas[decision.replica_id]
+        if pool.placement is not None:
+            replica_id = pool.placement.place(self._arrival(request_id, flow), pool)
+        else:
+            decision: RoutingDecision = self.decode_policy.choose(pool.loads(), pool.index.match(flow.hashes),
+                                                                  len(flow.prompt))
+            self.decode_policy.record_routed(decision)
+            replica_id = decision.replica_id
+        pool.sent(replica_id)
+        replica = pool.replicas[replica_id]
 
         def call() -> None:
             options = {}
@@ -232,14 +273,15 @@ class SimCluster:
         self.loop.at(self.loop.now + self.spec.call_s, call)
 
     def _decode_output(self, replica_id: str, output: RequestOutput) -> None:
-        self.loop.at(self.loop.now + self.spec.call_s, lambda: self._streamed(output))
+        self.loop.at(self.loop.now + self.spec.call_s, lambda: self._streamed(replica_id, output))
 
-    def _streamed(self, output: RequestOutput) -> None:
+    def _streamed(self, replica_id: str, output: RequestOutput) -> None:
         flow = self._flows[output.request_id]
         flow.record.add(output, self.loop.now)
         if self.host is not None:
             self.host.note_tokens(len(output.new_token_ids))
         if output.finished:
+            self.decode.returned(replica_id)
             self._done(output.request_id)
 
     def _done(self, request_id: str) -> None:

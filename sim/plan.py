@@ -27,13 +27,12 @@ from dataclasses import dataclass
 from bench.trace import MultiTenantTraceConfig, TraceRequest, generate_multi_tenant, load_trace
 from pd.config import EngineConfig
 from pd.model.config import load_model_config
-from pd.sampling_params import SamplingParams
 from router.remote_prefill import RemotePrefillRule
 from sim.clock import EventLoop
 from sim.cluster import ClusterSpec, PoolSpec, SimCluster
 from sim.cost import CostModel
 from sim.hardware import HARDWARE, MODELS, Efficiency, analytic_cost, kv_cache_bytes, link, model_dir
-from sim.workload import prompt_token_ids
+from sim.workload import submit_trace
 
 ATTAINMENT = 0.9
 WORKLOADS = ("long-short", "short-long", "mooncake")
@@ -91,17 +90,9 @@ def attainment(cluster: SimCluster, slo: Slo, after_s: float = 0.0) -> float:
 
 def run(spec: ClusterSpec, trace: list[TraceRequest], rate: float, seconds: float) -> SimCluster:
     """Serve the trace's first ``seconds`` at ``rate`` requests/s (its times rescaled from 1 request/s)."""
-    loop = EventLoop()
-    cluster = SimCluster(loop, spec)
-    vocab = next(iter(cluster.decode.replicas.values())).engine.model_config.vocab_size
-    for index, request in enumerate(trace):
-        at = request.timestamp_ms / 1000 / rate
-        if at > seconds:
-            break
-        loop.at(at, lambda index=index, request=request: cluster.submit(
-            f"r{index}", prompt_token_ids(request, 512, vocab),
-            SamplingParams(max_tokens=max(1, request.output_length), ignore_eos=True)))
-    loop.run()
+    cluster = SimCluster(EventLoop(), spec)
+    submit_trace(cluster, trace, time_scale=rate, until_s=seconds)
+    cluster.loop.run()
     return cluster
 
 

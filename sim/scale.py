@@ -22,11 +22,10 @@ import time
 from bench.trace import MultiTenantTraceConfig, generate_multi_tenant
 from pd.config import EngineConfig
 from pd.model.config import load_model_config
-from pd.sampling_params import SamplingParams
 from sim.clock import EventLoop
 from sim.cluster import ClusterSpec, PoolSpec, SimCluster
 from sim.hardware import HARDWARE, MODELS, Efficiency, analytic_cost, kv_cache_bytes, link, model_dir
-from sim.workload import prompt_token_ids
+from sim.workload import submit_trace
 
 PILOT_REPLICAS = 16
 PILOT_S = 60.0
@@ -53,18 +52,10 @@ def serve_trace(spec: ClusterSpec, rate_per_s: float, duration_s: float, seed: i
     trace = generate_multi_tenant(MultiTenantTraceConfig(num_requests=max(1, round(2 * rate_per_s * duration_s)),
                                                          rate_per_s=rate_per_s, seed=seed))
     trace = [request for request in trace if request.timestamp_ms <= duration_s * 1000]
-    loop = EventLoop()
-    cluster = SimCluster(loop, spec)
-    vocab = next(iter(cluster.decode.replicas.values())).engine.model_config.vocab_size
+    cluster = SimCluster(EventLoop(), spec)
     started = time.perf_counter()
-    for index, request in enumerate(trace):
-        def arrive(index=index, request=request):
-            prompt = prompt_token_ids(request, 512, vocab)  # the trace's own 512-token blocks
-            cluster.submit(f"r{index}", prompt, SamplingParams(max_tokens=max(1, request.output_length),
-                                                               ignore_eos=True))
-
-        loop.at(request.timestamp_ms / 1000, arrive)
-    loop.run()
+    submit_trace(cluster, trace)
+    cluster.loop.run()
     return cluster, len(trace), time.perf_counter() - started
 
 

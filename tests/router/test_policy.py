@@ -183,6 +183,28 @@ def test_recent_routing_counts_as_load():
     assert second.replica_id != first.replica_id
 
 
+def test_prefill_sent_since_a_replica_reported_counts_as_its_queue():
+    """Reports lag: what this router sent a replica since its last one is queued work the report cannot show."""
+    policy = make_policy(w_prefix=1.0, recent_prefill_weight=0.0, recent_request_load_tokens=0.0,
+                         request_load_tokens=0.0, max_routed_ratio=None)
+    long_prompt, long_len = prompt(400)
+    first = policy.choose(long_prompt, long_len, idle("a", "b"))
+    policy.record_routed(first, long_prompt)
+    other = "b" if first.replica_id == "a" else "a"
+    # b's report still says idle; a's says 100 queued tokens, and it holds 384 of the next prompt's 400.
+    # Unsent-since-report, a would win (16 + 100 < 400 + 0); with a's 400 unreported tokens it loses.
+    loads = [ReplicaLoad(first.replica_id, queued_prefill_tokens=100), ReplicaLoad(other)]
+    assert policy.choose(long_prompt, long_len, loads).replica_id == other
+    # a reports again: its queue figure now includes that prompt, and nothing is counted twice.
+    policy.reported(first.replica_id)
+    assert policy.choose(long_prompt, long_len, loads).replica_id == first.replica_id
+    # Off (weight 0): the lagging report is all there is.
+    stale = make_policy(w_prefix=1.0, recent_prefill_weight=0.0, recent_request_load_tokens=0.0,
+                        request_load_tokens=0.0, max_routed_ratio=None, unreported_prefill_weight=0.0)
+    stale.record_routed(first, long_prompt)
+    assert stale.choose(long_prompt, long_len, loads).replica_id == first.replica_id
+
+
 def test_uncached_tokens_counts_from_the_best_holder():
     block_hashes, num_tokens = prompt(100)
     index = PrefixIndex(100)
