@@ -26,6 +26,7 @@ Generators (seeded, deterministic):
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import random
@@ -84,7 +85,7 @@ def read_trace(path: str | Path) -> list[TraceRequest]:
     bad record, or saying that the file holds none.
     """
     requests = []
-    for line_no, line in enumerate(Path(path).read_text().splitlines(), 1):
+    for line_no, line in enumerate(_read_text(Path(path)).splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -96,16 +97,25 @@ def read_trace(path: str | Path) -> list[TraceRequest]:
     return requests
 
 
+def _read_text(path: Path) -> str:
+    """The file's text; a ``.gz`` name is gunzipped."""
+    if path.suffix == ".gz":
+        return gzip.decompress(path.read_bytes()).decode()
+    return path.read_text()
+
+
 def load_trace(path: str | Path) -> list[TraceRequest]:
     """The requests of a Mooncake JSONL trace in arrival order (equal timestamps keep file order)."""
     return sorted(read_trace(path), key=lambda request: request.timestamp_ms)
 
 
 def dump_trace(requests: Iterable[TraceRequest], path: str | Path) -> None:
-    """Write ``requests`` as a Mooncake JSONL trace, one line each, in the order given."""
-    with open(path, "w") as out:
-        for request in requests:
-            out.write(request.to_json() + "\n")
+    """Write ``requests`` as a Mooncake JSONL trace, one line each, in the order given (gzipped for ``.gz``)."""
+    text = "".join(request.to_json() + "\n" for request in requests)
+    if Path(path).suffix == ".gz":
+        Path(path).write_bytes(gzip.compress(text.encode(), mtime=0))
+    else:
+        Path(path).write_text(text)
 
 
 def num_blocks(num_tokens: int) -> int:
@@ -264,3 +274,56 @@ def generate_system_prompt(config: SystemPromptTraceConfig = SystemPromptTraceCo
         prompt_ids = ids.extend(system_ids, config.system_prompt_tokens, prompt_len)
         requests.append(TraceRequest(timestamp_ms, prompt_len, rng.randint(*config.output_tokens), tuple(prompt_ids)))
     return requests
+
+
+@dataclass(frozen=True)
+class BurstyTraceConfig:
+    """Chat traffic whose rate moves: a diurnal ramp with a load step on top.
+
+    The rate is ``base_rate_per_s`` times a day compressed into
+    ``duration_s`` (1 at the ends, ``diurnal_peak`` halfway, a raised cosine),
+    times ``step_factor`` from ``step_start`` to ``step_end`` (fractions of the
+    duration). Every prompt is one shared system prompt plus its own user text.
+    """
+
+    duration_s: float = 600.0
+    base_rate_per_s: float = 8.0
+    diurnal_peak: float = 2.0
+    step_factor: float = 3.0
+    step_start: float = 0.2
+    step_end: float = 0.35
+    system_prompt_tokens: int = 1024
+    user_tokens: tuple[int, int] = (256, 4096)
+    output_tokens: tuple[int, int] = (128, 1024)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.duration_s <= 0 or self.base_rate_per_s <= 0 or self.diurnal_peak < 1 or self.step_factor <= 0:
+            raise ValueError("duration_s and base_rate_per_s must be > 0, diurnal_peak >= 1, step_factor > 0")
+        if not 0 <= self.step_start <= self.step_end <= 1:
+            raise ValueError(f"need 0 <= step_start <= step_end <= 1, got {self.step_start}, {self.step_end}")
+
+    def rate_per_s(self, t_s: float) -> float:
+        phase = t_s / self.duration_s
+        diurnal = 1 + (self.diurnal_peak - 1) * (1 - math.cos(2 * math.pi * phase)) / 2
+        step = self.step_factor if self.step_start <= phase < self.step_end else 1.0
+        return self.base_rate_per_s * diurnal * step
+
+
+def generate_bursty(config: BurstyTraceConfig = BurstyTraceConfig()) -> list[TraceRequest]:
+    """Arrivals of a Poisson process of rate ``config.rate_per_s(t)`` (by thinning), shared system prompt."""
+    rng = random.Random(config.seed)
+    ids = _BlockIds()
+    system_ids = ids.fresh(config.system_prompt_tokens // TRACE_BLOCK_TOKENS)
+    peak = config.base_rate_per_s * config.diurnal_peak * max(1.0, config.step_factor)
+    requests, now_s = [], 0.0
+    while True:
+        now_s += rng.expovariate(peak)
+        if now_s >= config.duration_s:
+            return requests
+        if rng.random() * peak > config.rate_per_s(now_s):
+            continue
+        prompt_len = config.system_prompt_tokens + rng.randint(*config.user_tokens)
+        prompt_ids = ids.extend(system_ids, config.system_prompt_tokens, prompt_len)
+        requests.append(TraceRequest(int(now_s * 1000), prompt_len, rng.randint(*config.output_tokens),
+                                     tuple(prompt_ids)))

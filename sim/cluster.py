@@ -23,39 +23,20 @@ whatever is routed to it, and its scheduler queues it.
 from __future__ import annotations
 
 import dataclasses
-from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable
 
-from pd.config import EngineConfig
 from pd.engine.outputs import RequestOutput
 from pd.sampling_params import SamplingParams
-from router.cache_feed import CacheEventFeed
 from router.hashing import hash_block_tokens
-from router.policy import DecodePolicy, DecodePolicyConfig, PolicyConfig, ReplicaLoad, RoutingDecision
-from router.prefix_index import PrefixIndex
-from router.protocol import NO_STATS, RoutingStats, replica_load
+from router.policy import DecodePolicy, DecodePolicyConfig, PolicyConfig, RoutingDecision
 from router.remote_prefill import RemotePrefillRule
 from router.shared import PoolRouting
 from sim.clock import EventLoop
-from sim.cost import CostModel
-from sim.engine import sim_engine
 from sim.host import HostModel, SharedHost
 from sim.placement import AffinityPlacement, Arrival, Placement
-from sim.replica import RequestRecord, SimReplica
+from sim.pool import PoolSpec, SimPool
+from sim.replica import RequestRecord
 from sim.transport import LINKS, SimNetwork, TransferModel
-
-
-@dataclass(frozen=True)
-class PoolSpec:
-    num_replicas: int
-    engine: EngineConfig
-    cost: CostModel
-    threads: int = 1  # compute threads per replica (what a shared host counts)
-
-    def __post_init__(self) -> None:
-        if self.num_replicas < 1:
-            raise ValueError(f"a pool needs at least one replica, got {self.num_replicas}")
 
 
 @dataclass(frozen=True)
@@ -87,66 +68,6 @@ class ClusterSpec:
         return self.decode.num_replicas + (self.prefill.num_replicas if self.prefill else 0)
 
 
-class _Pool:
-    """One pool's replicas, their latest reports, and the routing knowledge fed from them."""
-
-    def __init__(self, name: str, spec: PoolSpec, loop: EventLoop, network: SimNetwork | None, seed: int,
-                 on_output: Callable[[str, RequestOutput], None], host: SharedHost | None):
-        self.replicas: dict[str, SimReplica] = {}
-        for index in range(spec.num_replicas):
-            replica_id = f"{name}-{index}"
-            transport = network.transport(replica_id, on_event=lambda: None) if network else None
-            engine = sim_engine(spec.engine, spec.cost, seed=seed * 100_003 + index, transport=transport, loop=loop)
-            replica = SimReplica(loop, engine, replica_id, on_output=lambda out, rid=replica_id: on_output(rid, out),
-                                 host=host, threads=spec.threads)
-            if transport is not None:
-                transport.on_event = replica.wake
-            self.replicas[replica_id] = replica
-        self.reports: dict[str, RoutingStats] = {replica_id: NO_STATS for replica_id in self.replicas}
-        self._last_seq: dict[str, int] = {}
-        self._loads = [replica_load(replica_id, NO_STATS) for replica_id in self.replicas]
-        self.index = PrefixIndex(max_blocks=1 << 20)
-        self.feed = CacheEventFeed(self.index)
-        self.placement: Placement | None = None  # also told every report
-        self.num_in_flight: Counter[str] = Counter()  # sent by the ingress, not yet back
-        self.num_routed: Counter[str] = Counter()
-
-    @property
-    def replica_ids(self) -> list[str]:
-        return list(self.replicas)
-
-    def in_flight(self, replica_id: str) -> int:
-        return self.num_in_flight[replica_id]
-
-    def sent(self, replica_id: str) -> None:
-        self.num_in_flight[replica_id] += 1
-        self.num_routed[replica_id] += 1
-
-    def returned(self, replica_id: str) -> None:
-        self.num_in_flight[replica_id] -= 1
-
-    def report(self) -> None:
-        """Every replica publishes its ``RoutingStats``; the routers' feed applies them.
-
-        A replica sends only the events after the last it sent (the one feed
-        here has applied the rest): the same events a full window would bring
-        it, without re-reading the window every period.
-        """
-        for replica_id, replica in self.replicas.items():
-            stats = replica.engine.routing_stats(after_seq=self._last_seq.get(replica_id))
-            if stats.last_seq is not None:
-                self._last_seq[replica_id] = stats.last_seq
-            self.reports[replica_id] = stats
-            self.feed.apply(replica_id, stats)
-            if self.placement is not None:
-                self.placement.report(replica_id, stats)
-        self._loads = [replica_load(replica_id, stats) for replica_id, stats in self.reports.items()]
-
-    def loads(self) -> list[ReplicaLoad]:
-        """Each replica's load as of its last report (what a router sees between reports)."""
-        return self._loads
-
-
 @dataclass
 class _Flow:
     record: RequestRecord
@@ -171,14 +92,14 @@ class SimCluster:
         block_size = spec.block_size
         self.network = SimNetwork(loop, spec.transfer) if spec.prefill is not None else None
         self.host = SharedHost(loop, spec.host) if spec.host is not None else None
-        self.decode = _Pool("decode", spec.decode, loop, self.network, spec.seed, self._decode_output, self.host)
+        self.decode = SimPool("decode", spec.decode, loop, self.network, spec.seed, self._decode_output, self.host)
         self.decode_policy = DecodePolicy(DecodePolicyConfig(block_size=block_size, seed=spec.seed,
                                                              **spec.decode_policy))
         self.decode_routing = PoolRouting()  # what the ingress asks of the decode pool's index
         self.decode_routing.share_index(self.decode.index, block_size)
         self.prefill = None
         if spec.prefill is not None:
-            self.prefill = _Pool("prefill", spec.prefill, loop, self.network, spec.seed + 1, self._prefill_output,
+            self.prefill = SimPool("prefill", spec.prefill, loop, self.network, spec.seed + 1, self._prefill_output,
                                  self.host)
             self.prefill.placement = placement or AffinityPlacement(
                 PolicyConfig(block_size=block_size, seed=spec.seed, **spec.prefill_policy))
@@ -289,7 +210,7 @@ class SimCluster:
 
     # Reports ------------------------------------------------------------------
 
-    def pools(self) -> list[_Pool]:
+    def pools(self) -> list[SimPool]:
         return [pool for pool in (self.prefill, self.decode) if pool is not None]
 
     def _start_reports(self) -> None:

@@ -24,6 +24,7 @@ import json
 import random
 from dataclasses import dataclass
 
+from autoscale.planner import Slo
 from bench.trace import MultiTenantTraceConfig, TraceRequest, generate_multi_tenant, load_trace
 from pd.config import EngineConfig
 from pd.model.config import load_model_config
@@ -65,12 +66,6 @@ class Layout:
     @property
     def name(self) -> str:
         return f"{self.num_prefill}:{self.num_decode}" if self.num_prefill else f"colocated:{self.num_decode}"
-
-
-@dataclass(frozen=True)
-class Slo:
-    ttft_s: float
-    itl_s: float
 
 
 def attainment(cluster: SimCluster, slo: Slo, after_s: float = 0.0) -> float:

@@ -38,6 +38,7 @@ class EngineStats:
     num_waiting: int
     num_waiting_tokens: int  # prompt tokens admitted or queued but not yet computed
     num_prompt_tokens: int  # prompt tokens of every request admitted, cumulative
+    num_computed_prompt_tokens: int  # prompt tokens the model computed (not hit in a cache), cumulative
     num_prefix_hit_tokens: int
     num_preemptions: int
     num_pinned_leases: int
@@ -330,6 +331,7 @@ class LLMEngine:
             num_waiting=len(self.scheduler.waiting),
             num_waiting_tokens=self.scheduler.num_uncomputed_prompt_tokens(),
             num_prompt_tokens=self.scheduler.num_prompt_tokens,
+            num_computed_prompt_tokens=self.scheduler.num_computed_prompt_tokens,
             num_prefix_hit_tokens=self.scheduler.num_prefix_hit_tokens,
             num_preemptions=self.scheduler.num_preemptions,
             **dataclasses.asdict(self.connector.stats),

@@ -36,6 +36,7 @@ class Scheduler:
         self.remote_waiting: list[Request] = []
         self.num_prefix_hit_tokens = 0
         self.num_prompt_tokens = 0
+        self.num_computed_prompt_tokens = 0  # prompt tokens run through the model (a recompute counts again)
         self.num_preemptions = 0
 
     @property
@@ -155,6 +156,8 @@ class Scheduler:
         sample_index = 0
         for item in out.scheduled:
             request = item.request
+            self.num_computed_prompt_tokens += max(0, min(item.num_new_tokens,
+                                                          request.num_prompt_tokens - request.num_computed_tokens))
             request.num_computed_tokens += item.num_new_tokens
             self.kv_cache.cache_blocks(request)
             request.prompt_logprobs += forward.prompt_logprobs.get(request.request_id, ())

@@ -61,6 +61,9 @@ def test_prefix_cache_hits_and_identical_outputs(checkpoint, references):
     # Full blocks of prompt + generated tokens are cached; at least one token is always recomputed.
     assert [o.num_cached_tokens for o in second] == [(n - 1) // 16 * 16 for n in PROMPT_LENS]
     assert llm.engine.stats().num_prefix_hit_tokens == sum((n - 1) // 16 * 16 for n in PROMPT_LENS)
+    # What the model computed: every prompt token the first time, only the uncached ones the second.
+    assert llm.engine.stats().num_computed_prompt_tokens == 2 * sum(PROMPT_LENS) - sum(
+        (n - 1) // 16 * 16 for n in PROMPT_LENS)
     for out, (ref_tokens, gaps) in zip(second, references("llama")):
         assert_greedy_match(out.token_ids, ref_tokens, gaps)
 

@@ -1,0 +1,204 @@
+"""Autoscaling in simulated time: the planner, a static fleet and Ray Serve's default policy, on one cluster.
+
+Every ``period_s`` an ``Autoscaler`` reads the pools and returns the replica
+counts it wants; ``run`` starts replicas (serving after ``startup_s``) or
+retires the least busy (``sim.pool``: a retired replica drains first).
+
+- ``PlannerAutoscaler``: ``autoscale.planner.plan``, fed each replica's
+  ``ReplicaSignals`` as a Serve replica reports them: its engine's own
+  counters and load, and the period's TTFT and ITL p90.
+- ``RayDefaultAutoscaler``: Ray Serve's own ``replica_queue_length_autoscaling_policy``
+  per pool, with ``AutoscalingConfig``'s defaults (2 ongoing requests per
+  replica, averaged over 30 s; up after 30 s, down after 600 s), its scaling
+  factors and delay logic run on the simulated clock. Ray's controller
+  decides every 0.1 s; here every ``period_s``.
+- ``StaticAutoscaler``: fixed counts.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import Protocol
+
+from autoscale.planner import Capacity, PlannerConfig, PlannerState, ReplicaSignals, plan
+from bench.stats import percentile
+from sim.cluster import SimCluster
+from sim.cost import CostModel, StepShape
+from sim.pool import SimPool
+
+
+class Autoscaler(Protocol):
+    period_s: float
+
+    def decide(self, cluster: SimCluster) -> tuple[int, int]:
+        """``(prefill, decode)`` replicas wanted now."""
+
+
+def capacity(cost: CostModel, max_num_batched_tokens: int, context_tokens: int) -> Capacity:
+    """One replica's capacity under ``cost``: full prefill chunks, and decode steps at ``context_tokens`` each."""
+    chunk = StepShape(num_tokens=max_num_batched_tokens, attn_pairs=max_num_batched_tokens * context_tokens,
+                      num_seqs=1, num_samples=1)
+    one = StepShape(num_tokens=1, attn_pairs=context_tokens, num_seqs=1, num_samples=1)
+    empty = StepShape(num_tokens=0, attn_pairs=0, num_seqs=0, num_samples=0)
+    return Capacity(prefill_tokens_per_s=max_num_batched_tokens / cost.step_seconds(chunk),
+                    decode_step_s=cost.step_seconds(empty),
+                    decode_step_per_seq_s=cost.step_seconds(one) - cost.step_seconds(empty))
+
+
+class StaticAutoscaler:
+    def __init__(self, num_prefill: int, num_decode: int, period_s: float = 10.0) -> None:
+        self.counts = (num_prefill, num_decode)
+        self.period_s = period_s
+
+    def decide(self, cluster: SimCluster) -> tuple[int, int]:
+        return self.counts
+
+
+class _Window:
+    """What the cluster's requests saw since the last read: TTFTs and inter-token gaps."""
+
+    def __init__(self) -> None:
+        self._live: dict[str, object] = {}
+        self._seen = 0
+        self._since_s = 0.0
+
+    def read(self, cluster: SimCluster) -> tuple[list[float], list[float]]:
+        new = itertools.islice(cluster.records.items(), self._seen, None)
+        watched = {**self._live, **dict(new)}
+        self._seen = len(cluster.records)
+        since, ttfts, gaps = self._since_s, [], []
+        for record in watched.values():
+            times = record.token_times_s
+            if times and times[0] >= since:
+                ttfts.append(times[0] - record.arrival_s)
+            for before, after in zip(reversed(times[:-1]), reversed(times)):
+                if after < since:
+                    break
+                gaps.append(after - before)
+        self._live = {rid: r for rid, r in watched.items() if r.finished_s is None}
+        self._since_s = cluster.loop.now
+        return ttfts, gaps
+
+
+class PlannerAutoscaler:
+    def __init__(self, config: PlannerConfig) -> None:
+        self.config = config
+        self.period_s = config.period_s
+        self.state = PlannerState()
+        self.plans: list[tuple[float, dict]] = []
+        self._window = _Window()
+        self._last: dict[str, tuple[int, int]] = {}  # replica id -> (computed prompt tokens, requests routed)
+
+    def _signals(self, pool: SimPool, ttft_p90: float | None, itl_p90: float | None) -> list[ReplicaSignals]:
+        signals = []
+        for replica_id in pool.replica_ids:
+            stats = pool.replicas[replica_id].engine.stats()
+            computed, routed = stats.num_computed_prompt_tokens, pool.num_routed[replica_id]
+            last_computed, last_routed = self._last.get(replica_id, (0, 0))
+            self._last[replica_id] = (computed, routed)
+            total = stats.num_free_blocks + stats.num_used_blocks
+            signals.append(ReplicaSignals(
+                prefill_tokens=computed - last_computed, queued_prefill_tokens=stats.num_waiting_tokens,
+                num_requests=routed - last_routed, running_seqs=stats.num_running, waiting_seqs=stats.num_waiting,
+                kv_blocks_used=stats.num_used_blocks, kv_blocks_total=total, ttft_p90_s=ttft_p90, itl_p90_s=itl_p90))
+        return signals
+
+    def decide(self, cluster: SimCluster) -> tuple[int, int]:
+        ttfts, gaps = self._window.read(cluster)
+        ttft_p90 = percentile(ttfts, 90) if ttfts else None
+        itl_p90 = percentile(gaps, 90) if gaps else None
+        prefill = self._signals(cluster.prefill, ttft_p90, None)
+        decode = self._signals(cluster.decode, None, itl_p90)
+        decision, self.state = plan(self.config, self.state, prefill, decode, cluster.prefill.num_target,
+                                    cluster.decode.num_target, cluster.loop.now)
+        self.plans.append((cluster.loop.now, decision.why))
+        return decision.num_prefill, decision.num_decode
+
+
+class RayDefaultAutoscaler:
+    """Ray Serve's default policy for each pool, on ongoing requests (in flight at each replica)."""
+
+    def __init__(self, prefill_bounds: tuple[int, int], decode_bounds: tuple[int, int], period_s: float = 1.0,
+                 **config_overrides) -> None:
+        from ray.serve.config import AutoscalingConfig
+
+        self.period_s = period_s
+        self.configs = {
+            "prefill": AutoscalingConfig(min_replicas=prefill_bounds[0], max_replicas=prefill_bounds[1],
+                                         **config_overrides),
+            "decode": AutoscalingConfig(min_replicas=decode_bounds[0], max_replicas=decode_bounds[1],
+                                        **config_overrides),
+        }
+        self._samples = {name: deque() for name in self.configs}
+        self._state: dict[str, dict] = {name: {} for name in self.configs}
+
+    def _decide_pool(self, name: str, pool: SimPool, now_s: float) -> int:
+        from ray.serve._private.common import DeploymentID
+        from ray.serve.autoscaling_policy import (
+            _apply_delay_logic,
+            _apply_scaling_factors,
+            replica_queue_length_autoscaling_policy,
+        )
+        from ray.serve.config import AutoscalingContext
+
+        config, samples = self.configs[name], self._samples[name]
+        samples.append((now_s, sum(pool.in_flight(r) for r in pool.replica_ids)))
+        while samples[0][0] < now_s - config.look_back_period_s:
+            samples.popleft()
+        ongoing = sum(value for _, value in samples) / len(samples)
+        serving = len(pool.replica_ids)
+        context = AutoscalingContext(
+            deployment_id=DeploymentID(name=name, app_name="pd"), deployment_name=name, app_name="pd",
+            current_num_replicas=serving, target_num_replicas=pool.num_target, running_replicas=[],
+            total_num_requests=ongoing, total_queued_requests=0.0, aggregated_metrics={}, raw_metrics={},
+            capacity_adjusted_min_replicas=config.min_replicas, capacity_adjusted_max_replicas=config.max_replicas,
+            policy_state=self._state[name], last_scale_up_time=None, last_scale_down_time=None,
+            current_time=now_s, config=config)
+        desired, _ = replica_queue_length_autoscaling_policy(context)
+        desired = _apply_scaling_factors(desired, serving, config)
+        decided, self._state[name] = _apply_delay_logic(max(0, desired), pool.num_target, config, self._state[name],
+                                                        _now=now_s)
+        return max(config.min_replicas, min(config.max_replicas, math.ceil(decided)))
+
+    def decide(self, cluster: SimCluster) -> tuple[int, int]:
+        now_s = cluster.loop.now
+        return self._decide_pool("prefill", cluster.prefill, now_s), self._decide_pool("decode", cluster.decode, now_s)
+
+
+@dataclass
+class Timeline:
+    """Replicas serving or starting in each pool after each decision, and when."""
+
+    times_s: list[float]
+    num_prefill: list[int]
+    num_decode: list[int]
+
+
+def _resize(pool: SimPool, target: int, startup_s: float) -> None:
+    while pool.num_target < target:
+        pool.add(startup_s)
+    while pool.num_target > target:
+        pool.retire_newest_starting_or_least_busy()
+
+
+def run(cluster: SimCluster, autoscaler: Autoscaler, until_s: float, startup_s: float) -> Timeline:
+    """Let ``autoscaler`` size ``cluster``'s pools every period until ``until_s`` (the trace is submitted already)."""
+    timeline = Timeline([], [], [])
+    loop = cluster.loop
+
+    def tick() -> None:
+        num_prefill, num_decode = autoscaler.decide(cluster)
+        _resize(cluster.prefill, num_prefill, startup_s)
+        _resize(cluster.decode, num_decode, startup_s)
+        timeline.times_s.append(loop.now)
+        timeline.num_prefill.append(cluster.prefill.num_target)
+        timeline.num_decode.append(cluster.decode.num_target)
+        if loop.now + autoscaler.period_s <= until_s:
+            loop.at(loop.now + autoscaler.period_s, tick)
+
+    loop.at(autoscaler.period_s, tick)
+    loop.run()
+    return timeline
