@@ -25,8 +25,8 @@ Fields: ``hit_rate`` (prompt tokens the engines found cached over all prompt
 tokens), ``max_min_load_ratio`` (most over fewest requests routed to a replica;
 null when some replica got none), ``ttft_p50_s``/``ttft_p99_s`` (simulated),
 ``utilization`` (the replicas' modelled compute time over their time),
-``decide_us_p99`` (wall time of one routing decision plus the router's
-bookkeeping for it, measured here), and the per-replica request counts.
+``decide_us_p50``/``decide_us_p99`` (wall time of one routing decision plus
+the router's bookkeeping for it, measured here), and the per-replica request counts.
 Percentiles interpolate between ranks, as ``bench.stats`` defines them.
 """
 
@@ -140,6 +140,7 @@ class PolicyResult:
     ttft_p50_s: float
     ttft_p99_s: float
     utilization: float
+    decide_us_p50: float
     decide_us_p99: float
     routed_per_replica: list[int]
     extra: dict
@@ -148,7 +149,8 @@ class PolicyResult:
         record = {"policy": self.policy, **context, "hit_rate": round(self.hit_rate, 4),
                   "max_min_load_ratio": None if self.max_min_load_ratio is None else round(self.max_min_load_ratio, 3),
                   "ttft_p50_s": round(self.ttft_p50_s, 4), "ttft_p99_s": round(self.ttft_p99_s, 4),
-                  "utilization": round(self.utilization, 3), "decide_us_p99": round(self.decide_us_p99, 1),
+                  "utilization": round(self.utilization, 3), "decide_us_p50": round(self.decide_us_p50, 1),
+                  "decide_us_p99": round(self.decide_us_p99, 1),
                   "routed_per_replica": self.routed_per_replica, **self.extra}
         return json.dumps(record)
 
@@ -173,6 +175,7 @@ def replay(policy: str, trace: list[TraceRequest], config: ReplayConfig, pd_conf
         ttft_p50_s=ttft_p50_s,
         ttft_p99_s=ttft_p99_s,
         utilization=utilization(cluster),
+        decide_us_p50=percentile(timed.decide_ns, 50) / 1000.0,
         decide_us_p99=percentile(timed.decide_ns, 99) / 1000.0,
         routed_per_replica=routed,
         extra=extra,
