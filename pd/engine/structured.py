@@ -125,6 +125,37 @@ def fix_bounded_strings(grammar: str) -> str:
     return grammar.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR)
 
 
+# xgrammar decodes UTF-8 leniently: a negated class, or the full range a regex's "." becomes, matches
+# the three bytes of a UTF-16 surrogate (U+D800-DFFF), which no UTF-8 text holds. A string sampled
+# through one decodes to three replacement characters: a JSON string of maxLength 3 came back longer.
+_SURROGATES = r"\uD800-\uDFFF"
+_EVERY_CHAR = r"\0-\U0010ffff"
+
+
+def exclude_surrogates(grammar: str) -> str:
+    """``grammar`` (xgrammar EBNF) with no character class that admits a surrogate (see ``_SURROGATES``)."""
+    out, index, end = [], 0, len(grammar)
+    while index < end:
+        char = grammar[index]
+        if char not in '"[':
+            out.append(char)
+            index += 1
+            continue
+        close = '"' if char == '"' else "]"
+        stop = index + 1
+        while stop < end and grammar[stop] != close:
+            stop += 2 if grammar[stop] == "\\" else 1
+        body = grammar[index + 1 : stop]
+        if char == "[":
+            if body.startswith("^"):
+                body += _SURROGATES
+            elif body == _EVERY_CHAR:
+                body = "^" + _SURROGATES
+        out.append(char + body + close)  # a string literal is copied as it is
+        index = stop + 1
+    return "".join(out)
+
+
 def _ebnf_literal(text: str) -> str:
     escaped = []
     for char in text:
@@ -202,12 +233,14 @@ class GrammarCompiler:
             return self._compile_ebnf(choice_grammar(spec), what)
         try:
             if kind is StructuredKind.REGEX:
-                return self._compiler.compile_regex(spec)
-            grammar = json_schema_grammar(ANY_OBJECT_SCHEMA if kind is StructuredKind.JSON_OBJECT else spec,
-                                          strict=kind is StructuredKind.JSON_SCHEMA)
+                grammar = str(_xgr().Grammar.from_regex(spec))
+            else:
+                grammar = fix_bounded_strings(json_schema_grammar(
+                    ANY_OBJECT_SCHEMA if kind is StructuredKind.JSON_OBJECT else spec,
+                    strict=kind is StructuredKind.JSON_SCHEMA))
         except (RuntimeError, ValueError, TypeError) as exc:  # xgrammar reports every parse error as one of these
             raise ValueError(f"structured output: invalid {what}: {_library_message(exc)}") from exc
-        return self._compile_ebnf(fix_bounded_strings(grammar), what)
+        return self._compile_ebnf(exclude_surrogates(grammar), what)
 
     def _compile_ebnf(self, grammar: str, what: str) -> xgrammar.CompiledGrammar:
         try:

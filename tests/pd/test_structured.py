@@ -225,6 +225,31 @@ def test_bounded_strings_are_json_strings(engine):
         assert (matcher.accept_string(text) and matcher.is_completed()) == valid, text
 
 
+SURROGATE = b"\xed\xa0\x80"  # U+D800 in UTF-8's shape: not UTF-8, decoded as three replacement chars
+HAN = "\u4e00".encode()  # a real three-byte character
+
+
+@pytest.mark.parametrize("kind, spec, before, after", [
+    (StructuredKind.JSON_SCHEMA, json.dumps({"type": "string", "maxLength": 3}), b'"a', b'"'),
+    (StructuredKind.JSON_SCHEMA, json.dumps({"type": "string"}), b'"a', b'"'),
+    (StructuredKind.JSON_OBJECT, "", b'{"a":"', b'"}'),
+    (StructuredKind.REGEX, "a.b", b"a", b"b"),
+    (StructuredKind.REGEX, "a[^x]b", b"a", b"b"),
+])
+def test_no_constraint_admits_a_surrogate(engine, kind, spec, before, after):
+    """xgrammar decodes UTF-8 leniently: its classes admitted U+D800-DFFF, which no text can hold.
+
+    A JSON string of maxLength 3 then came back four characters long, its
+    surrogate decoded as three replacement characters.
+    """
+    import xgrammar
+
+    compiled = engine.grammar_compiler.compile(StructuredOutput(kind=kind, spec=spec))
+    for middle, valid in ((HAN, True), (SURROGATE, False)):
+        matcher = xgrammar.GrammarMatcher(compiled)
+        assert (matcher.accept_string(before + middle + after) and matcher.is_completed()) == valid, (kind, middle)
+
+
 def test_vocab_type_follows_the_decoder():
     import xgrammar
 
