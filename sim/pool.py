@@ -118,6 +118,8 @@ class SimPool:
             self._starting.discard(replica_id)
             self._stop(replica_id)
             return
+        if replica_id not in self._serving:
+            raise ValueError(f"replica {replica_id!r} is not serving (draining or stopped already, or unknown)")
         del self._serving[replica_id]
         self._draining.add(replica_id)
         self._loads = [load for load in self._loads if load.replica_id != replica_id]

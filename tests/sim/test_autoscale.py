@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from autoscale.planner import Bounds, PlannerConfig, Slo
 from bench.trace import BurstyTraceConfig, generate_bursty
 from pd.sampling_params import SamplingParams
@@ -33,6 +35,9 @@ def test_a_retired_replica_drains_its_requests_and_leases_before_it_stops():
 
     loop.at(0.08, retire_the_busiest_of_each_pool)
     loop.run()
+    stopped = next(replica_id for replica_id, (pool, _) in retired.items() if pool is cluster.decode)
+    with pytest.raises(ValueError, match="not serving"):
+        cluster.decode.retire(stopped)
     assert all(len(r.token_times_s) == 20 and r.finished_s is not None for r in cluster.records.values())
     assert sum(s.num_recompute_fallbacks for s in (r.engine.stats() for r in cluster.decode.replicas.values())) == 0
     for replica_id, (pool, busy_s) in retired.items():
