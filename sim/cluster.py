@@ -18,6 +18,9 @@ modelled: each engine step's time (``CostModel``), each read's time
 ingress's own work on a request before it decides (``ingress_s``).
 Serve's own queueing (``max_ongoing_requests``) is not: a replica admits
 whatever is routed to it, and its scheduler queues it.
+
+Where a prompt is computed can be another router (``sim.placement``), and
+each pool's replicas can start, drain and stop while it runs (``sim.pool``).
 """
 
 from __future__ import annotations
