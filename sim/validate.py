@@ -35,7 +35,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 from loadtest.client import CHAT_PATH
 from loadtest.records import META_SUFFIX, REQUESTS_SUFFIX, RequestRecord, RunMeta, Status, read_requests
@@ -222,33 +222,35 @@ CPU_PER_TOKEN_GRID_S = (0.0, 1e-3, 2e-3, 4e-3, 6e-3, 8e-3)
 
 
 def _fit_factor_and_ingress(run: Run, spec_for: Callable[[Calibration], ClusterSpec], cpu_per_token_s: float,
-                            iterations: int) -> tuple[Calibration, RunSummary]:
+                            iterations: int, before: Sequence[Run]) -> tuple[Calibration, RunSummary]:
     """ITL p50 is a decode step: it sets the step-time factor; what TTFT p50 still misses is the ingress's."""
     measured = run.summary()
     calibration = Calibration(cpu_per_token_s=cpu_per_token_s)
     for _ in range(iterations):
-        [records], _ = simulate_runs([run], spec_for(calibration))
+        records = simulate_runs([*before, run], spec_for(calibration))[0][-1]
         simulated = run.summary(records)
         factor = calibration.step_time_factor
         if simulated.itl_ms.p50 > 0 and measured.itl_ms.p50 > 0:
             factor *= measured.itl_ms.p50 / simulated.itl_ms.p50
         ingress_s = max(0.0, calibration.ingress_s + (measured.ttft_ms.p50 - simulated.ttft_ms.p50) / 1000)
         calibration = Calibration(factor, ingress_s, cpu_per_token_s)
-    [records], _ = simulate_runs([run], spec_for(calibration))
+    records = simulate_runs([*before, run], spec_for(calibration))[0][-1]
     return calibration, run.summary(records)
 
 
-def calibrate(run: Run, spec_for: Callable[[Calibration], ClusterSpec], iterations: int = 3) -> Calibration:
+def calibrate(run: Run, spec_for: Callable[[Calibration], ClusterSpec], iterations: int = 3,
+              before: Sequence[Run] = ()) -> Calibration:
     """The calibration that makes one run's ITL p50, TTFT p50 and ITL p90 match.
 
     For each per-token CPU cost of a grid, the step-time factor and the
     ingress time are fitted to the medians; the cost whose ITL p90 (the
     tail, where the cores run short) comes closest wins. From a run at a
-    rate that is not validated (the config's first run, so nothing before
-    it is simulated).
+    rate that is not validated. ``before`` are the runs the app served
+    before it, replayed first as the comparison replays them: their
+    prompts warm the simulated caches as they warmed the real ones.
     """
     target = run.summary().itl_ms.p90
-    fits = [_fit_factor_and_ingress(run, spec_for, cost, iterations) for cost in CPU_PER_TOKEN_GRID_S]
+    fits = [_fit_factor_and_ingress(run, spec_for, cost, iterations, before) for cost in CPU_PER_TOKEN_GRID_S]
     best, _ = min(fits, key=lambda fit: abs(math.log(max(fit[1].itl_ms.p90, 1e-9) / target)))
     return best
 
