@@ -142,6 +142,22 @@ class _BlockIds:
         return shared + self.fresh(num_blocks(prompt_len) - len(shared))
 
 
+def _check_token_ranges(config, names: tuple[str, ...]) -> None:
+    """Each named ``(min, max)`` field of ``config`` is an inclusive range of at least 1 token."""
+    for name in names:
+        low, high = getattr(config, name)
+        if not 1 <= low <= high:
+            raise ValueError(f"{name} must be 1 <= min <= max, got {(low, high)}")
+
+
+def _system_prompt_request(config, rng: random.Random, ids: _BlockIds, system_ids: list[int],
+                           timestamp_ms: int) -> TraceRequest:
+    """One request of ``config``'s shared system prompt (``system_ids``) plus its own user text."""
+    prompt_len = config.system_prompt_tokens + rng.randint(*config.user_tokens)
+    prompt_ids = ids.extend(system_ids, config.system_prompt_tokens, prompt_len)
+    return TraceRequest(timestamp_ms, prompt_len, rng.randint(*config.output_tokens), tuple(prompt_ids))
+
+
 @dataclass(frozen=True)
 class MultiTenantTraceConfig:
     """Multi-tenant shared-prefix traffic. Token ranges are inclusive (min, max), drawn uniformly.
@@ -168,10 +184,7 @@ class MultiTenantTraceConfig:
             raise ValueError("num_requests, num_tenants and max_turns must be >= 1")
         if self.rate_per_s <= 0 or self.zipf_s < 0 or self.think_time_s < 0:
             raise ValueError("rate_per_s must be > 0, zipf_s and think_time_s >= 0")
-        for name in ("context_tokens", "user_tokens", "output_tokens"):
-            low, high = getattr(self, name)
-            if not 1 <= low <= high:
-                raise ValueError(f"{name} must be 1 <= min <= max, got {(low, high)}")
+        _check_token_ranges(self, ("context_tokens", "user_tokens", "output_tokens"))
 
 
 # Multi-tenant traffic shaped like Mooncake's published traces: prompts of about
@@ -257,10 +270,7 @@ class SystemPromptTraceConfig:
     def __post_init__(self) -> None:
         if self.num_requests < 1 or self.rate_per_s <= 0 or self.system_prompt_tokens < 1:
             raise ValueError("num_requests, rate_per_s and system_prompt_tokens must be positive")
-        for name in ("user_tokens", "output_tokens"):
-            low, high = getattr(self, name)
-            if not 1 <= low <= high:
-                raise ValueError(f"{name} must be 1 <= min <= max, got {(low, high)}")
+        _check_token_ranges(self, ("user_tokens", "output_tokens"))
 
 
 def generate_system_prompt(config: SystemPromptTraceConfig = SystemPromptTraceConfig()) -> list[TraceRequest]:
@@ -270,9 +280,7 @@ def generate_system_prompt(config: SystemPromptTraceConfig = SystemPromptTraceCo
     system_ids = ids.fresh(config.system_prompt_tokens // TRACE_BLOCK_TOKENS)
     requests = []
     for timestamp_ms in _arrival_times_ms(config.num_requests, config.rate_per_s, rng):
-        prompt_len = config.system_prompt_tokens + rng.randint(*config.user_tokens)
-        prompt_ids = ids.extend(system_ids, config.system_prompt_tokens, prompt_len)
-        requests.append(TraceRequest(timestamp_ms, prompt_len, rng.randint(*config.output_tokens), tuple(prompt_ids)))
+        requests.append(_system_prompt_request(config, rng, ids, system_ids, timestamp_ms))
     return requests
 
 
@@ -302,6 +310,9 @@ class BurstyTraceConfig:
             raise ValueError("duration_s and base_rate_per_s must be > 0, diurnal_peak >= 1, step_factor > 0")
         if not 0 <= self.step_start <= self.step_end <= 1:
             raise ValueError(f"need 0 <= step_start <= step_end <= 1, got {self.step_start}, {self.step_end}")
+        if self.system_prompt_tokens < 1:
+            raise ValueError(f"system_prompt_tokens must be >= 1, got {self.system_prompt_tokens}")
+        _check_token_ranges(self, ("user_tokens", "output_tokens"))
 
     def rate_per_s(self, t_s: float) -> float:
         phase = t_s / self.duration_s
@@ -323,7 +334,4 @@ def generate_bursty(config: BurstyTraceConfig = BurstyTraceConfig()) -> list[Tra
             return requests
         if rng.random() * peak > config.rate_per_s(now_s):
             continue
-        prompt_len = config.system_prompt_tokens + rng.randint(*config.user_tokens)
-        prompt_ids = ids.extend(system_ids, config.system_prompt_tokens, prompt_len)
-        requests.append(TraceRequest(int(now_s * 1000), prompt_len, rng.randint(*config.output_tokens),
-                                     tuple(prompt_ids)))
+        requests.append(_system_prompt_request(config, rng, ids, system_ids, int(now_s * 1000)))

@@ -7,10 +7,12 @@ from bench import router as bench_router
 from bench.ray_prefix import RAY_BLOCK_CHARS, ray_block_text
 from bench.trace import (
     TRACE_BLOCK_TOKENS,
+    BurstyTraceConfig,
     MultiTenantTraceConfig,
     SystemPromptTraceConfig,
     TraceRequest,
     dump_trace,
+    generate_bursty,
     generate_multi_tenant,
     generate_system_prompt,
     load_trace,
@@ -110,6 +112,26 @@ def test_trace_configs_reject_invalid_values(config):
         MultiTenantTraceConfig(**config)
     with pytest.raises(ValueError):
         SystemPromptTraceConfig(**config)
+
+
+@pytest.mark.parametrize("config", [dict(user_tokens=(10, 5)), dict(output_tokens=(0, 5)), dict(base_rate_per_s=0),
+                                    dict(step_start=0.5, step_end=0.4), dict(diurnal_peak=0.5),
+                                    dict(system_prompt_tokens=0)])
+def test_bursty_config_rejects_invalid_values(config):
+    with pytest.raises(ValueError):
+        BurstyTraceConfig(**config)
+
+
+def test_bursty_trace_steps_its_rate_and_shares_the_system_prompt():
+    config = BurstyTraceConfig(duration_s=300.0, base_rate_per_s=5.0, diurnal_peak=1.0, step_start=0.5, step_end=1.0)
+    requests = generate_bursty(config)
+    before = sum(1 for r in requests if r.timestamp_ms < 150_000)
+    after = len(requests) - before
+    assert 2.5 < after / before < 3.5  # the 3x step, Poisson noise aside
+    assert_ids_chain(requests)
+    shared = config.system_prompt_tokens // TRACE_BLOCK_TOKENS
+    assert {r.hash_ids[:shared] for r in requests} == {tuple(range(shared))}
+    assert generate_bursty(config) == requests  # seeded
 
 
 def test_ray_block_text_is_fixed_length_and_diverges_at_the_first_character():
