@@ -108,7 +108,6 @@ class SimCluster:
                 PolicyConfig(block_size=block_size, seed=spec.seed, **spec.prefill_policy))
         else:
             self.decode.placement = placement
-        self.prefill_in_flight = 0
         self.records: dict[str, RequestRecord] = {}
         self._flows: dict[str, _Flow] = {}
         self._reporting = False
@@ -133,7 +132,7 @@ class SimCluster:
         prompt = flow.prompt
         if self.prefill is not None:
             uncached = self.decode_routing.estimate_uncached_tokens(flow.hashes, len(prompt))
-            flow.remote = self.spec.rule.wants_remote(len(prompt), uncached, self.prefill_in_flight)
+            flow.remote = self.spec.rule.wants_remote(len(prompt), uncached, self.prefill.total_in_flight)
         if flow.remote:
             self._send_prefill(request_id, flow)
         else:
@@ -146,7 +145,6 @@ class SimCluster:
         pool = self.prefill
         replica_id = pool.placement.place(self._arrival(request_id, flow), pool)
         pool.sent(replica_id)
-        self.prefill_in_flight += 1
         replica = pool.replicas[replica_id]
         self.loop.at(self.loop.now + self.spec.call_s,
                      lambda: replica.add(request_id, flow.prompt, flow.params, pin_kv=True))
@@ -158,7 +156,6 @@ class SimCluster:
 
     def _prefilled(self, replica_id: str, output: RequestOutput) -> None:
         """The prefill's answer is back: its first token streams, and the decode call goes out with the handle."""
-        self.prefill_in_flight -= 1
         self.prefill.returned(replica_id)
         flow = self._flows[output.request_id]
         if output.kv_handle is None:  # a failed prefill pinned nothing: the decode replica prefills

@@ -67,6 +67,7 @@ class SimPool:
         self.feed = CacheEventFeed(self.index)
         self.placement: Placement | None = None  # also told every report
         self.num_in_flight: Counter[str] = Counter()  # sent by the ingress, not yet back
+        self.total_in_flight = 0
         self.num_routed: Counter[str] = Counter()
         for _ in range(spec.num_replicas):
             self.add(startup_s=0.0)
@@ -168,10 +169,12 @@ class SimPool:
 
     def sent(self, replica_id: str) -> None:
         self.num_in_flight[replica_id] += 1
+        self.total_in_flight += 1
         self.num_routed[replica_id] += 1
 
     def returned(self, replica_id: str) -> None:
         self.num_in_flight[replica_id] -= 1
+        self.total_in_flight -= 1
         if replica_id in self._draining:
             self.reap()
 
