@@ -111,9 +111,8 @@ class PlannerConfig:
             raise ValueError(f"period_s and backlog_drain_s must be > 0, got {self.period_s}, {self.backlog_drain_s}")
         if self.scale_down_delay_s < 0 or self.forecast_periods < 0:
             raise ValueError("scale_down_delay_s and forecast_periods must be >= 0")
-        for name in ("hysteresis",):
-            if not 0 <= getattr(self, name) < 1:
-                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+        if not 0 <= self.hysteresis < 1:
+            raise ValueError(f"hysteresis must be in [0, 1), got {self.hysteresis}")
         for name in ("decode_utilization", "smoothing", "correction_smoothing"):
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)}")
@@ -225,9 +224,9 @@ def _plan_prefill(config: PlannerConfig, state: PlannerState, signals: Sequence[
     previous = state.queued_prefill_tokens if state.queued_prefill_tokens is not None else queued
     observed = max(0.0, computed + queued - previous) / config.period_s
     demand = state.prefill_demand.update(observed, config.smoothing)
-    prompt = state.prompt_tokens
-    if _sum(signals, "num_requests"):
-        prompt = prompt.update(computed / _sum(signals, "num_requests"), config.smoothing)
+    prompt, num_requests = state.prompt_tokens, _sum(signals, "num_requests")
+    if num_requests:
+        prompt = prompt.update(computed / num_requests, config.smoothing)
     prompt_tokens = prompt.level or 0.0
     capacity = config.capacity.prefill_tokens_per_s
     correction = state.prefill_correction
