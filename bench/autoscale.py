@@ -30,6 +30,7 @@ import dataclasses
 import json
 import logging
 import os
+from collections import Counter
 from pathlib import Path
 
 from autoscale.planner import Bounds, PlannerConfig, Slo
@@ -86,9 +87,7 @@ def write_plot(trace: list[TraceRequest], timelines: dict[str, Timeline], path: 
     import matplotlib.pyplot as plt
 
     figure, (load_axis, prefill_axis, decode_axis) = plt.subplots(3, 1, sharex=True, figsize=(9, 8))
-    counts: dict[int, int] = {}
-    for request in trace:
-        counts[int(request.timestamp_ms / 1000 // bin_s)] = counts.get(int(request.timestamp_ms / 1000 // bin_s), 0) + 1
+    counts = Counter(int(request.timestamp_ms / 1000 // bin_s) for request in trace)
     bins = sorted(counts)
     load_axis.plot([b * bin_s for b in bins], [counts[b] / bin_s for b in bins], color="black")
     load_axis.set_ylabel("arrivals / s")

@@ -57,7 +57,7 @@ class SimPool:
         self._host = host
         self.replicas: dict[str, SimReplica] = {}  # every replica there has been, stopped ones too
         self._serving: dict[str, None] = {}  # routable, in the order they came
-        self._starting: set[str] = set()
+        self._starting: dict[str, None] = {}  # in the order they were added
         self._draining: set[str] = set()
         self._lifetimes: dict[str, list] = {}  # replica id -> [added at, stopped at or None]
         self.reports: dict[str, RoutingStats] = {}
@@ -102,21 +102,21 @@ class SimPool:
         if startup_s <= 0:
             self._serve(replica_id)
         else:
-            self._starting.add(replica_id)
+            self._starting[replica_id] = None
             loop.at(loop.now + startup_s, lambda: self._serve(replica_id))
         return replica_id
 
     def _serve(self, replica_id: str) -> None:
         if self._lifetimes[replica_id][1] is not None:
             return  # retired while starting
-        self._starting.discard(replica_id)
+        self._starting.pop(replica_id, None)
         self._serving[replica_id] = None
         self._loads = [*self._loads, replica_load(replica_id, NO_STATS)]
 
     def retire(self, replica_id: str) -> None:
         """No new requests for ``replica_id``; it stops once it holds nothing (a starting one stops now)."""
         if replica_id in self._starting:
-            self._starting.discard(replica_id)
+            del self._starting[replica_id]
             self._stop(replica_id)
             return
         if replica_id not in self._serving:
@@ -129,7 +129,7 @@ class SimPool:
     def retire_newest_starting_or_least_busy(self) -> str:
         """Retire one replica: a starting one if any, else the serving one with the fewest requests in flight."""
         if self._starting:
-            replica_id = max(self._starting, key=lambda r: int(r.rsplit("-", 1)[1]))
+            replica_id = next(reversed(self._starting))
         else:
             replica_id = min(self._serving, key=lambda r: (self.num_in_flight[r], r))
         self.retire(replica_id)
