@@ -270,19 +270,35 @@ def _plan_decode(config: PlannerConfig, state: PlannerState, signals: Sequence[R
                            "decode_correction": round(correction, 3)}
 
 
+def plan_prefill(config: PlannerConfig, state: PlannerState, signals: Sequence[ReplicaSignals], current: int,
+                 now_s: float) -> tuple[int, PlannerState, dict]:
+    """The prefill pool's count for the next period, from the last period's report of each of its replicas.
+
+    ``current`` is the pool's target count. Returns the count, the state to
+    pass next time, and the figures it planned from (for logs and metrics).
+    """
+    wanted, state, why = _plan_prefill(config, state, signals, current)
+    count, wants = _settle(config.prefill, current, wanted, state.prefill_wants, now_s, config.scale_down_delay_s)
+    return count, replace(state, prefill_wants=wants), why
+
+
+def plan_decode(config: PlannerConfig, state: PlannerState, signals: Sequence[ReplicaSignals], current: int,
+                now_s: float) -> tuple[int, PlannerState, dict]:
+    """The decode pool's count for the next period; as ``plan_prefill``."""
+    wanted, state, why = _plan_decode(config, state, signals, current)
+    count, wants = _settle(config.decode, current, wanted, state.decode_wants, now_s, config.scale_down_delay_s)
+    return count, replace(state, decode_wants=wants), why
+
+
 def plan(config: PlannerConfig, state: PlannerState, prefill: Sequence[ReplicaSignals],
          decode: Sequence[ReplicaSignals], num_prefill: int, num_decode: int, now_s: float) -> tuple[Plan, PlannerState]:
-    """The replica counts for the next period, from the last period's reports of each pool's replicas.
+    """Both pools' counts for the next period, from the last period's reports of each pool's replicas.
 
     ``num_prefill`` and ``num_decode`` are the pools' current target counts;
     ``prefill`` and ``decode`` hold one report per replica that sent one (a
     replica that did not is left out, and the pool's sums are of those that did).
+    The two pools are planned independently: each reads only its own signals.
     """
-    want_prefill, state, prefill_why = _plan_prefill(config, state, prefill, num_prefill)
-    want_decode, state, decode_why = _plan_decode(config, state, decode, num_decode)
-    next_prefill, prefill_wants = _settle(config.prefill, num_prefill, want_prefill, state.prefill_wants, now_s,
-                                          config.scale_down_delay_s)
-    next_decode, decode_wants = _settle(config.decode, num_decode, want_decode, state.decode_wants, now_s,
-                                        config.scale_down_delay_s)
-    state = replace(state, prefill_wants=prefill_wants, decode_wants=decode_wants)
+    next_prefill, state, prefill_why = plan_prefill(config, state, prefill, num_prefill, now_s)
+    next_decode, state, decode_why = plan_decode(config, state, decode, num_decode, now_s)
     return Plan(next_prefill, next_decode, {**prefill_why, **decode_why}), state

@@ -4,9 +4,9 @@ Every ``period_s`` an ``Autoscaler`` reads the pools and returns the replica
 counts it wants; ``run`` starts replicas (serving after ``startup_s``) or
 retires the least busy (``sim.pool``: a retired replica drains first).
 
-- ``PlannerAutoscaler``: ``autoscale.planner.plan``, fed each replica's
-  ``ReplicaSignals`` as a Serve replica reports them: its engine's own
-  counters and load, and the period's TTFT and ITL p90.
+- ``PlannerAutoscaler``: the app's Serve policy (``autoscale.serve.PlannerPolicy``)
+  per pool, fed each replica's report as a Serve replica sends it: its
+  engine's own counters and load, and the period's TTFT and ITL p90.
 - ``RayDefaultAutoscaler``: Ray Serve's own ``replica_queue_length_autoscaling_policy``
   per pool, with ``AutoscalingConfig``'s defaults (2 ongoing requests per
   replica, averaged over 30 s; up after 30 s, down after 600 s), its scaling
@@ -20,11 +20,11 @@ from __future__ import annotations
 import itertools
 import math
 from collections import deque
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, fields
+from typing import NamedTuple, Protocol
 
-from autoscale.planner import Capacity, PlannerConfig, PlannerState, ReplicaSignals, plan
-from bench.stats import percentile
+from autoscale.planner import Capacity, PlannerConfig
+from autoscale.serve import LatencyWindow, PlannerPolicy, replica_metrics, replica_reports
 from sim.cluster import SimCluster
 from sim.cost import CostModel, StepShape
 from sim.pool import SimPool
@@ -83,39 +83,71 @@ class _Window:
         return ttfts, gaps
 
 
+class _Point(NamedTuple):
+    """A point of a metric's time series, as Serve's controller keeps them (``TimeStampedValue``)."""
+
+    timestamp: float
+    value: float
+
+
 class PlannerAutoscaler:
+    """Serve's planner policy for each pool (``autoscale.serve.PlannerPolicy``), fed what Serve would give it.
+
+    Each period every replica reports ``replica_metrics``, as its
+    ``record_autoscaling_stats`` does; Serve's controller keeps one period of
+    them, so the policy sees each replica's report now and a period ago. The
+    latencies are the whole cluster's over the period (TTFT from arrival, ITL
+    between tokens), given to every replica of the pool they belong to.
+    Capacity is the profile's (``config.capacity``): the simulated steps take
+    no measurable time.
+    """
+
     def __init__(self, config: PlannerConfig) -> None:
         self.config = config
         self.period_s = config.period_s
-        self.state = PlannerState()
+        planner = {f.name: getattr(config, f.name) for f in fields(config)
+                   if f.name not in ("slo", "capacity", "prefill", "decode")}
+        cap = config.capacity
+        self.policies = {
+            "prefill": PlannerPolicy("prefill", config.slo.ttft_s, planner,
+                                     {"prefill_tokens_per_s": cap.prefill_tokens_per_s}),
+            "decode": PlannerPolicy("decode", config.slo.itl_s, planner,
+                                    {"decode_step_s": cap.decode_step_s,
+                                     "decode_step_per_seq_s": cap.decode_step_per_seq_s}),
+        }
         self.plans: list[tuple[float, dict]] = []
         self._window = _Window()
-        self._last: dict[str, tuple[int, int]] = {}  # replica id -> (computed prompt tokens, requests routed)
+        self._before: dict[str, tuple[float, dict[str, float]]] = {}  # replica id -> (time, its last report)
 
-    def _signals(self, pool: SimPool, ttft_p90: float | None, itl_p90: float | None) -> list[ReplicaSignals]:
-        signals = []
+    def _raw_metrics(self, pool: SimPool, ttft: LatencyWindow | None, itl: LatencyWindow | None,
+                     now_s: float) -> dict[str, dict[str, list]]:
+        """Serve's ``raw_metrics`` of ``pool``: metric -> replica id -> its reports of the last period."""
+        raw: dict[str, dict[str, list]] = {}
         for replica_id in pool.replica_ids:
             stats = pool.replicas[replica_id].engine.stats()
-            computed, routed = stats.num_computed_prompt_tokens, pool.num_routed[replica_id]
-            last_computed, last_routed = self._last.get(replica_id, (0, 0))
-            self._last[replica_id] = (computed, routed)
-            total = stats.num_free_blocks + stats.num_used_blocks
-            signals.append(ReplicaSignals(
-                prefill_tokens=computed - last_computed, queued_prefill_tokens=stats.num_waiting_tokens,
-                num_requests=routed - last_routed, running_seqs=stats.num_running, waiting_seqs=stats.num_waiting,
-                kv_blocks_used=stats.num_used_blocks, kv_blocks_total=total, ttft_p90_s=ttft_p90, itl_p90_s=itl_p90))
-        return signals
+            report = replica_metrics(stats, pool.num_routed[replica_id], ttft, itl)
+            before_s, before = self._before.get(replica_id, (None, {}))
+            self._before[replica_id] = (now_s, report)
+            for name, value in report.items():
+                series = [_Point(before_s, before[name])] if name in before else []
+                raw.setdefault(name, {})[replica_id] = [*series, _Point(now_s, value)]
+        return raw
 
     def decide(self, cluster: SimCluster) -> tuple[int, int]:
+        now_s = cluster.loop.now
         ttfts, gaps = self._window.read(cluster)
-        ttft_p90 = percentile(ttfts, 90) if ttfts else None
-        itl_p90 = percentile(gaps, 90) if gaps else None
-        prefill = self._signals(cluster.prefill, ttft_p90, None)
-        decode = self._signals(cluster.decode, None, itl_p90)
-        decision, self.state = plan(self.config, self.state, prefill, decode, cluster.prefill.num_target,
-                                    cluster.decode.num_target, cluster.loop.now)
-        self.plans.append((cluster.loop.now, decision.why))
-        return decision.num_prefill, decision.num_decode
+        counts, why = [], {}
+        for name, pool, samples in (("prefill", cluster.prefill, ttfts), ("decode", cluster.decode, gaps)):
+            window = LatencyWindow(self.period_s, clock=lambda: now_s)
+            for sample in samples:
+                window.observe(sample)
+            ttft, itl = (window, None) if name == "prefill" else (None, window)
+            reports = replica_reports(self._raw_metrics(pool, ttft, itl, now_s))
+            count, pool_why = self.policies[name].decide(reports, pool.num_target, getattr(self.config, name), now_s)
+            counts.append(count)
+            why.update(pool_why)
+        self.plans.append((now_s, why))
+        return counts[0], counts[1]
 
 
 class RayDefaultAutoscaler:

@@ -139,6 +139,11 @@ class AsyncLLMEngine:
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
+    async def wait_for_leases(self, poll_s: float = 0.05) -> None:
+        """Return once no lease pins KV: each is released by the decode that pulled it, or expires."""
+        while self.engine.stats().num_pinned_leases:
+            await asyncio.sleep(poll_s)
+
     def cache_events(self) -> tuple[int, list[CacheEvent]]:
         """The prefix cache's numbered events (``LLMEngine.cache_events``); safe while a step runs."""
         return self.engine.cache_events()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Callable
@@ -16,6 +17,7 @@ from pd.engine.model_runner import ModelRunner, kv_block_bytes
 from pd.engine.outputs import RequestOutput
 from pd.engine.request import FinishReason, KVSource, Request, RequestStatus, finish_reason
 from pd.engine.scheduler import make_scheduler
+from pd.engine.step_times import StepTimes
 from pd.engine.structured import GrammarCompiler, RequestGrammar
 from pd.model.config import load_model_config
 from pd.model.loader import resolve_dtype
@@ -49,6 +51,13 @@ class EngineStats:
     pull_seconds_total: float
     num_recompute_fallbacks: int
     num_quarantined_blocks: int  # blocks of given-up pulls, held until no byte can land in them
+    # Step times (``pd.engine.step_times``), cumulative.
+    prefill_seconds: float
+    decode_steps: int
+    decode_seconds: float
+    decode_seqs: int
+    decode_seqs_sq: int
+    decode_seq_seconds: float
 
 
 class LLMEngine:
@@ -99,6 +108,7 @@ class LLMEngine:
         )
         if transport is not None:
             transport.register(self.runner.kv_cache)
+        self.step_times = StepTimes()
         self.connector = KVConnector(
             self.engine_id, transport, self.fingerprint, self.kv_cache, self.scheduler,
             config.kv_lease_s, config.kv_read_timeout_s,
@@ -305,8 +315,11 @@ class LLMEngine:
         if out.is_empty:
             return early
         block_tables = [self.kv_cache.block_ids(s.request.request_id) for s in out.scheduled]
+        started, computed = time.monotonic(), self.scheduler.num_computed_prompt_tokens
         forward = self.runner.execute(out, block_tables)
         results = self.scheduler.update(out, forward)
+        self.step_times.record(time.monotonic() - started, self.scheduler.num_computed_prompt_tokens - computed,
+                               len(out.scheduled))
         for index, result in enumerate(results):
             if not result.finished:
                 continue
@@ -334,5 +347,6 @@ class LLMEngine:
             num_computed_prompt_tokens=self.scheduler.num_computed_prompt_tokens,
             num_prefix_hit_tokens=self.scheduler.num_prefix_hit_tokens,
             num_preemptions=self.scheduler.num_preemptions,
+            **vars(self.step_times),
             **vars(self.connector.stats),  # flat scalars: asdict's deep copy cost more than the rest of stats()
         )

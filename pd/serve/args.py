@@ -23,6 +23,9 @@ DECODE_ROUTER = "router.serve:DecodeLoadRouter"
 APP_LEVEL_ENGINE_FIELDS = ("kv_lease_s", "kv_read_timeout_s")
 # Router kwargs the app sets itself: the engines' block size and the pool's routing scope.
 APP_ROUTER_KWARGS = ("block_size", "routing_scope")
+PLANNER_POLICY = "autoscale.serve:PlannerPolicy"
+# Serve's own graceful_shutdown_timeout_s, which the pools keep where nothing asks for more.
+SERVE_GRACEFUL_SHUTDOWN_S = 20.0
 
 
 class _Strict(BaseModel):
@@ -104,21 +107,102 @@ class RouterArgs(_Strict):
         return kwargs
 
 
+class PoolAutoscalingArgs(_Strict):
+    """The SLO planner (``autoscale.serve.PlannerPolicy``) sizes the pool; see ``autoscale.planner``."""
+
+    min_replicas: int = Field(1, ge=1)
+    max_replicas: int = Field(1, ge=1)
+    initial_replicas: int | None = Field(None, ge=1)
+    period_s: float = Field(10.0, gt=0, description="between plans; replicas report twice a period")
+    scale_down_delay_s: float = Field(60.0, ge=0)
+    hysteresis: float = Field(0.2, ge=0, lt=1)
+    forecast_periods: float = Field(2.0, ge=0)
+    smoothing: float = Field(0.5, gt=0, le=1)
+    correction_smoothing: float = Field(0.3, gt=0, le=1)
+
+    @model_validator(mode="after")
+    def _valid_bounds(self) -> "PoolAutoscalingArgs":
+        if self.max_replicas < self.min_replicas:
+            raise ValueError(f"max_replicas ({self.max_replicas}) must be >= min_replicas ({self.min_replicas})")
+        initial = self.initial_replicas
+        if initial is not None and not self.min_replicas <= initial <= self.max_replicas:
+            raise ValueError(f"initial_replicas ({initial}) must be within min_replicas and max_replicas")
+        return self
+
+    def _planner_fields(self, *pool_fields: str) -> dict[str, Any]:
+        """The ``PlannerConfig`` fields: all but the bounds (Serve's) and the pool's SLO and capacity."""
+        return self.model_dump(exclude={"min_replicas", "max_replicas", "initial_replicas", *pool_fields})
+
+    def policy_kwargs(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def serve_config(self) -> dict[str, Any]:
+        """Serve's ``autoscaling_config``: Serve's own delays off (the planner has its own), metrics per period."""
+        return {
+            "min_replicas": self.min_replicas,
+            "max_replicas": self.max_replicas,
+            "initial_replicas": self.initial_replicas,
+            "upscale_delay_s": 0.0,
+            "downscale_delay_s": 0.0,
+            "metrics_interval_s": self.period_s / 2,
+            "look_back_period_s": self.period_s,
+            "policy": {"policy_function": PLANNER_POLICY, "policy_kwargs": self.policy_kwargs()},
+        }
+
+
+class PrefillAutoscalingArgs(PoolAutoscalingArgs):
+    slo_ttft_s: float = Field(gt=0, description="the TTFT p90 the pool is sized for")
+    backlog_drain_s: float = Field(10.0, gt=0)
+    prefill_tokens_per_s: float | None = Field(None, gt=0, description="one replica's; measured when unset")
+
+    def policy_kwargs(self) -> dict[str, Any]:
+        capacity = {"prefill_tokens_per_s": self.prefill_tokens_per_s} if self.prefill_tokens_per_s else {}
+        return {"pool": "prefill", "slo_s": self.slo_ttft_s, "capacity": capacity,
+                "planner": self._planner_fields("slo_ttft_s", "prefill_tokens_per_s")}
+
+
+class DecodeAutoscalingArgs(PoolAutoscalingArgs):
+    slo_itl_s: float = Field(gt=0, description="the inter-token latency p90 the pool is sized for")
+    decode_utilization: float = Field(0.8, gt=0, le=1)
+    decode_step_s: float | None = Field(None, ge=0, description="a decode step's fixed time; measured when unset")
+    decode_step_per_seq_s: float | None = Field(None, gt=0, description="and its time per sequence")
+
+    @model_validator(mode="after")
+    def _both_or_neither(self) -> "DecodeAutoscalingArgs":
+        if (self.decode_step_s is None) != (self.decode_step_per_seq_s is None):
+            raise ValueError("set decode_step_s and decode_step_per_seq_s together, or neither (measured)")
+        return self
+
+    def policy_kwargs(self) -> dict[str, Any]:
+        capacity = ({"decode_step_s": self.decode_step_s, "decode_step_per_seq_s": self.decode_step_per_seq_s}
+                    if self.decode_step_s is not None else {})
+        return {"pool": "decode", "slo_s": self.slo_itl_s, "capacity": capacity,
+                "planner": self._planner_fields("slo_itl_s", "decode_step_s", "decode_step_per_seq_s")}
+
+
 class PoolArgs(_Strict):
     num_replicas: int | None = Field(1, ge=1)
+    # Ray Serve's own autoscaling (its queue-length policy unless a policy is named).
     autoscaling_config: dict[str, Any] | None = None
     ray_actor_options: dict[str, Any] = Field(default_factory=lambda: {"num_cpus": 0.5})
     max_ongoing_requests: int = Field(64, ge=1)
     max_queued_requests: int = Field(256, ge=-1)
+    # How long Serve lets a replica that is going away finish its work before it is killed.
+    graceful_shutdown_timeout_s: float | None = Field(None, gt=0)
     router: RouterArgs = Field(default_factory=RouterArgs)
+    autoscaling: PoolAutoscalingArgs | None = None
 
     @model_validator(mode="after")
     def _one_scaling_mode(self) -> "PoolArgs":
-        if self.autoscaling_config is not None and self.num_replicas not in (None, 1):
-            raise ValueError("set num_replicas or autoscaling_config, not both")
+        if self.autoscaling_config is not None and self.autoscaling is not None:
+            raise ValueError("set autoscaling (the SLO planner) or autoscaling_config (Ray's policy), not both")
+        if (self.autoscaling_config is not None or self.autoscaling is not None) and self.num_replicas not in (None, 1):
+            name = "autoscaling_config" if self.autoscaling_config is not None else "autoscaling"
+            raise ValueError(f"set num_replicas or {name}, not both")
         return self
 
-    def deployment_options(self, default_router: str, block_size: int, routing_scope: str) -> dict[str, Any]:
+    def deployment_options(self, default_router: str, block_size: int, routing_scope: str,
+                           graceful_shutdown_timeout_s: float | None = None) -> dict[str, Any]:
         from ray.serve.config import RequestRouterConfig
 
         options: dict[str, Any] = {
@@ -131,11 +215,23 @@ class PoolArgs(_Strict):
                 request_routing_stats_period_s=self.router.request_routing_stats_period_s,
             ),
         }
-        if self.autoscaling_config is not None:
+        if graceful_shutdown_timeout_s is not None:
+            options["graceful_shutdown_timeout_s"] = graceful_shutdown_timeout_s
+        if self.autoscaling is not None:
+            options["autoscaling_config"] = self.autoscaling.serve_config()
+        elif self.autoscaling_config is not None:
             options["autoscaling_config"] = dict(self.autoscaling_config)
         else:
             options["num_replicas"] = self.num_replicas
         return options
+
+
+class PrefillPoolArgs(PoolArgs):
+    autoscaling: PrefillAutoscalingArgs | None = None
+
+
+class DecodePoolArgs(PoolArgs):
+    autoscaling: DecodeAutoscalingArgs | None = None
 
 
 class IngressArgs(_Strict):
@@ -151,8 +247,8 @@ class AppArgs(_Strict):
     model_name: str | None = Field(None, description="the id served at /v1/models; defaults to engine.model")
     engine: EngineArgs = Field(default_factory=EngineArgs)
     mode: Literal["disaggregated", "colocated"] = "disaggregated"
-    prefill: PoolArgs = Field(default_factory=PoolArgs)
-    decode: PoolArgs = Field(default_factory=PoolArgs)
+    prefill: PrefillPoolArgs = Field(default_factory=PrefillPoolArgs)
+    decode: DecodePoolArgs = Field(default_factory=DecodePoolArgs)
     ingress: IngressArgs = Field(default_factory=IngressArgs)
     transfer_backend: Literal["nixl", "torch"] = "nixl"
     # torch backend: the port each prefill replica's TCPStore listens on (0: any free port).
@@ -198,6 +294,28 @@ class AppArgs(_Strict):
                 raise ValueError(f"{name}.router.{exc}") from None
         return self
 
+    @model_validator(mode="after")
+    def _valid_scaling(self) -> "AppArgs":
+        if self.mode == "colocated":
+            for name, pool in (("prefill", self.prefill), ("decode", self.decode)):
+                if pool.autoscaling is not None:
+                    raise ValueError(f"{name}.autoscaling: the SLO planner sizes the pools of a disaggregated app; "
+                                     "in colocated mode use decode.autoscaling_config (Ray Serve's policy)")
+        given = self.prefill.graceful_shutdown_timeout_s
+        if given is not None and given < self.prefill_drain_s:
+            raise ValueError(f"prefill.graceful_shutdown_timeout_s ({given}) must be at least prefill_timeout_s + "
+                             f"kv_lease_s ({self.prefill_drain_s}): a prefill replica going away serves its leased "
+                             "KV until the last lease ends")
+        if self.decode.autoscaling is not None and self.max_migrations < 1:
+            raise ValueError("decode.autoscaling needs max_migrations >= 1: a stream still running when its replica's "
+                             "graceful_shutdown_timeout_s ends moves to another decode replica")
+        return self
+
+    @property
+    def prefill_drain_s(self) -> float:
+        """The longest a prefill replica going away can hold KV: a prefill admitted last, then its lease."""
+        return self.prefill_timeout_s + self.kv_lease_s
+
     def pools(self) -> list[tuple[str, "PoolArgs", str, str]]:
         """``(name, args, default router, routing scope)`` of each pool."""
         return [("prefill", self.prefill, PREFILL_ROUTER, PREFILL_SCOPE), ("decode", self.decode, DECODE_ROUTER, DECODE_SCOPE)]
@@ -205,7 +323,10 @@ class AppArgs(_Strict):
     def deployment_options(self, pool: str) -> dict[str, Any]:
         """Serve options of the ``"prefill"`` or ``"decode"`` deployment, routers included."""
         [(_, args, default, scope)] = [entry for entry in self.pools() if entry[0] == pool]
-        return args.deployment_options(default, self.engine.block_size, scope)
+        graceful = args.graceful_shutdown_timeout_s
+        if pool == "prefill" and graceful is None:
+            graceful = max(SERVE_GRACEFUL_SHUTDOWN_S, self.prefill_drain_s)
+        return args.deployment_options(default, self.engine.block_size, scope, graceful)
 
     @classmethod
     def parse(cls, args: dict[str, Any] | None) -> "AppArgs":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from typing import AsyncIterator
 
 from ray import serve
@@ -50,8 +51,14 @@ class DecodeServer(EngineServer):
         stream = self.engine.add_request(request.request_id, token_ids, request.sampling,
                                          remote_kv=remote_kv, first_token_id=request.first_token_id,
                                          num_generated=request.num_generated)
+        last_token_at = None
         async with contextlib.aclosing(stream):
             async for out in stream:
+                if out.new_token_ids:
+                    now = time.monotonic()
+                    if last_token_at is not None:  # gaps after the first token here: the pull is not one
+                        self.latency_window.observe((now - last_token_at) / len(out.new_token_ids))
+                    last_token_at = now
                 if out.finished:
                     self.metrics.queue.observe(out.queue_seconds)
                 yield DecodeChunk(

@@ -11,12 +11,15 @@ from typing import Any, Callable
 import torch
 from ray import serve
 
+from autoscale.serve import LatencyWindow, replica_metrics
 from pd.engine.async_engine import AsyncLLMEngine
 from pd.serve.args import AppArgs
 from pd.serve.metrics import ReplicaMetrics
 from transfer import KVTransport, create_transport
 
 logger = logging.getLogger(__name__)
+
+DEFAULT_LATENCY_WINDOW_S = 10.0
 
 
 def resident_bytes() -> int:
@@ -94,12 +97,23 @@ class EngineServer:
         logger.info("%s replica computes on %s threads", self.role, config.num_threads or "the default")
         self.engine = AsyncLLMEngine(config, self.transport)
         self.metrics = ReplicaMetrics(self.role, self.replica_id)
+        pool = getattr(self.args, self.role, None)
+        planner = getattr(pool, "autoscaling", None)
+        # What the SLO planner reads (``record_autoscaling_stats``), over its period.
+        self.latency_window = LatencyWindow(planner.period_s if planner else DEFAULT_LATENCY_WINDOW_S)
+        self.num_prefilled = 0
         logger.info("%s replica %s ready", self.role, self.replica_id)
 
     def record_routing_stats(self) -> dict[str, bytes]:
         """Reaches this deployment's request routers as ``replica.routing_stats`` (``RoutingStats``)."""
         self.metrics.record_state(self.engine.stats())
         return self.engine.routing_stats().publish()
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's custom autoscaling metrics of this replica (``autoscale.serve.replica_metrics``)."""
+        ttft = self.latency_window if self.role == "prefill" else None
+        itl = self.latency_window if self.role == "decode" else None
+        return replica_metrics(self.engine.stats(), self.num_prefilled, ttft, itl)
 
     async def stats(self) -> dict[str, Any]:
         """Engine counters, the replica id and its node, for tests and operators."""

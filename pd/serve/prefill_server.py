@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 
 from ray import serve
 
@@ -26,6 +27,7 @@ class PrefillServer(EngineServer):
         (``RouteHints``) are for the request router. Cancelling the call
         aborts the request and frees its blocks.
         """
+        started = time.monotonic()
         request = PoolRequest.decode(data)
         await self.engine.compile_constraint(request.sampling)  # off the event loop
         stream = self.engine.add_request(request.request_id, list(request.token_ids), request.sampling, pin_kv=True)
@@ -38,6 +40,8 @@ class PrefillServer(EngineServer):
         if last is None or last.finish_reason is FinishReason.ABORT or last.kv_handle is None:
             raise RuntimeError(f"prefill of {request.request_id} was aborted")
         self.metrics.queue.observe(last.queue_seconds)
+        self.latency_window.observe(time.monotonic() - started)
+        self.num_prefilled += 1
         return PrefillResult(
             request_id=request.request_id,
             replica_id=self.replica_id,
@@ -58,3 +62,20 @@ class PrefillServer(EngineServer):
         payload = PoolControl.decode(data).payload
         # The transport may block while it sends; keep the event loop free.
         return await asyncio.get_running_loop().run_in_executor(None, self.transport.handle_control, payload)
+
+    async def __del__(self) -> None:
+        """Serve calls this once the replica is out of every router and its calls are done.
+
+        Decode replicas may still be reading KV it leased (a NIXL read does not
+        pass through Serve), so it stays up until the last lease is released or
+        expires: at most ``kv_lease_s``, inside ``graceful_shutdown_timeout_s``
+        (``AppArgs`` checks the two agree).
+        """
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            leases = engine.stats().num_pinned_leases
+            if leases:
+                logger.info("prefill replica %s going away: serving %d KV leases until they end",
+                            self.replica_id, leases)
+            await engine.wait_for_leases()
+        super().__del__()
