@@ -9,8 +9,8 @@ to its controller, and calls the deployment's autoscaling policy with them
 ``PlannerPolicy`` is that policy, one instance per pool (Serve builds it
 from ``policy_kwargs``). Every ``period_s`` it turns what Serve kept of each
 replica's reports (the last ``look_back_period_s``, one period: counters
-become rates over it) into ``ReplicaSignals`` and calls ``plan_prefill`` or ``plan_decode``.
-Between plans it keeps the pool's target. The planner owns the scale-down
+become rates over it) into ``ReplicaSignals`` and calls ``plan_prefill``
+or ``plan_decode``. Between plans it keeps the pool's target. The planner owns the scale-down
 delay and hysteresis, so the app sets Serve's own ``upscale_delay_s`` and
 ``downscale_delay_s`` to 0 (Serve applies them on top of any custom policy).
 Capacity is the configured figure where one is given, else measured from
@@ -28,7 +28,16 @@ from dataclasses import dataclass, fields
 from typing import Any, Callable
 
 from autoscale.capacity import StepSums, decode_step_line, prefill_tokens_per_s
-from autoscale.planner import Bounds, Capacity, PlannerConfig, PlannerState, ReplicaSignals, Slo, plan_decode, plan_prefill
+from autoscale.planner import (
+    Bounds,
+    Capacity,
+    PlannerConfig,
+    PlannerState,
+    ReplicaSignals,
+    Slo,
+    plan_decode,
+    plan_prefill,
+)
 from bench.stats import percentile
 
 # Serve runs the policy in its controller, whose log keeps only Serve's logger: decisions go there.
@@ -198,4 +207,5 @@ class PlannerPolicy:
 def _capacity_figures(capacity: Capacity, pool: str) -> dict[str, float]:
     if pool == "prefill":
         return {"prefill_tokens_per_s": round(capacity.prefill_tokens_per_s, 1)}
-    return {"decode_step_s": round(capacity.decode_step_s, 5), "decode_step_per_seq_s": round(capacity.decode_step_per_seq_s, 6)}
+    return {"decode_step_s": round(capacity.decode_step_s, 5),
+            "decode_step_per_seq_s": round(capacity.decode_step_per_seq_s, 6)}

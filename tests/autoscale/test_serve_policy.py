@@ -164,7 +164,8 @@ def test_policy_through_serves_own_wrapper_and_context():
     replica = ReplicaID(unique_id="a", deployment_id=deployment)
 
     def context(at: float, report: dict, target: int, before: dict | None = None) -> AutoscalingContext:
-        metrics = {name: {replica: series["a"]} for name, series in raw({"a": report}, at, {"a": before or report}).items()}
+        series_of = raw({"a": report}, at, {"a": before or report})
+        metrics = {name: {replica: series["a"]} for name, series in series_of.items()}
         return AutoscalingContext(
             deployment_id=deployment, deployment_name="PrefillServer", app_name="pd", current_num_replicas=target,
             target_num_replicas=target, running_replicas=[replica], total_num_requests=0.0,

@@ -105,3 +105,38 @@ def test_engine_defaults_and_choices_have_one_source():
         assert EngineArgs.model_fields[name].default == field.default, name
         assert EngineArgs.model_fields[name].annotation == hints[name], name
     assert EngineArgs().engine_config(30.0, 10.0) == EngineConfig()
+
+
+def test_the_autoscaling_config_runs_the_planner_with_serves_delays_off():
+    args = AppArgs.model_validate(config_args("autoscaling.yaml"))
+    for pool, slo in (("prefill", ("slo_s", 1.0)), ("decode", ("slo_s", 0.1))):
+        options = args.deployment_options(pool)
+        assert "num_replicas" not in options
+        config = options["autoscaling_config"]
+        assert config["upscale_delay_s"] == config["downscale_delay_s"] == 0.0  # the planner has its own
+        assert config["policy"]["policy_function"] == "autoscale.serve:PlannerPolicy"
+        kwargs = config["policy"]["policy_kwargs"]
+        assert kwargs["pool"] == pool and kwargs[slo[0]] == slo[1]
+    # A prefill replica going away outlives a prefill admitted last and then its lease.
+    assert args.deployment_options("prefill")["graceful_shutdown_timeout_s"] == args.prefill_timeout_s + args.kv_lease_s
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"prefill": {"autoscaling": {"max_replicas": 2}}}, "prefill.autoscaling.slo_ttft_s: Field required"),
+        ({"prefill": {"autoscaling": {"slo_ttft_s": 1, "max_replica": 2}}}, "prefill.autoscaling.max_replica"),
+        ({"decode": {"autoscaling": {"slo_itl_s": 0.1, "min_replicas": 3, "max_replicas": 2}}},
+         "max_replicas \\(2\\) must be >= min_replicas \\(3\\)"),
+        ({"decode": {"autoscaling": {"slo_itl_s": 0.1, "decode_step_s": 0.01}}}, "decode_step_per_seq_s together"),
+        ({"prefill": {"num_replicas": 2, "autoscaling": {"slo_ttft_s": 1}}}, "num_replicas or autoscaling"),
+        ({"prefill": {"autoscaling": {"slo_ttft_s": 1}, "autoscaling_config": {"max_replicas": 2}}},
+         "autoscaling .* or autoscaling_config"),
+        ({"prefill": {"graceful_shutdown_timeout_s": 10}}, "prefill.graceful_shutdown_timeout_s \\(10.0\\) must be"),
+        ({"mode": "colocated", "decode": {"autoscaling": {"slo_itl_s": 0.1}}}, "decode.autoscaling: the SLO planner"),
+        ({"max_migrations": 0, "decode": {"autoscaling": {"slo_itl_s": 0.1}}}, "max_migrations >= 1"),
+    ],
+)
+def test_autoscaling_mistakes_name_the_field(change, message):
+    with pytest.raises(ValueError, match=message):
+        AppArgs.parse(change)
