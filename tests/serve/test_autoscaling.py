@@ -307,5 +307,57 @@ def test_the_draining_prefill_replica_killed_loses_no_request(ray_cluster, offli
     wait_until(_all_clean, timeout=30)
 
 
+def _long_stream(client, index: int, max_tokens: int) -> str:
+    from tests.serve.test_faults import _stream
+
+    return _stream(client, f"stream {index} {uuid.uuid4().hex}", max_tokens)
+
+
+def test_decode_scaled_down_under_long_streams_moves_them_and_breaks_none(ray_cluster):
+    """Two decode replicas and a few streams longer than the graceful window: the one going away is stopped
+    mid-stream, and its streams move to the other replica and finish."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.serve.test_faults import _ingress_stats
+
+    args = planner_app(decode={"initial_replicas": 2, "scale_down_delay_s": 8.0})
+    args["decode"]["graceful_shutdown_timeout_s"] = 2.0
+    ensure_app("autoscaling.yaml", **args)
+    client = Client(ray_cluster["url"])
+    wait_until(lambda: running("DecodeServer") == 2, timeout=90)
+    migrations_before = _ingress_stats()["num_migrations"]
+    with ThreadPoolExecutor(4) as pool:
+        streams = [pool.submit(_long_stream, client, i, 400) for i in range(4)]
+        busy = {}  # replica id -> streams running on it, sampled until one replica is going away
+        going = wait_until(lambda: busy.update(_running_streams())
+                           or [rid for rid, (state, _) in replicas("DecodeServer").items() if state == "STOPPING"],
+                           timeout=60)
+        outcomes = [stream.result(timeout=180) for stream in streams]
+    assert outcomes == ["done"] * 4, outcomes
+    [gone] = going
+    assert busy.get(gone, 0) > 0, busy  # it was stopped with streams on it...
+    assert _ingress_stats()["num_migrations"] > migrations_before  # ...which moved
+    wait_until(lambda: running("DecodeServer") == 1 and len(replicas("DecodeServer")) == 1, timeout=60)
+    wait_until(_all_clean, timeout=30)
+
+
+def _running_streams() -> dict[str, int]:
+    """Streams on each running decode replica that answers within 5 s (one may be leaving the routers)."""
+    from ray import serve
+
+    from router.protocol import RouteHints
+
+    handle = serve.get_deployment_handle("DecodeServer", "pd")
+    counts = {}
+    for replica_id, (state, _) in replicas("DecodeServer").items():
+        if state == "RUNNING":
+            call = handle.stats_of.remote(RouteHints(request_id="", target_replica_id=replica_id).encode())
+            try:
+                counts[replica_id] = call.result(timeout_s=5)["num_running"]
+            except Exception:  # noqa: BLE001 - it left the routers between the two reads
+                call.cancel()
+    return counts
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q", "-s"]))
