@@ -34,6 +34,9 @@ class EngineConfig:
     block_size: int = 16
     num_blocks: int | None = None
     kv_cache_bytes: int = 2 * 1024**3
+    # A host-memory tier behind the KV pool (``pd.engine.host_tier``): evicted prefix blocks are
+    # copied there and loaded back on a hit. 0: none, an evicted block is gone.
+    host_kv_cache_bytes: int = 0
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     max_model_len: int | None = None
@@ -58,6 +61,8 @@ class EngineConfig:
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "kv_cache_bytes", "cuda_graph_max_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.host_kv_cache_bytes < 0:
+            raise ValueError(f"host_kv_cache_bytes must be >= 0, got {self.host_kv_cache_bytes}")
         for name in ("kv_lease_s", "kv_read_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")

@@ -12,7 +12,7 @@ until it is taken for a new allocation, which evicts it.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from typing import Iterable, NamedTuple, Sequence
+from typing import Callable, Iterable, NamedTuple, Sequence
 
 # How many prefix-cache events a pool keeps for routers to read.
 MAX_CACHE_EVENTS = 4096
@@ -72,6 +72,8 @@ class BlockPool:
         self._block_hash: dict[int, bytes] = {}
         self._block_tokens: dict[int, tuple[int, ...]] = {}
         self.events = CacheEventLog(max_cache_events)
+        # Called with (block id, hash, tokens) as a cached block is evicted, before the block is reused.
+        self.on_evict: Callable[[int, bytes, tuple[int, ...]], None] | None = None
 
     def cache_event_window(self, after_seq: int | None = None) -> tuple[int, list[CacheEvent]]:
         """See ``CacheEventLog.window``."""
@@ -157,8 +159,10 @@ class BlockPool:
         block_hash = self._block_hash.pop(block_id, None)
         if block_hash is not None:
             del self._hash_to_block[block_hash]
-            del self._block_tokens[block_id]
+            tokens = self._block_tokens.pop(block_id)
             self.events.record(block_hash, stored=False)
+            if self.on_evict is not None:
+                self.on_evict(block_id, block_hash, tokens)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (used blocks keep their contents)."""

@@ -12,6 +12,7 @@ from typing import Callable
 from pd.config import EngineConfig, SchedulerConfig
 from pd.engine.block_pool import CacheEvent
 from pd.engine.clock import SYSTEM_CLOCK, Clock
+from pd.engine.host_tier import HostTier, HostTierStats
 from pd.engine.kv_connector import KVConnector
 from pd.engine.model_runner import ModelRunner, kv_block_bytes
 from pd.engine.outputs import RequestOutput
@@ -51,6 +52,10 @@ class EngineStats:
     pull_seconds_total: float
     num_recompute_fallbacks: int
     num_quarantined_blocks: int  # blocks of given-up pulls, held until no byte can land in them
+    # The host tier (``pd.engine.host_tier``); zeros without one.
+    num_demoted_blocks: int
+    num_promoted_blocks: int
+    num_host_cached_blocks: int
     # Step times (``pd.engine.step_times``), cumulative.
     prefill_seconds: float
     decode_steps: int
@@ -106,6 +111,15 @@ class LLMEngine:
             head_dim=mc.head_dim,
             block_size=config.block_size,
         )
+        self.host_tier = None
+        if config.host_kv_cache_bytes:
+            block_bytes = kv_block_bytes(mc, config.block_size, self.runner.dtype)
+            num_host_blocks = config.host_kv_cache_bytes // block_bytes
+            if num_host_blocks < 1:
+                raise ValueError(f"host_kv_cache_bytes {config.host_kv_cache_bytes} holds no block of "
+                                 f"{block_bytes} bytes")
+            self.host_tier = HostTier(self.runner.kv_cache, num_host_blocks)
+            self.kv_cache.attach_host_tier(self.host_tier)
         if transport is not None:
             transport.register(self.runner.kv_cache)
         self.step_times = StepTimes()
@@ -347,6 +361,7 @@ class LLMEngine:
             num_computed_prompt_tokens=self.scheduler.num_computed_prompt_tokens,
             num_prefix_hit_tokens=self.scheduler.num_prefix_hit_tokens,
             num_preemptions=self.scheduler.num_preemptions,
+            **vars(self.host_tier.stats if self.host_tier is not None else HostTierStats()),
             **vars(self.step_times),
             **vars(self.connector.stats),  # flat scalars: asdict's deep copy cost more than the rest of stats()
         )

@@ -1,0 +1,92 @@
+"""The host tier: prefix blocks the device pool evicts are copied to a block-major pool in host memory.
+
+A later prompt that runs past the device pool's prefix hits continues its
+match here; the blocks found are copied back into device blocks
+(``KVCacheManager.match_prefix``), so to the scheduler they are device hits.
+
+    device pool  --evict-->  demote: copy the block, keyed by its hash (LRU)
+    host pool    --match-->  promote: copy into a fresh device block, cache it there
+
+Each entry keeps its block's tokens, and a match verifies them, as the device
+prefix cache does. The host pool is inclusive: a promoted block stays here
+too, so evicting it from the device again copies nothing. Copies are
+synchronous ``copy_`` calls (one contiguous block each); on a GPU the host
+pool is pinned.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+
+@dataclass
+class HostTierStats:
+    num_demoted_blocks: int = 0  # copied in from the device pool, cumulative
+    num_promoted_blocks: int = 0  # copied back to the device pool on a prefix hit, cumulative
+    num_host_cached_blocks: int = 0  # held now
+
+
+class HostTier:
+    def __init__(self, device_cache: torch.Tensor, num_blocks: int) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"a host tier needs at least one block, got {num_blocks}")
+        self.device_cache = device_cache  # [num_device_blocks, *block]
+        self.cache = torch.empty((num_blocks, *device_cache.shape[1:]), dtype=device_cache.dtype, device="cpu",
+                                 pin_memory=device_cache.is_cuda)
+        self.num_blocks = num_blocks
+        # block hash -> (host slot, the block's tokens); oldest use first.
+        self._index: OrderedDict[bytes, tuple[int, tuple[int, ...]]] = OrderedDict()
+        self._free_slots = list(range(num_blocks - 1, -1, -1))
+        self._loading: set[int] = set()  # slots a promotion is reading: never reused meanwhile
+        self.stats = HostTierStats()
+
+    def demote(self, block_id: int, block_hash: bytes, token_ids: Sequence[int]) -> None:
+        """Copy device block ``block_id`` (cached as ``block_hash``) here before the device reuses it."""
+        if block_hash in self._index:
+            self._index.move_to_end(block_hash)
+            return
+        slot = self._take_slot()
+        if slot is None:
+            return  # every slot is being read by a promotion: this block is dropped, as without a tier
+        self.cache[slot].copy_(self.device_cache[block_id])
+        self._index[block_hash] = (slot, tuple(token_ids))
+        self.stats.num_demoted_blocks += 1
+        self.stats.num_host_cached_blocks = len(self._index)
+
+    def _take_slot(self) -> int | None:
+        if self._free_slots:
+            return self._free_slots.pop()
+        for block_hash, (slot, _) in self._index.items():  # least recently used first
+            if slot not in self._loading:
+                del self._index[block_hash]
+                return slot
+        return None
+
+    def match(self, block_hashes: Sequence[bytes], token_ids: Sequence[int], block_size: int,
+              start: int) -> list[bytes]:
+        """The hashes of the run of blocks held here for ``block_hashes``, the first being block ``start``."""
+        found = []
+        for index, block_hash in enumerate(block_hashes, start):
+            entry = self._index.get(block_hash)
+            if entry is None or entry[1] != tuple(token_ids[index * block_size:(index + 1) * block_size]):
+                break
+            found.append(block_hash)
+        return found
+
+    def reserve(self, block_hashes: Sequence[bytes]) -> None:
+        """Keep these entries' slots from reuse until ``promote`` (demotions may run in between)."""
+        for block_hash in block_hashes:
+            self._index.move_to_end(block_hash)
+            self._loading.add(self._index[block_hash][0])
+
+    def promote(self, block_hash: bytes, block_id: int) -> tuple[int, ...]:
+        """Copy a reserved entry into device block ``block_id``; its tokens."""
+        slot, tokens = self._index[block_hash]
+        self.device_cache[block_id].copy_(self.cache[slot])
+        self._loading.discard(slot)
+        self.stats.num_promoted_blocks += 1
+        return tokens
