@@ -111,15 +111,7 @@ class LLMEngine:
             head_dim=mc.head_dim,
             block_size=config.block_size,
         )
-        self.host_tier = None
-        if config.host_kv_cache_bytes:
-            block_bytes = kv_block_bytes(mc, config.block_size, self.runner.dtype)
-            num_host_blocks = config.host_kv_cache_bytes // block_bytes
-            if num_host_blocks < 1:
-                raise ValueError(f"host_kv_cache_bytes {config.host_kv_cache_bytes} holds no block of "
-                                 f"{block_bytes} bytes")
-            self.host_tier = HostTier(self.runner.kv_cache, num_host_blocks)
-            self.kv_cache.attach_host_tier(self.host_tier)
+        self.host_tier = self._host_tier(config.host_kv_cache_bytes)
         if transport is not None:
             transport.register(self.runner.kv_cache)
         self.step_times = StepTimes()
@@ -342,6 +334,17 @@ class LLMEngine:
                 results[index] = dataclasses.replace(result, kv_handle=self.connector.pin(request))
             self._forget(result.request_id)
         return early + results
+
+    def _host_tier(self, num_bytes: int) -> HostTier | None:
+        """The host tier behind the KV pool, attached, or None for ``num_bytes`` 0."""
+        if not num_bytes:
+            return None
+        block_bytes = kv_block_bytes(self.model_config, self.config.block_size, self.runner.dtype)
+        if num_bytes < block_bytes:
+            raise ValueError(f"host_kv_cache_bytes {num_bytes} holds no block of {block_bytes} bytes")
+        tier = HostTier(self.runner.kv_cache, num_bytes // block_bytes)
+        self.kv_cache.attach_host_tier(tier)
+        return tier
 
     def _forget(self, request_id: str) -> None:
         request = self._requests.pop(request_id, None)
