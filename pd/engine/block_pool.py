@@ -11,6 +11,7 @@ until it is taken for a new allocation, which evicts it.
 
 from __future__ import annotations
 
+import enum
 from collections import OrderedDict, deque
 from typing import Callable, Iterable, NamedTuple, Sequence
 
@@ -18,15 +19,34 @@ from typing import Callable, Iterable, NamedTuple, Sequence
 MAX_CACHE_EVENTS = 4096
 
 
-class CacheEvent(NamedTuple):
-    """A block hash entering (``stored``) or leaving the prefix cache, numbered in order.
+class Tier(enum.IntEnum):
+    """Where a replica holds a cached block, fastest first (``pd.engine.host_tier``, ``pd.engine.disk_tier``)."""
 
-    A tuple of atoms, so the garbage collector stops tracking the thousands a pool keeps.
+    DEVICE = 0
+    HOST = 1
+    DISK = 2
+    SHARED = 3  # the deployment's shared store: readable by every replica
+
+
+class CacheEvent(NamedTuple):
+    """A change to where the replica holds a block hash, numbered in order.
+
+    ``stored`` with ``tier``: its fastest copy is now in that tier (device,
+    host or disk); not ``stored``: the replica holds it nowhere. Events of
+    ``Tier.SHARED`` are about the shared store and stand apart: stored there,
+    or gone from there. A tuple of atoms, so the garbage collector stops
+    tracking the thousands a pool keeps.
     """
 
     seq: int
     block_hash: bytes
     stored: bool
+    tier: int = Tier.DEVICE
+
+    @property
+    def key(self) -> tuple[bytes, bool]:
+        """What a later event replaces: the replica's own copy, or the shared store's."""
+        return self.block_hash, self.tier == Tier.SHARED
 
 
 class CacheEventLog:
@@ -36,12 +56,12 @@ class CacheEventLog:
         self._events: deque[CacheEvent] = deque(maxlen=max_events)
         self._next_seq = 0
 
-    def record(self, block_hash: bytes, stored: bool) -> None:
-        self._events.append(CacheEvent(self._next_seq, block_hash, stored))
+    def record(self, block_hash: bytes, stored: bool, tier: int = 0) -> None:
+        self._events.append(CacheEvent(self._next_seq, block_hash, stored, int(tier)))
         self._next_seq += 1
 
     def window(self, after_seq: int | None = None) -> tuple[int, list[CacheEvent]]:
-        """``(first_seq, events)``: every change still kept, compacted to each hash's latest.
+        """``(first_seq, events)``: every change still kept, compacted to each ``CacheEvent.key``'s latest.
 
         The window covers every event numbered ``first_seq`` or later; a reader
         that has applied events only up to ``first_seq - 2`` missed some.
@@ -53,7 +73,7 @@ class CacheEventLog:
         if after_seq is not None and after_seq >= first_seq:
             events = events[after_seq + 1 - first_seq:]  # seqs are consecutive: the index is the offset
             first_seq = after_seq + 1
-        latest = {e.block_hash: e for e in events}
+        latest = {e.key: e for e in events}
         return first_seq, sorted(latest.values(), key=lambda e: e.seq)
 
 
@@ -72,8 +92,9 @@ class BlockPool:
         self._block_hash: dict[int, bytes] = {}
         self._block_tokens: dict[int, tuple[int, ...]] = {}
         self.events = CacheEventLog(max_cache_events)
-        # Called with (block id, hash, tokens) as a cached block is evicted, before the block is reused.
-        self.on_evict: Callable[[int, bytes, tuple[int, ...]], None] | None = None
+        # Called with (block id, hash, tokens) as a cached block is evicted, before the block is reused;
+        # returns the lower tier that holds the block from then on, or None.
+        self.on_evict: Callable[[int, bytes, tuple[int, ...]], Tier | None] | None = None
 
     def cache_event_window(self, after_seq: int | None = None) -> tuple[int, list[CacheEvent]]:
         """See ``CacheEventLog.window``."""
@@ -90,6 +111,10 @@ class BlockPool:
     @property
     def num_cached_blocks(self) -> int:
         return len(self._hash_to_block)
+
+    def is_cached(self, block_hash: bytes) -> bool:
+        """Whether a block holds ``block_hash`` in the prefix cache."""
+        return block_hash in self._hash_to_block
 
     def ref_count(self, block_id: int) -> int:
         return self._ref_counts[block_id]
@@ -160,9 +185,8 @@ class BlockPool:
         if block_hash is not None:
             del self._hash_to_block[block_hash]
             tokens = self._block_tokens.pop(block_id)
-            self.events.record(block_hash, stored=False)
-            if self.on_evict is not None:
-                self.on_evict(block_id, block_hash, tokens)
+            lower = self.on_evict(block_id, block_hash, tokens) if self.on_evict is not None else None
+            self.events.record(block_hash, stored=lower is not None, tier=Tier.DEVICE if lower is None else lower)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (used blocks keep their contents)."""

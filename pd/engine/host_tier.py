@@ -22,6 +22,8 @@ from typing import Sequence
 
 import torch
 
+from pd.engine.block_pool import Tier
+
 
 @dataclass
 class HostTierStats:
@@ -44,18 +46,22 @@ class HostTier:
         self._loading: set[int] = set()  # slots a promotion is reading: never reused meanwhile
         self.stats = HostTierStats()
 
-    def demote(self, block_id: int, block_hash: bytes, token_ids: Sequence[int]) -> None:
-        """Copy device block ``block_id`` (cached as ``block_hash``) here before the device reuses it."""
+    def demote(self, block_id: int, block_hash: bytes, token_ids: Sequence[int]) -> Tier | None:
+        """Copy device block ``block_id`` (cached as ``block_hash``) here before the device reuses it.
+
+        Returns the tier that holds it from now on (None: dropped).
+        """
         if block_hash in self._index:
             self._index.move_to_end(block_hash)
-            return
+            return Tier.HOST
         slot = self._take_slot()
         if slot is None:
-            return  # every slot is being read by a promotion: this block is dropped, as without a tier
+            return None  # every slot is being read by a promotion: this block is dropped, as without a tier
         self.cache[slot].copy_(self.device_cache[block_id])
         self._index[block_hash] = (slot, tuple(token_ids))
         self.stats.num_demoted_blocks += 1
         self.stats.num_host_cached_blocks = len(self._index)
+        return Tier.HOST
 
     def _take_slot(self) -> int | None:
         if self._free_slots:
