@@ -47,7 +47,7 @@ SENTINEL = -1  # no pattern word is negative
 
 def quiet_nixl() -> None:
     """NIXL logs INFO lines to stdout, which must carry only the JSON result."""
-    import nixl._api  # noqa: F401  (configures the "nixl" logger)
+    import transfer.nixl_api  # noqa: F401  (NIXL's import configures the "nixl" logger)
 
     logging.getLogger("nixl").setLevel(logging.WARNING)
 
@@ -85,7 +85,7 @@ def block_words(block_ids: torch.Tensor) -> torch.Tensor:
 
 def _prefill_main(conn, backend: str) -> None:
     """The owner: serves our transport's control messages, and a raw NIXL agent over the same pool."""
-    from nixl._api import nixl_agent, nixl_agent_config
+    from transfer.nixl_api import nixl_agent, nixl_agent_config
 
     from transfer import create_transport
 
@@ -121,7 +121,7 @@ class RawNixl:
     """One READ of ``TRANSFER_BYTES`` as a single descriptor, prepared once and reposted."""
 
     def __init__(self, pool: torch.Tensor, peer_metadata: bytes, peer_address: int):
-        from nixl._api import nixl_agent, nixl_agent_config
+        from transfer.nixl_api import nixl_agent, nixl_agent_config
 
         self.agent = nixl_agent("bench-raw-decode", nixl_agent_config(enable_listen_thread=False))
         self.descs = self.agent.register_memory(pool)

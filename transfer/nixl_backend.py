@@ -36,10 +36,7 @@ import torch
 from transfer.base import KVTransport, Run, TransferError, TransferHandle, TransferState
 from transfer.wire import NonNegativeInt, PoolMetadata, PositiveInt, TransportKind
 
-try:
-    from nixl._api import nixl_agent, nixl_agent_config
-except ImportError as exc:  # pragma: no cover - depends on the environment
-    raise ImportError("the NIXL transfer backend needs NIXL: pip install nixl") from exc
+from transfer.nixl_api import nixl_agent, nixl_agent_config
 
 logger = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-pytest.importorskip("nixl")
+pytest.importorskip("transfer.nixl_api")
 
 from transfer import TransferError, TransferState, WireError, create_transport  # noqa: E402
 from tests.wire import body_of, sealed  # noqa: E402
