@@ -37,6 +37,20 @@ class EngineConfig:
     # A host-memory tier behind the KV pool (``pd.engine.host_tier``): evicted prefix blocks are
     # copied there and loaded back on a hit. 0: none, an evicted block is gone.
     host_kv_cache_bytes: int = 0
+    # A disk tier under the host tier (``pd.engine.store_tier``): computed blocks are written through
+    # to block files under this path (NIXL POSIX) and read back on a hit, also after a restart. Writes
+    # stop (a metric and a log line) when the filesystem's free space falls under the minimum.
+    disk_kv_cache_path: str | None = None
+    disk_kv_cache_bytes: int = 0
+    disk_kv_min_free_bytes: int = 1024**3
+    # The deployment's shared store: an S3 bucket every replica reads and writes (NIXL OBJ), at
+    # the endpoint given (None: AWS). Credentials come from the AWS_* environment variables.
+    # ``shared_kv_bytes`` bounds what this replica's writes take there; past it they are deleted.
+    shared_kv_bucket: str | None = None
+    shared_kv_endpoint: str | None = None
+    shared_kv_bytes: int = 0
+    # Blocks each of those tiers may have in flight to it; more are not written (bounds its bandwidth).
+    kv_tier_write_slots: int = 32
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     max_model_len: int | None = None
@@ -53,6 +67,17 @@ class EngineConfig:
     # Decode role: how long a pull may take before the prompt is recomputed locally.
     kv_read_timeout_s: float = 10.0
 
+    def _check_lower_tiers(self) -> None:
+        for tier, where, size in (("disk", "disk_kv_cache_path", "disk_kv_cache_bytes"),
+                                  ("shared", "shared_kv_bucket", "shared_kv_bytes")):
+            if bool(getattr(self, where)) != bool(getattr(self, size)):
+                raise ValueError(f"the {tier} KV tier needs both {where} and {size} (> 0), "
+                                 f"got {getattr(self, where)!r} and {getattr(self, size)}")
+            if getattr(self, where) and not self.host_kv_cache_bytes:
+                raise ValueError(f"the {tier} KV tier loads through host memory: set host_kv_cache_bytes too")
+        if self.kv_tier_write_slots < 1:
+            raise ValueError(f"kv_tier_write_slots must be >= 1, got {self.kv_tier_write_slots}")
+
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
@@ -61,8 +86,10 @@ class EngineConfig:
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "kv_cache_bytes", "cuda_graph_max_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.host_kv_cache_bytes < 0:
-            raise ValueError(f"host_kv_cache_bytes must be >= 0, got {self.host_kv_cache_bytes}")
+        for name in ("host_kv_cache_bytes", "disk_kv_cache_bytes", "disk_kv_min_free_bytes", "shared_kv_bytes"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        self._check_lower_tiers()
         for name in ("kv_lease_s", "kv_read_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")

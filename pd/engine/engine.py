@@ -12,7 +12,7 @@ from typing import Callable
 from pd.config import EngineConfig, SchedulerConfig
 from pd.engine.block_pool import CacheEvent
 from pd.engine.clock import SYSTEM_CLOCK, Clock
-from pd.engine.host_tier import HostTier, HostTierStats
+from pd.engine.kv_tiers import build_tiers, tier_stats
 from pd.engine.kv_connector import KVConnector
 from pd.engine.model_runner import ModelRunner, kv_block_bytes
 from pd.engine.outputs import RequestOutput
@@ -63,6 +63,25 @@ class EngineStats:
     decode_seqs: int
     decode_seqs_sq: int
     decode_seq_seconds: float
+    # The disk tier and the shared store (``pd.engine.store_tier``); zeros without them.
+    disk_written_blocks: int = 0
+    disk_dropped_writes: int = 0
+    disk_read_blocks: int = 0
+    disk_read_bytes: int = 0
+    disk_read_seconds: float = 0.0
+    disk_rejected_reads: int = 0
+    disk_deleted_blocks: int = 0
+    disk_blocks: int = 0
+    disk_disabled: int = 0
+    shared_written_blocks: int = 0
+    shared_dropped_writes: int = 0
+    shared_read_blocks: int = 0
+    shared_read_bytes: int = 0
+    shared_read_seconds: float = 0.0
+    shared_rejected_reads: int = 0
+    shared_deleted_blocks: int = 0
+    shared_blocks: int = 0
+    shared_disabled: int = 0
 
 
 class LLMEngine:
@@ -111,7 +130,9 @@ class LLMEngine:
             head_dim=mc.head_dim,
             block_size=config.block_size,
         )
-        self.host_tier = self._host_tier(config.host_kv_cache_bytes)
+        self.kv_cache.tiers = self.tiers = build_tiers(
+            config, self.block_pool, self.runner.kv_cache, kv_block_bytes(mc, config.block_size, self.runner.dtype),
+            self.fingerprint.encode(), self.engine_id)
         if transport is not None:
             transport.register(self.runner.kv_cache)
         self.step_times = StepTimes()
@@ -289,8 +310,10 @@ class LLMEngine:
         return self.connector.has_pending_work
 
     def poll_transfers(self) -> None:
-        """Leases, notifications and pulls, between steps."""
+        """Leases, notifications and pulls, and the KV tiers' writes, between steps."""
         self.connector.poll()
+        if self.tiers is not None:
+            self.tiers.poll()
 
     def cache_events(self, after_seq: int | None = None) -> tuple[int, list[CacheEvent]]:
         """``(first_seq, events)`` of the prefix cache (see ``BlockPool.cache_event_window``)."""
@@ -335,16 +358,10 @@ class LLMEngine:
             self._forget(result.request_id)
         return early + results
 
-    def _host_tier(self, num_bytes: int) -> HostTier | None:
-        """The host tier behind the KV pool, attached, or None for ``num_bytes`` 0."""
-        if not num_bytes:
-            return None
-        block_bytes = kv_block_bytes(self.model_config, self.config.block_size, self.runner.dtype)
-        if num_bytes < block_bytes:
-            raise ValueError(f"host_kv_cache_bytes {num_bytes} holds no block of {block_bytes} bytes")
-        tier = HostTier(self.runner.kv_cache, num_bytes // block_bytes)
-        self.kv_cache.attach_host_tier(tier)
-        return tier
+    def close(self) -> None:
+        """Stop the KV tiers' writers once the writes queued are done (the disk keeps its blocks)."""
+        if self.tiers is not None:
+            self.tiers.close()
 
     def _forget(self, request_id: str) -> None:
         request = self._requests.pop(request_id, None)
@@ -364,7 +381,7 @@ class LLMEngine:
             num_computed_prompt_tokens=self.scheduler.num_computed_prompt_tokens,
             num_prefix_hit_tokens=self.scheduler.num_prefix_hit_tokens,
             num_preemptions=self.scheduler.num_preemptions,
-            **vars(self.host_tier.stats if self.host_tier is not None else HostTierStats()),
+            **tier_stats(self.tiers),
             **vars(self.step_times),
             **vars(self.connector.stats),  # flat scalars: asdict's deep copy cost more than the rest of stats()
         )

@@ -2,23 +2,24 @@
 
 A later prompt that runs past the device pool's prefix hits continues its
 match here; the blocks found are copied back into device blocks
-(``KVCacheManager.match_prefix``), so to the scheduler they are device hits.
+(``pd.engine.kv_tiers``), so to the scheduler they are device hits.
 
     device pool  --evict-->  demote: copy the block, keyed by its hash (LRU)
-    host pool    --match-->  promote: copy into a fresh device block, cache it there
+    host pool    --match-->  promote: copy into fresh device blocks, cached there
+    disk, store  --load--->  slots taken with ``take_slots``, filled, then ``admit``-ted
 
 Each entry keeps its block's tokens, and a match verifies them, as the device
 prefix cache does. The host pool is inclusive: a promoted block stays here
-too, so evicting it from the device again copies nothing. Copies are
-synchronous ``copy_`` calls (one contiguous block each); on a GPU the host
-pool is pinned.
+too, so evicting it from the device again copies nothing. A promotion copies
+all its blocks at once (one ``index_copy_`` per run of consecutive host
+slots); on a GPU the host pool is pinned.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -43,8 +44,10 @@ class HostTier:
         # block hash -> (host slot, the block's tokens); oldest use first.
         self._index: OrderedDict[bytes, tuple[int, tuple[int, ...]]] = OrderedDict()
         self._free_slots = list(range(num_blocks - 1, -1, -1))
-        self._loading: set[int] = set()  # slots a promotion is reading: never reused meanwhile
+        self._loading: set[int] = set()  # slots a promotion or a load uses: never reused meanwhile
         self.stats = HostTierStats()
+        # Called with a block hash as its entry leaves the tier (to make room).
+        self.on_drop: Callable[[bytes], None] | None = None
 
     def demote(self, block_id: int, block_hash: bytes, token_ids: Sequence[int]) -> Tier | None:
         """Copy device block ``block_id`` (cached as ``block_hash``) here before the device reuses it.
@@ -63,14 +66,39 @@ class HostTier:
         self.stats.num_host_cached_blocks = len(self._index)
         return Tier.HOST
 
+    def __contains__(self, block_hash: bytes) -> bool:
+        return block_hash in self._index
+
     def _take_slot(self) -> int | None:
         if self._free_slots:
             return self._free_slots.pop()
         for block_hash, (slot, _) in self._index.items():  # least recently used first
             if slot not in self._loading:
                 del self._index[block_hash]
+                self.stats.num_host_cached_blocks = len(self._index)
+                if self.on_drop is not None:
+                    self.on_drop(block_hash)
                 return slot
         return None
+
+    def take_slots(self, num_slots: int) -> list[int]:
+        """Up to ``num_slots`` slots for a load from a lower tier, held until ``admit`` or ``give_back``."""
+        slots = []
+        while len(slots) < num_slots and (slot := self._take_slot()) is not None:
+            self._loading.add(slot)
+            slots.append(slot)
+        return slots
+
+    def admit(self, slot: int, block_hash: bytes, token_ids: Sequence[int]) -> None:
+        """Index a slot that a load filled with ``block_hash``; it stays reserved for ``promote``."""
+        self._index[block_hash] = (slot, tuple(token_ids))
+        self.stats.num_host_cached_blocks = len(self._index)
+
+    def give_back(self, slots: Sequence[int]) -> None:
+        """Slots taken with ``take_slots`` that no load filled."""
+        for slot in slots:
+            self._loading.discard(slot)
+            self._free_slots.append(slot)
 
     def match(self, block_hashes: Sequence[bytes], token_ids: Sequence[int], block_size: int,
               start: int) -> list[bytes]:
@@ -89,10 +117,17 @@ class HostTier:
             self._index.move_to_end(block_hash)
             self._loading.add(self._index[block_hash][0])
 
-    def promote(self, block_hash: bytes, block_id: int) -> tuple[int, ...]:
-        """Copy a reserved entry into device block ``block_id``; its tokens."""
-        slot, tokens = self._index[block_hash]
-        self.device_cache[block_id].copy_(self.cache[slot])
-        self._loading.discard(slot)
-        self.stats.num_promoted_blocks += 1
-        return tokens
+    def promote(self, block_hashes: Sequence[bytes], block_ids: Sequence[int]) -> list[tuple[int, ...]]:
+        """Copy reserved entries into device blocks ``block_ids``, one to one; their tokens."""
+        entries = [self._index[block_hash] for block_hash in block_hashes]
+        slots = [slot for slot, _ in entries]
+        start = 0
+        for end in range(1, len(slots) + 1):  # one copy per run of consecutive host slots
+            if end == len(slots) or slots[end] != slots[end - 1] + 1:
+                ids = torch.tensor(block_ids[start:end], device=self.device_cache.device)
+                self.device_cache.index_copy_(0, ids, self.cache[slots[start]:slots[end - 1] + 1].to(
+                    self.device_cache.device, non_blocking=True))
+                start = end
+        self._loading.difference_update(slots)
+        self.stats.num_promoted_blocks += len(slots)
+        return [tokens for _, tokens in entries]

@@ -11,7 +11,7 @@ from pd.engine.request import Request
 from router.hashing import ROOT_HASH, hash_block_tokens
 
 if TYPE_CHECKING:
-    from pd.engine.host_tier import HostTier
+    from pd.engine.kv_tiers import KVTiers
 
 
 @dataclass(frozen=True)
@@ -33,12 +33,7 @@ class KVCacheManager:
         self._blocks: dict[str, list[int]] = {}
         # How many leading blocks of each request are in the prefix cache.
         self._num_cached_blocks: dict[str, int] = {}
-        self.host_tier: HostTier | None = None
-
-    def attach_host_tier(self, tier: HostTier) -> None:
-        """Demote what the pool evicts to ``tier``, and promote prefix hits found there."""
-        self.host_tier = tier
-        self.pool.on_evict = tier.demote
+        self.tiers: KVTiers | None = None  # host memory, disk, shared store: attached by the engine
 
     def block_ids(self, request_id: str) -> list[int]:
         return self._blocks.get(request_id, [])
@@ -64,31 +59,10 @@ class KVCacheManager:
         max_blocks = (request.num_tokens - 1) // self.block_size
         hashes = request.block_hashes[:max_blocks]
         block_ids = self.pool.match(hashes, request.token_ids, self.block_size)
-        if self.host_tier is not None and len(block_ids) < max_blocks and self._promote(request, block_ids, hashes):
+        if (self.tiers is not None and len(block_ids) < max_blocks
+                and self.tiers.promote(hashes, request.token_ids, self.block_size, block_ids)):
             block_ids = self.pool.match(hashes, request.token_ids, self.block_size)
         return PrefixMatch(block_ids=block_ids, num_tokens=len(block_ids) * self.block_size)
-
-    def _promote(self, request: Request, device_ids: list[int], hashes: list[bytes]) -> bool:
-        """Copy the host tier's run of blocks after ``device_ids`` into free device blocks, cached there.
-
-        They stay unreferenced, like any cached block, until the request is
-        admitted. The device run found so far is held meanwhile, so the
-        allocation (which evicts, and so demotes, other cached blocks) cannot take it.
-        """
-        tier = self.host_tier
-        found = tier.match(hashes[len(device_ids):], request.token_ids, self.block_size, len(device_ids))
-        free_hits = sum(1 for block_id in device_ids if self.pool.is_free(block_id))
-        found = found[:max(0, self.pool.num_free_blocks - free_hits)]
-        if not found:
-            return False
-        tier.reserve(found)
-        self.pool.touch(device_ids)
-        new_ids = self.pool.allocate(len(found))
-        for block_id, block_hash in zip(new_ids, found):
-            self.pool.insert(block_id, block_hash, tier.promote(block_hash, block_id))
-        self.pool.free(reversed(new_ids))
-        self.pool.free(reversed(device_ids))
-        return True
 
     def allocate_slots(self, request: Request, num_new_tokens: int, prefix: PrefixMatch = NO_MATCH) -> bool:
         """Reference ``prefix`` and allocate blocks for ``num_new_tokens`` beyond it.
@@ -123,7 +97,10 @@ class KVCacheManager:
         blocks = self._blocks[request.request_id]
         bs = self.block_size
         for index in range(start, num_full):
-            self.pool.insert(blocks[index], request.block_hashes[index], request.token_ids[index * bs : (index + 1) * bs])
+            tokens = request.token_ids[index * bs : (index + 1) * bs]
+            self.pool.insert(blocks[index], request.block_hashes[index], tokens)
+            if self.tiers is not None:
+                self.tiers.on_cached(request.block_hashes[index], tokens, blocks[index])
         self._num_cached_blocks[request.request_id] = num_full
 
     def touch_blocks(self, block_ids: list[int]) -> None:

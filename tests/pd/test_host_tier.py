@@ -38,7 +38,7 @@ def test_a_demoted_block_comes_back_with_its_contents():
     device[1].zero_()  # the device reuses the block
     assert tier.match([b"h1"], (7,) * BLOCK, BLOCK, start=0) == [b"h1"]
     tier.reserve([b"h1"])
-    assert tier.promote(b"h1", 3) == (7,) * BLOCK
+    assert tier.promote([b"h1"], [3]) == [(7,) * BLOCK]
     assert torch.equal(device[3], original)
     assert (tier.stats.num_demoted_blocks, tier.stats.num_promoted_blocks) == (1, 1)
 

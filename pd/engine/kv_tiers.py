@@ -1,0 +1,175 @@
+"""The KV tiers behind the device pool: host memory, the local disk and the shared store, as one prefix cache.
+
+    device pool --evict--> host tier (demote)          cached block --write through--> disk, shared store
+    lookup: device run, then host run, then disk run, then shared-store run; all promoted to device blocks
+
+One lookup (``promote``) finds the longest chain across the tiers. Blocks
+found on disk or in the shared store are read into host slots and checked,
+then every block found below the device is copied into free device blocks and
+cached there, so the scheduler sees device hits. A record that fails its
+check ends the chain: the rest is recomputed.
+
+The replica's cache events (``pd.engine.block_pool.CacheEvent``) say where
+it holds each block: the fastest tier holding it, or nowhere. Blocks in the
+shared store are announced apart (``Tier.SHARED``): every replica can read them.
+A disk tier that finds blocks from an earlier run announces them at start.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from pd.config import EngineConfig
+from pd.engine.block_pool import BlockPool, Tier
+from pd.engine.block_store import NixlBlockStore, ObjectStoreConfig, namespace_of
+from pd.engine.host_tier import HostTier, HostTierStats
+from pd.engine.store_tier import StoreTier, StoreTierStats
+
+
+class KVTiers:
+    def __init__(self, pool: BlockPool, host: HostTier, disk: StoreTier | None = None,
+                 shared: StoreTier | None = None):
+        self.pool, self.host, self.disk, self.shared = pool, host, disk, shared
+        self.lower = [tier for tier in (disk, shared) if tier is not None]
+        pool.on_evict = self._on_device_evict
+        host.on_drop = self._on_host_drop
+        if disk is not None:
+            for block_hash in disk.index:  # found from an earlier run
+                pool.events.record(block_hash, stored=True, tier=Tier.DISK)
+
+    def where(self, block_hash: bytes) -> Tier | None:
+        """The fastest tier of this replica holding ``block_hash`` (the shared store aside)."""
+        if self.pool.is_cached(block_hash):
+            return Tier.DEVICE
+        if block_hash in self.host:
+            return Tier.HOST
+        if self.disk is not None and block_hash in self.disk:
+            return Tier.DISK
+        return None
+
+    def on_cached(self, block_hash: bytes, token_ids: Sequence[int], block_id: int) -> None:
+        """A block was computed and cached: write it through to the lower tiers."""
+        for tier in self.lower:
+            tier.offer(block_hash, token_ids, self.host.device_cache[block_id])
+
+    def _on_device_evict(self, block_id: int, block_hash: bytes, token_ids: tuple[int, ...]) -> Tier | None:
+        if self.host.demote(block_id, block_hash, token_ids) is Tier.HOST:
+            return Tier.HOST
+        return self.where(block_hash)
+
+    def _on_host_drop(self, block_hash: bytes) -> None:
+        if self.pool.is_cached(block_hash):
+            return  # the device copy is the faster one: nothing changes for routers
+        lower = self.where(block_hash)
+        self.pool.events.record(block_hash, stored=lower is not None, tier=lower or Tier.DEVICE)
+
+    def poll(self) -> None:
+        """Between steps: finish lower-tier writes and garbage collection, and announce what changed."""
+        for tier in self.lower:
+            stored, dropped = tier.poll()
+            if tier.tier is Tier.SHARED:
+                for block_hash in stored:
+                    self.pool.events.record(block_hash, stored=True, tier=Tier.SHARED)
+                for block_hash in dropped:
+                    self.pool.events.record(block_hash, stored=False, tier=Tier.SHARED)
+                continue
+            for block_hash in stored:
+                if self.where(block_hash) is Tier.DISK:
+                    self.pool.events.record(block_hash, stored=True, tier=Tier.DISK)
+            for block_hash in dropped:
+                if self.where(block_hash) is None:
+                    self.pool.events.record(block_hash, stored=False)
+
+    def promote(self, block_hashes: Sequence[bytes], token_ids: Sequence[int], block_size: int,
+                device_ids: list[int]) -> bool:
+        """Bring the lower tiers' run of ``block_hashes`` after ``device_ids`` into free device blocks.
+
+        They are cached there, unreferenced like any cached block, until the
+        request is admitted. The device run found so far is held meanwhile,
+        so the allocation (which evicts, and so demotes, other cached blocks)
+        cannot take it. Never uses more than the free blocks.
+        """
+        start = len(device_ids)
+        free_hits = sum(1 for block_id in device_ids if self.pool.is_free(block_id))
+        room = max(0, self.pool.num_free_blocks - free_hits)
+        found = self.host.match(block_hashes[start:start + room], token_ids, block_size, start)[:room]
+        self.host.reserve(found)
+        found += self._load_lower(block_hashes[start + len(found):start + room], token_ids, block_size,
+                                  start + len(found))
+        if not found:
+            return False
+        self.pool.touch(device_ids)
+        new_ids = self.pool.allocate(len(found))
+        for block_id, block_hash, tokens in zip(new_ids, found, self.host.promote(found, new_ids)):
+            self.pool.insert(block_id, block_hash, tokens)
+        self.pool.free(reversed(new_ids))
+        self.pool.free(reversed(device_ids))
+        return True
+
+    def _load_lower(self, block_hashes: Sequence[bytes], token_ids: Sequence[int], block_size: int,
+                    start: int) -> list[bytes]:
+        """Read the disk's, then the shared store's, run of ``block_hashes`` into reserved host slots."""
+        loaded: list[bytes] = []
+        for tier in self.lower:
+            wanted = block_hashes[len(loaded):]
+            run = tier.lookup(wanted) if wanted else 0
+            if not run:
+                continue
+            slots = self.host.take_slots(run)
+            first = start + len(loaded)
+            items = [(block_hash, token_ids[(first + i) * block_size:(first + i + 1) * block_size], slot)
+                     for i, (block_hash, slot) in enumerate(zip(wanted, slots))]
+            good = tier.load(items)
+            for block_hash, tokens, slot in items[:good]:
+                self.host.admit(slot, block_hash, tokens)
+            self.host.give_back(slots[good:])
+            loaded += [block_hash for block_hash, _, _ in items[:good]]
+            if good < run:
+                break
+        return loaded
+
+    def flush(self) -> None:
+        """Wait for the lower tiers' writes queued so far, then ``poll``."""
+        for tier in self.lower:
+            tier.flush()
+        self.poll()
+
+    def close(self) -> None:
+        for tier in self.lower:
+            tier.close()
+
+
+def tier_stats(tiers: KVTiers | None) -> dict[str, int | float]:
+    """The tiers' counters under ``EngineStats`` names (zeros for a tier not configured)."""
+    host = tiers.host.stats if tiers is not None else HostTierStats()
+    values: dict[str, int | float] = dict(vars(host))
+    for prefix in ("disk", "shared"):
+        tier = getattr(tiers, prefix, None) if tiers is not None else None
+        for name, value in vars(tier.stats if tier is not None else StoreTierStats()).items():
+            values[f"{prefix}_{name.removeprefix('num_')}"] = value
+    return values
+
+
+def build_tiers(config: EngineConfig, pool: BlockPool, device_cache: torch.Tensor, block_bytes: int,
+                fingerprint: bytes, name: str) -> KVTiers | None:
+    """The tiers ``config`` asks for, attached to ``pool``; None without a host tier."""
+    if not config.host_kv_cache_bytes:
+        return None
+    if config.host_kv_cache_bytes < block_bytes:
+        raise ValueError(f"host_kv_cache_bytes {config.host_kv_cache_bytes} holds no block of {block_bytes} bytes")
+    host = HostTier(device_cache, config.host_kv_cache_bytes // block_bytes)
+    namespace = namespace_of(fingerprint)
+    disk = shared = None
+    if config.disk_kv_cache_path:
+        store = NixlBlockStore(f"{name}-disk", namespace, config.block_size, block_bytes,
+                               path=config.disk_kv_cache_path)
+        disk = StoreTier(Tier.DISK, store, max(1, config.disk_kv_cache_bytes // store.record_bytes), host.cache,
+                         num_staging=config.kv_tier_write_slots, min_free_bytes=config.disk_kv_min_free_bytes)
+    if config.shared_kv_bucket:
+        bucket = ObjectStoreConfig(config.shared_kv_bucket, config.shared_kv_endpoint)
+        store = NixlBlockStore(f"{name}-shared", namespace, config.block_size, block_bytes, bucket=bucket)
+        shared = StoreTier(Tier.SHARED, store, max(1, config.shared_kv_bytes // store.record_bytes), host.cache,
+                           num_staging=config.kv_tier_write_slots)
+    return KVTiers(pool, host, disk, shared)

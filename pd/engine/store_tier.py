@@ -1,0 +1,257 @@
+"""A KV tier below host memory: the local disk, or the deployment's shared store (``pd.engine.block_store``).
+
+Blocks are written through: when a block is computed and cached, the tier
+copies it into one of ``num_staging`` staging records, and its writer thread
+stores it. A step never waits for a write. The staging records bound the
+bandwidth a tier takes: when every one is in flight, the block is not
+written (counted in ``num_dropped_writes``).
+
+    cached block --offer--> staging record --writer thread--> file / object
+                                                   |
+    poll() (between steps) <-- done ---------------+   index (LRU) updated, over-capacity records deleted
+
+Reads run on the caller's thread (``load``), straight into host-tier slots.
+Each record read back is checked against the hash and tokens asked for.
+
+The disk tier's index is everything in its directory: at start it finds the
+records a previous run left (a warm restart). The shared store's index is
+what this replica wrote or found there; beyond it, ``lookup`` asks the store,
+and remembers a miss for ``MISS_TTL_S``. Garbage collection deletes only
+records this replica wrote, least recently used first, past the capacity.
+
+A failed write (a disk full, below ``min_free_bytes``, or any store error)
+disables writing to the tier, with a log line and ``disabled`` set; reads of
+what it holds go on. Clients never see it.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import queue
+import shutil
+import threading
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from pd.engine.block_pool import Tier
+from pd.engine.block_store import NixlBlockStore, StoreError, check_trailer, pack_trailer
+
+logger = logging.getLogger(__name__)
+
+# How long a shared-store miss is believed before the store is asked again.
+MISS_TTL_S = 1.0
+MAX_REMEMBERED_MISSES = 4096
+# The most blocks one lookup asks the shared store about.
+MAX_QUERY_BLOCKS = 64
+
+
+@dataclass
+class StoreTierStats:
+    num_written_blocks: int = 0
+    num_dropped_writes: int = 0  # not written: every staging record was in flight
+    num_read_blocks: int = 0
+    num_read_bytes: int = 0
+    read_seconds: float = 0.0
+    num_rejected_reads: int = 0  # missing, short or not the block asked for: recomputed
+    num_deleted_blocks: int = 0
+    num_blocks: int = 0  # indexed now
+    disabled: int = 0  # 1 once a write failed (a disk full): no more writes
+
+
+class StoreTier:
+    def __init__(self, tier: Tier, store: NixlBlockStore, capacity_blocks: int, host_cache: torch.Tensor,
+                 num_staging: int = 32, min_free_bytes: int = 0, max_read_blocks: int = 256):
+        if capacity_blocks < 1:
+            raise ValueError(f"a {tier.name.lower()} tier needs room for at least one block")
+        self.tier, self.store = tier, store
+        self.capacity_blocks = capacity_blocks
+        self.min_free_bytes = min_free_bytes
+        self.host_cache = host_cache  # [host slots, *block]: reads land here
+        self.index: OrderedDict[bytes, None] = OrderedDict()  # oldest use first
+        self._mine: set[bytes] = set()  # written by this replica: only these are ever deleted
+        self._misses: OrderedDict[bytes, float] = OrderedDict()  # shared store: hash -> when it was missing
+        self._staging = torch.zeros(num_staging, store.record_bytes, dtype=torch.uint8)
+        self._trailers = torch.zeros(max_read_blocks, store.trailer_bytes, dtype=torch.uint8)
+        for tensor in (self._staging, self._trailers, host_cache):
+            store.register(tensor)
+        self._free_staging = list(range(num_staging))
+        self._writing: dict[bytes, int] = {}  # hash -> staging record
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._done: deque[tuple[bytes, int, str | None]] = deque()  # (hash, staging record, error)
+        self.stats = StoreTierStats()
+        if store.dir is not None:
+            self._warm_start()
+        self._writer = threading.Thread(target=self._write_loop, name=f"pd-{tier.name.lower()}-tier", daemon=True)
+        self._writer.start()
+
+    def _warm_start(self) -> None:
+        found = self.store.scan()
+        surplus, kept = found[:max(0, len(found) - self.capacity_blocks)], found[-self.capacity_blocks:]
+        self.store.delete(surplus)
+        self.index.update((block_hash, None) for block_hash in kept)
+        self._mine.update(kept)
+        self.stats.num_blocks = len(self.index)
+        if kept:
+            logger.info("%s tier: %d blocks found from an earlier run", self.tier.name.lower(), len(kept))
+
+    def __contains__(self, block_hash: bytes) -> bool:
+        return block_hash in self.index
+
+    def offer(self, block_hash: bytes, token_ids: Sequence[int], block: torch.Tensor) -> None:
+        """Write a computed block through to the tier, unless it is there, on its way, or no staging is free."""
+        if self.stats.disabled or block_hash in self.index or block_hash in self._writing:
+            return
+        if not self._free_staging:
+            self.stats.num_dropped_writes += 1
+            return
+        record = self._free_staging.pop()
+        staging = self._staging[record]
+        data_bytes = self.store.data_bytes
+        staging[:data_bytes].view(block.dtype).view(block.shape).copy_(block)
+        pack_trailer(staging[data_bytes:].numpy(), block_hash, token_ids, data_bytes)
+        self._writing[block_hash] = record
+        self._jobs.put(("write", block_hash, record))
+
+    def poll(self) -> tuple[list[bytes], list[bytes]]:
+        """Finish the writes done since the last poll and collect garbage; ``(stored, dropped)`` hashes."""
+        stored, dropped = [], []
+        while self._done:
+            block_hash, record, error = self._done.popleft()
+            del self._writing[block_hash]
+            self._free_staging.append(record)
+            if error is not None:
+                self._disable(error)
+                continue
+            self.index[block_hash] = None
+            self._mine.add(block_hash)
+            self._misses.pop(block_hash, None)
+            self.stats.num_written_blocks += 1
+            stored.append(block_hash)
+        doomed = []
+        while len(self.index) > self.capacity_blocks:
+            block_hash, _ = self.index.popitem(last=False)
+            dropped.append(block_hash)
+            if block_hash in self._mine:
+                self._mine.discard(block_hash)
+                doomed.append(block_hash)
+        if doomed:
+            self.stats.num_deleted_blocks += len(doomed)
+            self._jobs.put(("delete", doomed, None))
+        self.stats.num_blocks = len(self.index)
+        return stored, dropped
+
+    def lookup(self, block_hashes: Sequence[bytes]) -> int:
+        """How many of ``block_hashes``, from the first, the tier holds (the shared store may be asked)."""
+        run = 0
+        for block_hash in block_hashes:
+            if block_hash not in self.index:
+                break
+            run += 1
+        if self.tier is Tier.SHARED and run < len(block_hashes):
+            run += self._ask_store(block_hashes[run:run + MAX_QUERY_BLOCKS])
+        return run
+
+    def _ask_store(self, block_hashes: Sequence[bytes]) -> int:
+        """The run of ``block_hashes`` the shared store holds: the first is asked alone, then the rest at once."""
+        now = time.monotonic()
+        missed = self._misses.get(block_hashes[0])
+        if missed is not None and now - missed < MISS_TTL_S:
+            return 0
+        try:
+            present = self.store.exists(block_hashes[:1])
+            if present[0] and len(block_hashes) > 1:
+                present += self.store.exists(block_hashes[1:])
+        except StoreError:
+            present = [False]
+        run = 0
+        for block_hash, held in zip(block_hashes, present):
+            if not held:
+                self._misses[block_hash] = now
+                self._misses.move_to_end(block_hash)
+                if len(self._misses) > MAX_REMEMBERED_MISSES:
+                    self._misses.popitem(last=False)
+                break
+            self.index[block_hash] = None
+            run += 1
+        return run
+
+    def load(self, items: Sequence[tuple[bytes, Sequence[int], int]]) -> int:
+        """Read ``(hash, tokens, host slot)`` records into their slots; how many, from the first, are good.
+
+        A record that is missing, short or not the block asked for ends the
+        run there: it leaves the index, and that part of the prompt is recomputed.
+        """
+        items = items[:len(self._trailers)]
+        started = time.perf_counter()
+        reads = [(block_hash, self.host_cache[slot].data_ptr(), self._trailers[index].data_ptr())
+                 for index, (block_hash, _, slot) in enumerate(items)]
+        try:
+            ok = self.store.read(reads)
+        except (StoreError, OSError) as exc:
+            logger.warning("%s tier: a read failed (%s); recomputing", self.tier.name.lower(), exc)
+            ok = [False] * len(items)
+        good = 0
+        for index, (block_hash, token_ids, _) in enumerate(items):
+            why = check_trailer(self._trailers[index].numpy(), block_hash, token_ids,
+                                self.store.data_bytes) if ok[index] else "missing"
+            if why is not None:
+                logger.warning("%s tier: block %s rejected (%s); recomputing", self.tier.name.lower(),
+                               block_hash.hex(), why)
+                self.stats.num_rejected_reads += 1
+                self.index.pop(block_hash, None)
+                break
+            self.index.move_to_end(block_hash)
+            good += 1
+        self.stats.num_read_blocks += good
+        self.stats.num_read_bytes += good * self.store.data_bytes
+        self.stats.read_seconds += time.perf_counter() - started
+        return good
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait until every write and deletion queued so far is done; ``poll`` then sees them."""
+        done = threading.Event()
+        self._jobs.put(("flush", done, None))
+        return done.wait(timeout_s)
+
+    def close(self) -> None:
+        """Finish the writes queued, then stop the writer thread."""
+        self._jobs.put(None)
+        self._writer.join()
+
+    def _disable(self, error: str) -> None:
+        if not self.stats.disabled:
+            logger.error("%s tier: writes stopped: %s", self.tier.name.lower(), error)
+        self.stats.disabled = 1
+
+    def _write_loop(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            kind, what, record = job
+            if kind == "flush":
+                what.set()
+                continue
+            if kind == "delete":
+                try:
+                    self.store.delete(what)
+                except (StoreError, OSError) as exc:
+                    logger.warning("%s tier: deleting %d records failed: %s", self.tier.name.lower(), len(what), exc)
+                continue
+            error = None
+            try:
+                self._check_free_space()
+                self.store.write(what, self._staging[record].data_ptr())
+            except (StoreError, OSError) as exc:
+                error = str(exc)
+            self._done.append((what, record, error))
+
+    def _check_free_space(self) -> None:
+        if self.store.dir is None or not self.min_free_bytes:
+            return
+        free = shutil.disk_usage(self.store.dir).free
+        if free - self.store.record_bytes < self.min_free_bytes:
+            raise OSError(errno.ENOSPC, f"{free} bytes free on {self.store.dir}, below the "
+                                        f"{self.min_free_bytes} kept free")

@@ -1,0 +1,160 @@
+"""The disk tier and the shared store: written through, found again after the device and host churn, verified, bounded."""
+
+from __future__ import annotations
+
+import logging
+import random
+import shutil
+
+import pytest
+
+from pd import LLM, SamplingParams
+from pd.engine.block_pool import Tier
+from pd.engine.model_runner import kv_block_bytes
+from router.hashing import hash_block_tokens
+
+DEVICE_BLOCKS, HOST_BLOCKS = 24, 8
+PARAMS = SamplingParams(max_tokens=6, temperature=0)
+rng = random.Random(0)
+FIRST = [rng.randrange(100, 1000) for _ in range(130)]  # 8 full blocks of 16
+CHURN = [[rng.randrange(100, 1000) for _ in range(120)] for _ in range(6)]  # pushes FIRST out of device and host
+FIRST_HASHES = hash_block_tokens(FIRST, 16)
+
+
+@pytest.fixture(scope="module")
+def block_bytes():
+    llm = LLM("builtin:tiny-llama", num_blocks=8)
+    return kv_block_bytes(llm.engine.model_config, 16, llm.engine.runner.dtype)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """FIRST's greedy tokens on an engine without tiers."""
+    [out] = LLM("builtin:tiny-llama", num_blocks=DEVICE_BLOCKS).generate([FIRST], PARAMS)
+    return out.token_ids
+
+
+def tiered(block_bytes: int, **kwargs) -> LLM:
+    return LLM("builtin:tiny-llama", num_blocks=DEVICE_BLOCKS, host_kv_cache_bytes=HOST_BLOCKS * block_bytes, **kwargs)
+
+
+def again_after_churn(llm: LLM) -> tuple[list[int], int]:
+    """Serve FIRST, churn it out of the device and host, serve it again: its tokens and its prefix-hit tokens."""
+    llm.generate([FIRST], PARAMS)
+    for prompt in CHURN:
+        llm.generate([prompt], PARAMS)
+    llm.engine.tiers.flush()
+    assert FIRST_HASHES[0] not in llm.engine.tiers.host and not llm.engine.block_pool.is_cached(FIRST_HASHES[0])
+    return served(llm)
+
+
+def served(llm: LLM) -> tuple[list[int], int]:
+    before = llm.engine.stats().num_prefix_hit_tokens
+    [out] = llm.generate([FIRST], PARAMS)
+    return out.token_ids, llm.engine.stats().num_prefix_hit_tokens - before
+
+
+def test_a_prefix_gone_from_device_and_host_hits_on_disk_with_the_same_tokens(tmp_path, block_bytes, reference):
+    llm = tiered(block_bytes, disk_kv_cache_path=str(tmp_path), disk_kv_cache_bytes=1 << 30)
+    tokens, hit = again_after_churn(llm)
+    assert tokens == reference
+    assert hit == 8 * 16
+    stats = llm.engine.stats()
+    assert stats.disk_read_blocks >= 8 and stats.disk_written_blocks >= 8 and stats.num_used_blocks == 0
+    llm.engine.close()
+
+
+def test_cache_events_follow_a_block_down_the_tiers(tmp_path, block_bytes):
+    llm = tiered(block_bytes, disk_kv_cache_path=str(tmp_path), disk_kv_cache_bytes=1 << 30)
+    llm.generate([FIRST], PARAMS)
+    for prompt in CHURN:
+        llm.generate([prompt], PARAMS)
+    llm.engine.tiers.flush()
+    first = FIRST_HASHES[0]
+    _, events = llm.engine.block_pool.events.window()
+    seen = [(e.stored, Tier(e.tier)) for e in llm.engine.block_pool.events._events if e.block_hash == first]
+    assert seen[:3] == [(True, Tier.DEVICE), (True, Tier.HOST), (True, Tier.DISK)]
+    latest = [e for e in events if e.block_hash == first]
+    assert [(e.stored, e.tier) for e in latest] == [(True, Tier.DISK)]
+    llm.engine.close()
+
+
+def test_a_restarted_engine_finds_its_disk_blocks_and_announces_them(tmp_path, block_bytes, reference):
+    first = tiered(block_bytes, disk_kv_cache_path=str(tmp_path), disk_kv_cache_bytes=1 << 30)
+    first.generate([FIRST], PARAMS)
+    first.engine.close()  # as a replica that is killed: nothing is read back, the files stay
+    restarted = tiered(block_bytes, disk_kv_cache_path=str(tmp_path), disk_kv_cache_bytes=1 << 30)
+    _, events = restarted.engine.cache_events()
+    announced = {e.block_hash for e in events if e.stored and e.tier == Tier.DISK}
+    assert set(FIRST_HASHES[:8]) <= announced
+    tokens, hit = served(restarted)
+    assert tokens == reference and hit == 8 * 16
+    restarted.engine.close()
+
+
+@pytest.mark.parametrize("damage", ["tokens", "truncated", "deleted"])
+def test_a_damaged_record_is_recomputed_never_served(tmp_path, block_bytes, reference, damage, caplog):
+    llm = tiered(block_bytes, disk_kv_cache_path=str(tmp_path), disk_kv_cache_bytes=1 << 30)
+    llm.generate([FIRST], PARAMS)
+    for prompt in CHURN:
+        llm.generate([prompt], PARAMS)
+    llm.engine.tiers.flush()
+    store = llm.engine.tiers.disk.store
+    path = store.path(FIRST_HASHES[3])  # the fourth block of the prompt
+    data = bytearray(path.read_bytes())
+    if damage == "tokens":
+        data[store.data_bytes + 24] ^= 0xFF  # the first token in the trailer
+        path.write_bytes(data)
+    elif damage == "truncated":
+        path.write_bytes(data[: len(data) // 2])
+    else:
+        path.unlink()
+    with caplog.at_level(logging.WARNING, logger="pd.engine.store_tier"):
+        tokens, hit = served(llm)
+    assert tokens == reference
+    assert hit == 3 * 16  # the three blocks before it; the rest recomputed
+    assert llm.engine.stats().disk_rejected_reads == 1
+    assert "rejected" in caplog.text
+    llm.engine.close()
+
+
+def test_a_full_disk_stops_the_tier_with_a_metric_and_a_log_line_and_serving_goes_on(tmp_path, block_bytes,
+                                                                                      reference, caplog):
+    free = shutil.disk_usage(tmp_path).free
+    llm = tiered(block_bytes, disk_kv_cache_path=str(tmp_path), disk_kv_cache_bytes=1 << 30,
+                 disk_kv_min_free_bytes=free * 2)
+    with caplog.at_level(logging.ERROR, logger="pd.engine.store_tier"):
+        [out] = llm.generate([FIRST], PARAMS)
+        llm.engine.tiers.flush()
+    stats = llm.engine.stats()
+    assert out.token_ids == reference
+    assert stats.disk_disabled == 1 and stats.disk_written_blocks == 0
+    assert "writes stopped" in caplog.text
+    assert not list((tmp_path / llm.engine.tiers.disk.store.namespace).iterdir())  # no partial file left
+    llm.engine.close()
+
+
+def test_the_disk_tier_deletes_its_least_recently_used_blocks_past_its_capacity(tmp_path, block_bytes):
+    llm = tiered(block_bytes, disk_kv_cache_path=str(tmp_path), disk_kv_cache_bytes=1)  # room for one block
+    store = llm.engine.tiers.disk.store
+    llm.engine.tiers.disk.capacity_blocks = 12
+    for prompt in [FIRST, *CHURN]:
+        llm.generate([prompt], PARAMS)
+    llm.engine.tiers.flush()
+    llm.engine.tiers.disk.flush()  # the deletions queued by the poll above
+    files = list(store.dir.iterdir())
+    stats = llm.engine.stats()
+    assert len(files) == stats.disk_blocks == 12
+    assert stats.disk_deleted_blocks == stats.disk_written_blocks - 12 > 0
+    kept = {bytes.fromhex(f.name.removesuffix(".kv")) for f in files}
+    assert not kept & set(FIRST_HASHES)  # the oldest went first
+    llm.engine.close()
+
+
+def test_lower_tier_settings_are_checked(tmp_path):
+    with pytest.raises(ValueError, match="needs both disk_kv_cache_path and disk_kv_cache_bytes"):
+        LLM("builtin:tiny-llama", num_blocks=8, host_kv_cache_bytes=1 << 20, disk_kv_cache_path=str(tmp_path))
+    with pytest.raises(ValueError, match="loads through host memory"):
+        LLM("builtin:tiny-llama", num_blocks=8, disk_kv_cache_path=str(tmp_path), disk_kv_cache_bytes=1 << 20)
+    with pytest.raises(ValueError, match="needs both shared_kv_bucket and shared_kv_bytes"):
+        LLM("builtin:tiny-llama", num_blocks=8, host_kv_cache_bytes=1 << 20, shared_kv_bytes=1 << 20)
