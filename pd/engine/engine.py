@@ -70,6 +70,7 @@ class EngineStats:
     disk_read_bytes: int = 0
     disk_read_seconds: float = 0.0
     disk_rejected_reads: int = 0
+    disk_store_queries: int = 0
     disk_deleted_blocks: int = 0
     disk_blocks: int = 0
     disk_disabled: int = 0
@@ -79,6 +80,7 @@ class EngineStats:
     shared_read_bytes: int = 0
     shared_read_seconds: float = 0.0
     shared_rejected_reads: int = 0
+    shared_store_queries: int = 0
     shared_deleted_blocks: int = 0
     shared_blocks: int = 0
     shared_disabled: int = 0

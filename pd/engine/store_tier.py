@@ -58,6 +58,7 @@ class StoreTierStats:
     num_read_bytes: int = 0
     read_seconds: float = 0.0
     num_rejected_reads: int = 0  # missing, short or not the block asked for: recomputed
+    num_store_queries: int = 0  # shared store: questions of which blocks it holds
     num_deleted_blocks: int = 0
     num_blocks: int = 0  # indexed now
     disabled: int = 0  # 1 once a write failed (a disk full): no more writes
@@ -163,8 +164,10 @@ class StoreTier:
         if missed is not None and now - missed < MISS_TTL_S:
             return 0
         try:
+            self.stats.num_store_queries += 1
             present = self.store.exists(block_hashes[:1])
             if present[0] and len(block_hashes) > 1:
+                self.stats.num_store_queries += 1
                 present += self.store.exists(block_hashes[1:])
         except StoreError:
             present = [False]

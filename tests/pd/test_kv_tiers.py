@@ -3,36 +3,13 @@
 from __future__ import annotations
 
 import logging
-import random
 import shutil
 
 import pytest
 
-from pd import LLM, SamplingParams
+from pd import LLM
 from pd.engine.block_pool import Tier
-from pd.engine.model_runner import kv_block_bytes
-from router.hashing import hash_block_tokens
-
-DEVICE_BLOCKS, HOST_BLOCKS = 24, 8
-PARAMS = SamplingParams(max_tokens=6, temperature=0)
-rng = random.Random(0)
-FIRST = [rng.randrange(100, 1000) for _ in range(130)]  # 8 full blocks of 16
-CHURN = [[rng.randrange(100, 1000) for _ in range(120)] for _ in range(6)]  # pushes FIRST out of device and host
-FIRST_HASHES = hash_block_tokens(FIRST, 16)
-
-
-@pytest.fixture(scope="module")
-def block_bytes():
-    llm = LLM("builtin:tiny-llama", num_blocks=8)
-    return kv_block_bytes(llm.engine.model_config, 16, llm.engine.runner.dtype)
-
-
-@pytest.fixture(scope="module")
-def reference():
-    """FIRST's greedy tokens on an engine without tiers."""
-    [out] = LLM("builtin:tiny-llama", num_blocks=DEVICE_BLOCKS).generate([FIRST], PARAMS)
-    return out.token_ids
-
+from tests.pd.tiers_common import CHURN, DEVICE_BLOCKS, FIRST, FIRST_HASHES, HOST_BLOCKS, PARAMS, served
 
 def tiered(block_bytes: int, **kwargs) -> LLM:
     return LLM("builtin:tiny-llama", num_blocks=DEVICE_BLOCKS, host_kv_cache_bytes=HOST_BLOCKS * block_bytes, **kwargs)
@@ -46,12 +23,6 @@ def again_after_churn(llm: LLM) -> tuple[list[int], int]:
     llm.engine.tiers.flush()
     assert FIRST_HASHES[0] not in llm.engine.tiers.host and not llm.engine.block_pool.is_cached(FIRST_HASHES[0])
     return served(llm)
-
-
-def served(llm: LLM) -> tuple[list[int], int]:
-    before = llm.engine.stats().num_prefix_hit_tokens
-    [out] = llm.generate([FIRST], PARAMS)
-    return out.token_ids, llm.engine.stats().num_prefix_hit_tokens - before
 
 
 def test_a_prefix_gone_from_device_and_host_hits_on_disk_with_the_same_tokens(tmp_path, block_bytes, reference):

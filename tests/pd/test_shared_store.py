@@ -1,0 +1,69 @@
+"""The shared store on a real S3-compatible server: a prefix one engine computed hits on another, with no transfer between them."""
+
+from __future__ import annotations
+
+import pytest
+
+from pd import LLM
+from pd.engine.block_pool import Tier
+from pd.engine.block_store import trailer_bytes
+from tests.pd.tiers_common import CHURN, DEVICE_BLOCKS, FIRST, FIRST_HASHES, HOST_BLOCKS, PARAMS, served
+from tests.s3_server import bucket_keys, create_bucket, s3_server
+
+BUCKET = "pd-kv-test"
+
+
+@pytest.fixture(scope="module")
+def endpoint():
+    with s3_server() as url:
+        create_bucket(url, BUCKET)
+        yield url
+
+
+def shared_engine(endpoint: str, block_bytes: int, shared_blocks: int = 64) -> LLM:
+    return LLM("builtin:tiny-llama", num_blocks=DEVICE_BLOCKS, host_kv_cache_bytes=HOST_BLOCKS * block_bytes,
+               shared_kv_bucket=BUCKET, shared_kv_endpoint=endpoint, shared_kv_bytes=shared_blocks * (block_bytes + trailer_bytes(16)))
+
+
+def test_a_prefix_computed_on_one_engine_hits_on_another_through_the_store(endpoint, block_bytes, reference):
+    a, b = shared_engine(endpoint, block_bytes), shared_engine(endpoint, block_bytes)
+    a.generate([FIRST], PARAMS)
+    a.engine.tiers.flush()
+    _, events = a.engine.cache_events()
+    assert {e.block_hash for e in events if e.stored and e.tier == Tier.SHARED} >= set(FIRST_HASHES[:8])
+    tokens, hit = served(b)  # b has no transport: nothing moves between the engines
+    assert tokens == reference
+    assert hit == 8 * 16
+    stats = b.engine.stats()
+    assert stats.shared_read_blocks == 8 and stats.num_remote_pulls == 0
+    for llm in (a, b):
+        llm.engine.tiers.shared.store.delete(FIRST_HASHES)
+        llm.engine.close()
+
+
+def test_a_miss_in_the_store_is_recomputed_and_remembered(endpoint, block_bytes, reference):
+    b = shared_engine(endpoint, block_bytes)
+    tier = b.engine.tiers.shared
+    assert tier.lookup(FIRST_HASHES) == 0 and tier.lookup(FIRST_HASHES) == 0
+    assert tier.stats.num_store_queries == 1  # the first block, asked alone; the miss believed for MISS_TTL_S
+    tier._misses.clear()
+    tokens, hit = served(b)
+    assert tokens == reference and hit == 0
+    b.engine.tiers.flush()
+    assert tier.lookup(FIRST_HASHES) == 8  # written since: found in its own index, without asking
+    assert tier.stats.num_store_queries == 2
+    b.engine.tiers.shared.store.delete(FIRST_HASHES)
+    b.engine.close()
+
+
+def test_the_store_keeps_what_an_engine_wrote_within_its_share_and_nothing_leaks(endpoint, block_bytes):
+    llm = shared_engine(endpoint, block_bytes, shared_blocks=5)
+    for prompt in [FIRST, *CHURN[:2]]:
+        llm.generate([prompt], PARAMS)
+    llm.engine.tiers.flush()
+    llm.engine.tiers.shared.flush()  # the deletions queued by that poll
+    keys = bucket_keys(endpoint, BUCKET)
+    assert len(keys) == llm.engine.stats().shared_blocks == 5
+    llm.engine.tiers.shared.store.delete([bytes.fromhex(key.rsplit("/", 1)[1]) for key in keys])
+    assert bucket_keys(endpoint, BUCKET) == []
+    llm.engine.close()
