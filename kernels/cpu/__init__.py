@@ -5,6 +5,8 @@
   every sequence's whole context into a padded copy first. Prefill chunks stay
   on the reference (a gather of the chunk's own context, then SDPA's matrix
   products, which a per-query loop cannot beat).
+- ``block_copy.cpp``: whole KV blocks between pools, one memcpy each (the
+  host tier's promotions).
 - ``small_ops.cpp``: residual add with RMSNorm, rotary, SiLU-and-mul and the KV
   store, each one pass over its rows instead of a chain of aten ops. On this
   project's 2-core VMs, ``torch.compile`` of the same chains lost to eager
@@ -34,7 +36,8 @@ from kernels import reference
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = [str(Path(__file__).with_name(name)) for name in ("bindings.cpp", "paged_decode.cpp", "small_ops.cpp")]
+_SOURCES = [str(Path(__file__).with_name(name)) for name in ("bindings.cpp", "paged_decode.cpp", "small_ops.cpp",
+                                                                 "block_copy.cpp")]
 _build_lock = threading.Lock()
 _extension = None
 
@@ -137,6 +140,11 @@ def rotary_embedding(q, k, positions, cos_sin_cache):
         return reference.rotary_embedding(q, k, positions, cos_sin_cache)
     q_out, k_out = build().rotary(q, k, positions.long(), cos_sin_cache)
     return q_out, k_out
+
+
+def copy_blocks(src: torch.Tensor, src_ids: list[int], dst: torch.Tensor, dst_ids: list[int]) -> None:
+    """``dst[dst_ids[i]] = src[src_ids[i]]`` for every i: whole blocks of contiguous CPU pools."""
+    build().copy_blocks(src, torch.tensor(src_ids, dtype=torch.long), dst, torch.tensor(dst_ids, dtype=torch.long))
 
 
 def silu_and_mul(gate_up):

@@ -22,6 +22,7 @@ PUT visible only once it is complete.
 
 from __future__ import annotations
 
+import array
 import hashlib
 import logging
 import os
@@ -43,7 +44,8 @@ RECORD_VERSION = 1
 # magic, version, token count, block hash (8 bytes), data bytes; then the tokens as int32.
 _HEADER = struct.Struct("<4sHH8sQ")
 TEMP_SUFFIX = ".tmp"
-# How often a transfer still in progress is looked at again.
+# A transfer in progress is looked at again at once for SPIN_S (a sleep costs more than a local read), then every POLL_S.
+SPIN_S = 0.001
 POLL_S = 0.0002
 RECORD_SUFFIX = ".kv"
 
@@ -65,14 +67,14 @@ def pack_trailer(out: np.ndarray, block_hash: bytes, token_ids: Sequence[int], d
     tokens[:len(token_ids)] = token_ids
 
 
-def check_trailer(trailer: np.ndarray, block_hash: bytes, token_ids: Sequence[int], data_bytes: int) -> str | None:
-    """Why a record read back is not the block asked for; None when it is."""
+def check_trailer(trailer: bytes, block_hash: bytes, token_ids: Sequence[int], data_bytes: int) -> str | None:
+    """Why a record read back (its trailer's bytes) is not the block asked for; None when it is."""
     magic, version, num_tokens, stored_hash, stored_bytes = _HEADER.unpack_from(trailer, 0)
     if magic != RECORD_MAGIC or version != RECORD_VERSION:
         return f"not a version-{RECORD_VERSION} record"
     if stored_hash != block_hash or stored_bytes != data_bytes or num_tokens != len(token_ids):
         return "a record of another block"
-    if not np.array_equal(trailer[_HEADER.size:].view(np.int32)[:num_tokens], np.asarray(token_ids, np.int32)):
+    if trailer[_HEADER.size:_HEADER.size + 4 * num_tokens] != array.array("i", token_ids).tobytes():
         return "its tokens differ"
     return None
 
@@ -121,6 +123,7 @@ class NixlBlockStore:
         if path is not None:
             self.dir = Path(path) / namespace
             self.dir.mkdir(parents=True, exist_ok=True)
+            self._dir_prefix = f"{self.dir}{os.sep}"
             self.backend, self.remote_type = "POSIX", "FILE"
             self.agent = nixl_agent(name, nixl_agent_config(enable_listen_thread=False, backends=["POSIX"]))
         else:
@@ -139,7 +142,10 @@ class NixlBlockStore:
         return f"{self.namespace}/{block_hash.hex()}"
 
     def path(self, block_hash: bytes) -> Path:
-        return self.dir / f"{block_hash.hex()}{RECORD_SUFFIX}"
+        return Path(self._file(block_hash))
+
+    def _file(self, block_hash: bytes) -> str:
+        return f"{self._dir_prefix}{block_hash.hex()}{RECORD_SUFFIX}"
 
     def write(self, block_hash: bytes, record_address: int) -> None:
         """Store the record at ``record_address`` (``record_bytes`` of registered memory) as ``block_hash``."""
@@ -231,7 +237,7 @@ class NixlBlockStore:
         opened = []
         for block_hash in block_hashes:
             try:
-                opened.append(os.open(self.path(block_hash), os.O_RDONLY))
+                opened.append(os.open(self._file(block_hash), os.O_RDONLY))
             except FileNotFoundError:
                 opened.append(None)
         return opened
@@ -262,8 +268,10 @@ class NixlBlockStore:
                     [(offset, size, targets[where]) for where, offset, size in remote], self.remote_type)
                 handle = agent.initialize_xfer(op, agent.get_xfer_descs(local, "DRAM"), remote_descs, self.name)
                 state = agent.transfer(handle)
+                waited = time.perf_counter()
                 while state == "PROC":
-                    time.sleep(POLL_S)  # lets other threads run while the backend's own threads work
+                    if time.perf_counter() - waited > SPIN_S:  # a remote store's round trips: let others run
+                        time.sleep(POLL_S)
                     state = agent.check_xfer_state(handle)
             except Exception as exc:  # NIXL reports a failed transfer by raising its backend error
                 raise StoreError(f"{op} failed: {exc}") from exc

@@ -11,8 +11,8 @@ match here; the blocks found are copied back into device blocks
 Each entry keeps its block's tokens, and a match verifies them, as the device
 prefix cache does. The host pool is inclusive: a promoted block stays here
 too, so evicting it from the device again copies nothing. A promotion copies
-all its blocks at once (one ``index_copy_`` per run of consecutive host
-slots); on a GPU the host pool is pinned.
+all its blocks in one call: on CPU one memcpy per block (``kernels.cpu``),
+on a GPU one copy per run of consecutive host slots from a pinned pool.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from typing import Callable, Sequence
 
 import torch
 
+import kernels.cpu as cpu_kernels
 from pd.engine.block_pool import Tier
 
 
@@ -41,6 +42,8 @@ class HostTier:
         self.cache = torch.empty((num_blocks, *device_cache.shape[1:]), dtype=device_cache.dtype, device="cpu",
                                  pin_memory=device_cache.is_cuda)
         self.num_blocks = num_blocks
+        if not device_cache.is_cuda:
+            cpu_kernels.build()  # promotions copy with it; compiled once, at engine start
         # block hash -> (host slot, the block's tokens); oldest use first.
         self._index: OrderedDict[bytes, tuple[int, tuple[int, ...]]] = OrderedDict()
         self._free_slots = list(range(num_blocks - 1, -1, -1))
@@ -121,13 +124,16 @@ class HostTier:
         """Copy reserved entries into device blocks ``block_ids``, one to one; their tokens."""
         entries = [self._index[block_hash] for block_hash in block_hashes]
         slots = [slot for slot, _ in entries]
-        start = 0
-        for end in range(1, len(slots) + 1):  # one copy per run of consecutive host slots
-            if end == len(slots) or slots[end] != slots[end - 1] + 1:
-                ids = torch.tensor(block_ids[start:end], device=self.device_cache.device)
-                self.device_cache.index_copy_(0, ids, self.cache[slots[start]:slots[end - 1] + 1].to(
-                    self.device_cache.device, non_blocking=True))
-                start = end
+        if self.device_cache.is_cuda:
+            start = 0
+            for end in range(1, len(slots) + 1):  # one host-to-device copy per run of consecutive slots
+                if end == len(slots) or slots[end] != slots[end - 1] + 1:
+                    ids = torch.tensor(block_ids[start:end], device=self.device_cache.device)
+                    run = self.cache[slots[start]:slots[end - 1] + 1].to(self.device_cache.device, non_blocking=True)
+                    self.device_cache.index_copy_(0, ids, run)
+                    start = end
+        else:
+            cpu_kernels.copy_blocks(self.cache, slots, self.device_cache, list(block_ids))
         self._loading.difference_update(slots)
         self.stats.num_promoted_blocks += len(slots)
         return [tokens for _, tokens in entries]

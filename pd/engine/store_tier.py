@@ -191,7 +191,9 @@ class StoreTier:
         """
         items = items[:len(self._trailers)]
         started = time.perf_counter()
-        reads = [(block_hash, self.host_cache[slot].data_ptr(), self._trailers[index].data_ptr())
+        host, host_row = self.host_cache.data_ptr(), self.host_cache[0].nbytes
+        trailer, trailer_row = self._trailers.data_ptr(), self.store.trailer_bytes
+        reads = [(block_hash, host + slot * host_row, trailer + index * trailer_row)
                  for index, (block_hash, _, slot) in enumerate(items)]
         try:
             ok = self.store.read(reads)
@@ -199,8 +201,9 @@ class StoreTier:
             logger.warning("%s tier: a read failed (%s); recomputing", self.tier.name.lower(), exc)
             ok = [False] * len(items)
         good = 0
+        trailers = self._trailers.numpy()
         for index, (block_hash, token_ids, _) in enumerate(items):
-            why = check_trailer(self._trailers[index].numpy(), block_hash, token_ids,
+            why = check_trailer(trailers[index].tobytes(), block_hash, token_ids,
                                 self.store.data_bytes) if ok[index] else "missing"
             if why is not None:
                 logger.warning("%s tier: block %s rejected (%s); recomputing", self.tier.name.lower(),

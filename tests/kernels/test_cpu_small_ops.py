@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import kernels
+import kernels.cpu as cpu
 from kernels import PAD_SLOT_ID, reference
 
 TOKENS = [1, 3, 70, 1000]  # one row, a few rows, enough rows to split across threads
@@ -91,3 +92,23 @@ def test_other_dtypes_take_the_reference():
     assert torch.equal(kernels.rms_norm(x, weight, 1e-6, backend="cpu"), reference.rms_norm(x, weight, 1e-6))
     gate_up = torch.randn(3, 64, dtype=torch.bfloat16)
     assert torch.equal(kernels.silu_and_mul(gate_up, backend="cpu"), reference.silu_and_mul(gate_up))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_copy_blocks_copies_whole_blocks_to_their_ids_and_nothing_else(dtype):
+    src = torch.randn(6, 2, 16, 4, 8).to(dtype)
+    dst = torch.zeros(9, 2, 16, 4, 8, dtype=dtype)
+    cpu.copy_blocks(src, [4, 0, 5], dst, [8, 2, 3])
+    expected = torch.zeros_like(dst)
+    expected[[8, 2, 3]] = src[[4, 0, 5]]
+    assert torch.equal(dst, expected)
+
+
+def test_copy_blocks_refuses_a_bad_id_or_pool():
+    src, dst = torch.randn(4, 8), torch.zeros(4, 8)
+    with pytest.raises(RuntimeError, match="out of range"):
+        cpu.copy_blocks(src, [4], dst, [0])
+    with pytest.raises(RuntimeError, match="differ in size"):
+        cpu.copy_blocks(src, [0], torch.zeros(4, 16), [0])
+    with pytest.raises(RuntimeError, match="dtypes differ"):
+        cpu.copy_blocks(src, [0], torch.zeros(4, 8, dtype=torch.float64), [0])
