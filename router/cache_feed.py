@@ -1,12 +1,19 @@
 """Feeding replicas' numbered prefix-cache events into a ``PrefixIndex``. Pure Python, no Ray.
 
 Each replica reports a window of events (``RoutingStats``): every change to
-its prefix cache numbered from ``cache_events_from`` on, compacted to each
-hash's latest. The feed applies each event once, in order. A report it has
-already applied costs one comparison; a new one costs only its unseen
-events. When a window starts past the next event the feed expects, events
-were dropped before it read them: the replica's entries may be stale, so
-they are forgotten and rebuilt from what follows.
+where it holds a block, numbered from ``cache_events_from`` on, compacted to
+each ``CacheEvent.key``'s latest. The feed applies each event once, in order.
+A report it has already applied costs one comparison; a new one costs only
+its unseen events. When a window starts past the next event the feed
+expects, events were dropped before it read them: the replica's entries may
+be stale, so they are forgotten and rebuilt from what follows.
+
+An event about the replica's own copy files the block under the replica at
+its tier, or drops it. One about the deployment's shared store files it
+under ``SHARED_STORE``, which counts for every replica. Replicas report the
+shared store's changes in no common order: the feed applies them as they
+come, and the last applied stands. A replica that leaves, or whose events
+were dropped, takes its own entries with it, not the shared store's.
 """
 
 from __future__ import annotations
@@ -15,8 +22,9 @@ import bisect
 import logging
 from typing import Iterable
 
-from router.prefix_index import PrefixIndex
-from router.protocol import RoutingStats
+from router.prefix_index import SHARED_STORE, PrefixIndex
+from router.protocol import CacheEvent, RoutingStats
+from router.tiers import Tier
 
 logger = logging.getLogger(__name__)
 
@@ -43,17 +51,27 @@ class CacheEventFeed:
             seen = _NOTHING_SEEN
         events = stats.cache_events
         start = bisect.bisect_right(events, seen, key=lambda event: event.seq)
-        latest: dict[bytes, bool] = {}  # each hash's last state, so store-then-evict ends evicted
+        latest: dict[tuple[bytes, bool], CacheEvent] = {}  # each key's last event: store-then-evict ends evicted
         for event in events[start:]:
-            latest.pop(event.block_hash, None)
-            latest[event.block_hash] = event.stored
-        evicted = [h for h, stored in latest.items() if not stored]
-        if evicted:
-            self.index.evict(replica_id, evicted)
-        stored = [h for h, stored in latest.items() if stored]
-        if stored:
-            self.index.insert(replica_id, stored)
+            latest.pop(event.key, None)
+            latest[event.key] = event
+        self._apply_latest(replica_id, latest.values())
         self._seen[replica_id] = last
+
+    def _apply_latest(self, replica_id: str, events: Iterable[CacheEvent]) -> None:
+        """Evictions first, then stores, one ``insert`` per (holder, tier), each in the events' order."""
+        evicted: dict[str, list[bytes]] = {}
+        stored: dict[tuple[str, int], list[bytes]] = {}
+        for event in events:
+            holder = SHARED_STORE if event.tier == Tier.SHARED else replica_id
+            if event.stored:
+                stored.setdefault((holder, event.tier), []).append(event.block_hash)
+            else:
+                evicted.setdefault(holder, []).append(event.block_hash)
+        for holder, block_hashes in evicted.items():
+            self.index.evict(holder, block_hashes)
+        for (holder, tier), block_hashes in stored.items():
+            self.index.insert(holder, block_hashes, tier)
 
     def retain(self, live_replica_ids: Iterable[str]) -> list[str]:
         """Forget replicas that left; returns their ids."""

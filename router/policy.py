@@ -4,12 +4,21 @@ Prefill placement scores every candidate replica in prompt-token units:
 
     cost(r) = w_prefix * uncached_prompt_tokens(r) + w_load * load(r)
 
+    uncached_prompt_tokens(r) = num_prompt_tokens
+                              - sum over r's matched blocks of value(tier) * tokens reused there
+
     load(r) = queued_prefill_tokens(r)                                   reported
             + request_load_tokens  * num_active_requests(r)              reported
             + kv_usage_load_tokens * kv_usage(r)                         reported
             + unreported_prefill_weight * unreported_prefill_tokens(r)    this router's own
             + recent_prefill_weight * (recent_prefill_tokens(r) - least)  this router's own
             + recent_request_load_tokens * (recent_requests(r) - least)  this router's own
+
+``value(tier)`` is what a hit in the tier holding the block is worth, as a
+fraction of a device hit (``router.tiers``): a host hit saves its compute but
+must be loaded first. A block in the shared store counts for every replica.
+With device hits only, ``uncached_prompt_tokens`` is the prompt less its
+longest cached prefix.
 
 ``unreported_prefill_tokens`` are the uncached prompt tokens this router sent
 a replica since that replica's last report (``reported``): queued work its
@@ -37,7 +46,7 @@ all are scored as if within bounds.
 
 Decode placement (``DecodePolicy``) prefers KV headroom and few active
 decodes, with a bonus for prompt blocks the decode replica already holds,
-since those need not be transferred.
+since those need not be transferred, valued by tier as above.
 
 Policies are not thread-safe: a router calls them from its one event loop.
 Several ingress replicas each run their own, and each balances its own stream.
@@ -54,6 +63,7 @@ from typing import Mapping, NamedTuple, Sequence
 
 from router.prefix_index import PrefixIndex
 from router.recent import RecentRouted
+from router.tiers import TierHitValues, matched_tokens, valued_tokens
 
 # Costs closer than this (relative) are a tie.
 _TIE_TOLERANCE = 1e-9
@@ -65,9 +75,9 @@ _ROUTED_SLACK = 1.0
 class RoutingReason(str, enum.Enum):
     """Why a replica was chosen; the label of the routing-decision metric."""
 
-    PREFIX = "prefix"  # it holds the longest cached prefix of any candidate
-    LOAD = "load"  # no candidate holds any of the prompt, or a longer prefix sat on a busier replica
-    OVERLOAD = "overload"  # a replica holding a longer prefix was over its bound, or every replica was
+    PREFIX = "prefix"  # it holds the most valuable cached prefix of any candidate (the longest, in one tier)
+    LOAD = "load"  # no candidate holds any of the prompt, or a better prefix sat on a busier replica
+    OVERLOAD = "overload"  # a replica holding a better prefix was over its bound, or every replica was
 
 
 @dataclass(frozen=True)
@@ -88,7 +98,11 @@ class ReplicaLoad:
 
 @dataclass(frozen=True)
 class RoutingDecision:
-    """Where one request goes, why, and how much of its prompt that replica already holds."""
+    """Where one request goes, why, and how much of its prompt that replica already holds.
+
+    ``matched_tokens`` are the prompt tokens it holds in any tier (or can read
+    from the shared store); ``uncached_tokens`` the rest, which it computes.
+    """
 
     replica_id: str
     reason: RoutingReason
@@ -99,11 +113,12 @@ class RoutingDecision:
 
 
 @dataclass(frozen=True)
-class PolicyConfig:
+class PolicyConfig(TierHitValues):
     """Weights and bounds of prefix-affinity placement; token quantities are prompt tokens.
 
     ``block_size`` is the engines' (the app sets it from the engine config).
-    The defaults are tuned on ``python -m bench.router`` (see its docstring).
+    The defaults are tuned on ``python -m bench.router`` (see its docstring);
+    the ``*_hit_value`` fields (``TierHitValues``) are derived in ``router.tiers``.
     """
 
     block_size: int
@@ -124,6 +139,7 @@ class PolicyConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         for name in ("w_prefix", "w_load", "request_load_tokens", "kv_usage_load_tokens",
@@ -146,11 +162,6 @@ class PolicyConfig:
             raise ValueError(f"index_max_blocks must be >= 1, got {self.index_max_blocks}")
 
 
-def matched_tokens(num_matched_blocks: int, block_size: int, num_prompt_tokens: int) -> int:
-    """Prompt tokens a replica can reuse. The last prompt token is always computed, to sample from."""
-    return max(0, min(num_matched_blocks * block_size, num_prompt_tokens - 1))
-
-
 def uncached_tokens(matches: Mapping[str, int], block_size: int, num_prompt_tokens: int) -> int:
     """Prompt tokens left to compute on the replica holding the longest prefix (``PrefixIndex.match``)."""
     return num_prompt_tokens - matched_tokens(max(matches.values(), default=0), block_size, num_prompt_tokens)
@@ -161,6 +172,7 @@ class _Scored(NamedTuple):
     overloaded: bool
     cost: float
     matched_tokens: int
+    valued_tokens: float  # matched tokens, each weighed by its tier's hit value
 
 
 def _decide(scored: list[_Scored], num_prompt_tokens: int, rng: random.Random) -> RoutingDecision:
@@ -174,11 +186,11 @@ def _decide(scored: list[_Scored], num_prompt_tokens: int, rng: random.Random) -
     tied = [entry for entry in eligible if entry.cost <= lowest + tolerance]
     chosen = tied[0] if len(tied) == 1 else rng.choice(tied)
 
-    best_matched = max(entry.matched_tokens for entry in scored)
-    best_eligible_matched = max(entry.matched_tokens for entry in eligible)
-    if all_overloaded or best_eligible_matched < best_matched:
+    best_valued = max(entry.valued_tokens for entry in scored)
+    best_eligible_valued = max(entry.valued_tokens for entry in eligible)
+    if all_overloaded or best_eligible_valued < best_valued:
         reason = RoutingReason.OVERLOAD
-    elif 0 < chosen.matched_tokens == best_matched:
+    elif 0 < chosen.valued_tokens == best_valued:
         reason = RoutingReason.PREFIX
     else:
         reason = RoutingReason.LOAD
@@ -198,6 +210,7 @@ class PrefixAffinityPolicy:
     def __init__(self, config: PolicyConfig, index: PrefixIndex | None = None) -> None:
         self.config = config
         self.index = index if index is not None else PrefixIndex(config.index_max_blocks)
+        self.hit_values = config.hit_values()
         self.recent = RecentRouted(config.recent_window)
         self.reason_counts: Counter[RoutingReason] = Counter()
         self._rng = random.Random(config.seed)
@@ -259,14 +272,15 @@ class PrefixAffinityPolicy:
         if not candidates:
             raise ValueError("no candidate replicas")
         config = self.config
-        matches = self.index.match(block_hashes)
+        runs = self.index.match_tiers(block_hashes, [replica.replica_id for replica in candidates])
         loads = self.loads(candidates)
         routed_limit = self.routed_limit(candidates)
         scored = []
         for replica in candidates:
-            matched = matched_tokens(matches.get(replica.replica_id, 0), config.block_size, num_prompt_tokens)
-            cost = config.w_prefix * (num_prompt_tokens - matched) + config.w_load * loads[replica.replica_id]
-            scored.append(_Scored(replica.replica_id, self.is_overloaded(replica, routed_limit), cost, matched))
+            matched, valued = valued_tokens(runs.get(replica.replica_id, 0), self.hit_values, config.block_size,
+                                            num_prompt_tokens)
+            cost = config.w_prefix * (num_prompt_tokens - valued) + config.w_load * loads[replica.replica_id]
+            scored.append(_Scored(replica.replica_id, self.is_overloaded(replica, routed_limit), cost, matched, valued))
         return _decide(scored, num_prompt_tokens, self._rng)
 
     def record_routed(self, decision: RoutingDecision, block_hashes: Sequence[bytes]) -> None:
@@ -288,10 +302,14 @@ class PrefixAffinityPolicy:
 
 
 @dataclass(frozen=True)
-class DecodePolicyConfig:
+class DecodePolicyConfig(TierHitValues):
     """Weights and bounds of decode placement; costs are in units of one active decode.
 
-    ``block_size`` is the engines' (the app sets it from the engine config).
+    ``block_size`` is the engines' (the app sets it from the engine config). A
+    held block saves a pull from the prefill replica; one in a slower tier
+    must be loaded instead, weighed by the ``*_hit_value`` fields: the
+    defaults price a load against recomputing (``router.tiers``), which
+    ranks the tiers as a pull would.
     """
 
     block_size: int
@@ -308,6 +326,7 @@ class DecodePolicyConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.index_max_blocks < 1:
@@ -328,11 +347,12 @@ class DecodePolicy:
 
         cost(r) = w_active * num_active_requests + w_kv_usage * kv_usage
                   + w_recent * (recent_requests(r) - least)
-                  - w_prefix_hit * matched_tokens / num_prompt_tokens
+                  - w_prefix_hit * valued_matched_tokens / num_prompt_tokens
     """
 
     def __init__(self, config: DecodePolicyConfig) -> None:
         self.config = config
+        self.hit_values = config.hit_values()
         self.recent = RecentRouted(config.recent_window)
         self.reason_counts: Counter[RoutingReason] = Counter()
         self._rng = random.Random(config.seed)
@@ -344,12 +364,14 @@ class DecodePolicy:
         return config.max_active_requests is not None and replica.num_active_requests > config.max_active_requests
 
     def choose(
-        self, candidates: Sequence[ReplicaLoad], matches: Mapping[str, int], num_prompt_tokens: int
+        self, candidates: Sequence[ReplicaLoad], matches: Mapping[str, int | Sequence[int]], num_prompt_tokens: int
     ) -> RoutingDecision:
         """The candidate of lowest cost among those within bounds.
 
-        ``matches`` maps replica id to the leading prompt blocks it holds
-        (``PrefixIndex.match`` over the decode pool's index); absent means none.
+        ``matches`` maps replica id to its leading run of the prompt's blocks
+        in the decode pool's index: the tier of each block
+        (``PrefixIndex.match_tiers``), or a count of device blocks
+        (``PrefixIndex.match``). Absent means none.
         """
         if not candidates:
             raise ValueError("no candidate replicas")
@@ -357,15 +379,16 @@ class DecodePolicy:
         least_recent = min(self.recent.requests(replica.replica_id) for replica in candidates)
         scored = []
         for replica in candidates:
-            matched = matched_tokens(matches.get(replica.replica_id, 0), config.block_size, num_prompt_tokens)
-            hit_fraction = matched / num_prompt_tokens if num_prompt_tokens > 0 else 0.0
+            matched, valued = valued_tokens(matches.get(replica.replica_id, 0), self.hit_values, config.block_size,
+                                            num_prompt_tokens)
+            hit_fraction = valued / num_prompt_tokens if num_prompt_tokens > 0 else 0.0
             cost = (
                 config.w_active * replica.num_active_requests
                 + config.w_kv_usage * replica.kv_usage
                 + config.w_recent * (self.recent.requests(replica.replica_id) - least_recent)
                 - config.w_prefix_hit * hit_fraction
             )
-            scored.append(_Scored(replica.replica_id, self.is_overloaded(replica), cost, matched))
+            scored.append(_Scored(replica.replica_id, self.is_overloaded(replica), cost, matched, valued))
         return _decide(scored, num_prompt_tokens, self._rng)
 
     def record_routed(self, decision: RoutingDecision) -> None:

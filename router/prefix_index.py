@@ -12,6 +12,19 @@ a prompt's blocks that the index says it holds:
     replica a       x   x   x   .      -> 3
     replica b       x   .   x   .      -> 1  (h2 without h1 cannot be reused)
 
+Each entry keeps the tier of the replica's copy (``router.tiers``): a block
+re-inserted at another tier moves there. Blocks in the deployment's shared
+store are entries of one pseudo-holder, ``SHARED_STORE``, and count for every
+replica in ``match_tiers``:
+
+    prompt blocks   h0      h1      h2      h3
+    replica a       DEVICE  HOST    .       .
+    shared store    SHARED  SHARED  SHARED  .
+    match_tiers     a: (DEVICE, HOST, SHARED); any other replica: (SHARED, SHARED, SHARED)
+
+A replica's own copy wins over the shared store's: the engine looks through
+its own tiers first, and each of them is faster.
+
 Memory is bounded by ``max_blocks`` (hash, replica) entries. Past the bound the
 least recently inserted entry goes first. A prompt's blocks are inserted last
 block first, so under pressure a prompt's tail is forgotten before its head,
@@ -25,51 +38,68 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Iterable, Sequence
 
+from router.tiers import Tier
+
+# The pseudo-holder of blocks in the deployment's shared store; no replica id looks like it.
+SHARED_STORE = "<shared store>"
+_NO_HOLDERS: dict[str, int] = {}
+
 
 class PrefixIndex:
-    """Bounded map from block hash to the replicas holding that block, with LRU eviction."""
+    """Bounded map from block hash to the replicas holding that block and their tiers, with LRU eviction."""
 
     def __init__(self, max_blocks: int) -> None:
         if max_blocks < 1:
             raise ValueError(f"max_blocks must be >= 1, got {max_blocks}")
         self.max_blocks = max_blocks
-        # block hash -> replica ids holding it (a dict used as an ordered set).
-        self._holders: dict[bytes, dict[str, None]] = {}
+        # block hash -> {replica id: the tier of its copy}, in insertion order.
+        self._holders: dict[bytes, dict[str, int]] = {}
         # (block hash, replica id) entries, least recently inserted first.
         self._lru: OrderedDict[tuple[bytes, str], None] = OrderedDict()
         self._num_blocks_by_replica: dict[str, int] = {}
+        self._num_off_device = 0  # entries in a tier other than DEVICE (shared-store ones too)
         self.num_dropped = 0  # entries forgotten to stay under max_blocks
 
     def __len__(self) -> int:
-        """The number of (block hash, replica) entries held."""
+        """The number of (block hash, replica) entries held, the shared store's included."""
         return len(self._lru)
 
     def __contains__(self, entry: tuple[bytes, str]) -> bool:
         return entry in self._lru
 
     def replica_ids(self) -> list[str]:
-        """Replicas with at least one block in the index."""
-        return list(self._num_blocks_by_replica)
+        """Replicas with at least one block in the index (never ``SHARED_STORE``)."""
+        return [replica_id for replica_id in self._num_blocks_by_replica if replica_id != SHARED_STORE]
 
     def num_blocks(self, replica_id: str) -> int:
-        """How many blocks the index says ``replica_id`` holds."""
+        """How many blocks the index says ``replica_id`` (or ``SHARED_STORE``) holds."""
         return self._num_blocks_by_replica.get(replica_id, 0)
 
-    def insert(self, replica_id: str, block_hashes: Sequence[bytes]) -> None:
-        """Record that ``replica_id`` holds ``block_hashes`` (a prompt's leading blocks, in order).
+    def tier(self, block_hash: bytes, replica_id: str) -> int | None:
+        """The tier of ``replica_id``'s copy of ``block_hash``; None when the index has none."""
+        return self._holders.get(block_hash, _NO_HOLDERS).get(replica_id)
 
-        Re-inserting a held block refreshes it. The blocks are touched last
-        first, so the prompt's first block ends up the most recently used.
+    def insert(self, replica_id: str, block_hashes: Sequence[bytes], tier: int = Tier.DEVICE) -> None:
+        """Record that ``replica_id`` holds ``block_hashes`` (a prompt's leading blocks, in order) in ``tier``.
+
+        Re-inserting a held block refreshes it and moves it to ``tier``. The
+        blocks are touched last first, so the prompt's first block ends up the
+        most recently used. Routing inserts on the device, where a prefill
+        leaves a prompt's blocks; ``SHARED_STORE`` holds its blocks in ``Tier.SHARED``.
         """
         lru = self._lru
+        off_device = tier != Tier.DEVICE
         for block_hash in reversed(block_hashes):
             key = (block_hash, replica_id)
+            holders = self._holders.setdefault(block_hash, {})
             if key in lru:
                 lru.move_to_end(key)
-                continue
-            lru[key] = None
-            self._holders.setdefault(block_hash, {})[replica_id] = None
-            self._num_blocks_by_replica[replica_id] = self._num_blocks_by_replica.get(replica_id, 0) + 1
+                self._num_off_device += off_device - (holders[replica_id] != Tier.DEVICE)
+            else:
+                lru[key] = None
+                self._num_blocks_by_replica[replica_id] = self._num_blocks_by_replica.get(replica_id, 0) + 1
+                self._num_off_device += off_device
+            holders[replica_id] = tier
         while len(lru) > self.max_blocks:
             (block_hash, holder), _ = lru.popitem(last=False)
             self._forget(block_hash, holder)
@@ -95,6 +125,7 @@ class PrefixIndex:
     def match(self, block_hashes: Sequence[bytes]) -> dict[str, int]:
         """For each replica holding the first block, the length of its leading run of ``block_hashes``.
 
+        Counts the replicas' own copies in any tier, not the shared store's.
         Replicas that hold none of the leading blocks are absent. Read-only:
         matching does not refresh entries (routing inserts, which does).
         """
@@ -112,15 +143,50 @@ class PrefixIndex:
                 for replica_id in alive.difference(still):
                     matches[replica_id] = position
                 if not still:
-                    return matches
+                    break
                 alive = still
-        for replica_id in alive:
-            matches[replica_id] = len(block_hashes)
+        else:
+            for replica_id in alive:
+                matches[replica_id] = len(block_hashes)
+        matches.pop(SHARED_STORE, None)
         return matches
+
+    def match_tiers(self, block_hashes: Sequence[bytes],
+                    replica_ids: Iterable[str] | None = None) -> dict[str, tuple[int, ...]]:
+        """For each of ``replica_ids`` that can reuse the first block, the tier of each block of its leading run.
+
+        A block counts at the tier of the replica's own copy, else at
+        ``Tier.SHARED`` when the shared store holds it (module docstring).
+        ``replica_ids`` None means every replica with a block in the index.
+        Replicas with an empty run are absent. Read-only, like ``match``.
+        """
+        if not block_hashes:
+            return {}
+        wanted = dict.fromkeys(self.replica_ids() if replica_ids is None else replica_ids)  # an ordered set
+        wanted.pop(SHARED_STORE, None)
+        if not self._num_off_device:  # every entry is on a device: the runs of ``match``
+            return {replica_id: (Tier.DEVICE,) * run for replica_id, run in self.match(block_hashes).items()
+                    if replica_id in wanted}
+        first = self._holders.get(block_hashes[0], _NO_HOLDERS)
+        alive = list(wanted) if SHARED_STORE in first else [r for r in first if r in wanted]
+        runs: dict[str, list[int]] = {replica_id: [] for replica_id in alive}
+        for block_hash in block_hashes:
+            holders = self._holders.get(block_hash, _NO_HOLDERS)
+            shared = Tier.SHARED if SHARED_STORE in holders else None
+            still = []
+            for replica_id in alive:
+                tier = holders.get(replica_id, shared)  # an own copy is always faster than the shared store
+                if tier is not None:
+                    runs[replica_id].append(tier)
+                    still.append(replica_id)
+            if not still:
+                break
+            alive = still
+        return {replica_id: tuple(run) for replica_id, run in runs.items() if run}
 
     def _forget(self, block_hash: bytes, replica_id: str) -> None:
         holders = self._holders[block_hash]
-        del holders[replica_id]
+        self._num_off_device -= holders.pop(replica_id) != Tier.DEVICE
         if not holders:
             del self._holders[block_hash]
         remaining = self._num_blocks_by_replica[replica_id] - 1

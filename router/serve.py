@@ -234,8 +234,9 @@ class DecodeLoadRouter(PinnedRequestRouter):
         if hints is None:
             return super().rank(replicas, hints)
         self.update_feed(self.feed)
-        matches = self.index.match(hints.block_hashes)
-        decision = self.policy.choose([self.reports.load(r) for r in replicas], matches, hints.num_prompt_tokens)
+        loads = [self.reports.load(r) for r in replicas]
+        runs = self.index.match_tiers(hints.block_hashes, [load.replica_id for load in loads])
+        decision = self.policy.choose(loads, runs, hints.num_prompt_tokens)
         self.policy.record_routed(decision)
         self.metrics.record(decision)
         return _ranked(replicas, decision)

@@ -65,10 +65,15 @@ class PoolRouting:
         self._index, self._block_size = index, block_size
 
     def estimate_uncached_tokens(self, block_hashes: Sequence[bytes], num_prompt_tokens: int) -> int:
-        """Prompt tokens the best-placed replica would compute itself; all of them until a router shared its index."""
+        """Prompt tokens the best-placed replica would compute itself; all of them until a router shared its index.
+
+        A block the replica holds in any tier, or can read from the shared store, is not computed.
+        """
         if self._index is None or not block_hashes:
             return num_prompt_tokens
-        return uncached_tokens(self._index.match(block_hashes), self._block_size, num_prompt_tokens)
+        runs = self._index.match_tiers(block_hashes)
+        return uncached_tokens({replica_id: len(run) for replica_id, run in runs.items()}, self._block_size,
+                               num_prompt_tokens)
 
 
 class RoutingScopes:

@@ -177,8 +177,9 @@ class SimCluster:
         if pool.placement is not None:
             replica_id = pool.placement.place(self._arrival(request_id, flow), pool)
         else:
-            decision: RoutingDecision = self.decode_policy.choose(pool.loads(), pool.index.match(flow.hashes),
-                                                                  len(flow.prompt))
+            loads = pool.loads()
+            runs = pool.index.match_tiers(flow.hashes, [load.replica_id for load in loads])
+            decision: RoutingDecision = self.decode_policy.choose(loads, runs, len(flow.prompt))
             self.decode_policy.record_routed(decision)
             replica_id = decision.replica_id
         pool.sent(replica_id)

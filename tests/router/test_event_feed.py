@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 from router.cache_feed import CacheEventFeed
-from router.prefix_index import PrefixIndex
+from router.prefix_index import SHARED_STORE, PrefixIndex
 from router.protocol import CacheEvent, RoutingStats
+from router.tiers import Tier
 
 A, B, C = b"a" * 8, b"b" * 8, b"c" * 8
 
 
-def report(events: list[tuple[int, bytes, bool]], first_seq: int = 0) -> RoutingStats:
-    """A replica's published stats holding these ``(seq, hash, stored)`` events."""
+def report(events: list[tuple], first_seq: int = 0) -> RoutingStats:
+    """A replica's published stats holding these ``(seq, hash, stored)`` or ``(seq, hash, stored, tier)`` events."""
     return RoutingStats(cache_events_from=first_seq,
-                        cache_events=tuple(CacheEvent(seq=s, block_hash=h, stored=st) for s, h, st in events))
+                        cache_events=tuple(CacheEvent(*event) for event in events))
 
 
 def held(index: PrefixIndex, replica_id: str) -> set[bytes]:
@@ -74,3 +75,36 @@ def test_a_replica_that_left_is_forgotten():
     feed.apply("r2", report([(0, B, True)]))
     assert feed.retain(["r2"]) == ["r1"]
     assert held(index, "r1") == set() and held(index, "r2") == {B}
+
+
+def test_a_block_moves_between_tiers_until_it_is_gone():
+    index = PrefixIndex(100)
+    feed = CacheEventFeed(index)
+    feed.apply("r1", report([(0, A, True, Tier.DEVICE), (1, B, True, Tier.DEVICE)]))
+    assert index.match_tiers([A, B]) == {"r1": (Tier.DEVICE, Tier.DEVICE)}
+    feed.apply("r1", report([(2, A, True, Tier.HOST)], first_seq=2))  # demoted
+    assert index.match_tiers([A, B]) == {"r1": (Tier.HOST, Tier.DEVICE)}
+    feed.apply("r1", report([(3, A, True, Tier.DISK), (4, B, True, Tier.HOST)], first_seq=3))
+    assert index.match_tiers([A, B]) == {"r1": (Tier.DISK, Tier.HOST)}
+    feed.apply("r1", report([(5, A, False, Tier.DISK)], first_seq=5))  # held nowhere now
+    assert index.tier(A, "r1") is None and index.match_tiers([A, B]) == {}
+    # Moved and then promoted within one window: the latest tier stands.
+    feed.apply("r1", report([(6, A, True, Tier.HOST), (7, A, True, Tier.DEVICE)], first_seq=6))
+    assert index.match_tiers([A, B]) == {"r1": (Tier.DEVICE, Tier.HOST)}
+
+
+def test_shared_store_events_make_a_prefix_count_on_every_replica():
+    index = PrefixIndex(100)
+    feed = CacheEventFeed(index)
+    feed.apply("r1", report([(0, A, True, Tier.DEVICE), (1, A, True, Tier.SHARED), (2, B, True, Tier.SHARED)]))
+    feed.apply("r2", report([(0, C, True, Tier.DEVICE)]))
+    assert index.match_tiers([A, B, C], ["r1", "r2", "r3"]) == {
+        "r1": (Tier.DEVICE, Tier.SHARED), "r2": (Tier.SHARED, Tier.SHARED, Tier.DEVICE), "r3": (Tier.SHARED, Tier.SHARED)}
+    # A hash's own and shared states are apart: r1 dropping its own copy leaves the shared one.
+    feed.apply("r1", report([(3, A, False, Tier.DEVICE)], first_seq=3))
+    assert index.match_tiers([A, B], ["r1"]) == {"r1": (Tier.SHARED, Tier.SHARED)}
+    # Any replica may report the shared store's changes; a replica that leaves does not take them.
+    feed.apply("r2", report([(1, B, False, Tier.SHARED)], first_seq=1))
+    assert feed.retain(["r2", "r3"]) == ["r1"]
+    assert index.match_tiers([A, B], ["r2", "r3"]) == {"r2": (Tier.SHARED,), "r3": (Tier.SHARED,)}
+    assert index.num_blocks(SHARED_STORE) == 1 and index.replica_ids() == ["r2"]

@@ -3,7 +3,8 @@ import random
 import pytest
 
 from router.hashing import hash_block_tokens
-from router.prefix_index import PrefixIndex
+from router.prefix_index import SHARED_STORE, PrefixIndex
+from router.tiers import Tier
 
 BLOCK = 4
 
@@ -127,3 +128,71 @@ def test_random_operations_keep_the_bound_and_agree_with_a_model():
 def test_max_blocks_must_be_positive():
     with pytest.raises(ValueError):
         PrefixIndex(max_blocks=0)
+
+
+def test_a_block_reinserted_in_another_tier_moves_there():
+    prompt = hashes(3)
+    index = PrefixIndex(max_blocks=100)
+    index.insert("a", prompt)
+    assert [index.tier(h, "a") for h in prompt] == [Tier.DEVICE] * 3  # routing's optimistic insertion
+    index.insert("a", prompt[1:], Tier.HOST)
+    index.insert("a", prompt[2:], Tier.DISK)
+    assert [index.tier(h, "a") for h in prompt] == [Tier.DEVICE, Tier.HOST, Tier.DISK]
+    assert len(index) == 3 and index.num_blocks("a") == 3
+    assert index.match(prompt) == {"a": 3}  # match counts a replica's copies in any tier
+    assert index.match_tiers(prompt) == {"a": (Tier.DEVICE, Tier.HOST, Tier.DISK)}
+    index.insert("a", prompt, Tier.DEVICE)  # promoted back
+    assert index.match_tiers(prompt) == {"a": (Tier.DEVICE,) * 3}
+
+
+def test_the_shared_store_counts_for_every_replica_and_an_own_copy_wins():
+    """The module docstring's diagram."""
+    prompt = hashes(4)
+    index = PrefixIndex(max_blocks=100)
+    index.insert("a", prompt[:1])
+    index.insert("a", prompt[1:2], Tier.HOST)
+    index.insert(SHARED_STORE, prompt[:3], Tier.SHARED)
+    assert index.match_tiers(prompt, ["a", "b"]) == {
+        "a": (Tier.DEVICE, Tier.HOST, Tier.SHARED), "b": (Tier.SHARED,) * 3}
+    assert index.match_tiers(prompt) == {"a": (Tier.DEVICE, Tier.HOST, Tier.SHARED)}  # the replicas it knows
+    assert index.match_tiers(prompt, ["c"]) == {"c": (Tier.SHARED,) * 3}
+    # The shared store is no replica: match (own copies) and replica_ids leave it out.
+    assert index.match(prompt) == {"a": 2} and index.replica_ids() == ["a"]
+    index.evict(SHARED_STORE, prompt[1:2])
+    assert index.match_tiers(prompt, ["a", "b"]) == {"a": (Tier.DEVICE, Tier.HOST, Tier.SHARED), "b": (Tier.SHARED,)}
+    index.remove_replica("a")
+    assert index.match_tiers(prompt, ["a"]) == {"a": (Tier.SHARED,)}
+
+
+def test_random_tiered_operations_keep_the_bound_and_agree_with_a_model():
+    rng = random.Random(1)
+    bound = 60
+    index = PrefixIndex(max_blocks=bound)
+    prompts = [hashes(rng.randint(1, 8), first_token=1000 * i) for i in range(20)]
+    holders = ["a", "b", "c", SHARED_STORE]
+    for step in range(3000):
+        holder, prompt = rng.choice(holders), rng.choice(prompts)
+        operation = rng.random()
+        if operation < 0.6:
+            tier = Tier.SHARED if holder == SHARED_STORE else rng.choice([Tier.DEVICE] * 3 + [Tier.HOST, Tier.DISK])
+            index.insert(holder, prompt, tier)
+        elif operation < 0.95:
+            index.evict(holder, rng.sample(prompt, rng.randint(1, len(prompt))))
+        else:
+            index.remove_replica(holder)
+        assert len(index) <= bound
+        probe = rng.choice(prompts)
+        expected = {}
+        for replica in "abc":
+            run = []
+            for block_hash in probe:
+                tier = index.tier(block_hash, replica)
+                if tier is None and (block_hash, SHARED_STORE) in index:
+                    tier = Tier.SHARED
+                if tier is None:
+                    break
+                run.append(tier)
+            if run:
+                expected[replica] = tuple(run)
+        assert index.match_tiers(probe, "abc") == expected, step
+        assert sum(index.num_blocks(holder) for holder in holders) == len(index)

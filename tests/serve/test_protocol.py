@@ -84,7 +84,8 @@ def test_chunks_are_as_strict_as_requests(field, value, match):
     ("num_running", True, r"Expected `int`, got `bool` - at `\$.num_running`"),
     ("cache_events", [[1, b"h", 1]], r"Expected `bool`, got `int` - at `\$.cache_events\[0\]\[2\]`"),
     ("cache_events", [[1, b"h"]], r"Expected `array` of at least length 3, got 2 - at `\$.cache_events\[0\]`"),
-    ("cache_events", [[1, b"h", True, 0]], r"Expected `array` of at most length 3, got 4 - at `\$.cache_events\[0\]`"),
+    ("cache_events", [[1, b"h", True, 0, 0]], r"Expected `array` of at most length 4, got 5 - at `\$.cache_events\[0\]`"),
+    ("cache_events", [[1, b"h", True, 4]], r"Invalid enum value 4 - at `\$.cache_events\[0\]\[3\]`"),
 ])
 def test_routing_stats_are_checked_too(field, value, match):
     body = {**body_of(STATS.encode()), field: value}

@@ -1,0 +1,50 @@
+"""Replicas' routing stats on the wire: cache events carry the tier that holds a block."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from pd.engine.block_pool import CacheEventLog
+from pd.engine.block_pool import Tier as EngineTier
+from router.protocol import CacheEvent, RoutingStats
+from router.tiers import Tier
+from tests.wire import sealed
+from transfer.wire import WireError
+
+A, B = b"a" * 8, b"b" * 8
+
+
+def test_a_cache_event_with_a_tier_round_trips():
+    stats = RoutingStats(cache_events_from=4, cache_events=tuple(
+        CacheEvent(seq=4 + tier, block_hash=A, stored=tier != Tier.DISK, tier=tier) for tier in Tier))
+    decoded = RoutingStats.decode(stats.encode())
+    assert decoded == stats
+    assert [event.tier for event in decoded.cache_events] == list(Tier)
+    assert all(type(event.tier) is Tier for event in decoded.cache_events)
+    assert CacheEvent(seq=0, block_hash=A, stored=True).tier is Tier.DEVICE  # what today's engines send
+
+
+def test_an_unknown_tier_is_refused_naming_the_field():
+    data = sealed("routing_stats", {"cache_events": [[0, A, True, 0], [1, B, True, 7]]})
+    with pytest.raises(WireError, match=r"Invalid enum value 7 - at `\$.cache_events\[1\]\[3\]`"):
+        RoutingStats.decode(data)
+
+
+def test_the_router_reads_the_engines_tiers():
+    assert {tier.name: tier.value for tier in EngineTier} == {tier.name: tier.value for tier in Tier}
+
+
+def test_stats_of_the_engines_events_copy_their_tier():
+    log = CacheEventLog()
+    log.record(A, stored=True, tier=EngineTier.DEVICE)
+    log.record(A, stored=True, tier=EngineTier.HOST)  # demoted: replaces the device event
+    log.record(A, stored=True, tier=EngineTier.SHARED)  # the shared store's state stands apart
+    log.record(B, stored=False, tier=EngineTier.DISK)
+    stats = RoutingStats.of(*log.window(), num_running=1)
+    assert [(e.seq, e.block_hash, e.stored, e.tier) for e in stats.cache_events] == [
+        (1, A, True, Tier.HOST), (2, A, True, Tier.SHARED), (3, B, False, Tier.DISK)]
+    assert RoutingStats.decode(stats.encode()) == stats
+    with pytest.raises(ValueError, match="tier 9"):
+        RoutingStats.of(0, [SimpleNamespace(seq=0, block_hash=A, stored=True, tier=9)])
