@@ -240,6 +240,10 @@ class AsyncLLMEngine:
             queue.put_nowait(error)
         self._streams.clear()
 
+    def close_tiers(self) -> None:
+        """Stop the KV tiers' writers (``LLMEngine.close``); the engine serves on without its lower tiers' writes."""
+        self.engine.close()
+
     async def shutdown(self) -> None:
         """Fail in-flight requests, stop the loop and the worker thread."""
         self._closed = True

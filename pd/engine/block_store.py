@@ -3,7 +3,7 @@
 One record per block, named by the namespace (the model and its KV layout)
 and the block's chained hash, so a name says what it holds:
 
-    disk:   <path>/<namespace>/<hash hex>.kv     NIXL POSIX backend (DRAM <-> FILE)
+    disk:   <path>/<namespace>/slot-<k>/<hash hex>.kv     NIXL POSIX backend (DRAM <-> FILE)
     store:  s3://<bucket>/<namespace>/<hash hex>  NIXL OBJ backend (DRAM <-> OBJ, the S3 API)
 
     record = | block data (data_bytes) | trailer: magic, version, hash, token count, data bytes, tokens |
@@ -23,7 +23,9 @@ PUT visible only once it is complete.
 from __future__ import annotations
 
 import array
+import fcntl
 import hashlib
+import itertools
 import logging
 import os
 import struct
@@ -99,6 +101,27 @@ class ObjectStoreConfig:
         return params
 
 
+def take_slot(root: Path) -> tuple[Path, int]:
+    """The first directory ``root/slot-<k>`` no live process holds, locked; ``(directory, lock fd)``.
+
+    Replicas on one machine sharing a disk path each get their own slot, and
+    the lock dies with its process: a replica that replaces a crashed one
+    takes over its slot, and finds its blocks (a warm restart).
+    """
+    root.mkdir(parents=True, exist_ok=True)
+    for index in itertools.count():
+        directory = root / f"slot-{index}"
+        directory.mkdir(exist_ok=True)
+        fd = os.open(directory / ".lock", os.O_CREAT | os.O_RDWR, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        return directory, fd
+    raise AssertionError("unreachable")
+
+
 class StoreError(RuntimeError):
     """A store operation failed as a whole (the tier using it is disabled)."""
 
@@ -120,9 +143,9 @@ class NixlBlockStore:
         self.bucket = bucket
         self._lock = threading.RLock()
         self._next_dev_id = 1
+        self._slot_lock: int | None = None
         if path is not None:
-            self.dir = Path(path) / namespace
-            self.dir.mkdir(parents=True, exist_ok=True)
+            self.dir, self._slot_lock = take_slot(Path(path) / namespace)
             self._dir_prefix = f"{self.dir}{os.sep}"
             self.backend, self.remote_type = "POSIX", "FILE"
             self.agent = nixl_agent(name, nixl_agent_config(enable_listen_thread=False, backends=["POSIX"]))
@@ -132,6 +155,12 @@ class NixlBlockStore:
             self.agent = nixl_agent(name, nixl_agent_config(enable_listen_thread=False, backends=[]))
             self.agent.create_backend("OBJ", bucket.backend_params())
         self.name = name
+
+    def close(self) -> None:
+        """Give up the disk slot (the files stay, for whoever takes the slot next)."""
+        if self._slot_lock is not None:
+            os.close(self._slot_lock)  # releases the lock
+            self._slot_lock = None
 
     def register(self, tensor) -> None:
         """Register host memory that records are written from or read into."""
@@ -219,6 +248,8 @@ class NixlBlockStore:
         found = []
         for entry in sorted(self.dir.iterdir(), key=lambda p: p.stat().st_mtime):
             name = entry.name
+            if name == ".lock":
+                continue
             whole = name.endswith(RECORD_SUFFIX) and entry.stat().st_size == self.record_bytes
             try:
                 block_hash = bytes.fromhex(name.removesuffix(RECORD_SUFFIX)) if whole else None

@@ -56,6 +56,10 @@ class EngineStats:
     num_demoted_blocks: int
     num_promoted_blocks: int
     num_host_cached_blocks: int
+    host_capacity_blocks: int
+    num_promoted_bytes: int
+    promote_seconds: float
+    demote_seconds: float
     # Step times (``pd.engine.step_times``), cumulative.
     prefill_seconds: float
     decode_steps: int
@@ -73,6 +77,7 @@ class EngineStats:
     disk_store_queries: int = 0
     disk_deleted_blocks: int = 0
     disk_blocks: int = 0
+    disk_capacity_blocks: int = 0
     disk_disabled: int = 0
     shared_written_blocks: int = 0
     shared_dropped_writes: int = 0
@@ -83,6 +88,7 @@ class EngineStats:
     shared_store_queries: int = 0
     shared_deleted_blocks: int = 0
     shared_blocks: int = 0
+    shared_capacity_blocks: int = 0
     shared_disabled: int = 0
 
 

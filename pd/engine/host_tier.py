@@ -17,6 +17,7 @@ on a GPU one copy per run of consecutive host slots from a pinned pool.
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -32,6 +33,10 @@ class HostTierStats:
     num_demoted_blocks: int = 0  # copied in from the device pool, cumulative
     num_promoted_blocks: int = 0  # copied back to the device pool on a prefix hit, cumulative
     num_host_cached_blocks: int = 0  # held now
+    host_capacity_blocks: int = 0
+    num_promoted_bytes: int = 0
+    promote_seconds: float = 0.0  # copying to the device, cumulative
+    demote_seconds: float = 0.0  # copying from the device, cumulative
 
 
 class HostTier:
@@ -48,7 +53,7 @@ class HostTier:
         self._index: OrderedDict[bytes, tuple[int, tuple[int, ...]]] = OrderedDict()
         self._free_slots = list(range(num_blocks - 1, -1, -1))
         self._loading: set[int] = set()  # slots a promotion or a load uses: never reused meanwhile
-        self.stats = HostTierStats()
+        self.stats = HostTierStats(host_capacity_blocks=num_blocks)
         # Called with a block hash as its entry leaves the tier (to make room).
         self.on_drop: Callable[[bytes], None] | None = None
 
@@ -63,7 +68,9 @@ class HostTier:
         slot = self._take_slot()
         if slot is None:
             return None  # every slot is being read by a promotion: this block is dropped, as without a tier
+        started = time.perf_counter()
         self.cache[slot].copy_(self.device_cache[block_id])
+        self.stats.demote_seconds += time.perf_counter() - started
         self._index[block_hash] = (slot, tuple(token_ids))
         self.stats.num_demoted_blocks += 1
         self.stats.num_host_cached_blocks = len(self._index)
@@ -122,6 +129,7 @@ class HostTier:
 
     def promote(self, block_hashes: Sequence[bytes], block_ids: Sequence[int]) -> list[tuple[int, ...]]:
         """Copy reserved entries into device blocks ``block_ids``, one to one; their tokens."""
+        started = time.perf_counter()
         entries = [self._index[block_hash] for block_hash in block_hashes]
         slots = [slot for slot, _ in entries]
         if self.device_cache.is_cuda:
@@ -136,4 +144,6 @@ class HostTier:
             cpu_kernels.copy_blocks(self.cache, slots, self.device_cache, list(block_ids))
         self._loading.difference_update(slots)
         self.stats.num_promoted_blocks += len(slots)
+        self.stats.num_promoted_bytes += len(slots) * self.cache[0].nbytes
+        self.stats.promote_seconds += time.perf_counter() - started
         return [tokens for _, tokens in entries]

@@ -61,6 +61,7 @@ class StoreTierStats:
     num_store_queries: int = 0  # shared store: questions of which blocks it holds
     num_deleted_blocks: int = 0
     num_blocks: int = 0  # indexed now
+    capacity_blocks: int = 0
     disabled: int = 0  # 1 once a write failed (a disk full): no more writes
 
 
@@ -84,7 +85,8 @@ class StoreTier:
         self._writing: dict[bytes, int] = {}  # hash -> staging record
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._done: deque[tuple[bytes, int, str | None]] = deque()  # (hash, staging record, error)
-        self.stats = StoreTierStats()
+        self.stats = StoreTierStats(capacity_blocks=capacity_blocks)
+        self._closed = False
         if store.dir is not None:
             self._warm_start()
         self._writer = threading.Thread(target=self._write_loop, name=f"pd-{tier.name.lower()}-tier", daemon=True)
@@ -105,7 +107,7 @@ class StoreTier:
 
     def offer(self, block_hash: bytes, token_ids: Sequence[int], block: torch.Tensor) -> None:
         """Write a computed block through to the tier, unless it is there, on its way, or no staging is free."""
-        if self.stats.disabled or block_hash in self.index or block_hash in self._writing:
+        if self._closed or self.stats.disabled or block_hash in self.index or block_hash in self._writing:
             return
         if not self._free_staging:
             self.stats.num_dropped_writes += 1
@@ -225,9 +227,13 @@ class StoreTier:
         return done.wait(timeout_s)
 
     def close(self) -> None:
-        """Finish the writes queued, then stop the writer thread."""
+        """Finish the writes queued, then stop the writer thread; later offers are not written. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
         self._jobs.put(None)
         self._writer.join()
+        self.store.close()
 
     def _disable(self, error: str) -> None:
         if not self.stats.disabled:

@@ -136,6 +136,9 @@ class EngineServer:
         self.engine.check_health()
 
     def __del__(self) -> None:  # Serve calls this when it stops the replica
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.close_tiers()  # their queued writes finish; the disk slot is given up
         transport = getattr(self, "transport", None)
         if transport is not None:
             transport.close()

@@ -32,6 +32,23 @@ class ReplicaMetrics:
         }
         for gauge in self._gauges.values():
             gauge.set_default_tags(tags)
+        tier_keys = (*keys, "tier")
+        self._tier_gauges = {
+            name: metrics.Gauge(f"pd_kv_tier_{name}", description=desc, tag_keys=tier_keys)
+            for name, desc in (
+                ("blocks", "KV blocks a lower tier holds now (host, disk, shared: this replica's share)"),
+                ("capacity_blocks", "KV blocks a lower tier can hold"),
+                ("hit_blocks", "prefix blocks served from the tier, cumulative"),
+                ("read_bytes", "bytes read from the tier into device blocks, cumulative"),
+                ("read_seconds", "time spent reading from the tier (promotions, loads), cumulative"),
+                ("written_blocks", "blocks written to the tier (demoted to host, written through below), cumulative"),
+                ("write_seconds", "time spent demoting to host memory, cumulative (lower tiers write off the step)"),
+                ("dropped_writes", "blocks not written: the tier's writes in flight were at their bound"),
+                ("disabled", "1 once a write failed (a full disk): the tier takes no more writes"),
+            )
+        }
+        for gauge in self._tier_gauges.values():
+            gauge.set_default_tags(tags)
         self.queue = metrics.Histogram(
             "pd_queue_seconds", description="time from arrival on the engine to first admission",
             boundaries=LATENCY_BOUNDARIES, tag_keys=keys,
@@ -54,6 +71,37 @@ class ReplicaMetrics:
         }
         for name, value in values.items():
             self._gauges[name].set(value)
+        for (name, tier), value in tier_values(stats).items():
+            self._tier_gauges[name].set(value, tags={"tier": tier})
+
+
+def tier_values(stats) -> dict[tuple[str, str], float]:
+    """The KV tiers' gauges, ``(name, tier) -> value``, from ``EngineStats``; empty without tiers."""
+    if not stats.host_capacity_blocks:
+        return {}
+    values = {
+        ("blocks", "host"): stats.num_host_cached_blocks,
+        ("capacity_blocks", "host"): stats.host_capacity_blocks,
+        ("hit_blocks", "host"): stats.num_promoted_blocks - stats.disk_read_blocks - stats.shared_read_blocks,
+        ("read_bytes", "host"): stats.num_promoted_bytes,
+        ("read_seconds", "host"): stats.promote_seconds,
+        ("written_blocks", "host"): stats.num_demoted_blocks,
+        ("write_seconds", "host"): stats.demote_seconds,
+    }
+    for tier in ("disk", "shared"):
+        if not getattr(stats, f"{tier}_capacity_blocks"):
+            continue
+        values.update({
+            ("capacity_blocks", tier): getattr(stats, f"{tier}_capacity_blocks"),
+            ("blocks", tier): getattr(stats, f"{tier}_blocks"),
+            ("hit_blocks", tier): getattr(stats, f"{tier}_read_blocks"),
+            ("read_bytes", tier): getattr(stats, f"{tier}_read_bytes"),
+            ("read_seconds", tier): getattr(stats, f"{tier}_read_seconds"),
+            ("written_blocks", tier): getattr(stats, f"{tier}_written_blocks"),
+            ("dropped_writes", tier): getattr(stats, f"{tier}_dropped_writes"),
+            ("disabled", tier): getattr(stats, f"{tier}_disabled"),
+        })
+    return values
 
 
 class RequestMetrics:

@@ -25,6 +25,10 @@ def again_after_churn(llm: LLM) -> tuple[list[int], int]:
     return served(llm)
 
 
+def records(directory) -> list:
+    return [path for path in directory.iterdir() if path.name != ".lock"]
+
+
 def test_a_prefix_gone_from_device_and_host_hits_on_disk_with_the_same_tokens(tmp_path, block_bytes, reference):
     llm = tiered(block_bytes, disk_kv_cache_path=str(tmp_path), disk_kv_cache_bytes=1 << 30)
     tokens, hit = again_after_churn(llm)
@@ -101,7 +105,7 @@ def test_a_full_disk_stops_the_tier_with_a_metric_and_a_log_line_and_serving_goe
     assert out.token_ids == reference
     assert stats.disk_disabled == 1 and stats.disk_written_blocks == 0
     assert "writes stopped" in caplog.text
-    assert not list((tmp_path / llm.engine.tiers.disk.store.namespace).iterdir())  # no partial file left
+    assert records(llm.engine.tiers.disk.store.dir) == []  # no partial file left
     llm.engine.close()
 
 
@@ -113,7 +117,7 @@ def test_the_disk_tier_deletes_its_least_recently_used_blocks_past_its_capacity(
         llm.generate([prompt], PARAMS)
     llm.engine.tiers.flush()
     llm.engine.tiers.disk.flush()  # the deletions queued by the poll above
-    files = list(store.dir.iterdir())
+    files = records(store.dir)
     stats = llm.engine.stats()
     assert len(files) == stats.disk_blocks == 12
     assert stats.disk_deleted_blocks == stats.disk_written_blocks - 12 > 0
@@ -129,3 +133,32 @@ def test_lower_tier_settings_are_checked(tmp_path):
         LLM("builtin:tiny-llama", num_blocks=8, disk_kv_cache_path=str(tmp_path), disk_kv_cache_bytes=1 << 20)
     with pytest.raises(ValueError, match="needs both shared_kv_bucket and shared_kv_bytes"):
         LLM("builtin:tiny-llama", num_blocks=8, host_kv_cache_bytes=1 << 20, shared_kv_bytes=1 << 20)
+
+
+def test_engines_sharing_a_disk_path_take_their_own_slots_and_a_successor_takes_a_free_one(tmp_path, block_bytes):
+    kwargs = {"disk_kv_cache_path": str(tmp_path), "disk_kv_cache_bytes": 1 << 30}
+    a, b = tiered(block_bytes, **kwargs), tiered(block_bytes, **kwargs)
+    assert (a.engine.tiers.disk.store.dir.name, b.engine.tiers.disk.store.dir.name) == ("slot-0", "slot-1")
+    a.generate([FIRST], PARAMS)
+    a.engine.close()  # or killed: the lock goes with the process
+    successor = tiered(block_bytes, **kwargs)
+    assert successor.engine.tiers.disk.store.dir.name == "slot-0"
+    assert successor.engine.stats().disk_blocks >= 8
+    for llm in (b, successor):
+        llm.engine.close()
+
+
+def test_each_configured_tier_reports_its_usage_hits_bytes_and_times(tmp_path, block_bytes):
+    from pd.serve.metrics import tier_values
+
+    llm = tiered(block_bytes, disk_kv_cache_path=str(tmp_path), disk_kv_cache_bytes=1 << 30)
+    assert tier_values(LLM("builtin:tiny-llama", num_blocks=8).engine.stats()) == {}  # no tiers, no gauges
+    again_after_churn(llm)
+    values = tier_values(llm.engine.stats())
+    assert {tier for _, tier in values} == {"host", "disk"}  # no shared store configured
+    assert values[("capacity_blocks", "host")] == HOST_BLOCKS and values[("blocks", "host")] == HOST_BLOCKS
+    assert values[("hit_blocks", "disk")] == 8 and values[("read_bytes", "disk")] == 8 * block_bytes
+    assert values[("written_blocks", "host")] > 0 and values[("write_seconds", "host")] > 0
+    assert values[("read_seconds", "host")] > 0 and values[("read_bytes", "host")] >= 8 * block_bytes
+    assert values[("disabled", "disk")] == 0
+    llm.engine.close()
