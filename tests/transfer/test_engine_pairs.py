@@ -14,6 +14,8 @@ import pytest
 from pd import LLM, SamplingParams
 from pd.config import EngineConfig
 from pd.engine.engine import LLMEngine
+from pd.engine.model_runner import kv_block_bytes
+from router.hashing import hash_block_tokens
 from tests.transfer.engine_worker import prefill_worker
 from transfer import KVHandle, WireError, create_transport
 
@@ -174,6 +176,31 @@ def test_dead_prefill_peer_fails_the_pull_and_decode_recomputes(model_dir, coloc
         assert tokens == colocated["a"]
         stats = engine.stats()
         assert stats.num_recompute_fallbacks == 1 and stats.num_used_blocks == 0
+        engine.connector.transport.close()
+    finally:
+        prefill.stop()
+
+
+def test_a_decode_engine_pulls_only_what_its_own_tiers_lack(model_dir, colocated):
+    """Blocks the decode engine demoted to its host tier are promoted there, not pulled again."""
+    prefill = PrefillProcess(model_dir, "nixl")
+    try:
+        probe = LLM(model_dir, num_blocks=4).engine
+        block_bytes = kv_block_bytes(probe.model_config, 16, probe.runner.dtype)
+        engine = decode_engine(model_dir, "nixl", prefill, num_blocks=12, host_kv_cache_bytes=16 * block_bytes)
+        assert disaggregated(engine, prefill, "a", PROMPTS["a"]) == colocated["a"]
+        assert engine.stats().num_pulled_blocks == 5
+        for index in range(3):  # local prompts that push "a"'s blocks out of the device pool, into the host tier
+            engine.add_request(f"churn-{index}", list(range(300 + 64 * index, 364 + 64 * index)), GREEDY)
+            run_to_end(engine, f"churn-{index}")
+        first_block = hash_block_tokens(PROMPTS["a"], 16)[0]
+        assert not engine.block_pool.is_cached(first_block) and first_block in engine.tiers.host
+        promoted = engine.stats().num_promoted_blocks
+        assert disaggregated(engine, prefill, "b", PROMPTS["b"]) == colocated["b"]
+        stats = engine.stats()
+        assert stats.num_promoted_blocks - promoted == 4  # "a"'s 4 full blocks, from the decode's own host tier
+        assert stats.num_pulled_blocks == 6  # only "b"'s own last block moved
+        assert stats.num_recompute_fallbacks == 0 and stats.num_used_blocks == 0
         engine.connector.transport.close()
     finally:
         prefill.stop()
