@@ -140,3 +140,25 @@ def test_the_autoscaling_config_runs_the_planner_with_serves_delays_off():
 def test_autoscaling_mistakes_name_the_field(change, message):
     with pytest.raises(ValueError, match=message):
         AppArgs.parse(change)
+
+
+def test_the_tiered_config_puts_host_and_disk_tiers_under_each_pool():
+    args = AppArgs.model_validate(config_args("tiered.yaml"))
+    config = args.engine.engine_config(30.0, 10.0)
+    assert config.host_kv_cache_bytes > 0 and config.disk_kv_cache_path and config.disk_kv_cache_bytes > 0
+    assert config.shared_kv_bucket is None
+
+
+@pytest.mark.parametrize(
+    "engine, message",
+    [
+        ({"disk_kv_cache_path": "/tmp/x"}, "needs both disk_kv_cache_path and disk_kv_cache_bytes"),
+        ({"shared_kv_bucket": "b", "shared_kv_bytes": 1 << 30}, "loads through host memory"),
+        ({"host_kv_cache_bytes": 1 << 30, "kv_tier_write_slots": 0}, "kv_tier_write_slots must be >= 1"),
+    ],
+)
+def test_tier_settings_are_checked_naming_the_field(engine, message):
+    args = config_args("default.yaml")
+    args["engine"] = {**args["engine"], **engine}
+    with pytest.raises(ValueError, match=message):
+        AppArgs.model_validate(args)
