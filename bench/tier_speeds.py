@@ -77,11 +77,12 @@ def disk_to_host(block_shape: tuple[int, ...], num_blocks: int, block_size: int 
     data_bytes = device[0].numel() * device.element_size()
     with tempfile.TemporaryDirectory(prefix="pd-kv-tiers-") as path:
         store = NixlBlockStore("bench-disk", "bench", block_size, data_bytes, path=path)
-        tier = StoreTier(Tier.DISK, store, num_blocks, host.cache, num_staging=num_blocks)
         hashes = _hashes(num_blocks)
+        blocks = dict(zip(hashes, device))
+        tier = StoreTier(Tier.DISK, store, num_blocks, host.cache, blocks.get, num_staging=num_blocks)
         tokens = [tuple(range(index, index + block_size)) for index in range(num_blocks)]
         for block_id, block_hash in enumerate(hashes):
-            tier.offer(block_hash, tokens[block_id], device[block_id])
+            tier.offer(block_hash, tokens[block_id])
         tier.flush()
         tier.poll()
         files = [store.path(block_hash) for block_hash in hashes]

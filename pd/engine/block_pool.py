@@ -116,6 +116,10 @@ class BlockPool:
         """Whether a block holds ``block_hash`` in the prefix cache."""
         return block_hash in self._hash_to_block
 
+    def block_of(self, block_hash: bytes) -> int | None:
+        """The block holding ``block_hash`` in the prefix cache, or None."""
+        return self._hash_to_block.get(block_hash)
+
     def ref_count(self, block_id: int) -> int:
         return self._ref_counts[block_id]
 

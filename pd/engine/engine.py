@@ -70,6 +70,7 @@ class EngineStats:
     # The disk tier and the shared store (``pd.engine.store_tier``); zeros without them.
     disk_written_blocks: int = 0
     disk_dropped_writes: int = 0
+    disk_pending_writes: int = 0
     disk_read_blocks: int = 0
     disk_read_bytes: int = 0
     disk_read_seconds: float = 0.0
@@ -81,6 +82,7 @@ class EngineStats:
     disk_disabled: int = 0
     shared_written_blocks: int = 0
     shared_dropped_writes: int = 0
+    shared_pending_writes: int = 0
     shared_read_blocks: int = 0
     shared_read_bytes: int = 0
     shared_read_seconds: float = 0.0
@@ -314,8 +316,8 @@ class LLMEngine:
         return bool(self.scheduler.running or self.scheduler.waiting)
 
     def has_pending_transfers(self) -> bool:
-        """Leases to expire or pulls to poll, which need ``step`` calls even when idle."""
-        return self.connector.has_pending_work
+        """Leases to expire, pulls or tier writes to poll: they need ``poll_transfers`` calls even when idle."""
+        return self.connector.has_pending_work or (self.tiers is not None and self.tiers.has_pending_writes)
 
     def poll_transfers(self) -> None:
         """Leases, notifications and pulls, and the KV tiers' writes, between steps."""

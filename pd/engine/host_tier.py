@@ -79,6 +79,11 @@ class HostTier:
     def __contains__(self, block_hash: bytes) -> bool:
         return block_hash in self._index
 
+    def slot_of(self, block_hash: bytes) -> int | None:
+        """The slot holding ``block_hash``, or None."""
+        entry = self._index.get(block_hash)
+        return entry[0] if entry is not None else None
+
     def _take_slot(self) -> int | None:
         if self._free_slots:
             return self._free_slots.pop()

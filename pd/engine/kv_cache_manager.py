@@ -100,7 +100,7 @@ class KVCacheManager:
             tokens = request.token_ids[index * bs : (index + 1) * bs]
             self.pool.insert(blocks[index], request.block_hashes[index], tokens)
             if self.tiers is not None:
-                self.tiers.on_cached(request.block_hashes[index], tokens, blocks[index])
+                self.tiers.on_cached(request.block_hashes[index], tokens)
         self._num_cached_blocks[request.request_id] = num_full
 
     def touch_blocks(self, block_ids: list[int]) -> None:

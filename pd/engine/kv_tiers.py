@@ -29,15 +29,22 @@ from pd.engine.store_tier import StoreTier, StoreTierStats
 
 
 class KVTiers:
-    def __init__(self, pool: BlockPool, host: HostTier, disk: StoreTier | None = None,
-                 shared: StoreTier | None = None):
-        self.pool, self.host, self.disk, self.shared = pool, host, disk, shared
-        self.lower = [tier for tier in (disk, shared) if tier is not None]
+    def __init__(self, pool: BlockPool, host: HostTier):
+        self.pool, self.host = pool, host
+        self.disk: StoreTier | None = None
+        self.shared: StoreTier | None = None
+        self.lower: list[StoreTier] = []
         pool.on_evict = self._on_device_evict
         host.on_drop = self._on_host_drop
+
+    def attach(self, disk: StoreTier | None, shared: StoreTier | None) -> "KVTiers":
+        """Put the disk tier and the shared store under the host tier (either may be None)."""
+        self.disk, self.shared = disk, shared
+        self.lower = [tier for tier in (disk, shared) if tier is not None]
         if disk is not None:
             for block_hash in disk.index:  # found from an earlier run
-                pool.events.record(block_hash, stored=True, tier=Tier.DISK)
+                self.pool.events.record(block_hash, stored=True, tier=Tier.DISK)
+        return self
 
     def where(self, block_hash: bytes) -> Tier | None:
         """The fastest tier of this replica holding ``block_hash`` (the shared store aside)."""
@@ -49,10 +56,18 @@ class KVTiers:
             return Tier.DISK
         return None
 
-    def on_cached(self, block_hash: bytes, token_ids: Sequence[int], block_id: int) -> None:
+    def on_cached(self, block_hash: bytes, token_ids: Sequence[int]) -> None:
         """A block was computed and cached: write it through to the lower tiers."""
         for tier in self.lower:
-            tier.offer(block_hash, token_ids, self.host.device_cache[block_id])
+            tier.offer(block_hash, token_ids)
+
+    def locate(self, block_hash: bytes) -> torch.Tensor | None:
+        """The current copy of a block: its device block, else its host slot; None once gone from both."""
+        block_id = self.pool.block_of(block_hash)
+        if block_id is not None:
+            return self.host.device_cache[block_id]
+        slot = self.host.slot_of(block_hash)
+        return self.host.cache[slot] if slot is not None else None
 
     def _on_device_evict(self, block_id: int, block_hash: bytes, token_ids: tuple[int, ...]) -> Tier | None:
         if self.host.demote(block_id, block_hash, token_ids) is Tier.HOST:
@@ -130,11 +145,19 @@ class KVTiers:
                 break
         return loaded
 
+    @property
+    def has_pending_writes(self) -> bool:
+        """Writes in flight to a lower tier: ``poll`` must run to finish them, even with nothing to step."""
+        return any(tier.has_pending_writes for tier in self.lower)
+
     def flush(self) -> None:
-        """Wait for the lower tiers' writes queued so far, then ``poll``."""
-        for tier in self.lower:
-            tier.flush()
-        self.poll()
+        """Wait until the lower tiers have written everything offered so far (``poll`` included)."""
+        while True:
+            for tier in self.lower:
+                tier.flush()
+            self.poll()
+            if not self.has_pending_writes:
+                return
 
     def close(self) -> None:
         for tier in self.lower:
@@ -160,16 +183,18 @@ def build_tiers(config: EngineConfig, pool: BlockPool, device_cache: torch.Tenso
     if config.host_kv_cache_bytes < block_bytes:
         raise ValueError(f"host_kv_cache_bytes {config.host_kv_cache_bytes} holds no block of {block_bytes} bytes")
     host = HostTier(device_cache, config.host_kv_cache_bytes // block_bytes)
+    tiers = KVTiers(pool, host)
+    locate = tiers.locate
     namespace = namespace_of(fingerprint)
     disk = shared = None
     if config.disk_kv_cache_path:
         store = NixlBlockStore(f"{name}-disk", namespace, config.block_size, block_bytes,
                                path=config.disk_kv_cache_path)
         disk = StoreTier(Tier.DISK, store, max(1, config.disk_kv_cache_bytes // store.record_bytes), host.cache,
-                         num_staging=config.kv_tier_write_slots, min_free_bytes=config.disk_kv_min_free_bytes)
+                         locate, num_staging=config.kv_tier_write_slots, min_free_bytes=config.disk_kv_min_free_bytes)
     if config.shared_kv_bucket:
         bucket = ObjectStoreConfig(config.shared_kv_bucket, config.shared_kv_endpoint)
         store = NixlBlockStore(f"{name}-shared", namespace, config.block_size, block_bytes, bucket=bucket)
         shared = StoreTier(Tier.SHARED, store, max(1, config.shared_kv_bytes // store.record_bytes), host.cache,
-                           num_staging=config.kv_tier_write_slots)
-    return KVTiers(pool, host, disk, shared)
+                           locate, num_staging=config.kv_tier_write_slots)
+    return tiers.attach(disk, shared)

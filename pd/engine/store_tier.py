@@ -3,10 +3,12 @@
 Blocks are written through: when a block is computed and cached, the tier
 copies it into one of ``num_staging`` staging records, and its writer thread
 stores it. A step never waits for a write. The staging records bound the
-bandwidth a tier takes: when every one is in flight, the block is not
-written (counted in ``num_dropped_writes``).
+bandwidth a tier takes: when every one is in flight, the block waits in a
+backlog (oldest first, at most ``max_backlog``), and a later ``poll`` stages
+it from wherever it is then, device or host; one gone from both by then is
+not written (counted in ``num_dropped_writes``).
 
-    cached block --offer--> staging record --writer thread--> file / object
+    cached block --offer--> [backlog] --> staging record --writer thread--> file / object
                                                    |
     poll() (between steps) <-- done ---------------+   index (LRU) updated, over-capacity records deleted
 
@@ -34,7 +36,7 @@ import threading
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -53,7 +55,8 @@ MAX_QUERY_BLOCKS = 64
 @dataclass
 class StoreTierStats:
     num_written_blocks: int = 0
-    num_dropped_writes: int = 0  # not written: every staging record was in flight
+    num_dropped_writes: int = 0  # not written: gone from device and host, or past the backlog, before a write
+    num_pending_writes: int = 0  # in flight now
     num_read_blocks: int = 0
     num_read_bytes: int = 0
     read_seconds: float = 0.0
@@ -67,11 +70,15 @@ class StoreTierStats:
 
 class StoreTier:
     def __init__(self, tier: Tier, store: NixlBlockStore, capacity_blocks: int, host_cache: torch.Tensor,
-                 num_staging: int = 32, min_free_bytes: int = 0, max_read_blocks: int = 256):
+                 locate: Callable[[bytes], torch.Tensor | None], num_staging: int = 32, min_free_bytes: int = 0,
+                 max_read_blocks: int = 256, max_backlog: int = 4096):
         if capacity_blocks < 1:
             raise ValueError(f"a {tier.name.lower()} tier needs room for at least one block")
         self.tier, self.store = tier, store
         self.capacity_blocks = capacity_blocks
+        self.locate = locate  # a block's current copy (device or host), or None once it is gone from both
+        self.max_backlog = max_backlog
+        self._backlog: OrderedDict[bytes, tuple[int, ...]] = OrderedDict()  # offered, waiting for staging
         self.min_free_bytes = min_free_bytes
         self.host_cache = host_cache  # [host slots, *block]: reads land here
         self.index: OrderedDict[bytes, None] = OrderedDict()  # oldest use first
@@ -105,11 +112,25 @@ class StoreTier:
     def __contains__(self, block_hash: bytes) -> bool:
         return block_hash in self.index
 
-    def offer(self, block_hash: bytes, token_ids: Sequence[int], block: torch.Tensor) -> None:
-        """Write a computed block through to the tier, unless it is there, on its way, or no staging is free."""
+    def offer(self, block_hash: bytes, token_ids: Sequence[int]) -> None:
+        """Write a computed block through to the tier, unless it is there or on its way.
+
+        With no staging record free it waits in the backlog, and is staged
+        by a later ``poll`` if ``locate`` still finds it then.
+        """
         if self._closed or self.stats.disabled or block_hash in self.index or block_hash in self._writing:
             return
-        if not self._free_staging:
+        if self._free_staging and not self._backlog:
+            self._stage(block_hash, token_ids)
+            return
+        self._backlog[block_hash] = tuple(token_ids)
+        if len(self._backlog) > self.max_backlog:
+            self._backlog.popitem(last=False)
+            self.stats.num_dropped_writes += 1
+
+    def _stage(self, block_hash: bytes, token_ids: Sequence[int]) -> None:
+        block = self.locate(block_hash)
+        if block is None:  # gone from device and host before a staging record was free
             self.stats.num_dropped_writes += 1
             return
         record = self._free_staging.pop()
@@ -118,6 +139,7 @@ class StoreTier:
         staging[:data_bytes].view(block.dtype).view(block.shape).copy_(block)
         pack_trailer(staging[data_bytes:].numpy(), block_hash, token_ids, data_bytes)
         self._writing[block_hash] = record
+        self.stats.num_pending_writes = len(self._writing)
         self._jobs.put(("write", block_hash, record))
 
     def poll(self) -> tuple[list[bytes], list[bytes]]:
@@ -135,6 +157,10 @@ class StoreTier:
             self._misses.pop(block_hash, None)
             self.stats.num_written_blocks += 1
             stored.append(block_hash)
+        while self._backlog and self._free_staging and not self._closed and not self.stats.disabled:
+            block_hash, token_ids = self._backlog.popitem(last=False)
+            if block_hash not in self.index and block_hash not in self._writing:
+                self._stage(block_hash, token_ids)
         doomed = []
         while len(self.index) > self.capacity_blocks:
             block_hash, _ = self.index.popitem(last=False)
@@ -146,7 +172,12 @@ class StoreTier:
             self.stats.num_deleted_blocks += len(doomed)
             self._jobs.put(("delete", doomed, None))
         self.stats.num_blocks = len(self.index)
+        self.stats.num_pending_writes = len(self._writing)
         return stored, dropped
+
+    @property
+    def has_pending_writes(self) -> bool:
+        return bool(self._writing or self._backlog)
 
     def lookup(self, block_hashes: Sequence[bytes]) -> int:
         """How many of ``block_hashes``, from the first, the tier holds (the shared store may be asked)."""
@@ -231,6 +262,7 @@ class StoreTier:
         if self._closed:
             return
         self._closed = True
+        self._backlog.clear()
         self._jobs.put(None)
         self._writer.join()
         self.store.close()
@@ -239,6 +271,8 @@ class StoreTier:
         if not self.stats.disabled:
             logger.error("%s tier: writes stopped: %s", self.tier.name.lower(), error)
         self.stats.disabled = 1
+        self.stats.num_dropped_writes += len(self._backlog)
+        self._backlog.clear()
 
     def _write_loop(self) -> None:
         while (job := self._jobs.get()) is not None:

@@ -162,3 +162,13 @@ def test_each_configured_tier_reports_its_usage_hits_bytes_and_times(tmp_path, b
     assert values[("read_seconds", "host")] > 0 and values[("read_bytes", "host")] >= 8 * block_bytes
     assert values[("disabled", "disk")] == 0
     llm.engine.close()
+
+
+def test_blocks_offered_past_the_writes_in_flight_wait_and_are_written_later(tmp_path, block_bytes, reference):
+    llm = tiered(block_bytes, disk_kv_cache_path=str(tmp_path), disk_kv_cache_bytes=1 << 30, kv_tier_write_slots=1)
+    llm.generate([FIRST], PARAMS)  # 8 blocks cached at once, one write in flight at a time
+    llm.engine.tiers.flush()
+    stats = llm.engine.stats()
+    assert stats.disk_written_blocks >= 8 and stats.disk_dropped_writes == 0 and stats.disk_pending_writes == 0
+    assert set(FIRST_HASHES[:8]) <= set(llm.engine.tiers.disk.index)
+    llm.engine.close()
