@@ -1,15 +1,20 @@
-"""bench.kv_tiers' pieces on small shapes: the copy comparison and the working-set count."""
+"""bench.kv_tiers' pieces on small shapes: the tiers' speed comparisons and the working-set count."""
 
 from __future__ import annotations
 
-from bench.kv_tiers import BLOCK_SIZE, copy_speeds, distinct_blocks
+from bench import tier_speeds
+from bench.kv_tiers import BLOCK_SIZE, distinct_blocks
 
 
-def test_copy_speeds_compare_promotions_with_one_memcpy_of_the_same_bytes():
-    row = copy_speeds((2, 2, 4), num_blocks=8, repeats=2)
-    assert row["copy_bytes"] == 8 * 2 * 2 * 4 * 4
-    assert row["host_to_device_gb_per_s"] > 0 and row["memcpy_gb_per_s"] > 0
-    assert row["host_ratio_vs_memcpy"] > 0
+def test_promotions_are_compared_with_one_memcpy_of_the_same_bytes():
+    row = tier_speeds.host_to_device((2, 2, 4), num_blocks=8, repeats=2)
+    assert row["block_bytes"] == 2 * 2 * 4 * 4
+    assert row["host_to_device_gb_per_s"] > 0 and row["memcpy_gb_per_s"] > 0 and row["host_ratio_vs_memcpy"] > 0
+
+
+def test_disk_reads_are_compared_with_plain_reads_of_the_same_files():
+    row = tier_speeds.disk_to_host((2, 2, 16), num_blocks=8, block_size=4, repeats=2)
+    assert row["disk_read_gb_per_s"] > 0 and row["plain_read_gb_per_s"] > 0 and row["disk_ratio_vs_plain"] > 0
 
 
 def test_the_working_set_counts_shared_blocks_once():
