@@ -37,8 +37,6 @@ from typing import Sequence
 
 import numpy as np
 
-from transfer.nixl_api import nixl_agent, nixl_agent_config
-
 logger = logging.getLogger(__name__)
 
 RECORD_MAGIC = b"PDKV"
@@ -143,6 +141,8 @@ class NixlBlockStore:
         self.bucket = bucket
         self._lock = threading.RLock()
         self._next_dev_id = 1
+        from transfer.nixl_api import nixl_agent, nixl_agent_config  # here: an engine without these tiers needs no NIXL
+
         self._slot_lock: int | None = None
         if path is not None:
             self.dir, self._slot_lock = take_slot(Path(path) / namespace)

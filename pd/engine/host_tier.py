@@ -18,7 +18,7 @@ on a GPU one copy per run of consecutive host slots from a pinned pool.
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -52,7 +52,8 @@ class HostTier:
         # block hash -> (host slot, the block's tokens); oldest use first.
         self._index: OrderedDict[bytes, tuple[int, tuple[int, ...]]] = OrderedDict()
         self._free_slots = list(range(num_blocks - 1, -1, -1))
-        self._loading: set[int] = set()  # slots a promotion or a load uses: never reused meanwhile
+        # Slots a promotion, a load or a waiting request counts on, with how many hold each: never reused meanwhile.
+        self._pins: Counter[int] = Counter()
         self.stats = HostTierStats(host_capacity_blocks=num_blocks)
         # Called with a block hash as its entry leaves the tier (to make room).
         self.on_drop: Callable[[bytes], None] | None = None
@@ -88,7 +89,7 @@ class HostTier:
         if self._free_slots:
             return self._free_slots.pop()
         for block_hash, (slot, _) in self._index.items():  # least recently used first
-            if slot not in self._loading:
+            if slot not in self._pins:
                 del self._index[block_hash]
                 self.stats.num_host_cached_blocks = len(self._index)
                 if self.on_drop is not None:
@@ -100,19 +101,40 @@ class HostTier:
         """Up to ``num_slots`` slots for a load from a lower tier, held until ``admit`` or ``give_back``."""
         slots = []
         while len(slots) < num_slots and (slot := self._take_slot()) is not None:
-            self._loading.add(slot)
+            self._pins[slot] += 1
             slots.append(slot)
         return slots
 
     def admit(self, slot: int, block_hash: bytes, token_ids: Sequence[int]) -> None:
-        """Index a slot that a load filled with ``block_hash``; it stays reserved for ``promote``."""
+        """Index a slot that a load filled with ``block_hash``; it stays reserved until ``unreserve``."""
+        existing = self._index.get(block_hash)
+        if existing is not None:  # it came back meanwhile (demoted, or another load): keep that copy
+            self._pins[existing[0]] += 1
+            self.give_back([slot])
+            return
         self._index[block_hash] = (slot, tuple(token_ids))
         self.stats.num_host_cached_blocks = len(self._index)
+
+    def unreserve(self, block_hashes: Sequence[bytes]) -> None:
+        """End reservations taken with ``reserve`` or ``admit`` that no promotion consumed."""
+        for block_hash in block_hashes:
+            self._unpin(self._index[block_hash][0])
+
+    def _unpin(self, slot: int) -> None:
+        count = self._pins[slot] - 1
+        if count > 0:
+            self._pins[slot] = count
+        else:
+            del self._pins[slot]
+
+    @property
+    def num_pinned_slots(self) -> int:
+        return len(self._pins)
 
     def give_back(self, slots: Sequence[int]) -> None:
         """Slots taken with ``take_slots`` that no load filled."""
         for slot in slots:
-            self._loading.discard(slot)
+            self._unpin(slot)
             self._free_slots.append(slot)
 
     def match(self, block_hashes: Sequence[bytes], token_ids: Sequence[int], block_size: int,
@@ -130,7 +152,7 @@ class HostTier:
         """Keep these entries' slots from reuse until ``promote`` (demotions may run in between)."""
         for block_hash in block_hashes:
             self._index.move_to_end(block_hash)
-            self._loading.add(self._index[block_hash][0])
+            self._pins[self._index[block_hash][0]] += 1
 
     def promote(self, block_hashes: Sequence[bytes], block_ids: Sequence[int]) -> list[tuple[int, ...]]:
         """Copy reserved entries into device blocks ``block_ids``, one to one; their tokens."""
@@ -147,7 +169,8 @@ class HostTier:
                     start = end
         else:
             cpu_kernels.copy_blocks(self.cache, slots, self.device_cache, list(block_ids))
-        self._loading.difference_update(slots)
+        for slot in slots:
+            self._unpin(slot)
         self.stats.num_promoted_blocks += len(slots)
         self.stats.num_promoted_bytes += len(slots) * self.cache[0].nbytes
         self.stats.promote_seconds += time.perf_counter() - started

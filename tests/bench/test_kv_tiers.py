@@ -7,13 +7,13 @@ from bench.kv_tiers import BLOCK_SIZE, distinct_blocks
 
 
 def test_promotions_are_compared_with_one_memcpy_of_the_same_bytes():
-    row = tier_speeds.host_to_device((2, 2, 4), num_blocks=8, repeats=2)
-    assert row["block_bytes"] == 2 * 2 * 4 * 4
+    row = tier_speeds.host_to_device((64, 256), num_blocks=8, repeats=2)  # 64 KiB blocks
+    assert row["block_bytes"] == 64 * 256 * 4
     assert row["host_to_device_gb_per_s"] > 0 and row["memcpy_gb_per_s"] > 0 and row["host_ratio_vs_memcpy"] > 0
 
 
 def test_disk_reads_are_compared_with_plain_reads_of_the_same_files():
-    row = tier_speeds.disk_to_host((2, 2, 16), num_blocks=8, block_size=4, repeats=2)
+    row = tier_speeds.disk_to_host((64, 256), num_blocks=8, block_size=4, repeats=2)
     assert row["disk_read_gb_per_s"] > 0 and row["plain_read_gb_per_s"] > 0 and row["disk_ratio_vs_plain"] > 0
 
 
