@@ -91,7 +91,7 @@ def disk_to_host(block_shape: tuple[int, ...], num_blocks: int, block_size: int 
             started = time.perf_counter()
             for start in range(0, num_blocks, RUN_BLOCKS):
                 items = [(hashes[i], tokens[i], i) for i in range(start, min(num_blocks, start + RUN_BLOCKS))]
-                assert tier.load(items) == len(items)
+                assert tier.read_now(items) == len(items)
             load_s.append(time.perf_counter() - started)
             plain_s.append(_plain_reads(files, host.cache, store.trailer_bytes))
         assert torch.equal(host.cache, device)

@@ -255,6 +255,10 @@ class LLMEngine:
                 request.kv_source = KVSource.REMOTE
                 request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self._requests[request_id] = request
+        if self.tiers is not None:
+            self.kv_cache.update_hashes(request)
+            if self.tiers.begin(request):
+                return request  # the scheduler gets it once its blocks are in host memory (poll_transfers)
         self.scheduler.add(request)
         return request
 
@@ -286,6 +290,9 @@ class LLMEngine:
         """Finish a request wherever it is and free its blocks (and any lease); None if unknown."""
         self.connector.abort(request_id)
         request = self.scheduler.abort(request_id)
+        if self.tiers is not None and self.tiers.loads.cancel(request_id) and request is None:
+            request = self._requests.get(request_id)  # held for its tier loads: it never reached the scheduler
+            request.status, request.finish_reason = RequestStatus.FINISHED, FinishReason.ABORT
         self._forget(request_id)
         return request
 
@@ -309,7 +316,8 @@ class LLMEngine:
         return handle
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished or bool(self._finished_at_admission)
+        return (self.scheduler.has_unfinished or bool(self._finished_at_admission)
+                or (self.tiers is not None and self.tiers.loads.num_waiting > 0))
 
     def has_runnable_requests(self) -> bool:
         """Requests the scheduler can run now (not only waiting for their KV to arrive)."""
@@ -317,13 +325,14 @@ class LLMEngine:
 
     def has_pending_transfers(self) -> bool:
         """Leases to expire, pulls or tier writes to poll: they need ``poll_transfers`` calls even when idle."""
-        return self.connector.has_pending_work or (self.tiers is not None and self.tiers.has_pending_writes)
+        return self.connector.has_pending_work or (self.tiers is not None and self.tiers.has_pending_work)
 
     def poll_transfers(self) -> None:
         """Leases, notifications and pulls, and the KV tiers' writes, between steps."""
         self.connector.poll()
         if self.tiers is not None:
-            self.tiers.poll()
+            for request in self.tiers.poll():  # their tier loads are done
+                self.scheduler.add(request)
 
     def cache_events(self, after_seq: int | None = None) -> tuple[int, list[CacheEvent]]:
         """``(first_seq, events)`` of the prefix cache (see ``BlockPool.cache_event_window``)."""

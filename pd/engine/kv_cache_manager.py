@@ -59,9 +59,11 @@ class KVCacheManager:
         max_blocks = (request.num_tokens - 1) // self.block_size
         hashes = request.block_hashes[:max_blocks]
         block_ids = self.pool.match(hashes, request.token_ids, self.block_size)
-        if (self.tiers is not None and len(block_ids) < max_blocks
-                and self.tiers.promote(hashes, request.token_ids, self.block_size, block_ids)):
-            block_ids = self.pool.match(hashes, request.token_ids, self.block_size)
+        if self.tiers is not None:
+            if len(block_ids) < max_blocks and self.tiers.promote(hashes, request.token_ids, self.block_size,
+                                                                   block_ids):
+                block_ids = self.pool.match(hashes, request.token_ids, self.block_size)
+            self.tiers.loads.release(request.request_id)  # what its loads reserved has served its turn
         return PrefixMatch(block_ids=block_ids, num_tokens=len(block_ids) * self.block_size)
 
     def allocate_slots(self, request: Request, num_new_tokens: int, prefix: PrefixMatch = NO_MATCH) -> bool:

@@ -3,11 +3,13 @@
     device pool --evict--> host tier (demote)          cached block --write through--> disk, shared store
     lookup: device run, then host run, then disk run, then shared-store run; all promoted to device blocks
 
-One lookup (``promote``) finds the longest chain across the tiers. Blocks
-found on disk or in the shared store are read into host slots and checked,
-then every block found below the device is copied into free device blocks and
-cached there, so the scheduler sees device hits. A record that fails its
-check ends the chain: the rest is recomputed.
+A request whose prompt continues below the host tier waits, off the step,
+while the disk's and the shared store's records are read into host slots and
+checked (``begin``, ``pd.engine.tier_loads``). Its prefix match (``promote``)
+then finds the longest chain in device and host memory and copies what it
+found in host memory into free device blocks, cached there, so the scheduler
+sees device hits. A record that fails its check ends the chain: the rest is
+recomputed.
 
 The replica's cache events (``pd.engine.block_pool.CacheEvent``) say where
 it holds each block: the fastest tier holding it, or nowhere. Blocks in the
@@ -25,15 +27,18 @@ from pd.config import EngineConfig
 from pd.engine.block_pool import BlockPool, Tier
 from pd.engine.block_store import NixlBlockStore, ObjectStoreConfig, namespace_of
 from pd.engine.host_tier import HostTier, HostTierStats
+from pd.engine.request import Request
 from pd.engine.store_tier import StoreTier, StoreTierStats
+from pd.engine.tier_loads import TierLoads
 
 
 class KVTiers:
-    def __init__(self, pool: BlockPool, host: HostTier):
-        self.pool, self.host = pool, host
+    def __init__(self, pool: BlockPool, host: HostTier, block_size: int):
+        self.pool, self.host, self.block_size = pool, host, block_size
         self.disk: StoreTier | None = None
         self.shared: StoreTier | None = None
         self.lower: list[StoreTier] = []
+        self.loads = TierLoads(pool, host, [], block_size)
         pool.on_evict = self._on_device_evict
         host.on_drop = self._on_host_drop
 
@@ -41,6 +46,7 @@ class KVTiers:
         """Put the disk tier and the shared store under the host tier (either may be None)."""
         self.disk, self.shared = disk, shared
         self.lower = [tier for tier in (disk, shared) if tier is not None]
+        self.loads = TierLoads(self.pool, self.host, self.lower, self.block_size)
         if disk is not None:
             for block_hash in disk.index:  # found from an earlier run
                 self.pool.events.record(block_hash, stored=True, tier=Tier.DISK)
@@ -80,26 +86,39 @@ class KVTiers:
         lower = self.where(block_hash)
         self.pool.events.record(block_hash, stored=lower is not None, tier=lower or Tier.DEVICE)
 
-    def poll(self) -> None:
-        """Between steps: finish lower-tier writes and garbage collection, and announce what changed."""
+    def poll(self) -> list[Request]:
+        """Between steps: apply the loads' and writes' results, collect garbage, announce what changed.
+
+        Returns the requests whose loads are done (``begin``), for the scheduler.
+        """
         for tier in self.lower:
-            stored, dropped = tier.poll()
-            if tier.tier is Tier.SHARED:
-                for block_hash in stored:
-                    self.pool.events.record(block_hash, stored=True, tier=Tier.SHARED)
-                for block_hash in dropped:
-                    self.pool.events.record(block_hash, stored=False, tier=Tier.SHARED)
-                continue
+            for kind, ticket, run in tier.finished():
+                self.loads.finish(tier, kind, ticket, run)
+            self._announce(tier, *tier.poll())
+        return self.loads.take_ready()
+
+    def begin(self, request: Request) -> bool:
+        """Whether ``request`` waits for blocks loaded from the disk or the shared store (``TierLoads.begin``)."""
+        return bool(self.lower) and self.loads.begin(request)
+
+    def _announce(self, tier: StoreTier, stored: list[bytes], dropped: list[bytes]) -> None:
+        """Cache events for what a lower tier's writes and garbage collection changed."""
+        if tier.tier is Tier.SHARED:
             for block_hash in stored:
-                if self.where(block_hash) is Tier.DISK:
-                    self.pool.events.record(block_hash, stored=True, tier=Tier.DISK)
+                self.pool.events.record(block_hash, stored=True, tier=Tier.SHARED)
             for block_hash in dropped:
-                if self.where(block_hash) is None:
-                    self.pool.events.record(block_hash, stored=False)
+                self.pool.events.record(block_hash, stored=False, tier=Tier.SHARED)
+            return
+        for block_hash in stored:
+            if self.where(block_hash) is Tier.DISK:
+                self.pool.events.record(block_hash, stored=True, tier=Tier.DISK)
+        for block_hash in dropped:
+            if self.where(block_hash) is None:
+                self.pool.events.record(block_hash, stored=False)
 
     def promote(self, block_hashes: Sequence[bytes], token_ids: Sequence[int], block_size: int,
                 device_ids: list[int]) -> bool:
-        """Bring the lower tiers' run of ``block_hashes`` after ``device_ids`` into free device blocks.
+        """Copy the host tier's run of ``block_hashes`` after ``device_ids`` into free device blocks.
 
         They are cached there, unreferenced like any cached block, until the
         request is admitted. The device run found so far is held meanwhile,
@@ -110,11 +129,9 @@ class KVTiers:
         free_hits = sum(1 for block_id in device_ids if self.pool.is_free(block_id))
         room = max(0, self.pool.num_free_blocks - free_hits)
         found = self.host.match(block_hashes[start:start + room], token_ids, block_size, start)[:room]
-        self.host.reserve(found)
-        found += self._load_lower(block_hashes[start + len(found):start + room], token_ids, block_size,
-                                  start + len(found))
         if not found:
             return False
+        self.host.reserve(found)
         self.pool.touch(device_ids)
         new_ids = self.pool.allocate(len(found))
         for block_id, block_hash, tokens in zip(new_ids, found, self.host.promote(found, new_ids)):
@@ -123,32 +140,15 @@ class KVTiers:
         self.pool.free(reversed(device_ids))
         return True
 
-    def _load_lower(self, block_hashes: Sequence[bytes], token_ids: Sequence[int], block_size: int,
-                    start: int) -> list[bytes]:
-        """Read the disk's, then the shared store's, run of ``block_hashes`` into reserved host slots."""
-        loaded: list[bytes] = []
-        for tier in self.lower:
-            wanted = block_hashes[len(loaded):]
-            run = tier.lookup(wanted) if wanted else 0
-            if not run:
-                continue
-            slots = self.host.take_slots(run)
-            first = start + len(loaded)
-            items = [(block_hash, token_ids[(first + i) * block_size:(first + i + 1) * block_size], slot)
-                     for i, (block_hash, slot) in enumerate(zip(wanted, slots))]
-            good = tier.load(items)
-            for block_hash, tokens, slot in items[:good]:
-                self.host.admit(slot, block_hash, tokens)
-            self.host.give_back(slots[good:])
-            loaded += [block_hash for block_hash, _, _ in items[:good]]
-            if good < run:
-                break
-        return loaded
-
     @property
     def has_pending_writes(self) -> bool:
         """Writes in flight to a lower tier: ``poll`` must run to finish them, even with nothing to step."""
         return any(tier.has_pending_writes for tier in self.lower)
+
+    @property
+    def has_pending_work(self) -> bool:
+        """Loads or writes in flight: ``poll`` must run even with nothing to step."""
+        return self.loads.num_waiting > 0 or self.has_pending_writes
 
     def flush(self) -> None:
         """Wait until the lower tiers have written everything offered so far (``poll`` included)."""
@@ -183,7 +183,7 @@ def build_tiers(config: EngineConfig, pool: BlockPool, device_cache: torch.Tenso
     if config.host_kv_cache_bytes < block_bytes:
         raise ValueError(f"host_kv_cache_bytes {config.host_kv_cache_bytes} holds no block of {block_bytes} bytes")
     host = HostTier(device_cache, config.host_kv_cache_bytes // block_bytes)
-    tiers = KVTiers(pool, host)
+    tiers = KVTiers(pool, host, config.block_size)
     locate = tiers.locate
     namespace = namespace_of(fingerprint)
     disk = shared = None

@@ -12,13 +12,15 @@ not written (counted in ``num_dropped_writes``).
                                                    |
     poll() (between steps) <-- done ---------------+   index (LRU) updated, over-capacity records deleted
 
-Reads run on the caller's thread (``load``), straight into host-tier slots.
-Each record read back is checked against the hash and tokens asked for.
+Reads and the shared store's queries run on a reader thread
+(``submit_read``, ``submit_query``), straight into host-tier slots; what
+they found is applied on the engine's thread (``finished``). Each record read
+back is checked against the hash and tokens asked for.
 
 The disk tier's index is everything in its directory: at start it finds the
 records a previous run left (a warm restart). The shared store's index is
-what this replica wrote or found there; beyond it, ``lookup`` asks the store,
-and remembers a miss for ``MISS_TTL_S``. Garbage collection deletes only
+what this replica wrote or found there; beyond it, the store is asked
+(``submit_query``), and a miss is believed for ``MISS_TTL_S``. Garbage collection deletes only
 records this replica wrote, least recently used first, past the capacity.
 
 A failed write (a disk full, below ``min_free_bytes``, or any store error)
@@ -96,8 +98,12 @@ class StoreTier:
         self._closed = False
         if store.dir is not None:
             self._warm_start()
-        self._writer = threading.Thread(target=self._write_loop, name=f"pd-{tier.name.lower()}-tier", daemon=True)
+        self._reads: queue.SimpleQueue = queue.SimpleQueue()
+        self._read_done: deque[tuple[str, int, list, object]] = deque()  # (kind, ticket, job, result)
+        self._writer = threading.Thread(target=self._write_loop, name=f"pd-{tier.name.lower()}-writer", daemon=True)
+        self._reader = threading.Thread(target=self._read_loop, name=f"pd-{tier.name.lower()}-reader", daemon=True)
         self._writer.start()
+        self._reader.start()
 
     def _warm_start(self) -> None:
         found = self.store.scan()
@@ -179,32 +185,64 @@ class StoreTier:
     def has_pending_writes(self) -> bool:
         return bool(self._writing or self._backlog)
 
-    def lookup(self, block_hashes: Sequence[bytes]) -> int:
-        """How many of ``block_hashes``, from the first, the tier holds (the shared store may be asked)."""
+    @property
+    def max_read_blocks(self) -> int:
+        return len(self._trailers)
+
+    def local_run(self, block_hashes: Sequence[bytes]) -> int:
+        """How many of ``block_hashes``, from the first, the tier's index holds (no store is asked)."""
         run = 0
         for block_hash in block_hashes:
             if block_hash not in self.index:
                 break
             run += 1
-        if self.tier is Tier.SHARED and run < len(block_hashes):
-            run += self._ask_store(block_hashes[run:run + MAX_QUERY_BLOCKS])
         return run
 
-    def _ask_store(self, block_hashes: Sequence[bytes]) -> int:
-        """The run of ``block_hashes`` the shared store holds: the first is asked alone, then the rest at once."""
-        now = time.monotonic()
+    def worth_asking(self, block_hashes: Sequence[bytes]) -> bool:
+        """Whether the shared store should be asked for this run: not indexed, and not missed lately."""
+        if self.tier is not Tier.SHARED or not block_hashes or block_hashes[0] in self.index:
+            return False
         missed = self._misses.get(block_hashes[0])
-        if missed is not None and now - missed < MISS_TTL_S:
-            return 0
-        try:
-            self.stats.num_store_queries += 1
-            present = self.store.exists(block_hashes[:1])
-            if present[0] and len(block_hashes) > 1:
-                self.stats.num_store_queries += 1
-                present += self.store.exists(block_hashes[1:])
-        except StoreError:
-            present = [False]
-        run = 0
+        return missed is None or time.monotonic() - missed >= MISS_TTL_S
+
+    def submit_query(self, ticket: int, block_hashes: Sequence[bytes]) -> None:
+        """Ask the store, on the reader thread, which of ``block_hashes`` it holds; ``finished`` gives the run."""
+        self._reads.put(("query", ticket, list(block_hashes[:MAX_QUERY_BLOCKS])))
+
+    def submit_read(self, ticket: int, items: Sequence[tuple[bytes, Sequence[int], int]]) -> None:
+        """Read ``(hash, tokens, host slot)`` records into their slots on the reader thread, checking each."""
+        self._reads.put(("read", ticket, list(items[:len(self._trailers)])))
+
+    def finished(self) -> list[tuple[str, int, int]]:
+        """``(kind, ticket, run)`` of the queries and reads done since the last call.
+
+        A query's run: how many of its hashes the store holds, from the first.
+        A read's run: how many of its records, from the first, were read and
+        good. A record that is missing, short or not the block asked for ends
+        the run there and leaves the index: that part of a prompt is recomputed.
+        """
+        done = []
+        while self._read_done:
+            kind, ticket, what, result = self._read_done.popleft()
+            run = self._apply_query(what, result) if kind == "query" else self._apply_read(what, *result)
+            done.append((kind, ticket, run))
+        return done
+
+    def wait_reads(self) -> None:
+        """Wait until the queries and reads submitted so far are done (``finished`` then has them)."""
+        done = threading.Event()
+        self._reads.put(("flush", -1, done))
+        done.wait()
+
+    def read_now(self, items: Sequence[tuple[bytes, Sequence[int], int]]) -> int:
+        """``submit_read`` and wait for it: how many records, from the first, are good (benchmarks)."""
+        self.submit_read(-1, items)
+        self.wait_reads()
+        return next(run for kind, ticket, run in self.finished() if ticket == -1)
+
+    def _apply_query(self, block_hashes: list[bytes], present: list[bool]) -> int:
+        self.stats.num_store_queries += 1 + (len(present) > 1)
+        run, now = 0, time.monotonic()
         for block_hash, held in zip(block_hashes, present):
             if not held:
                 self._misses[block_hash] = now
@@ -216,13 +254,44 @@ class StoreTier:
             run += 1
         return run
 
-    def load(self, items: Sequence[tuple[bytes, Sequence[int], int]]) -> int:
-        """Read ``(hash, tokens, host slot)`` records into their slots; how many, from the first, are good.
+    def _apply_read(self, items: list, good: int, why: str | None, seconds: float) -> int:
+        for block_hash, _, _ in items[:good]:
+            if block_hash in self.index:
+                self.index.move_to_end(block_hash)
+        if why is not None:
+            block_hash = items[good][0]
+            logger.warning("%s tier: block %s rejected (%s); recomputing", self.tier.name.lower(),
+                           block_hash.hex(), why)
+            self.stats.num_rejected_reads += 1
+            self.index.pop(block_hash, None)
+        self.stats.num_read_blocks += good
+        self.stats.num_read_bytes += good * self.store.data_bytes
+        self.stats.read_seconds += seconds
+        return good
 
-        A record that is missing, short or not the block asked for ends the
-        run there: it leaves the index, and that part of the prompt is recomputed.
-        """
-        items = items[:len(self._trailers)]
+    def _read_loop(self) -> None:
+        """The reader thread: store I/O only; what it finds is applied on the engine's thread (``finished``)."""
+        while (job := self._reads.get()) is not None:
+            kind, ticket, what = job
+            if kind == "flush":
+                what.set()
+                continue
+            result = self._query(what) if kind == "query" else self._read_checked(what)
+            self._read_done.append((kind, ticket, what, result))
+
+    def _query(self, block_hashes: list[bytes]) -> list[bool]:
+        """Which of ``block_hashes`` the store holds: the first alone, then, if it is there, the rest at once."""
+        try:
+            present = self.store.exists(block_hashes[:1])
+            if present[0] and len(block_hashes) > 1:
+                present += self.store.exists(block_hashes[1:])
+            return present
+        except (StoreError, OSError) as exc:
+            logger.warning("%s tier: a query failed (%s)", self.tier.name.lower(), exc)
+            return [False]
+
+    def _read_checked(self, items: list) -> tuple[int, str | None, float]:
+        """Read ``items`` into their slots: how many, from the first, are good; why the next is not; the time."""
         started = time.perf_counter()
         host, host_row = self.host_cache.data_ptr(), self.host_cache[0].nbytes
         trailer, trailer_row = self._trailers.data_ptr(), self.store.trailer_bytes
@@ -233,23 +302,13 @@ class StoreTier:
         except (StoreError, OSError) as exc:
             logger.warning("%s tier: a read failed (%s); recomputing", self.tier.name.lower(), exc)
             ok = [False] * len(items)
-        good = 0
         trailers = self._trailers.numpy()
         for index, (block_hash, token_ids, _) in enumerate(items):
             why = check_trailer(trailers[index].tobytes(), block_hash, token_ids,
                                 self.store.data_bytes) if ok[index] else "missing"
             if why is not None:
-                logger.warning("%s tier: block %s rejected (%s); recomputing", self.tier.name.lower(),
-                               block_hash.hex(), why)
-                self.stats.num_rejected_reads += 1
-                self.index.pop(block_hash, None)
-                break
-            self.index.move_to_end(block_hash)
-            good += 1
-        self.stats.num_read_blocks += good
-        self.stats.num_read_bytes += good * self.store.data_bytes
-        self.stats.read_seconds += time.perf_counter() - started
-        return good
+                return index, why, time.perf_counter() - started
+        return len(items), None, time.perf_counter() - started
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until every write and deletion queued so far is done; ``poll`` then sees them."""
@@ -264,7 +323,9 @@ class StoreTier:
         self._closed = True
         self._backlog.clear()
         self._jobs.put(None)
+        self._reads.put(None)
         self._writer.join()
+        self._reader.join()
         self.store.close()
 
     def _disable(self, error: str) -> None:

@@ -172,3 +172,42 @@ def test_blocks_offered_past_the_writes_in_flight_wait_and_are_written_later(tmp
     assert stats.disk_written_blocks >= 8 and stats.disk_dropped_writes == 0 and stats.disk_pending_writes == 0
     assert set(FIRST_HASHES[:8]) <= set(llm.engine.tiers.disk.index)
     llm.engine.close()
+
+
+def churned_out(llm: LLM) -> None:
+    """FIRST served, then pushed out of device and host: it is on disk only."""
+    llm.generate([FIRST], PARAMS)
+    for prompt in CHURN:
+        llm.generate([prompt], PARAMS)
+    llm.engine.tiers.flush()
+
+
+def test_a_request_waits_off_the_step_for_its_disk_blocks_and_nothing_stays_pinned(tmp_path, block_bytes, reference):
+    llm = tiered(block_bytes, disk_kv_cache_path=str(tmp_path), disk_kv_cache_bytes=1 << 30)
+    churned_out(llm)
+    engine = llm.engine
+    engine.add_request("again", FIRST, PARAMS)
+    assert not engine.scheduler.waiting and engine.tiers.loads.num_waiting == 1  # held while its reads run
+    assert engine.has_unfinished_requests()
+    tokens = []
+    while engine.has_unfinished_requests():
+        tokens += [t for out in engine.step() for t in out.new_token_ids]
+    assert tokens == reference
+    stats = engine.stats()
+    assert stats.num_prefix_hit_tokens >= 8 * 16 and stats.disk_read_blocks == 8
+    assert engine.tiers.host.num_pinned_slots == 0 and stats.num_used_blocks == 0
+    engine.close()
+
+
+def test_a_request_aborted_while_its_blocks_load_leaves_nothing_held(tmp_path, block_bytes):
+    llm = tiered(block_bytes, disk_kv_cache_path=str(tmp_path), disk_kv_cache_bytes=1 << 30)
+    churned_out(llm)
+    engine = llm.engine
+    engine.add_request("gone", FIRST, PARAMS)
+    aborted = engine.abort_request("gone")
+    assert aborted is not None and aborted.finish_reason.name == "ABORT"
+    engine.tiers.disk.wait_reads()
+    engine.poll_transfers()  # its read lands; nothing is handed to the scheduler
+    assert not engine.has_unfinished_requests() and not engine.scheduler.waiting
+    assert engine.tiers.host.num_pinned_slots == 0 and engine.stats().num_used_blocks == 0
+    engine.close()

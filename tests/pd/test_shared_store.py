@@ -44,15 +44,17 @@ def test_a_prefix_computed_on_one_engine_hits_on_another_through_the_store(endpo
 def test_a_miss_in_the_store_is_recomputed_and_remembered(endpoint, block_bytes, reference):
     b = shared_engine(endpoint, block_bytes)
     tier = b.engine.tiers.shared
-    assert tier.lookup(FIRST_HASHES) == 0 and tier.lookup(FIRST_HASHES) == 0
-    assert tier.stats.num_store_queries == 1  # the first block, asked alone; the miss believed for MISS_TTL_S
-    tier._misses.clear()
+    assert tier.worth_asking(FIRST_HASHES)
+    tier.submit_query(7, FIRST_HASHES)
+    tier.wait_reads()
+    assert tier.finished() == [("query", 7, 0)]  # the first block, asked alone: missing
+    assert not tier.worth_asking(FIRST_HASHES)  # believed for MISS_TTL_S
     tokens, hit = served(b)
     assert tokens == reference and hit == 0
+    assert tier.stats.num_store_queries == 1  # the request did not ask again
     b.engine.tiers.flush()
-    assert tier.lookup(FIRST_HASHES) == 8  # written since: found in its own index, without asking
-    assert tier.stats.num_store_queries == 2
-    b.engine.tiers.shared.store.delete(FIRST_HASHES)
+    assert tier.local_run(FIRST_HASHES) == 8  # written since: in its own index, no need to ask
+    tier.store.delete(FIRST_HASHES)
     b.engine.close()
 
 
