@@ -15,7 +15,8 @@ from typing import AsyncIterator
 
 from pd.config import EngineConfig
 from pd.engine.block_pool import CacheEvent
-from pd.engine.engine import EngineStats, LLMEngine
+from pd.engine.engine import LLMEngine
+from pd.engine.stats import EngineStats
 from pd.engine.memory import release_free_memory
 from pd.engine.outputs import RequestOutput
 from pd.engine.request import FinishReason

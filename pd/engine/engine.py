@@ -6,13 +6,13 @@ import dataclasses
 import logging
 import time
 import uuid
-from dataclasses import dataclass
 from typing import Callable
 
 from pd.config import EngineConfig, SchedulerConfig
 from pd.engine.block_pool import CacheEvent
 from pd.engine.clock import SYSTEM_CLOCK, Clock
 from pd.engine.kv_tiers import build_tiers, tier_stats
+from pd.engine.stats import EngineStats
 from pd.engine.kv_connector import KVConnector
 from pd.engine.model_runner import ModelRunner, kv_block_bytes
 from pd.engine.outputs import RequestOutput
@@ -30,68 +30,6 @@ from transfer.base import KVTransport
 from transfer.wire import KVHandle, LayoutFingerprint, WireError
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    num_free_blocks: int
-    num_used_blocks: int
-    num_cached_blocks: int
-    num_running: int
-    num_waiting: int
-    num_waiting_tokens: int  # prompt tokens admitted or queued but not yet computed
-    num_prompt_tokens: int  # prompt tokens of every request admitted, cumulative
-    num_computed_prompt_tokens: int  # prompt tokens the model computed (not hit in a cache), cumulative
-    num_prefix_hit_tokens: int
-    num_preemptions: int
-    num_pinned_leases: int
-    num_leases_expired: int
-    num_remote_pulls: int
-    num_pulled_blocks: int
-    num_pulled_bytes: int
-    pull_seconds_total: float
-    num_recompute_fallbacks: int
-    num_quarantined_blocks: int  # blocks of given-up pulls, held until no byte can land in them
-    # The host tier (``pd.engine.host_tier``); zeros without one.
-    num_demoted_blocks: int
-    num_promoted_blocks: int
-    num_host_cached_blocks: int
-    host_capacity_blocks: int
-    num_promoted_bytes: int
-    promote_seconds: float
-    demote_seconds: float
-    # Step times (``pd.engine.step_times``), cumulative.
-    prefill_seconds: float
-    decode_steps: int
-    decode_seconds: float
-    decode_seqs: int
-    decode_seqs_sq: int
-    decode_seq_seconds: float
-    # The disk tier and the shared store (``pd.engine.store_tier``); zeros without them.
-    disk_written_blocks: int = 0
-    disk_dropped_writes: int = 0
-    disk_pending_writes: int = 0
-    disk_read_blocks: int = 0
-    disk_read_bytes: int = 0
-    disk_read_seconds: float = 0.0
-    disk_rejected_reads: int = 0
-    disk_store_queries: int = 0
-    disk_deleted_blocks: int = 0
-    disk_blocks: int = 0
-    disk_capacity_blocks: int = 0
-    disk_disabled: int = 0
-    shared_written_blocks: int = 0
-    shared_dropped_writes: int = 0
-    shared_pending_writes: int = 0
-    shared_read_blocks: int = 0
-    shared_read_bytes: int = 0
-    shared_read_seconds: float = 0.0
-    shared_rejected_reads: int = 0
-    shared_store_queries: int = 0
-    shared_deleted_blocks: int = 0
-    shared_blocks: int = 0
-    shared_capacity_blocks: int = 0
-    shared_disabled: int = 0
 
 
 class LLMEngine:
@@ -255,12 +193,16 @@ class LLMEngine:
                 request.kv_source = KVSource.REMOTE
                 request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self._requests[request_id] = request
+        self._queue(request)
+        return request
+
+    def _queue(self, request: Request) -> None:
+        """To the scheduler; or held while its blocks load from the lower tiers, until ``poll_transfers``."""
         if self.tiers is not None:
             self.kv_cache.update_hashes(request)
             if self.tiers.begin(request):
-                return request  # the scheduler gets it once its blocks are in host memory (poll_transfers)
+                return
         self.scheduler.add(request)
-        return request
 
     def _first_token(self, remote_kv: KVHandle | None, first_token_id: int | None) -> int | None:
         """The request's first output token, sampled elsewhere: the handle's, checked against ``first_token_id``."""
