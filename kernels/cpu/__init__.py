@@ -144,7 +144,7 @@ def rotary_embedding(q, k, positions, cos_sin_cache):
 
 def copy_blocks(src: torch.Tensor, src_ids: list[int], dst: torch.Tensor, dst_ids: list[int]) -> None:
     """``dst[dst_ids[i]] = src[src_ids[i]]`` for every i: whole blocks of contiguous CPU pools."""
-    build().copy_blocks(src, torch.tensor(src_ids, dtype=torch.long), dst, torch.tensor(dst_ids, dtype=torch.long))
+    build().copy_blocks(src, src_ids, dst, dst_ids)
 
 
 def silu_and_mul(gate_up):

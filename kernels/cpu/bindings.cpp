@@ -16,8 +16,8 @@ std::vector<torch::Tensor> rotary(const torch::Tensor& q, const torch::Tensor& k
 torch::Tensor silu_and_mul(const torch::Tensor& gate_up);
 void store_kv(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& k_cache, torch::Tensor& v_cache,
               const torch::Tensor& slot_mapping);
-void copy_blocks(const torch::Tensor& src, const torch::Tensor& src_ids, torch::Tensor& dst,
-                 const torch::Tensor& dst_ids);
+void copy_blocks(const torch::Tensor& src, const std::vector<int64_t>& src_ids, torch::Tensor& dst,
+                 const std::vector<int64_t>& dst_ids);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention over a block-major pool (fp32)");

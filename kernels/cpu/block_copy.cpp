@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <cstring>
 #include <immintrin.h>
+#include <vector>
 
 namespace {
 
@@ -37,19 +38,17 @@ void stream_copy(char* to, const char* from, size_t bytes) {
 
 }  // namespace
 
-void copy_blocks(const torch::Tensor& src, const torch::Tensor& src_ids, torch::Tensor& dst,
-                 const torch::Tensor& dst_ids) {
+void copy_blocks(const torch::Tensor& src, const std::vector<int64_t>& src_ids, torch::Tensor& dst,
+                 const std::vector<int64_t>& dst_ids) {
   TORCH_CHECK(src.device().is_cpu() && dst.device().is_cpu(), "copy_blocks: CPU tensors only");
   TORCH_CHECK(src.is_contiguous() && dst.is_contiguous(), "copy_blocks: contiguous pools only");
   TORCH_CHECK(src.dtype() == dst.dtype(), "copy_blocks: the pools' dtypes differ");
   TORCH_CHECK(src.dim() >= 1 && dst.dim() >= 1 && src.size(0) > 0 && dst.size(0) > 0, "copy_blocks: empty pool");
   TORCH_CHECK(src[0].numel() == dst[0].numel(), "copy_blocks: the pools' blocks differ in size");
-  TORCH_CHECK(src_ids.scalar_type() == torch::kLong && dst_ids.scalar_type() == torch::kLong &&
-                  src_ids.is_contiguous() && dst_ids.is_contiguous() && src_ids.numel() == dst_ids.numel(),
-              "copy_blocks: block ids are two int64 vectors of one length");
-  const int64_t n = src_ids.numel();
-  const int64_t* s = src_ids.data_ptr<int64_t>();
-  const int64_t* d = dst_ids.data_ptr<int64_t>();
+  TORCH_CHECK(src_ids.size() == dst_ids.size(), "copy_blocks: the two lists of block ids differ in length");
+  const int64_t n = static_cast<int64_t>(src_ids.size());
+  const int64_t* s = src_ids.data();
+  const int64_t* d = dst_ids.data();
   const size_t row = static_cast<size_t>(src[0].numel()) * src.element_size();
   const char* from = static_cast<const char*>(src.data_ptr());
   char* to = static_cast<char*>(dst.data_ptr());

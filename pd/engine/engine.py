@@ -31,6 +31,9 @@ from transfer.wire import KVHandle, LayoutFingerprint, WireError
 
 logger = logging.getLogger(__name__)
 
+# A step with nothing to run but tier loads in flight waits this long at most for one to land.
+LOAD_WAIT_S = 0.005
+
 
 class LLMEngine:
     """Owns a scheduler and a model runner. Not thread-safe: one caller drives ``step``.
@@ -303,6 +306,8 @@ class LLMEngine:
         out = self.scheduler.schedule()
         self.connector.start_pulls(out.remote_reads)
         if out.is_empty:
+            if self.tiers is not None and not early and not self.has_runnable_requests():
+                self.tiers.wait_for_loads(LOAD_WAIT_S)  # only tier loads to wait for: no spinning meanwhile
             return early
         block_tables = [self.kv_cache.block_ids(s.request.request_id) for s in out.scheduled]
         started, computed = time.monotonic(), self.scheduler.num_computed_prompt_tokens

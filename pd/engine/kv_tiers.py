@@ -19,6 +19,7 @@ A disk tier that finds blocks from an earlier run announces them at start.
 
 from __future__ import annotations
 
+import threading
 from typing import Sequence
 
 import torch
@@ -39,6 +40,7 @@ class KVTiers:
         self.shared: StoreTier | None = None
         self.lower: list[StoreTier] = []
         self.loads = TierLoads(pool, host, [], block_size)
+        self._loaded = threading.Event()  # a lower tier's query or read finished
         pool.on_evict = self._on_device_evict
         host.on_drop = self._on_host_drop
 
@@ -47,6 +49,8 @@ class KVTiers:
         self.disk, self.shared = disk, shared
         self.lower = [tier for tier in (disk, shared) if tier is not None]
         self.loads = TierLoads(self.pool, self.host, self.lower, self.block_size)
+        for tier in self.lower:
+            tier.read_done = self._loaded
         if disk is not None:
             for block_hash in disk.index:  # found from an earlier run
                 self.pool.events.record(block_hash, stored=True, tier=Tier.DISK)
@@ -96,6 +100,12 @@ class KVTiers:
                 self.loads.finish(tier, kind, ticket, run)
             self._announce(tier, *tier.poll())
         return self.loads.take_ready()
+
+    def wait_for_loads(self, timeout_s: float) -> None:
+        """With nothing else to run: block (the GIL released) until a load's result lands, or ``timeout_s``."""
+        self._loaded.clear()
+        if self.loads.num_waiting and not any(tier.has_finished_reads for tier in self.lower):
+            self._loaded.wait(timeout_s)
 
     def begin(self, request: Request) -> bool:
         """Whether ``request`` waits for blocks loaded from the disk or the shared store (``TierLoads.begin``)."""

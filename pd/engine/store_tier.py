@@ -100,6 +100,7 @@ class StoreTier:
             self._warm_start()
         self._reads: queue.SimpleQueue = queue.SimpleQueue()
         self._read_done: deque[tuple[str, int, list, object]] = deque()  # (kind, ticket, job, result)
+        self.read_done = threading.Event()  # set as a result lands (the owner may share one among tiers)
         self._writer = threading.Thread(target=self._write_loop, name=f"pd-{tier.name.lower()}-writer", daemon=True)
         self._reader = threading.Thread(target=self._read_loop, name=f"pd-{tier.name.lower()}-reader", daemon=True)
         self._writer.start()
@@ -228,6 +229,10 @@ class StoreTier:
             done.append((kind, ticket, run))
         return done
 
+    @property
+    def has_finished_reads(self) -> bool:
+        return bool(self._read_done)
+
     def wait_reads(self) -> None:
         """Wait until the queries and reads submitted so far are done (``finished`` then has them)."""
         done = threading.Event()
@@ -278,6 +283,7 @@ class StoreTier:
                 continue
             result = self._query(what) if kind == "query" else self._read_checked(what)
             self._read_done.append((kind, ticket, what, result))
+            self.read_done.set()
 
     def _query(self, block_hashes: list[bytes]) -> list[bool]:
         """Which of ``block_hashes`` the store holds: the first alone, then, if it is there, the rest at once."""
