@@ -176,20 +176,27 @@ class NixlBlockStore:
     def _file(self, block_hash: bytes) -> str:
         return f"{self._dir_prefix}{block_hash.hex()}{RECORD_SUFFIX}"
 
-    def write(self, block_hash: bytes, record_address: int) -> None:
-        """Store the record at ``record_address`` (``record_bytes`` of registered memory) as ``block_hash``."""
-        local = [(record_address, self.record_bytes, 0)]
+    def write(self, records: Sequence[tuple[bytes, int]]) -> None:
+        """Store each ``(block hash, address)`` record (``record_bytes`` of registered memory), in one transfer."""
+        local = [(address, self.record_bytes, 0) for _, address in records]
         if self.dir is None:
-            self._transfer("WRITE", local, [(self.key(block_hash), 0, self.record_bytes)])
+            self._transfer("WRITE", local, [(self.key(block_hash), 0, self.record_bytes) for block_hash, _ in records])
             return
-        final = self.path(block_hash)
-        temp = final.with_name(final.name + TEMP_SUFFIX)
-        fd = os.open(temp, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
+        finals = [self._file(block_hash) for block_hash, _ in records]
+        fds = []
         try:
-            self._transfer("WRITE", local, [(fd, 0, self.record_bytes)])
+            for final in finals:
+                fds.append(os.open(final + TEMP_SUFFIX, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644))
+            self._transfer("WRITE", local, [(fd, 0, self.record_bytes) for fd in fds])
+        except BaseException:
+            for final in finals[:len(fds)]:
+                Path(final + TEMP_SUFFIX).unlink(missing_ok=True)
+            raise
         finally:
-            os.close(fd)
-        os.replace(temp, final)
+            for fd in fds:
+                os.close(fd)
+        for final in finals:
+            os.replace(final + TEMP_SUFFIX, final)
 
     def read(self, items: Sequence[tuple[bytes, int, int]]) -> list[bool]:
         """Read each ``(block hash, data address, trailer address)``; which records could be read.

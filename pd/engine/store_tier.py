@@ -50,6 +50,8 @@ logger = logging.getLogger(__name__)
 # How long a shared-store miss is believed before the store is asked again.
 MISS_TTL_S = 1.0
 MAX_REMEMBERED_MISSES = 4096
+# The most records the writer thread stores in one transfer.
+MAX_WRITE_BATCH = 32
 # The most blocks one lookup asks the shared store about.
 MAX_QUERY_BLOCKS = 64
 
@@ -342,29 +344,40 @@ class StoreTier:
         self._backlog.clear()
 
     def _write_loop(self) -> None:
-        while (job := self._jobs.get()) is not None:
+        """The writer thread: writes waiting one after another are stored together, in one transfer."""
+        held: deque = deque()  # the job that ended a batch, next in line
+        while (job := held.popleft() if held else self._jobs.get()) is not None:
             kind, what, record = job
             if kind == "flush":
                 what.set()
-                continue
-            if kind == "delete":
+            elif kind == "delete":
                 try:
                     self.store.delete(what)
                 except (StoreError, OSError) as exc:
                     logger.warning("%s tier: deleting %d records failed: %s", self.tier.name.lower(), len(what), exc)
-                continue
-            error = None
-            try:
-                self._check_free_space()
-                self.store.write(what, self._staging[record].data_ptr())
-            except (StoreError, OSError) as exc:
-                error = str(exc)
-            self._done.append((what, record, error))
+            else:
+                batch = [(what, record)]
+                while len(batch) < MAX_WRITE_BATCH and not self._jobs.empty():
+                    job = self._jobs.get()
+                    if job is None or job[0] != "write":
+                        held.append(job)
+                        break
+                    batch.append(job[1:])
+                self._write(batch)
 
-    def _check_free_space(self) -> None:
+    def _write(self, batch: list[tuple[bytes, int]]) -> None:
+        error = None
+        try:
+            self._check_free_space(len(batch))
+            self.store.write([(block_hash, self._staging[record].data_ptr()) for block_hash, record in batch])
+        except (StoreError, OSError) as exc:
+            error = str(exc)
+        self._done.extend((block_hash, record, error) for block_hash, record in batch)
+
+    def _check_free_space(self, num_records: int) -> None:
         if self.store.dir is None or not self.min_free_bytes:
             return
         free = shutil.disk_usage(self.store.dir).free
-        if free - self.store.record_bytes < self.min_free_bytes:
+        if free - num_records * self.store.record_bytes < self.min_free_bytes:
             raise OSError(errno.ENOSPC, f"{free} bytes free on {self.store.dir}, below the "
                                         f"{self.min_free_bytes} kept free")
