@@ -8,47 +8,48 @@ from ray.util import metrics
 LATENCY_BOUNDARIES = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60]
 
 
+REPLICA_GAUGES = (
+    ("kv_blocks_used", "KV blocks with a reference count above zero"),
+    ("kv_blocks_free", "KV blocks free (cached or not)"),
+    ("requests_running", "requests in the running batch"),
+    ("requests_waiting", "requests waiting for admission"),
+    ("kv_leases_pinned", "prefill leases holding blocks for a decode replica"),
+    ("prefix_hit_tokens", "prompt tokens served from the prefix cache, cumulative"),
+    ("prefix_hit_rate", "prefix-cache hit tokens over prompt tokens admitted"),
+    ("kv_recompute_fallbacks", "remote prefills recomputed locally, cumulative"),
+    ("kv_pulled_blocks", "KV blocks pulled from prefill replicas, cumulative"),
+    ("kv_pulled_bytes", "KV bytes pulled from prefill replicas, cumulative"),
+    ("kv_pull_seconds", "time spent in KV pulls, cumulative"),
+)
+# Per KV tier below the device pool, tagged tier=host|disk|shared.
+TIER_GAUGES = (
+    ("blocks", "KV blocks a lower tier holds now (host, disk, shared: this replica's share)"),
+    ("capacity_blocks", "KV blocks a lower tier can hold"),
+    ("hit_blocks", "prefix blocks served from the tier, cumulative"),
+    ("read_bytes", "bytes read from the tier into device blocks, cumulative"),
+    ("read_seconds", "time spent reading from the tier (promotions, loads), cumulative"),
+    ("written_blocks", "blocks written to the tier (demoted to host, written through below), cumulative"),
+    ("write_seconds", "time spent demoting to host memory, cumulative (lower tiers write off the step)"),
+    ("dropped_writes", "blocks not written: gone from device and host, or past the backlog, before a write"),
+    ("disabled", "1 once a write failed (a full disk): the tier takes no more writes"),
+)
+
+
+def _gauges(prefix: str, specs, keys: tuple[str, ...], tags: dict[str, str]) -> dict[str, metrics.Gauge]:
+    gauges = {name: metrics.Gauge(f"{prefix}{name}", description=desc, tag_keys=keys) for name, desc in specs}
+    for gauge in gauges.values():
+        gauge.set_default_tags(tags)
+    return gauges
+
+
 class ReplicaMetrics:
-    """Per-replica engine state: KV blocks and requests."""
+    """Per-replica engine state: KV blocks, requests and KV tiers."""
 
     def __init__(self, role: str, replica_id: str):
         tags = {"role": role, "replica": replica_id}
         keys = ("role", "replica")
-        self._gauges = {
-            name: metrics.Gauge(f"pd_{name}", description=desc, tag_keys=keys)
-            for name, desc in (
-                ("kv_blocks_used", "KV blocks with a reference count above zero"),
-                ("kv_blocks_free", "KV blocks free (cached or not)"),
-                ("requests_running", "requests in the running batch"),
-                ("requests_waiting", "requests waiting for admission"),
-                ("kv_leases_pinned", "prefill leases holding blocks for a decode replica"),
-                ("prefix_hit_tokens", "prompt tokens served from the prefix cache, cumulative"),
-                ("prefix_hit_rate", "prefix-cache hit tokens over prompt tokens admitted"),
-                ("kv_recompute_fallbacks", "remote prefills recomputed locally, cumulative"),
-                ("kv_pulled_blocks", "KV blocks pulled from prefill replicas, cumulative"),
-                ("kv_pulled_bytes", "KV bytes pulled from prefill replicas, cumulative"),
-                ("kv_pull_seconds", "time spent in KV pulls, cumulative"),
-            )
-        }
-        for gauge in self._gauges.values():
-            gauge.set_default_tags(tags)
-        tier_keys = (*keys, "tier")
-        self._tier_gauges = {
-            name: metrics.Gauge(f"pd_kv_tier_{name}", description=desc, tag_keys=tier_keys)
-            for name, desc in (
-                ("blocks", "KV blocks a lower tier holds now (host, disk, shared: this replica's share)"),
-                ("capacity_blocks", "KV blocks a lower tier can hold"),
-                ("hit_blocks", "prefix blocks served from the tier, cumulative"),
-                ("read_bytes", "bytes read from the tier into device blocks, cumulative"),
-                ("read_seconds", "time spent reading from the tier (promotions, loads), cumulative"),
-                ("written_blocks", "blocks written to the tier (demoted to host, written through below), cumulative"),
-                ("write_seconds", "time spent demoting to host memory, cumulative (lower tiers write off the step)"),
-                ("dropped_writes", "blocks not written: the tier's writes in flight were at their bound"),
-                ("disabled", "1 once a write failed (a full disk): the tier takes no more writes"),
-            )
-        }
-        for gauge in self._tier_gauges.values():
-            gauge.set_default_tags(tags)
+        self._gauges = _gauges("pd_", REPLICA_GAUGES, keys, tags)
+        self._tier_gauges = _gauges("pd_kv_tier_", TIER_GAUGES, (*keys, "tier"), tags)
         self.queue = metrics.Histogram(
             "pd_queue_seconds", description="time from arrival on the engine to first admission",
             boundaries=LATENCY_BOUNDARIES, tag_keys=keys,
