@@ -201,7 +201,7 @@ class LLMEngine:
 
     def _queue(self, request: Request) -> None:
         """To the scheduler; or held while its blocks load from the lower tiers, until ``poll_transfers``."""
-        if self.tiers is not None:
+        if self.tiers is not None and not request.num_prompt_logprobs_missing:  # one scoring its prompt computes it
             self.kv_cache.update_hashes(request)
             if self.tiers.begin(request):
                 return
@@ -334,6 +334,8 @@ class LLMEngine:
         if request is not None:
             request.grammar = None  # its matcher's native memory goes now, not with the last reference
         self.runner.forget(request_id)
+        if self.tiers is not None:
+            self.tiers.loads.release(request_id)  # a request that never had a prefix match holds nothing either
 
     def stats(self) -> EngineStats:
         return EngineStats(

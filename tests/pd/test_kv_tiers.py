@@ -211,3 +211,16 @@ def test_a_request_aborted_while_its_blocks_load_leaves_nothing_held(tmp_path, b
     assert not engine.has_unfinished_requests() and not engine.scheduler.waiting
     assert engine.tiers.host.num_pinned_slots == 0 and engine.stats().num_used_blocks == 0
     engine.close()
+
+
+def test_a_request_that_ends_between_its_load_and_its_prefix_match_leaves_nothing_pinned(tmp_path, block_bytes):
+    llm = tiered(block_bytes, disk_kv_cache_path=str(tmp_path), disk_kv_cache_bytes=1 << 30)
+    churned_out(llm)
+    engine = llm.engine
+    engine.add_request("held", FIRST, PARAMS)
+    engine.tiers.disk.wait_reads()
+    engine.poll_transfers()  # loaded: handed to the scheduler, its slots reserved for its prefix match
+    assert engine.tiers.host.num_pinned_slots > 0
+    engine.abort_request("held")  # in the scheduler's queue, never matched
+    assert engine.tiers.host.num_pinned_slots == 0
+    engine.close()
