@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from pd import LLM
+from pd import LLM, SamplingParams
 from pd.engine.block_pool import Tier
 from tests.pd.tiers_common import CHURN, DEVICE_BLOCKS, FIRST, FIRST_HASHES, HOST_BLOCKS, PARAMS, served
 
@@ -213,14 +213,14 @@ def test_a_request_aborted_while_its_blocks_load_leaves_nothing_held(tmp_path, b
     engine.close()
 
 
-def test_a_request_that_ends_between_its_load_and_its_prefix_match_leaves_nothing_pinned(tmp_path, block_bytes):
+def test_a_request_scoring_its_prompt_loads_nothing_and_pins_nothing(tmp_path, block_bytes):
+    """It computes its whole prompt (cached tokens would have no scores): holding it for a load would only pin slots."""
     llm = tiered(block_bytes, disk_kv_cache_path=str(tmp_path), disk_kv_cache_bytes=1 << 30)
     churned_out(llm)
     engine = llm.engine
-    engine.add_request("held", FIRST, PARAMS)
-    engine.tiers.disk.wait_reads()
-    engine.poll_transfers()  # loaded: handed to the scheduler, its slots reserved for its prefix match
-    assert engine.tiers.host.num_pinned_slots > 0
-    engine.abort_request("held")  # in the scheduler's queue, never matched
-    assert engine.tiers.host.num_pinned_slots == 0
+    engine.add_request("scored", FIRST, SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=1))
+    assert engine.tiers.loads.num_waiting == 0 and len(engine.scheduler.waiting) == 1
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.tiers.host.num_pinned_slots == 0 and engine.stats().disk_read_blocks == 0
     engine.close()
