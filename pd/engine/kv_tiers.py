@@ -38,8 +38,8 @@ class KVTiers:
         self.pool, self.host, self.block_size = pool, host, block_size
         self.disk: StoreTier | None = None
         self.shared: StoreTier | None = None
-        self.lower: list[StoreTier] = []
-        self.loads = TierLoads(pool, host, [], block_size)
+        self.lower: list[StoreTier] = []  # disk, then the shared store: those configured
+        self.loads = TierLoads(pool, host, self.lower, block_size)
         self._loaded = threading.Event()  # a lower tier's query or read finished
         pool.on_evict = self._on_device_evict
         host.on_drop = self._on_host_drop
@@ -47,8 +47,7 @@ class KVTiers:
     def attach(self, disk: StoreTier | None, shared: StoreTier | None) -> "KVTiers":
         """Put the disk tier and the shared store under the host tier (either may be None)."""
         self.disk, self.shared = disk, shared
-        self.lower = [tier for tier in (disk, shared) if tier is not None]
-        self.loads = TierLoads(self.pool, self.host, self.lower, self.block_size)
+        self.lower[:] = [tier for tier in (disk, shared) if tier is not None]
         for tier in self.lower:
             tier.read_done = self._loaded
         if disk is not None:
