@@ -64,6 +64,9 @@ class CostModel:
     per_seq_s: float
     per_sample_s: float
     source: str = "analytic"
+    # Seconds per byte copied between the device pool and its host tier (promotions, demotions), added
+    # to the step that copies them; 0 in profiles measured on CPU, where the two are the same memory.
+    per_host_byte_s: float = 0.0
 
     def __post_init__(self) -> None:
         negative = [name for name, value in asdict(self).items() if name != "source" and value < 0]

@@ -5,7 +5,9 @@
 admission, chunked prefill, prefix-cache hits, preemption, its update and
 bookkeeping), and where it would run the model, the runner says how long
 the batch would take (``CostModel``) and draws the sampled tokens from a
-seeded generator. Requests end at their ``max_tokens`` (``ignore_eos``), as
+seeded generator. A host KV tier (``host_kv_cache_bytes``) runs for real,
+its pool on the meta device too; the blocks it copies cost
+``CostModel.per_host_byte_s`` each byte, in the step that copies them. Requests end at their ``max_tokens`` (``ignore_eos``), as
 a trace's output lengths say.
 """
 
@@ -20,6 +22,7 @@ import torch
 from pd.config import EngineConfig
 from pd.engine.clock import SYSTEM_CLOCK, Clock
 from pd.engine.engine import LLMEngine
+from pd.engine.host_tier import HostTierStats
 from pd.engine.outputs import ForwardOutput, SchedulerOutput
 from pd.model.config import ModelConfig
 from pd.model.loader import resolve_dtype
@@ -42,12 +45,23 @@ class ModelledRunner:
         self._tokens = random.Random(seed)
         self.last_step_seconds = 0.0
         self.num_steps = 0
+        self.host_tier_stats: HostTierStats | None = None  # the engine's host tier, when it has one
+        self._copied_blocks = 0
 
     def execute(self, out: SchedulerOutput, block_tables: list[list[int]]) -> ForwardOutput:
-        self.last_step_seconds = self.cost.step_seconds(StepShape.of(out.scheduled))
+        self.last_step_seconds = self.cost.step_seconds(StepShape.of(out.scheduled)) + self._host_copy_seconds()
         self.num_steps += 1
         sampled = [self._tokens.randrange(self.vocab_size) for item in out.scheduled if item.samples]
         return ForwardOutput(sampled_token_ids=sampled, logprobs=None)
+
+    def _host_copy_seconds(self) -> float:
+        """The time of the blocks the host tier copied since the last step (the scheduler's promotions, demotions)."""
+        stats = self.host_tier_stats
+        if stats is None:
+            return 0.0
+        blocks = stats.num_promoted_blocks + stats.num_demoted_blocks
+        copied, self._copied_blocks = blocks - self._copied_blocks, blocks
+        return copied * self.kv_cache[0].nbytes * self.cost.per_host_byte_s
 
     def forget(self, request_id: str) -> None:
         """Nothing is kept per request."""
@@ -61,6 +75,12 @@ def sim_engine(config: EngineConfig, cost: CostModel, seed: int = 0, *, transpor
     time out in simulated time); a ``transport`` makes it able to serve
     disaggregated requests (``sim.transport``).
     """
+    if config.disk_kv_cache_path or config.shared_kv_bucket:
+        raise ValueError("the simulator models the host KV tier, not the disk tier or the shared store: "
+                         "unset disk_kv_cache_path and shared_kv_bucket")
     clock = SYSTEM_CLOCK if loop is None else Clock(wall=loop.time, monotonic=loop.time)
-    return LLMEngine(config, transport, make_runner=functools.partial(ModelledRunner, cost=cost, seed=seed),
-                     clock=clock)
+    engine = LLMEngine(config, transport, make_runner=functools.partial(ModelledRunner, cost=cost, seed=seed),
+                       clock=clock)
+    if engine.tiers is not None:
+        engine.runner.host_tier_stats = engine.tiers.host.stats
+    return engine

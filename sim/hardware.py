@@ -39,13 +39,14 @@ class Hardware:
     hbm_bytes: float
     nvlink_bytes_per_s: float  # per GPU, both directions
     nic_bytes_per_s: float
+    host_link_bytes_per_s: float  # host memory <-> GPU, one direction, pinned: PCIe x16 at ~80% of its rate
 
 
 HARDWARE = {
-    "a100": Hardware("A100 SXM 80GB", 312e12, 2.039e12, 80e9, 600e9, 25e9),
-    "h100": Hardware("H100 SXM", 989e12, 3.35e12, 80e9, 900e9, 50e9),
-    "h200": Hardware("H200 SXM", 989e12, 4.8e12, 141e9, 900e9, 50e9),
-    "b200": Hardware("B200", 2250e12, 8.0e12, 180e9, 1800e9, 50e9),
+    "a100": Hardware("A100 SXM 80GB", 312e12, 2.039e12, 80e9, 600e9, 25e9, 25e9),  # PCIe Gen4
+    "h100": Hardware("H100 SXM", 989e12, 3.35e12, 80e9, 900e9, 50e9, 50e9),  # PCIe Gen5
+    "h200": Hardware("H200 SXM", 989e12, 4.8e12, 141e9, 900e9, 50e9, 50e9),
+    "b200": Hardware("B200", 2250e12, 8.0e12, 180e9, 1800e9, 50e9, 50e9),
 }
 
 
@@ -106,6 +107,7 @@ def analytic_cost(model: ModelConfig, hardware: Hardware, efficiency: Efficiency
         / (hardware.bf16_flops * efficiency.attn_efficiency),
         per_seq_s=efficiency.per_seq_s,
         per_sample_s=2 * model.hidden_size * model.vocab_size / dense_flops,
+        per_host_byte_s=1 / hardware.host_link_bytes_per_s,
         source=f"analytic: {hardware.name} roofline, mfu {efficiency.mfu}, attention {efficiency.attn_efficiency}, "
                f"HBM {efficiency.mem_efficiency}",
     )

@@ -44,10 +44,12 @@ class HostTier:
         if num_blocks < 1:
             raise ValueError(f"a host tier needs at least one block, got {num_blocks}")
         self.device_cache = device_cache  # [num_device_blocks, *block]
-        self.cache = torch.empty((num_blocks, *device_cache.shape[1:]), dtype=device_cache.dtype, device="cpu",
-                                 pin_memory=device_cache.is_cuda)
+        # A pool on the meta device (the simulator's: no byte exists) gets a host pool there too, and copies nothing.
+        self.copies = not device_cache.is_meta
+        self.cache = torch.empty((num_blocks, *device_cache.shape[1:]), dtype=device_cache.dtype,
+                                 device="cpu" if self.copies else "meta", pin_memory=device_cache.is_cuda)
         self.num_blocks = num_blocks
-        if not device_cache.is_cuda:
+        if self.copies and not device_cache.is_cuda:
             cpu_kernels.build()  # promotions copy with it; compiled once, at engine start
         # block hash -> (host slot, the block's tokens); oldest use first.
         self._index: OrderedDict[bytes, tuple[int, tuple[int, ...]]] = OrderedDict()
@@ -70,7 +72,8 @@ class HostTier:
         if slot is None:
             return None  # every slot is being read by a promotion: this block is dropped, as without a tier
         started = time.perf_counter()
-        self.cache[slot].copy_(self.device_cache[block_id])
+        if self.copies:
+            self.cache[slot].copy_(self.device_cache[block_id])
         self.stats.demote_seconds += time.perf_counter() - started
         self._index[block_hash] = (slot, tuple(token_ids))
         self.stats.num_demoted_blocks += 1
@@ -159,7 +162,9 @@ class HostTier:
         started = time.perf_counter()
         entries = [self._index[block_hash] for block_hash in block_hashes]
         slots = [slot for slot, _ in entries]
-        if self.device_cache.is_cuda:
+        if not self.copies:
+            pass
+        elif self.device_cache.is_cuda:
             start = 0
             for end in range(1, len(slots) + 1):  # one host-to-device copy per run of consecutive slots
                 if end == len(slots) or slots[end] != slots[end - 1] + 1:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import pytest
 
@@ -87,3 +88,43 @@ def test_the_profile_measures_the_real_engine_and_fits():
     model = CostModel.fit(shapes, seconds, "test")
     assert model.step_seconds(max(shapes, key=lambda s: s.num_tokens)) > model.step_seconds(min(shapes, key=lambda s: s.num_tokens))
     assert median_relative_error(model, shapes, seconds) < 1.0
+
+
+def test_a_host_tier_runs_for_real_in_the_simulator_and_its_copies_cost_time():
+    """The real host tier's decisions (demote, match, promote) on a meta pool; copies priced by ``per_host_byte_s``."""
+    from pd import SamplingParams as Params
+
+    config = dataclasses.replace(CONFIG, num_blocks=24)
+    block_bytes = sim_engine(config, COST).runner.kv_cache[0].nbytes
+    priced = dataclasses.replace(COST, per_host_byte_s=1e-9)
+    engine = sim_engine(dataclasses.replace(config, host_kv_cache_bytes=16 * block_bytes), priced)
+    assert engine.tiers.host.cache.is_meta  # no host memory is taken for it
+    first = list(range(1, 130))  # 8 full blocks
+    churn = [list(range(200 + 130 * k, 320 + 130 * k)) for k in range(3)]
+    params = Params(max_tokens=2, temperature=0, ignore_eos=True)
+
+    ids = itertools.count()
+
+    def serve(tokens: list[int]) -> float:
+        engine.add_request(str(next(ids)), tokens, params)
+        seconds = 0.0
+        while engine.has_unfinished_requests():
+            engine.step()
+            seconds += engine.runner.last_step_seconds
+        return seconds
+
+    serve(first)
+    for tokens in churn:
+        serve(tokens)
+    hits = engine.stats().num_prefix_hit_tokens
+    promoted = engine.stats().num_promoted_blocks
+    seconds = serve(first)
+    assert engine.stats().num_prefix_hit_tokens - hits == 8 * 16  # from the host tier
+    assert engine.stats().num_promoted_blocks - promoted == 8
+    assert seconds >= 8 * block_bytes * 1e-9  # the promotions were paid for
+
+
+def test_the_simulator_refuses_the_tiers_it_does_not_model(tmp_path):
+    with pytest.raises(ValueError, match="not the disk tier or the shared store"):
+        sim_engine(dataclasses.replace(CONFIG, host_kv_cache_bytes=1 << 20, disk_kv_cache_path=str(tmp_path),
+                                       disk_kv_cache_bytes=1 << 20), COST)
