@@ -115,6 +115,15 @@ def ensure_app(config: str, **overrides) -> None:
     _deployed["pd"] = key
 
 
+def fresh_app(config: str, **overrides) -> None:
+    """As ``ensure_app``, but always a new deployment: the running app is deleted first."""
+    from ray import serve
+
+    serve.delete("pd")
+    _deployed.pop("pd", None)
+    ensure_app(config, **overrides)
+
+
 @pytest.fixture
 def default_app(ray_cluster) -> "Client":
     """A client of the default app (``serve_configs/default.yaml``, leases of 3 s)."""

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.serve.conftest import Client, ensure_app, pool_stats, wait_until
+from tests.serve.conftest import Client, ensure_app, fresh_app, pool_stats, wait_until
 from tests.serve.test_app_loadtest import _locust
 
 pytestmark = pytest.mark.destructive
@@ -320,14 +320,18 @@ def test_decode_scaled_down_under_long_streams_moves_them_and_breaks_none(ray_cl
 
     from tests.serve.test_faults import _ingress_stats
 
-    args = planner_app(decode={"initial_replicas": 2, "scale_down_delay_s": 8.0})
+    args = planner_app(decode={"initial_replicas": 2, "scale_down_delay_s": 4.0})
     args["decode"]["graceful_shutdown_timeout_s"] = 2.0
-    ensure_app("autoscaling.yaml", **args)
+    # A fresh app, not a rolling update of the last one: the old replicas' reports would measure the
+    # pool's capacity and start the scale-down clock while the second new replica is still starting
+    # (on a slow machine, past the delay). Fresh replicas have no decode steps, so nothing is planned
+    # until the streams run on both.
+    fresh_app("autoscaling.yaml", **args)
     client = Client(ray_cluster["url"])
     wait_until(lambda: running("DecodeServer") == 2, timeout=90)
     migrations_before = _ingress_stats()["num_migrations"]
     with ThreadPoolExecutor(4) as pool:
-        streams = [pool.submit(_long_stream, client, i, 400) for i in range(4)]
+        streams = [pool.submit(_long_stream, client, i, 500) for i in range(4)]
         busy = {}  # replica id -> streams running on it, sampled until one replica is going away
         going = wait_until(lambda: busy.update(_running_streams())
                            or [rid for rid, (state, _) in replicas("DecodeServer").items() if state == "STOPPING"],
