@@ -62,6 +62,12 @@ class EngineConfig:
     cuda_graphs: bool = True
     cuda_graph_max_batch: int = 256
     seed: int = 0
+    # Ranks the model is sharded over (Megatron-style, see pd.model.tp): this process is rank 0 and
+    # starts the others (pd.engine.tp_workers). Each rank's pool holds its KV heads for ``num_blocks``
+    # blocks: ``kv_cache_bytes`` is per rank. A collective that takes longer than the timeout (a
+    # rank died or hangs) fails the step.
+    tensor_parallel_size: int = 1
+    tensor_parallel_timeout_s: float = 60.0
     # Prefill role: how long a finished prompt's blocks stay pinned for a decode replica.
     kv_lease_s: float = 30.0
     # Decode role: how long a pull may take before the prompt is recomputed locally.
@@ -90,7 +96,12 @@ class EngineConfig:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         self._check_lower_tiers()
-        for name in ("kv_lease_s", "kv_read_timeout_s"):
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1 and self.host_kv_cache_bytes:
+            raise ValueError("the KV tiers (host_kv_cache_bytes and below) do not run with tensor_parallel_size > 1 "
+                             "yet: set one or the other")
+        for name in ("kv_lease_s", "kv_read_timeout_s", "tensor_parallel_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         for name in ("num_blocks", "max_model_len", "num_threads"):

@@ -25,13 +25,25 @@ class LLM:
     """Generate from a batch of prompts with one engine in this process.
 
     ``model`` is ``"builtin:tiny-llama"`` or an HF checkpoint directory. Other
-    keyword arguments are ``EngineConfig`` fields.
+    keyword arguments are ``EngineConfig`` fields. With ``tensor_parallel_size``
+    above 1 the other ranks run as child processes until ``close`` (or the
+    ``with`` block's end, or this process's exit).
     """
 
     def __init__(self, model: str = "builtin:tiny-llama", **kwargs):
         self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Stop what runs beside the engine: its tensor-parallel workers, its KV tiers' writers."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def _prompt_token_ids(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):

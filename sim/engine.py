@@ -66,6 +66,9 @@ class ModelledRunner:
     def forget(self, request_id: str) -> None:
         """Nothing is kept per request."""
 
+    def close(self) -> None:
+        """Nothing runs beside it."""
+
 
 def sim_engine(config: EngineConfig, cost: CostModel, seed: int = 0, *, transport: KVTransport | None = None,
                loop: EventLoop | None = None) -> LLMEngine:

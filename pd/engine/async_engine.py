@@ -241,8 +241,8 @@ class AsyncLLMEngine:
             queue.put_nowait(error)
         self._streams.clear()
 
-    def close_tiers(self) -> None:
-        """Stop the KV tiers' writers (``LLMEngine.close``); the engine serves on without its lower tiers' writes."""
+    def close(self) -> None:
+        """``LLMEngine.close``: the KV tiers' writers finish, the tensor-parallel workers stop."""
         self.engine.close()
 
     async def shutdown(self) -> None:

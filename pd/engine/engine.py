@@ -23,6 +23,7 @@ from pd.engine.structured import GrammarCompiler, RequestGrammar
 from pd.model.config import load_model_config
 from pd.model.loader import resolve_dtype
 from pd.model.paths import resolve_model_path
+from pd.model.tp import check_tp
 from pd.model.tokenizer import Tokenizer
 from pd.sampling_params import SamplingParams
 from router.protocol import RoutingStats
@@ -58,9 +59,14 @@ class LLMEngine:
                 f"{mc.max_position_embeddings}"
             )
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
+        check_tp(mc, config.tensor_parallel_size)
+        if config.tensor_parallel_size > 1 and transport is not None:
+            raise ValueError("disaggregated KV transfer does not run with tensor_parallel_size > 1 yet: "
+                             "serve a tensor-parallel model colocated")
         num_blocks = config.num_blocks
         if num_blocks is None:
-            block_bytes = kv_block_bytes(mc, config.block_size, resolve_dtype(config.dtype, mc))
+            block_bytes = kv_block_bytes(mc, config.block_size, resolve_dtype(config.dtype, mc),
+                                         config.tensor_parallel_size)
             num_blocks = max(1, config.kv_cache_bytes // block_bytes)
         self.scheduler_config = SchedulerConfig(
             block_size=config.block_size,
@@ -325,9 +331,11 @@ class LLMEngine:
         return early + results
 
     def close(self) -> None:
-        """Stop the KV tiers' writers once the writes queued are done (the disk keeps its blocks)."""
+        """Stop the KV tiers' writers once the writes queued are done (the disk keeps its blocks), and the
+        tensor-parallel workers. The engine cannot step after this."""
         if self.tiers is not None:
             self.tiers.close()
+        self.runner.close()
 
     def _forget(self, request_id: str) -> None:
         request = self._requests.pop(request_id, None)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -22,12 +23,16 @@ from pd.model.config import ModelConfig
 from pd.model.llama import CausalLM
 from pd.model.loader import load_weights, resolve_dtype
 from pd.model.rope import cos_sin_cache
+from pd.model.tp import SINGLE, TPShard
+from pd.engine.tp_group import TPGroup
+from pd.engine.tp_workers import Launcher, StepLists, TPWorkers, start_driver
 
 
-def kv_block_bytes(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block takes in the block-major pool (all layers, K and V)."""
+def kv_block_bytes(model: ModelConfig, block_size: int, dtype: torch.dtype, tensor_parallel_size: int = 1) -> int:
+    """Bytes one block takes in the block-major pool (all layers, K and V); one rank's pool with TP."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    return model.num_layers * 2 * block_size * model.num_kv_heads * model.head_dim * itemsize
+    num_kv_heads = TPShard(0, tensor_parallel_size).local_config(model).num_kv_heads
+    return model.num_layers * 2 * block_size * num_kv_heads * model.head_dim * itemsize
 
 
 def copy_to_device(int64_lists: list[list[int]], int32_lists: list[list[int]],
@@ -57,29 +62,52 @@ def copy_to_device(int64_lists: list[list[int]], int32_lists: list[list[int]],
 
 
 class ModelRunner:
+    """The model and its KV pool, one step at a time.
+
+    With ``tensor_parallel_size`` > 1 this is rank 0, the driver: it starts the
+    other ranks through ``launcher`` (local processes unless given; see
+    ``pd.engine.tp_workers``), sends them each step's inputs and samples from
+    the logits gathered to it. A worker builds its own rank with ``group``.
+    """
+
     def __init__(self, config: EngineConfig, model_config: ModelConfig, model_dir: Path, num_blocks: int,
-                 max_model_len: int):
+                 max_model_len: int, *, launcher: Launcher | None = None, group: TPGroup | None = None,
+                 device: torch.device | None = None):
         self.config = config
         self.model_config = model_config
-        self.device = torch.device(config.device)
+        self.device = device or torch.device(config.device)
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         self.dtype = resolve_dtype(config.dtype, model_config)
         self.block_size = config.block_size
         self.backend = kernels.resolve_backend(config.attention_backend, self.device)
-        weights = load_weights(model_dir, model_config, self.dtype, self.device)
-        rope = cos_sin_cache(model_config.rope, model_config.head_dim, max_model_len).to(self.device)
-        self.model = CausalLM(model_config, weights, rope)
-        # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]: each block one contiguous range.
-        self.kv_cache = torch.zeros(
-            num_blocks, model_config.num_layers, 2, config.block_size, model_config.num_kv_heads,
-            model_config.head_dim, dtype=self.dtype, device=self.device,
-        )
+        self.workers: TPWorkers | None = None
+        if config.tensor_parallel_size > 1 and group is None:
+            group, self.workers = start_driver(config, model_dir, num_blocks, max_model_len, launcher, self.device)
+        self.group = group
+        shard = TPShard(group.rank, group.size) if group is not None else SINGLE
+        try:
+            self.local_config = shard.local_config(model_config)
+            weights = load_weights(model_dir, model_config, self.dtype, self.device, shard)
+            self.weight_bytes = weights.num_bytes
+            rope = cos_sin_cache(model_config.rope, model_config.head_dim, max_model_len).to(self.device)
+            self.model = CausalLM(self.local_config, weights, rope, group)
+            # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]: each block one contiguous range.
+            # A tensor-parallel rank's pool holds its own KV heads; block ids are the same on every rank.
+            self.kv_cache = torch.zeros(
+                num_blocks, model_config.num_layers, 2, config.block_size, self.local_config.num_kv_heads,
+                model_config.head_dim, dtype=self.dtype, device=self.device,
+            )
+            if self.workers is not None:
+                self.workers.wait_ready()
+        except BaseException:
+            self.close()
+            raise
         # Per-layer strided views [num_blocks, block_size, num_kv_heads, head_dim].
         self.kv_views = [(self.kv_cache[:, i, 0], self.kv_cache[:, i, 1]) for i in range(model_config.num_layers)]
         self.sampler = Sampler(config.seed, self.device)
         self.graphs = None
-        if config.cuda_graphs and self.device.type == "cuda" and self.backend == "triton":
+        if config.cuda_graphs and self.device.type == "cuda" and self.backend == "triton" and group is None:
             self.graphs = DecodeGraphs(self.model, self.kv_views, self.backend,
                                        max_batch=min(config.max_num_seqs, config.cuda_graph_max_batch),
                                        max_blocks_per_seq=-(-max_model_len // config.block_size), device=self.device)
@@ -89,8 +117,16 @@ class ModelRunner:
         """A request ended: drop what sampling kept for it."""
         self.sampler.forget(request_id)
 
-    def prepare(self, out: SchedulerOutput, block_tables: list[list[int]]) -> ForwardInput:
-        """Flatten the schedule into host lists, then copy them all to the device in one transfer."""
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (if any) and leave the group."""
+        if self.workers is not None:
+            self.workers.close()
+            self.workers = None
+        if self.group is not None:
+            self.group.close()
+
+    def flatten(self, out: SchedulerOutput, block_tables: list[list[int]]) -> tuple[StepLists, _DriverRows]:
+        """The schedule as flat host lists (what every rank runs), and the rows only the driver reads."""
         bs = self.block_size
         token_ids: list[int] = []
         positions: list[int] = []
@@ -98,10 +134,8 @@ class ModelRunner:
         cu_seqlens = [0]
         seq_lens: list[int] = []
         logits_indices: list[int] = []
-        sampling_requests = []
+        rows = _DriverRows()
         prompt_indices: list[int] = []
-        prompt_targets: list[int] = []
-        prompt_rows = []
         for item, blocks in zip(out.scheduled, block_tables):
             request = item.request
             start = request.num_computed_tokens
@@ -113,25 +147,30 @@ class ModelRunner:
             seq_lens.append(end)
             if item.samples:
                 logits_indices.append(len(token_ids) - 1)
-                sampling_requests.append(request)
+                rows.sampling_requests.append(request)
             scored = _prompt_positions(request, start, end)
             if scored:
                 offset = len(token_ids) - end  # the flat index of position 0
                 prompt_indices.extend(offset + p for p in scored)
-                prompt_targets.extend(request.token_ids[p + 1] for p in scored)
-                prompt_rows.append((request, len(scored)))
+                rows.prompt_targets.extend(request.token_ids[p + 1] for p in scored)
+                rows.prompt_rows.append((request, len(scored)))
         max_blocks = max(len(b) for b in block_tables)
         table = list(itertools.chain.from_iterable(b + [PAD_BLOCK_ID] * (max_blocks - len(b)) for b in block_tables))
+        return StepLists(token_ids, positions, slots, logits_indices + prompt_indices, cu_seqlens, seq_lens, table,
+                         max_blocks), rows
+
+    def to_device(self, step: StepLists, rows: _DriverRows) -> ForwardInput:
+        """Copy the step's lists to the device in one transfer."""
         int64s, int32s = copy_to_device(
-            [token_ids, positions, slots, logits_indices + prompt_indices, prompt_targets],
-            [cu_seqlens, seq_lens, table], self.device)
+            [step.token_ids, step.positions, step.slots, step.logits_indices, rows.prompt_targets],
+            [step.cu_seqlens, step.seq_lens, step.block_table], self.device)
         token_ids_t, positions_t, slots_t, logits_indices_t, prompt_targets_t = int64s
         cu_seqlens_t, seq_lens_t, table_t = int32s
         attn = AttentionMetadata(
             slot_mapping=slots_t,
             cu_seqlens_q=cu_seqlens_t,
             seq_lens=seq_lens_t,
-            block_table=table_t.view(len(block_tables), max_blocks),
+            block_table=table_t.view(len(step.seq_lens), step.max_blocks),
             backend=self.backend,
         )
         return ForwardInput(
@@ -139,14 +178,27 @@ class ModelRunner:
             positions=positions_t,
             attn=attn,
             logits_indices=logits_indices_t,
-            sampling_requests=sampling_requests,
-            prompt_rows=prompt_rows,
-            prompt_targets=prompt_targets_t if prompt_rows else None,
+            sampling_requests=rows.sampling_requests,
+            prompt_rows=rows.prompt_rows,
+            prompt_targets=prompt_targets_t if rows.prompt_rows else None,
         )
+
+    def prepare(self, out: SchedulerOutput, block_tables: list[list[int]]) -> ForwardInput:
+        """Flatten the schedule into host lists, then copy them all to the device in one transfer."""
+        return self.to_device(*self.flatten(out, block_tables))
+
+    @torch.inference_mode()
+    def forward(self, step: StepLists) -> torch.Tensor:
+        """A worker rank's part of a step: the forward pass, its collectives and its KV writes."""
+        batch = self.to_device(step, _DriverRows())
+        return self.model.forward(batch.token_ids, batch.positions, batch.attn, self.kv_views, batch.logits_indices)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, block_tables: list[list[int]]) -> ForwardOutput:
-        batch = self.prepare(out, block_tables)
+        step, rows = self.flatten(out, block_tables)
+        if self.workers is not None:
+            self.workers.send(step)
+        batch = self.to_device(step, rows)
         # Masks are filled before the forward pass, not beside it on a worker thread: with the
         # forward using every core, the overlap measured slower (bench.engine's structured case).
         mask = GrammarMask.for_rows([r.grammar for r in batch.sampling_requests], self.model_config.vocab_size)
@@ -154,8 +206,7 @@ class ModelRunner:
             mask.fill()
         logits = self.graphs.run(batch) if self.graphs is not None else None
         if logits is None:
-            logits = self.model.forward(batch.token_ids, batch.positions, batch.attn, self.kv_views,
-                                        batch.logits_indices)
+            logits = self._forward(batch)
         num_samples = len(batch.sampling_requests)
         scores = self._prompt_logprobs(logits[num_samples:], batch) if batch.prompt_rows else {}
         if not batch.sampling_requests:
@@ -164,6 +215,16 @@ class ModelRunner:
         if scores:
             forward = dataclasses.replace(forward, prompt_logprobs=scores)
         return forward if mask is None else advance_grammars(mask, forward)
+
+    def _forward(self, batch: ForwardInput) -> torch.Tensor:
+        if self.workers is None:
+            return self.model.forward(batch.token_ids, batch.positions, batch.attn, self.kv_views,
+                                      batch.logits_indices)
+        try:
+            return self.model.forward(batch.token_ids, batch.positions, batch.attn, self.kv_views,
+                                      batch.logits_indices)
+        except RuntimeError as exc:
+            raise self.workers.failure(exc) from exc
 
     @staticmethod
     def _prompt_logprobs(logits: torch.Tensor, batch: ForwardInput) -> dict[str, list[PromptLogprob]]:
@@ -179,6 +240,15 @@ class ModelRunner:
             ]
             start += num_rows
         return out
+
+
+@dataclass
+class _DriverRows:
+    """What of a step only the driver reads: the rows it samples and the prompt rows it scores."""
+
+    sampling_requests: list[Request] = field(default_factory=list)
+    prompt_rows: list[tuple[Request, int]] = field(default_factory=list)
+    prompt_targets: list[int] = field(default_factory=list)
 
 
 def _prompt_positions(request: Request, start: int, end: int) -> range:

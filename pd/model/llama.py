@@ -9,6 +9,7 @@ small function. Attention, the KV store, RMSNorm and rotary go through
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -25,26 +26,46 @@ class LayerWeights:
     qkv_proj: Linear  # hidden -> q_size + 2 * kv_size
     q_norm: torch.Tensor | None  # [head_dim], Qwen3 only
     k_norm: torch.Tensor | None
-    o_proj: Linear  # q_size -> hidden
+    o_proj: Linear  # q_size -> hidden (row-parallel: without its bias, added after the all-reduce)
+    o_bias: torch.Tensor | None  # [hidden]
     post_attention_norm: torch.Tensor  # [hidden]
     gate_up_proj: Linear  # hidden -> 2 * intermediate
-    down_proj: Linear  # intermediate -> hidden
+    down_proj: Linear  # intermediate -> hidden (row-parallel, as o_proj)
+    down_bias: torch.Tensor | None  # [hidden]
 
 
 @dataclass
 class ModelWeights:
-    embed_tokens: torch.Tensor  # [vocab, hidden]
+    embed_tokens: torch.Tensor  # [vocab rows, hidden]: the whole vocabulary, or a rank's slice of it
     layers: list[LayerWeights]
     norm: torch.Tensor  # [hidden]
-    lm_head: Linear  # hidden -> vocab
+    lm_head: Linear  # hidden -> vocab rows
+    num_bytes: int = 0  # the weights' bytes as loaded
+    vocab_start: int = 0  # the first token id of the slice
+
+
+class Collectives(Protocol):
+    """What a tensor-parallel rank's forward pass needs of its group (``pd.engine.tp_group``)."""
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor: ...
+
+    def gather_logits(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor: ...
 
 
 class CausalLM:
-    """A decoder-only transformer over a paged, block-major KV pool."""
+    """A decoder-only transformer over a paged, block-major KV pool.
 
-    def __init__(self, config: ModelConfig, weights: ModelWeights, cos_sin_cache: torch.Tensor):
+    With ``collectives``, one tensor-parallel rank of it: ``config`` is the
+    rank's (``TPShard.local_config``), ``weights`` its shard, and the
+    row-parallel outputs and the embedding are all-reduced; the logits are
+    gathered (whole on rank 0, see ``Collectives.gather_logits``).
+    """
+
+    def __init__(self, config: ModelConfig, weights: ModelWeights, cos_sin_cache: torch.Tensor,
+                 collectives: Collectives | None = None):
         self.config = config
         self.weights = weights
+        self.collectives = collectives
         self.cos_sin_cache = cos_sin_cache  # [max_positions, head_dim] fp32
         self.softmax_scale = config.head_dim**-0.5
 
@@ -57,7 +78,7 @@ class CausalLM:
         logits_indices: torch.Tensor,  # int64 [num_samples], rows of the batch that sample
     ) -> torch.Tensor:
         """Run the batch, write its K/V into the pool, return fp32 logits ``[num_samples, vocab]``."""
-        hidden = F.embedding(token_ids, self.weights.embed_tokens)
+        hidden = self._embed(token_ids)
         residual = None
         for layer, weights in enumerate(self.weights.layers):
             if residual is None:
@@ -71,10 +92,29 @@ class CausalLM:
             hidden, residual = kernels.rms_norm(
                 hidden, weights.post_attention_norm, self.config.rms_norm_eps, residual, backend=attn.backend
             )
-            hidden = weights.down_proj(kernels.silu_and_mul(weights.gate_up_proj(hidden), backend=attn.backend))
+            hidden = self._reduced(weights.down_proj(kernels.silu_and_mul(weights.gate_up_proj(hidden),
+                                                                          backend=attn.backend)), weights.down_bias)
         hidden = (hidden + residual)[logits_indices]
         hidden = kernels.rms_norm(hidden, self.weights.norm, self.config.rms_norm_eps, backend=attn.backend)
-        return self.weights.lm_head(hidden).float()
+        logits = self.weights.lm_head(hidden).float()
+        if self.collectives is None:
+            return logits
+        return self.collectives.gather_logits(logits, self.config.vocab_size)
+
+    def _embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Each token's embedding; a rank looks up the tokens in its vocabulary slice, zeros elsewhere, and sums."""
+        if self.collectives is None:
+            return F.embedding(token_ids, self.weights.embed_tokens)
+        local = token_ids - self.weights.vocab_start
+        outside = (local < 0) | (local >= self.weights.embed_tokens.shape[0])
+        hidden = F.embedding(local.masked_fill(outside, 0), self.weights.embed_tokens)
+        hidden.masked_fill_(outside.unsqueeze(-1), 0.0)
+        return self.collectives.all_reduce(hidden)
+
+    def _reduced(self, partial: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """A row-parallel layer's output: the ranks' partial sums added up, then its bias."""
+        out = partial if self.collectives is None else self.collectives.all_reduce(partial)
+        return out if bias is None else out + bias
 
     def _attention(
         self,
@@ -102,5 +142,5 @@ class CausalLM:
             q, k_cache, v_cache, attn.cu_seqlens_q, attn.seq_lens, attn.block_table, self.softmax_scale,
             sliding_window=cfg.sliding_windows[layer], backend=attn.backend,
         )
-        return weights.o_proj(out.view(num_tokens, cfg.q_size))
+        return self._reduced(weights.o_proj(out.view(num_tokens, cfg.q_size)), weights.o_bias)
 

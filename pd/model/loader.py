@@ -12,6 +12,7 @@ from pd.config import DTYPE_NAMES
 from pd.model.config import ModelConfig
 from pd.model.linear import make_linear
 from pd.model.llama import LayerWeights, ModelWeights
+from pd.model.tp import SINGLE, TPShard
 
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
@@ -40,80 +41,166 @@ def _safetensors_files(model_dir: Path) -> list[Path]:
 
 
 def read_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
-    tensors: dict[str, torch.Tensor] = {}
-    for path in _safetensors_files(model_dir):
-        if not path.is_file():
-            raise ValueError(f"safetensors shard {path} is listed in the index but missing")
-        try:
-            with safe_open(str(path), framework="pt") as handle:
+    """Every tensor of the checkpoint, whole (tests and tools; the engine reads through ``Checkpoint``)."""
+    with Checkpoint(model_dir) as checkpoint:
+        return {name: checkpoint.read(name) for name in checkpoint.names()}
+
+
+class Checkpoint:
+    """The checkpoint's safetensors files, open; reads a tensor, or only a slice of its rows or columns.
+
+    A slice is read from the file as it is, so a tensor-parallel rank never
+    holds more of a weight than its shard.
+    """
+
+    def __init__(self, model_dir: Path):
+        self._handles = []
+        self._where: dict[str, object] = {}
+        for path in _safetensors_files(Path(model_dir)):
+            if not path.is_file():
+                raise ValueError(f"safetensors shard {path} is listed in the index but missing")
+            try:
+                handle = safe_open(str(path), framework="pt")
+                self._handles.append((path, handle))
                 for name in handle.keys():
-                    tensors[name] = handle.get_tensor(name)
+                    self._where[name] = (path, handle)
+            except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+                raise ValueError(f"cannot read safetensors file {path}: it is corrupt or truncated ({exc})") from exc
+
+    def __enter__(self) -> "Checkpoint":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._handles.clear()
+        self._where.clear()
+
+    def names(self) -> list[str]:
+        return list(self._where)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        _, handle = self._where[name]
+        return tuple(handle.get_slice(name).get_shape())
+
+    def read(self, name: str, rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None) -> torch.Tensor:
+        """The tensor, or rows ``[start, stop)`` of dim 0, or columns of dim 1."""
+        path, handle = self._where[name]
+        try:
+            if rows is None and cols is None:
+                return handle.get_tensor(name)
+            part = handle.get_slice(name)
+            if cols is None:
+                return part[rows[0]:rows[1]]
+            return part[:, cols[0]:cols[1]]
         except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
-            raise ValueError(f"cannot read safetensors file {path}: it is corrupt or truncated ({exc})") from exc
-    return tensors
+            raise ValueError(f"cannot read {name!r} from safetensors file {path}: it is corrupt or truncated "
+                             f"({exc})") from exc
 
 
 class _Weights:
-    """Takes named tensors out of a checkpoint, cast to the model's dtype and device."""
+    """Takes named tensors (or a rank's slice of them) out of a checkpoint, cast to the model's dtype and device."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device):
-        self.tensors = tensors
+    def __init__(self, checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device):
+        self.checkpoint = checkpoint
         self.dtype = dtype
         self.device = device
+        self.num_bytes = 0  # what this rank holds, summed as it loads
 
-    def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        if name not in self.tensors:
+    def __contains__(self, name: str) -> bool:
+        return name in self.checkpoint
+
+    def get(self, name: str, shape: tuple[int, ...], rows: tuple[int, int] | None = None,
+            cols: tuple[int, int] | None = None) -> torch.Tensor:
+        """The weight of full ``shape`` (checked), or its ``rows`` or ``cols`` slice."""
+        if name not in self.checkpoint:
             raise ValueError(f"checkpoint is missing the weight {name!r}")
-        tensor = self.tensors[name]
-        if tuple(tensor.shape) != shape:
-            raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, config implies {shape}")
-        return tensor.to(device=self.device, dtype=self.dtype).contiguous()
+        found = self.checkpoint.shape(name)
+        if found != shape:
+            raise ValueError(f"weight {name!r} has shape {found}, config implies {shape}")
+        tensor = self.checkpoint.read(name, rows, cols).to(device=self.device, dtype=self.dtype).contiguous()
+        self.num_bytes += tensor.numel() * tensor.element_size()
+        return tensor
 
-    def optional(self, name: str, shape: tuple[int, ...]) -> torch.Tensor | None:
-        return self.get(name, shape) if name in self.tensors else None
+    def optional(self, name: str, shape: tuple[int, ...], rows: tuple[int, int] | None = None) -> torch.Tensor | None:
+        return self.get(name, shape, rows) if name in self else None
 
-    def fused(self, names: list[str], shapes: list[tuple[int, ...]], required: bool = True) -> torch.Tensor | None:
-        """The named tensors concatenated along dim 0; None only when optional and all absent."""
-        parts = [self.optional(n, s) for n, s in zip(names, shapes)]
-        if not required and all(p is None for p in parts):
+    def fused(self, names: list[str], shapes: list[tuple[int, ...]], rows: list[tuple[int, int] | None],
+              required: bool = True) -> torch.Tensor | None:
+        """The named tensors (each its ``rows``) concatenated along dim 0; None only when optional and all absent."""
+        present = [name in self for name in names]
+        if not required and not any(present):
             return None
-        if any(p is None for p in parts):
-            missing = [n for n, p in zip(names, parts) if p is None]
+        if not all(present):
+            missing = [n for n, p in zip(names, present) if not p]
             raise ValueError(f"checkpoint is missing the weights {missing}")
-        return torch.cat(parts, dim=0)
+        return torch.cat([self.get(n, s, r) for n, s, r in zip(names, shapes, rows)], dim=0)
 
 
-def load_weights(model_dir: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> ModelWeights:
-    w = _Weights(read_tensors(Path(model_dir)), dtype, device)
+def _vocab_shard(w: _Weights, name: str, config: ModelConfig, shard: TPShard) -> torch.Tensor:
+    """This rank's rows of a ``[vocab, hidden]`` weight, zero-padded to ``shard.vocab_rows``."""
+    start, stop = shard.vocab(config)
+    part = w.get(name, (config.vocab_size, config.hidden_size), rows=(start, stop) if shard.size > 1 else None)
+    pad = shard.vocab_rows(config) - part.shape[0]
+    if pad:
+        part = torch.cat([part, part.new_zeros(pad, part.shape[1])])
+    return part
+
+
+def _row_parallel(name: str, weight: torch.Tensor, bias: torch.Tensor | None, whole: bool) -> dict:
+    """A row-parallel layer's fields: its bias in the GEMM when one rank runs it, else added after the all-reduce."""
+    if whole:
+        return {f"{name}_proj": make_linear(weight, bias), f"{name}_bias": None}
+    return {f"{name}_proj": make_linear(weight, None), f"{name}_bias": bias}
+
+
+def _layer(w: _Weights, config: ModelConfig, shard: TPShard, i: int) -> LayerWeights:
+    """Layer ``i``'s weights as rank ``shard`` holds them (see ``pd.model.tp``)."""
     h, inter, hd = config.hidden_size, config.intermediate_size, config.head_dim
     q, kv = config.q_size, config.kv_size
-    layers = []
-    for i in range(config.num_layers):
-        p = f"model.layers.{i}."
-        attn, mlp = p + "self_attn.", p + "mlp."
-        layers.append(
-            LayerWeights(
-                input_norm=w.get(p + "input_layernorm.weight", (h,)),
-                qkv_proj=make_linear(
-                    w.fused([attn + f"{x}_proj.weight" for x in "qkv"], [(q, h), (kv, h), (kv, h)]),
-                    w.fused([attn + f"{x}_proj.bias" for x in "qkv"], [(q,), (kv,), (kv,)], required=False),
-                ),
-                q_norm=w.get(attn + "q_norm.weight", (hd,)) if config.qk_norm else None,
-                k_norm=w.get(attn + "k_norm.weight", (hd,)) if config.qk_norm else None,
-                o_proj=make_linear(w.get(attn + "o_proj.weight", (h, q)), w.optional(attn + "o_proj.bias", (h,))),
-                post_attention_norm=w.get(p + "post_attention_layernorm.weight", (h,)),
-                gate_up_proj=make_linear(
-                    w.fused([mlp + "gate_proj.weight", mlp + "up_proj.weight"], [(inter, h), (inter, h)]),
-                    w.fused([mlp + "gate_proj.bias", mlp + "up_proj.bias"], [(inter,), (inter,)], required=False),
-                ),
-                down_proj=make_linear(w.get(mlp + "down_proj.weight", (h, inter)), w.optional(mlp + "down_proj.bias", (h,))),
-            )
-        )
-    embed = w.get("model.embed_tokens.weight", (config.vocab_size, h))
-    if config.tie_word_embeddings:
-        lm_head = make_linear(embed, None)
-    elif "lm_head.weight" in w.tensors:
-        lm_head = make_linear(w.get("lm_head.weight", (config.vocab_size, h)), None)
-    else:
-        raise ValueError("checkpoint is missing the weight 'lm_head.weight' and tie_word_embeddings is false")
-    return ModelWeights(embed_tokens=embed, layers=layers, norm=w.get("model.norm.weight", (h,)), lm_head=lm_head)
+    whole = shard.size == 1
+    heads, kv_heads, mlp_cols = shard.heads(config), shard.kv_heads(config), shard.intermediate(config)
+    q_rows = None if whole else (heads[0] * hd, heads[1] * hd)
+    kv_rows = None if whole else (kv_heads[0] * hd, kv_heads[1] * hd)
+    mlp_rows = None if whole else mlp_cols
+    p = f"model.layers.{i}."
+    attn, mlp = p + "self_attn.", p + "mlp."
+    return LayerWeights(
+        input_norm=w.get(p + "input_layernorm.weight", (h,)),
+        qkv_proj=make_linear(
+            w.fused([attn + f"{x}_proj.weight" for x in "qkv"], [(q, h), (kv, h), (kv, h)], [q_rows, kv_rows, kv_rows]),
+            w.fused([attn + f"{x}_proj.bias" for x in "qkv"], [(q,), (kv,), (kv,)], [q_rows, kv_rows, kv_rows],
+                    required=False),
+        ),
+        q_norm=w.get(attn + "q_norm.weight", (hd,)) if config.qk_norm else None,
+        k_norm=w.get(attn + "k_norm.weight", (hd,)) if config.qk_norm else None,
+        **_row_parallel("o", w.get(attn + "o_proj.weight", (h, q), cols=q_rows), w.optional(attn + "o_proj.bias", (h,)),
+                        whole),
+        post_attention_norm=w.get(p + "post_attention_layernorm.weight", (h,)),
+        gate_up_proj=make_linear(
+            w.fused([mlp + "gate_proj.weight", mlp + "up_proj.weight"], [(inter, h), (inter, h)], [mlp_rows, mlp_rows]),
+            w.fused([mlp + "gate_proj.bias", mlp + "up_proj.bias"], [(inter,), (inter,)], [mlp_rows, mlp_rows],
+                    required=False),
+        ),
+        **_row_parallel("down", w.get(mlp + "down_proj.weight", (h, inter), cols=mlp_rows),
+                        w.optional(mlp + "down_proj.bias", (h,)), whole),
+    )
+
+
+def load_weights(model_dir: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device,
+                 shard: TPShard = SINGLE) -> ModelWeights:
+    """The weights rank ``shard`` runs (all of them at ``SINGLE``), read from the files slice by slice."""
+    with Checkpoint(model_dir) as checkpoint:
+        w = _Weights(checkpoint, dtype, device)
+        layers = [_layer(w, config, shard, i) for i in range(config.num_layers)]
+        embed = _vocab_shard(w, "model.embed_tokens.weight", config, shard)
+        if config.tie_word_embeddings:
+            lm_head = make_linear(embed, None)
+        elif "lm_head.weight" in w:
+            lm_head = make_linear(_vocab_shard(w, "lm_head.weight", config, shard), None)
+        else:
+            raise ValueError("checkpoint is missing the weight 'lm_head.weight' and tie_word_embeddings is false")
+        norm = w.get("model.norm.weight", (config.hidden_size,))
+        return ModelWeights(embed_tokens=embed, layers=layers, norm=norm, lm_head=lm_head, num_bytes=w.num_bytes,
+                            vocab_start=shard.vocab(config)[0])

@@ -138,7 +138,7 @@ class EngineServer:
     def __del__(self) -> None:  # Serve calls this when it stops the replica
         engine = getattr(self, "engine", None)
         if engine is not None:
-            engine.close_tiers()  # their queued writes finish; the disk slot is given up
+            engine.close()  # the tiers' queued writes finish, the disk slot is given up, TP workers stop
         transport = getattr(self, "transport", None)
         if transport is not None:
             transport.close()
