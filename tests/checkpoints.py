@@ -41,6 +41,9 @@ def make_checkpoint(kind: str, path: Path) -> Path:
     elif kind == "mistral":
         config = transformers.MistralConfig(**COMMON, sliding_window=48)
         model = transformers.MistralForCausalLM(config)
+    elif kind == "llama_bias":  # every projection biased, a vocabulary no rank count divides evenly
+        config = transformers.LlamaConfig(**{**COMMON, "vocab_size": 509}, attention_bias=True, mlp_bias=True)
+        model = transformers.LlamaForCausalLM(config)
     elif kind == "qwen3":
         config = transformers.Qwen3Config(**{**COMMON, "num_attention_heads": 4, "num_key_value_heads": 1}, head_dim=48)
         model = transformers.Qwen3ForCausalLM(config)
