@@ -49,6 +49,10 @@ def make_checkpoint(kind: str, path: Path) -> Path:
         model = transformers.Qwen3ForCausalLM(config)
     else:
         raise ValueError(kind)
+    with torch.no_grad():  # HF starts biases at zero, where a bias added twice or never would go unseen
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(std=0.1)
     model.eval().save_pretrained(path)
     return path
 
