@@ -66,6 +66,9 @@ class ModelledRunner:
     def forget(self, request_id: str) -> None:
         """Nothing is kept per request."""
 
+    def check_health(self) -> None:
+        """Nothing runs beside it."""
+
     def close(self) -> None:
         """Nothing runs beside it."""
 

@@ -8,6 +8,7 @@ keeps serving while the model computes.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -16,6 +17,8 @@ from typing import AsyncIterator
 from pd.config import EngineConfig
 from pd.engine.block_pool import CacheEvent
 from pd.engine.engine import LLMEngine
+from pd.engine.model_runner import ModelRunner
+from pd.engine.tp_workers import Launcher, TPWorkerError
 from pd.engine.stats import EngineStats
 from pd.engine.memory import release_free_memory
 from pd.engine.outputs import RequestOutput
@@ -39,8 +42,12 @@ class EngineDeadError(RuntimeError):
 
 
 class AsyncLLMEngine:
-    def __init__(self, config: EngineConfig, transport: KVTransport | None = None):
-        self.engine = LLMEngine(config, transport)
+    def __init__(self, config: EngineConfig, transport: KVTransport | None = None, *,
+                 launcher: Launcher | None = None):
+        """``launcher`` starts the tensor-parallel workers (``pd.engine.tp_workers``; local processes if None)."""
+        make_runner = functools.partial(ModelRunner, launcher=launcher)
+        self.engine = LLMEngine(config, transport, make_runner=make_runner)
+        self._fatal: BaseException | None = None  # what killed the engine for good (a tensor-parallel rank)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pd-engine-step")
         self._grammar_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pd-grammar")
         self._streams: dict[str, asyncio.Queue] = {}
@@ -77,6 +84,8 @@ class AsyncLLMEngine:
         """
         if self._closed:
             raise RuntimeError("engine is shut down")
+        if self._fatal is not None:
+            raise EngineDeadError(f"engine is dead: {self._fatal}")
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
         self.engine.validate(prompt_token_ids, params)
@@ -133,6 +142,13 @@ class AsyncLLMEngine:
     def check_health(self) -> None:
         """Raise if the engine loop died; a failed step alone does not kill it."""
         task = self._loop_task
+        if self._fatal is not None:
+            raise RuntimeError(f"engine is dead: {self._fatal}")
+        try:
+            self.engine.check_health()
+        except TPWorkerError as exc:
+            self._fatal = exc
+            raise RuntimeError(f"engine is dead: {exc}") from exc
         if task is not None and task.done() and not self._closed:
             error = task.exception() if not task.cancelled() else "cancelled"
             raise RuntimeError(f"engine loop stopped: {error!r}")
@@ -214,6 +230,9 @@ class AsyncLLMEngine:
             except Exception as exc:  # noqa: BLE001 - every in-flight stream must hear of it
                 logger.exception("engine step failed; failing in-flight requests")
                 self._fail_all(EngineDeadError(f"engine step failed: {exc!r}"))
+                if isinstance(exc, TPWorkerError):  # a rank is gone: no later step can run
+                    self._fatal = exc
+                    raise
                 continue
             self._stepped_since_release = True
             if time.monotonic() - self._last_release >= MEMORY_RELEASE_INTERVAL_S:

@@ -330,6 +330,10 @@ class LLMEngine:
             self._forget(result.request_id)
         return early + results
 
+    def check_health(self) -> None:
+        """Raise if what runs beside the engine died (a tensor-parallel worker)."""
+        self.runner.check_health()
+
     def close(self) -> None:
         """Stop the KV tiers' writers once the writes queued are done (the disk keeps its blocks), and the
         tensor-parallel workers. The engine cannot step after this."""

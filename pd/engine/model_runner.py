@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -116,6 +117,19 @@ class ModelRunner:
     def forget(self, request_id: str) -> None:
         """A request ended: drop what sampling kept for it."""
         self.sampler.forget(request_id)
+
+    def ranks(self) -> list[dict[str, int]]:
+        """Each rank's process and the bytes of weights it holds (one entry without tensor parallelism)."""
+        ranks = [{"rank": 0, "pid": os.getpid(), "weight_bytes": self.weight_bytes}]
+        if self.workers is not None:
+            ranks += [{"rank": r.rank, "pid": r.pid, "weight_bytes": r.weight_bytes}
+                      for r in sorted(self.workers.ready.values(), key=lambda r: r.rank)]
+        return ranks
+
+    def check_health(self) -> None:
+        """Raise ``TPWorkerError`` if a tensor-parallel worker died, even while no step runs."""
+        if self.workers is not None:
+            self.workers.check_alive()
 
     def close(self) -> None:
         """Stop the tensor-parallel workers (if any) and leave the group."""

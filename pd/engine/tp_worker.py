@@ -8,6 +8,7 @@ It holds no scheduling state: the driver's block tables say where its KV goes.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import traceback
 
@@ -46,7 +47,7 @@ def serve_rank(spec: WorkerSpec) -> None:
         group.connect()
         runner = ModelRunner(config, load_model_config(spec.model_dir), spec.model_dir, spec.num_blocks,
                              spec.max_model_len, group=group, device=device)
-        connection.send_bytes(encode(Ready(TP_WIRE_VERSION, spec.rank, runner.weight_bytes)))
+        connection.send_bytes(encode(Ready(TP_WIRE_VERSION, spec.rank, os.getpid(), runner.weight_bytes)))
         while True:
             try:
                 message = decode_to_worker(connection.recv_bytes())

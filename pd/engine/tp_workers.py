@@ -79,7 +79,8 @@ class Stop(msgspec.Struct, tag="stop", frozen=True):
 class Ready(msgspec.Struct, tag="ready", frozen=True):
     version: int
     rank: int
-    weight_bytes: int
+    pid: int
+    weight_bytes: int  # the shard's, as loaded
 
 
 class Failed(msgspec.Struct, tag="failed", frozen=True):
@@ -178,7 +179,7 @@ class TPWorkers:
         self._authkey = secrets.token_bytes(32)
         self._listener = socket.create_server((self.host, 0))
         self.connections: dict[int, Connection] = {}
-        self.weight_bytes: dict[int, int] = {}
+        self.ready: dict[int, Ready] = {}  # each worker's report
 
     @property
     def port(self) -> int:
@@ -227,7 +228,7 @@ class TPWorkers:
                 self.close()
                 raise TPWorkerError(f"tensor-parallel rank {rank} speaks version {message.version}, "
                                     f"the driver {TP_WIRE_VERSION}")
-            self.weight_bytes[rank] = message.weight_bytes
+            self.ready[rank] = message
 
     def _receive(self, rank: int, connection: Connection) -> FromWorker:
         if not connection.poll(self.timeout_s):
@@ -258,6 +259,18 @@ class TPWorkers:
             except (EOFError, OSError, msgspec.DecodeError):
                 return TPWorkerError(f"tensor-parallel rank {rank} died ({exc})")
         return TPWorkerError(f"a tensor-parallel collective failed: {exc}")
+
+    def check_alive(self) -> None:
+        """Raise ``TPWorkerError`` if a worker reported a failure or its connection closed (it died)."""
+        for rank, connection in self.connections.items():
+            try:
+                if not connection.poll(0):
+                    continue  # nothing to read: alive (a live worker sends nothing between steps)
+                message = _from_worker.decode(connection.recv_bytes())
+            except (EOFError, OSError, msgspec.DecodeError) as exc:
+                raise TPWorkerError(f"tensor-parallel rank {rank} died ({type(exc).__name__})") from exc
+            if isinstance(message, Failed):
+                raise TPWorkerError(f"tensor-parallel rank {rank} failed: {message.error}")
 
     def close(self) -> None:
         """Tell every worker to stop, and wait for them (killing any that does not stop in time)."""

@@ -21,6 +21,8 @@ PREFILL_ROUTER = "router.serve:PrefixAffinityRouter"
 DECODE_ROUTER = "router.serve:DecodeLoadRouter"
 # EngineConfig fields set once for the whole app, not under ``engine:``.
 APP_LEVEL_ENGINE_FIELDS = ("kv_lease_s", "kv_read_timeout_s")
+# EngineConfig fields set per pool (``prefill:``, ``decode:``), not under ``engine:``.
+POOL_LEVEL_ENGINE_FIELDS = ("tensor_parallel_size",)
 # Router kwargs the app sets itself: the engines' block size and the pool's routing scope.
 APP_ROUTER_KWARGS = ("block_size", "routing_scope")
 PLANNER_POLICY = "autoscale.serve:PlannerPolicy"
@@ -38,8 +40,9 @@ class _EngineArgsBase(_Strict):
         EngineConfig(**self.model_dump())  # the engine's own checks, with its messages
         return self
 
-    def engine_config(self, kv_lease_s: float, kv_read_timeout_s: float) -> EngineConfig:
-        return EngineConfig(**self.model_dump(), kv_lease_s=kv_lease_s, kv_read_timeout_s=kv_read_timeout_s)
+    def engine_config(self, kv_lease_s: float, kv_read_timeout_s: float, tensor_parallel_size: int = 1) -> EngineConfig:
+        return EngineConfig(**self.model_dump(), kv_lease_s=kv_lease_s, kv_read_timeout_s=kv_read_timeout_s,
+                            tensor_parallel_size=tensor_parallel_size)
 
 
 def _engine_args_model() -> type[_EngineArgsBase]:
@@ -47,7 +50,8 @@ def _engine_args_model() -> type[_EngineArgsBase]:
     hints = typing.get_type_hints(EngineConfig)
     fields = {
         f.name: (hints[f.name], f.default)
-        for f in dataclasses.fields(EngineConfig) if f.name not in APP_LEVEL_ENGINE_FIELDS
+        for f in dataclasses.fields(EngineConfig)
+        if f.name not in APP_LEVEL_ENGINE_FIELDS + POOL_LEVEL_ENGINE_FIELDS
     }
     model = create_model("EngineArgs", __base__=_EngineArgsBase, **fields)
     model.__doc__ = "The fields of ``pd.config.EngineConfig`` that a deployment may set, under ``engine:``."
@@ -191,6 +195,10 @@ class PoolArgs(_Strict):
     graceful_shutdown_timeout_s: float | None = Field(None, gt=0)
     router: RouterArgs = Field(default_factory=RouterArgs)
     autoscaling: PoolAutoscalingArgs | None = None
+    # Ranks each replica shards the model over: the replica's actor is rank 0 and starts ranks
+    # 1..N-1 as Ray actors in its placement group (STRICT_PACK, one bundle of ray_actor_options'
+    # CPUs and GPUs per rank).
+    tensor_parallel_size: int = Field(1, ge=1)
 
     @model_validator(mode="after")
     def _one_scaling_mode(self) -> "PoolArgs":
@@ -217,6 +225,9 @@ class PoolArgs(_Strict):
         }
         if graceful_shutdown_timeout_s is not None:
             options["graceful_shutdown_timeout_s"] = graceful_shutdown_timeout_s
+        if self.tensor_parallel_size > 1:
+            options["placement_group_bundles"] = [self.rank_bundle()] * self.tensor_parallel_size
+            options["placement_group_strategy"] = "STRICT_PACK"
         if self.autoscaling is not None:
             options["autoscaling_config"] = self.autoscaling.serve_config()
         elif self.autoscaling_config is not None:
@@ -224,6 +235,14 @@ class PoolArgs(_Strict):
         else:
             options["num_replicas"] = self.num_replicas
         return options
+
+
+    def rank_bundle(self) -> dict[str, float]:
+        """What one rank holds: the CPUs and GPUs of ``ray_actor_options`` (the replica's actor is rank 0)."""
+        bundle = {"CPU": float(self.ray_actor_options.get("num_cpus", 1))}
+        if self.ray_actor_options.get("num_gpus"):
+            bundle["GPU"] = float(self.ray_actor_options["num_gpus"])
+        return bundle
 
 
 class PrefillPoolArgs(PoolArgs):
@@ -306,6 +325,12 @@ class AppArgs(_Strict):
             raise ValueError(f"prefill.graceful_shutdown_timeout_s ({given}) must be at least prefill_timeout_s + "
                              f"kv_lease_s ({self.prefill_drain_s}): a prefill replica going away serves its leased "
                              "KV until the last lease ends")
+        for name, pool in (("prefill", self.prefill), ("decode", self.decode)):
+            if pool.tensor_parallel_size > 1 and self.mode == "disaggregated":
+                raise ValueError(f"{name}.tensor_parallel_size {pool.tensor_parallel_size}: KV transfer between "
+                                 "tensor-parallel engines is not built yet; serve a sharded model in mode: colocated")
+            if pool.tensor_parallel_size > 1:
+                EngineConfig(**self.engine.model_dump(), tensor_parallel_size=pool.tensor_parallel_size)
         if self.decode.autoscaling is not None and self.max_migrations < 1:
             raise ValueError("decode.autoscaling needs max_migrations >= 1: a stream still running when its replica's "
                              "graceful_shutdown_timeout_s ends moves to another decode replica")
@@ -344,8 +369,10 @@ class AppArgs(_Strict):
     def served_model_name(self) -> str:
         return self.model_name or self.engine.model
 
-    def engine_config(self):
-        return self.engine.engine_config(self.kv_lease_s, self.kv_read_timeout_s)
+    def engine_config(self, pool: str = "decode") -> EngineConfig:
+        """The engine of a ``pool`` replica: ``engine:``, the app's lease fields, the pool's own."""
+        return self.engine.engine_config(self.kv_lease_s, self.kv_read_timeout_s,
+                                         getattr(self, pool).tensor_parallel_size)
 
     def remote_prefill_rule(self) -> RemotePrefillRule:
         return RemotePrefillRule(threshold=self.remote_prefill_threshold, queue_bound=self.prefill_queue_bound,

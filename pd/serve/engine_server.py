@@ -88,14 +88,19 @@ class EngineServer:
         self.args = AppArgs.model_validate(args)
         self.replica_id = current_replica_id()
         self.transport = make_transport(self.args, self.role, self.replica_id, control)
-        config = self.args.engine_config()
+        config = self.args.engine_config(self.role)
         if config.num_threads is None and config.device == "cpu":
             import ray
 
             assigned = ray.get_runtime_context().get_assigned_resources().get("CPU")
             config = dataclasses.replace(config, num_threads=replica_threads(assigned))
         logger.info("%s replica computes on %s threads", self.role, config.num_threads or "the default")
-        self.engine = AsyncLLMEngine(config, self.transport)
+        launcher = None
+        if config.tensor_parallel_size > 1:
+            from pd.serve.tp_launcher import RayLauncher
+
+            launcher = RayLauncher()
+        self.engine = AsyncLLMEngine(config, self.transport, launcher=launcher)
         self.metrics = ReplicaMetrics(self.role, self.replica_id)
         pool = getattr(self.args, self.role, None)
         planner = getattr(pool, "autoscaling", None)
@@ -125,6 +130,7 @@ class EngineServer:
             "node_id": ray.get_runtime_context().get_node_id(),
             "rss_bytes": resident_bytes(),
             "num_threads": torch.get_num_threads(),
+            "tp_ranks": self.engine.engine.runner.ranks(),
             **dataclasses.asdict(self.engine.stats()),
         }
 

@@ -91,14 +91,17 @@ def test_the_routers_get_the_engines_block_size():
 
 
 def test_engine_defaults_and_choices_have_one_source():
-    """The YAML edge is the engine dataclass: same fields (less the app-level ones), same defaults."""
+    """The YAML edge is the engine dataclass: same fields (less the app- and pool-level ones), same defaults."""
     import dataclasses
     import typing
 
     from pd.config import EngineConfig
-    from pd.serve.args import APP_LEVEL_ENGINE_FIELDS, EngineArgs
+    from pd.serve.args import APP_LEVEL_ENGINE_FIELDS, POOL_LEVEL_ENGINE_FIELDS, EngineArgs, PoolArgs
 
-    engine_fields = {f.name: f for f in dataclasses.fields(EngineConfig) if f.name not in APP_LEVEL_ENGINE_FIELDS}
+    elsewhere = APP_LEVEL_ENGINE_FIELDS + POOL_LEVEL_ENGINE_FIELDS
+    engine_fields = {f.name: f for f in dataclasses.fields(EngineConfig) if f.name not in elsewhere}
+    for name in POOL_LEVEL_ENGINE_FIELDS:
+        assert PoolArgs.model_fields[name].default == getattr(EngineConfig(), name), name
     assert set(EngineArgs.model_fields) == set(engine_fields)
     hints = typing.get_type_hints(EngineConfig)
     for name, field in engine_fields.items():
