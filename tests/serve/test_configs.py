@@ -165,3 +165,21 @@ def test_tier_settings_are_checked_naming_the_field(engine, message):
     args["engine"] = {**args["engine"], **engine}
     with pytest.raises(ValueError, match=message):
         AppArgs.model_validate(args)
+
+
+def test_tensor_parallel_size_is_per_pool_and_asks_serve_for_one_bundle_per_rank():
+    args = AppArgs.model_validate({**config_args("colocated.yaml"), "decode": {
+        "ray_actor_options": {"num_cpus": 2, "num_gpus": 1}, "tensor_parallel_size": 4}})
+    options = args.deployment_options("decode")
+    assert options["placement_group_bundles"] == [{"CPU": 2.0, "GPU": 1.0}] * 4
+    assert options["placement_group_strategy"] == "STRICT_PACK"
+    assert args.engine_config("decode").tensor_parallel_size == 4
+    assert "placement_group_bundles" not in AppArgs.model_validate(config_args("colocated.yaml")).deployment_options(
+        "decode")
+    with pytest.raises(ValueError, match="engine.tensor_parallel_size"):
+        AppArgs.model_validate({**config_args("colocated.yaml"), "engine": {"tensor_parallel_size": 2}})
+    with pytest.raises(ValueError, match="decode.tensor_parallel_size 2: KV transfer between tensor-parallel"):
+        AppArgs.model_validate({**config_args("default.yaml"), "decode": {"tensor_parallel_size": 2}})
+    with pytest.raises(ValueError, match="KV tiers .* tensor_parallel_size > 1"):
+        AppArgs.model_validate({**config_args("colocated.yaml"), "engine": {"host_kv_cache_bytes": 1 << 20},
+                                "decode": {"tensor_parallel_size": 2}})
