@@ -53,6 +53,26 @@ def test_a_two_rank_replica_serves_the_colocated_tokens(ray_cluster, offline):
     assert abs(rank["weight_bytes"] / driver["weight_bytes"] - 1) < 0.01  # about half the model each
 
 
+def test_more_ranks_than_the_placement_group_has_bundles_are_refused(ray_cluster):
+    import ray
+    import torch
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    from pd.serve.tp_launcher import RayLauncher
+
+    group = placement_group([{"CPU": 0.01}])
+    ray.get(group.ready(), timeout=30)
+    try:
+        with pytest.raises(ValueError, match="needs a placement group of 2 bundles, one per rank; this replica's has 1"):
+            RayLauncher(group).check(2, torch.device("cpu"))
+        with pytest.raises(ValueError, match="needs a GPU in every rank's bundle; bundles \\[0\\] have none"):
+            RayLauncher(group).check(1, torch.device("cuda"))
+        with pytest.raises(ValueError, match="has 0"):
+            RayLauncher().check(2, torch.device("cpu"))  # outside any placement group
+    finally:
+        remove_placement_group(group)
+
+
 @pytest.mark.destructive
 def test_a_dead_rank_takes_its_replica_down_and_serve_replaces_it(ray_cluster, offline):
     """Rank 1's process killed while the replica is idle: its health check fails, Serve starts a new
