@@ -15,6 +15,7 @@ def test_promotions_are_compared_with_one_memcpy_of_the_same_bytes():
 def test_disk_reads_are_compared_with_plain_reads_of_the_same_files():
     row = tier_speeds.disk_to_host((64, 256), num_blocks=8, block_size=4, repeats=2)
     assert row["disk_read_gb_per_s"] > 0 and row["plain_read_gb_per_s"] > 0 and row["disk_ratio_vs_plain"] > 0
+    assert row["disk_ratio_one_run_at_a_time"] > 0
 
 
 def test_the_working_set_counts_shared_blocks_once():
