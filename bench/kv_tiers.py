@@ -157,6 +157,7 @@ def main(argv: list[str] | None = None) -> None:
         return
 
     from bench.engine import cpu_name
+    from pd.engine import kv_layout
     from pd.engine.model_runner import kv_block_bytes
     from pd.model.config import load_model_config
     from pd.model.paths import resolve_model_path
@@ -174,7 +175,8 @@ def main(argv: list[str] | None = None) -> None:
                 "tiered": serve(tiered := engine(**tiered_kwargs), prompts),
                 "unbounded": serve(engine(num_blocks=unbounded_blocks), prompts)}
         tiered.close()
-    block_shape = (model_config.num_layers, 2, BLOCK_SIZE, model_config.num_kv_heads, model_config.head_dim)
+    block_shape = kv_layout.block_shape(model_config.num_layers, BLOCK_SIZE, model_config.num_kv_heads,
+                                        model_config.head_dim)
     large = {**tier_speeds.host_to_device(LLAMA3_8B_BLOCK, 64), **tier_speeds.disk_to_host(LLAMA3_8B_BLOCK, 64)}
     row = {
         "cpu": cpu_name(),

@@ -17,7 +17,6 @@ import functools
 import random
 from pathlib import Path
 
-import torch
 
 from pd.config import EngineConfig
 from pd.engine.clock import SYSTEM_CLOCK, Clock
@@ -27,6 +26,7 @@ from pd.engine.outputs import ForwardOutput, SchedulerOutput
 from pd.model.config import ModelConfig
 from pd.model.loader import resolve_dtype
 from sim.clock import EventLoop
+from pd.engine.kv_layout import kv_pool
 from sim.cost import CostModel, StepShape
 from transfer.base import KVTransport
 
@@ -38,8 +38,8 @@ class ModelledRunner:
                  max_model_len: int, *, cost: CostModel, seed: int):
         self.dtype = resolve_dtype(config.dtype, model_config)
         # The pool's shape, on the meta device: a transport checks its geometry, and no byte exists.
-        self.kv_cache = torch.empty((num_blocks, model_config.num_layers, 2, config.block_size,
-                                     model_config.num_kv_heads, model_config.head_dim), dtype=self.dtype, device="meta")
+        self.kv_cache = kv_pool(num_blocks, model_config.num_layers, config.block_size, model_config.num_kv_heads,
+                                model_config.head_dim, self.dtype, "meta")
         self.vocab_size = model_config.vocab_size
         self.cost = cost
         self._tokens = random.Random(seed)

@@ -26,7 +26,7 @@ from typing import Annotated, Any, ClassVar, TypeVar
 
 import msgspec
 
-WIRE_VERSION = 5
+WIRE_VERSION = 6
 DIGEST_BYTES = 16
 
 NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
@@ -100,6 +100,7 @@ class LayoutFingerprint(WireMessage, frozen=True, kw_only=True):
     num_kv_heads: PositiveInt
     head_dim: PositiveInt
     block_size: PositiveInt
+    block_layout: str  # the order of a block's dimensions (pd.engine.kv_layout.BLOCK_LAYOUT)
 
     def check_compatible(self, other: "LayoutFingerprint") -> None:
         """Raise ``WireError`` naming every field that differs."""

@@ -114,14 +114,9 @@ def _fp32(*tensors) -> bool:
 
 
 def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
-    if not (_fp32(key, value, k_cache, v_cache) and _heads_contiguous(key, value, k_cache, v_cache)):
+    if not (_fp32(key, value, k_cache, v_cache) and all(t.stride(-1) == 1 for t in (key, value, k_cache, v_cache))):
         return reference.store_kv(key, value, k_cache, v_cache, slot_mapping)
     build().store_kv(key, value, k_cache, v_cache, slot_mapping.long())
-
-
-def _heads_contiguous(*tensors) -> bool:
-    """Each row's last two dims (heads, head_dim) lie back to back."""
-    return all(t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] for t in tensors)
 
 
 def rms_norm(x, weight, eps: float, residual=None):

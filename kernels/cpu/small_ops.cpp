@@ -4,7 +4,8 @@
 //   rms_norm      out = w * x * rsqrt(mean(x^2) + eps)          (with residual: x += residual first, both returned)
 //   rotary        q, k rotated in rotate-half (NeoX) style at their positions, into new tensors
 //   silu_and_mul  out = silu(gate) * up, gate_up = [gate | up]
-//   store_kv      k_cache[slot / bs, slot % bs] = key (same for v); negative slots skipped
+//   store_kv      k_cache[slot / bs, slot % bs] = key (same for v); negative slots skipped; any strides
+//                 with head_dim contiguous
 //
 // Rows are split across threads with at::parallel_for; a grain keeps small
 // batches on one thread, where a fork would cost more than the work. The
@@ -143,12 +144,20 @@ torch::Tensor silu_and_mul(const torch::Tensor& gate_up) {
 // k_cache, v_cache: [num_blocks, block_size, kv_heads, hd] views whose (kv_heads, hd) is contiguous.
 void store_kv(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& k_cache, torch::Tensor& v_cache,
               const torch::Tensor& slot_mapping) {
-  const int64_t tokens = key.size(0), row = key.size(1) * key.size(2), block_size = k_cache.size(1);
+  // Any strides with head_dim contiguous: one copy per token where both sides' heads lie back to back,
+  // else one per head (a pool with heads outermost within a block).
+  const int64_t tokens = key.size(0), heads = key.size(1), head_dim = key.size(2), block_size = k_cache.size(1);
+  const int64_t row = heads * head_dim;
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  const size_t bytes = row * sizeof(float);
   auto copy = [&](const torch::Tensor& src, torch::Tensor& cache, int64_t t, int64_t slot) {
     float* dst = cache.data_ptr<float>() + (slot / block_size) * cache.stride(0) + (slot % block_size) * cache.stride(1);
-    std::memcpy(dst, src.data_ptr<float>() + t * src.stride(0), bytes);
+    const float* from = src.data_ptr<float>() + t * src.stride(0);
+    if (cache.stride(2) == head_dim && src.stride(1) == head_dim) {
+      std::memcpy(dst, from, row * sizeof(float));
+      return;
+    }
+    for (int64_t h = 0; h < heads; ++h)
+      std::memcpy(dst + h * cache.stride(2), from + h * src.stride(1), head_dim * sizeof(float));
   };
   at::parallel_for(0, tokens, grain(2 * row), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {

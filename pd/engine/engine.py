@@ -14,6 +14,7 @@ from pd.engine.clock import SYSTEM_CLOCK, Clock
 from pd.engine.kv_tiers import build_tiers, tier_stats
 from pd.engine.stats import EngineStats
 from pd.engine.kv_connector import KVConnector
+from pd.engine.kv_layout import BLOCK_LAYOUT
 from pd.engine.model_runner import ModelRunner, kv_block_bytes
 from pd.engine.outputs import RequestOutput
 from pd.engine.request import FinishReason, KVSource, Request, RequestStatus, finish_reason
@@ -86,6 +87,7 @@ class LLMEngine:
             num_kv_heads=mc.num_kv_heads,
             head_dim=mc.head_dim,
             block_size=config.block_size,
+            block_layout=BLOCK_LAYOUT,
         )
         self.kv_cache.tiers = self.tiers = build_tiers(
             config, self.block_pool, self.runner.kv_cache, kv_block_bytes(mc, config.block_size, self.runner.dtype),

@@ -19,6 +19,7 @@ from pd.engine.request import Request
 from pd.engine.sampler import Sampler
 from pd.engine.structured import GrammarMask
 from pd.engine.cuda_graphs import DecodeGraphs
+from pd.engine.kv_layout import kv_pool, layer_views
 from pd.model.attention import PAD_BLOCK_ID, AttentionMetadata
 from pd.model.config import ModelConfig
 from pd.model.llama import CausalLM
@@ -93,19 +94,17 @@ class ModelRunner:
             self.weight_bytes = weights.num_bytes
             rope = cos_sin_cache(model_config.rope, model_config.head_dim, max_model_len).to(self.device)
             self.model = CausalLM(self.local_config, weights, rope, group)
-            # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]: each block one contiguous range.
-            # A tensor-parallel rank's pool holds its own KV heads; block ids are the same on every rank.
-            self.kv_cache = torch.zeros(
-                num_blocks, model_config.num_layers, 2, config.block_size, self.local_config.num_kv_heads,
-                model_config.head_dim, dtype=self.dtype, device=self.device,
-            )
+            # Block-major, heads outermost in a block (pd.engine.kv_layout). A tensor-parallel rank's pool
+            # holds its own KV heads; block ids are the same on every rank.
+            self.kv_cache = kv_pool(num_blocks, model_config.num_layers, config.block_size,
+                                    self.local_config.num_kv_heads, model_config.head_dim, self.dtype, self.device)
             if self.workers is not None:
                 self.workers.wait_ready()
         except BaseException:
             self.close()
             raise
         # Per-layer strided views [num_blocks, block_size, num_kv_heads, head_dim].
-        self.kv_views = [(self.kv_cache[:, i, 0], self.kv_cache[:, i, 1]) for i in range(model_config.num_layers)]
+        self.kv_views = layer_views(self.kv_cache)
         self.sampler = Sampler(config.seed, self.device)
         self.graphs = None
         if config.cuda_graphs and self.device.type == "cuda" and self.backend == "triton" and group is None:

@@ -1,8 +1,8 @@
 """Random paged attention batches for the kernel tests.
 
-The caches are strided views of one layer of a block-major pool
-``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``, and each
-sequence's pages sit at random blocks.
+The caches are strided views of one layer of a pool laid out as the engine's
+(``pd.engine.kv_layout``: ``[num_blocks, num_kv_heads, num_layers, 2,
+block_size, head_dim]``), and each sequence's pages sit at random blocks.
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pd.engine.kv_layout import layer_views
+
 NUM_LAYERS = 2
 LAYER = 1
 
@@ -18,7 +20,7 @@ LAYER = 1
 @dataclass
 class PagedBatch:
     q: torch.Tensor  # [num_tokens, num_heads, head_dim]
-    pool: torch.Tensor  # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
+    pool: torch.Tensor  # [num_blocks, num_kv_heads, num_layers, 2, block_size, head_dim]
     cu_seqlens_q: torch.Tensor
     seq_lens: torch.Tensor
     block_table: torch.Tensor
@@ -26,15 +28,15 @@ class PagedBatch:
 
     @property
     def k_cache(self) -> torch.Tensor:
-        return self.pool[:, LAYER, 0]
+        return layer_views(self.pool)[LAYER][0]
 
     @property
     def v_cache(self) -> torch.Tensor:
-        return self.pool[:, LAYER, 1]
+        return layer_views(self.pool)[LAYER][1]
 
     def args(self, pool: torch.Tensor | None = None) -> tuple:
-        pool = self.pool if pool is None else pool
-        return (self.q, pool[:, LAYER, 0], pool[:, LAYER, 1], self.cu_seqlens_q, self.seq_lens, self.block_table)
+        k_cache, v_cache = layer_views(self.pool if pool is None else pool)[LAYER]
+        return (self.q, k_cache, v_cache, self.cu_seqlens_q, self.seq_lens, self.block_table)
 
     def poisoned_pool(self) -> torch.Tensor:
         """The pool with NaN in every slot but the live ones of this layer.
@@ -43,8 +45,9 @@ class PagedBatch:
         entry of the block table, in another layer) turns its output into NaN.
         """
         poisoned = torch.full_like(self.pool, float("nan"))
-        live = self.live.unsqueeze(1).expand(-1, 2, -1)  # [num_blocks, k/v, block_size]
-        poisoned[:, LAYER][live] = self.pool[:, LAYER][live]
+        num_kv_heads = self.pool.shape[1]
+        live = self.live[:, None, None, :].expand(-1, num_kv_heads, 2, -1)  # [num_blocks, heads, k/v, block_size]
+        poisoned[:, :, LAYER][live] = self.pool[:, :, LAYER][live]
         return poisoned
 
 
@@ -64,7 +67,8 @@ def make_batch(
     num_pages = [-(-kv_len // block_size) for kv_len in seq_lens]
     max_pages = max(num_pages)
     num_blocks = sum(num_pages) + 3  # a few blocks nobody owns
-    pool = torch.randn(num_blocks, NUM_LAYERS, 2, block_size, num_kv_heads, head_dim, generator=generator, device="cpu").to(dtype)
+    pool = torch.randn(num_blocks, num_kv_heads, NUM_LAYERS, 2, block_size, head_dim, generator=generator,
+                       device="cpu").to(dtype)
     # Padding entries of the table point at random blocks; kernels must not read them.
     block_table = torch.randint(0, num_blocks, (len(q_kv_lens), max_pages), generator=generator, dtype=torch.int32,
                                 device="cpu")

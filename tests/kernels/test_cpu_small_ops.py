@@ -8,6 +8,7 @@ import torch
 import kernels
 import kernels.cpu as cpu
 from kernels import PAD_SLOT_ID, reference
+from pd.engine.kv_layout import kv_pool, layer_views
 
 TOKENS = [1, 3, 70, 1000]  # one row, a few rows, enough rows to split across threads
 
@@ -74,6 +75,21 @@ def test_store_kv_writes_only_its_slots_and_skips_padding():
     kernels.store_kv(key, value, k_cache, v_cache, slots, backend="cpu")
     assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
     assert not k_pool[:, 0].any() and not v_pool[:, 0].any()  # the other layer is untouched
+
+
+def test_store_kv_writes_a_heads_outer_pool_one_head_row_at_a_time():
+    """The engine's layout (pd.engine.kv_layout): a token's heads are not adjacent in the views."""
+    pool = kv_pool(6, 2, 16, 2, 64, torch.float32, "cpu")
+    k_cache, v_cache = layer_views(pool)[1]
+    assert k_cache.stride(2) != 64  # heads apart
+    kv = torch.randn(4, 3 * 2 * 64)
+    key, value = kv[:, :128].view(4, 2, 64), kv[:, 128:256].view(4, 2, 64)
+    slots = torch.tensor([17, PAD_SLOT_ID, 95, 0])
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    reference.store_kv(key, value, expected_k, expected_v, slots)
+    kernels.store_kv(key, value, k_cache, v_cache, slots, backend="cpu")
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+    assert not pool[:, :, 0].any()  # the other layer is untouched
 
 
 def test_a_nan_row_stays_in_its_row():

@@ -7,6 +7,7 @@ import torch
 
 import kernels
 from kernels import PAD_SLOT_ID, reference
+from pd.engine.kv_layout import layer_views
 
 DTYPES = [torch.float32, torch.float16]
 
@@ -25,7 +26,7 @@ def _assert_close(actual, expected):
 def test_store_kv_writes_slots_and_skips_padding(backend, dtype, head_dim):
     torch.manual_seed(0)
     num_blocks, block_size, kv_heads = 6, 16, 2
-    pool = torch.randn(num_blocks, 2, 2, block_size, kv_heads, head_dim).to(dtype)  # [blocks, layers, k/v, ...]
+    pool = torch.randn(num_blocks, kv_heads, 2, 2, block_size, head_dim).to(dtype)  # the engine's (kv_layout)
     # Strided per-token K/V, as split from a fused QKV projection.
     kv = torch.randn(9, 2, kv_heads, head_dim + 8).to(dtype)
     key, value = kv[:, 0, :, :head_dim], kv[:, 1, :, :head_dim]
@@ -33,11 +34,12 @@ def test_store_kv_writes_slots_and_skips_padding(backend, dtype, head_dim):
     expected = pool.clone()
     for token, slot in enumerate(slots):
         if slot >= 0:
-            expected[slot // block_size, 1, 0, slot % block_size] = key[token]
-            expected[slot // block_size, 1, 1, slot % block_size] = value[token]
+            expected[slot // block_size, :, 1, 0, slot % block_size] = key[token]
+            expected[slot // block_size, :, 1, 1, slot % block_size] = value[token]
 
     slot_mapping = torch.tensor(slots, dtype=torch.int32)
-    kernels.store_kv(key, value, pool[:, 1, 0], pool[:, 1, 1], slot_mapping, backend=backend)
+    k_cache, v_cache = layer_views(pool)[1]
+    kernels.store_kv(key, value, k_cache, v_cache, slot_mapping, backend=backend)
 
     assert torch.equal(pool, expected)
 

@@ -72,7 +72,7 @@ def test_a_staged_bucket_computes_the_eager_step_and_padding_writes_nothing(runn
     written = torch.zeros(runner.kv_cache.shape[0], runner.block_size, dtype=torch.bool)
     slots = step.attn.slot_mapping
     written[slots // runner.block_size, slots % runner.block_size] = True
-    assert torch.equal(runner.kv_cache.movedim(3, 1)[~written], pool.movedim(3, 1)[~written])
+    assert torch.equal(runner.kv_cache.movedim(4, 1)[~written], pool.movedim(4, 1)[~written])  # token dim first
     assert step.logits_indices.tolist() == [0, 2]
 
 

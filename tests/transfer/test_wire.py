@@ -11,7 +11,7 @@ from transfer import WIRE_VERSION, KVHandle, LayoutFingerprint, WireError
 from transfer.wire import prompt_digest
 
 FINGERPRINT = LayoutFingerprint(model="builtin:tiny-llama", dtype="float32", num_layers=4, num_kv_heads=2,
-                                head_dim=16, block_size=16)
+                                head_dim=16, block_size=16, block_layout="heads-outer")
 
 
 def make_handle(**overrides) -> KVHandle:
