@@ -30,7 +30,7 @@ import logging
 import numbers
 import threading
 import time
-from typing import Generic, Sequence, TypeVar
+from typing import Generic, NamedTuple, Sequence, TypeVar
 
 import torch
 
@@ -41,6 +41,18 @@ logger = logging.getLogger(__name__)
 
 # (remote_start, local_start, num_blocks): a run of consecutive block ids on both sides.
 Run = tuple[int, int, int]
+
+
+class HeadSlice(NamedTuple):
+    """Heads ``[remote_start, remote_start + count)`` of each remote block into ``[local_start, ...)`` of ours.
+
+    A block's heads are its outermost slices (``PoolMetadata.num_heads``), so
+    each is one contiguous range: a read of a slice is one descriptor per block.
+    """
+
+    remote_start: int
+    local_start: int
+    count: int
 
 
 class TransferError(RuntimeError):
@@ -116,14 +128,18 @@ class KVTransport(abc.ABC, Generic[P]):
         self._peers: dict[str, P] = {}
         self._pool: torch.Tensor | None = None
         self._block_bytes = 0
+        self._num_heads = 1
         self._closed = False
 
-    def register(self, kv_cache: torch.Tensor) -> None:
-        """Register this engine's whole KV pool, once."""
+    def register(self, kv_cache: torch.Tensor, num_heads: int = 1) -> None:
+        """Register this engine's whole KV pool, once; each block is ``num_heads`` equal slices, outermost."""
         self._check_open()
         if self._pool is not None:
             raise TransferError(f"{self.engine_id}: the KV pool is already registered")
         _, self._block_bytes = pool_geometry(kv_cache)
+        if num_heads < 1 or self._block_bytes % num_heads:
+            raise TransferError(f"a {self._block_bytes}-byte block does not split into {num_heads} heads")
+        self._num_heads = num_heads
         self._register(kv_cache)
         self._pool = kv_cache
 
@@ -153,15 +169,24 @@ class KVTransport(abc.ABC, Generic[P]):
         return peer.name
 
     def read_blocks(
-        self, peer: str, remote_block_ids: Sequence[int], local_block_ids: Sequence[int], notify: str
+        self, peer: str, remote_block_ids: Sequence[int], local_block_ids: Sequence[int], notify: str,
+        heads: HeadSlice | None = None,
     ) -> TransferHandle:
-        """Start copying ``peer``'s blocks into ours, pairwise; ``notify`` reaches the peer when done."""
+        """Start copying ``peer``'s blocks into ours, pairwise; ``notify`` reaches the peer when done.
+
+        With ``heads``, only that range of each block's heads moves (into its
+        range of ours): a peer whose tensor-parallel split differs from ours.
+        """
         pool = self._require_pool()
         remote = self._peers.get(peer)
         if remote is None:
             raise TransferError(f"{self.engine_id}: unknown peer {peer!r}; add_peer its metadata first")
-        if remote.block_bytes != self._block_bytes:
-            raise TransferError(f"peer {peer!r} has {remote.block_bytes}-byte blocks, ours are {self._block_bytes}")
+        if heads is None or self._whole_blocks(remote, heads):
+            heads = None
+            if remote.block_bytes != self._block_bytes:
+                raise TransferError(f"peer {peer!r} has {remote.block_bytes}-byte blocks, ours are {self._block_bytes}")
+        else:
+            self._check_heads(peer, remote, heads)
         runs = check_read(remote_block_ids, local_block_ids, peer=peer, remote_num_blocks=remote.num_blocks,
                           engine=self.engine_id, local_num_blocks=pool.shape[0])
         if not runs:  # all prefix hits: nothing moves, but the owner still frees its lease
@@ -170,7 +195,22 @@ class KVTransport(abc.ABC, Generic[P]):
             except Exception as exc:  # noqa: BLE001 - the lease expires on its own; nothing is lost
                 logger.warning("%s: notifying %s of %s failed: %s", self.engine_id, peer, notify, exc)
             return FinishedHandle()
-        return self._read(remote, runs, notify)
+        return self._read(remote, runs, notify) if heads is None else self._read_heads(remote, runs, notify, heads)
+
+    def _whole_blocks(self, remote: P, heads: HeadSlice) -> bool:
+        return heads == HeadSlice(0, 0, self._num_heads) and remote.num_heads == self._num_heads
+
+    def _check_heads(self, peer: str, remote: P, heads: HeadSlice) -> None:
+        """Refuse a head range before any byte moves: heads of another size, or outside either block."""
+        ours, theirs = self._block_bytes // self._num_heads, remote.block_bytes // remote.num_heads
+        if ours != theirs:
+            raise TransferError(f"peer {peer!r} has {theirs}-byte heads, ours are {ours}")
+        remote_start, local_start, count = heads
+        if count < 1 or remote_start < 0 or local_start < 0:
+            raise TransferError(f"head range {tuple(heads)} is empty or negative")
+        if remote_start + count > remote.num_heads or local_start + count > self._num_heads:
+            raise TransferError(f"head range {tuple(heads)} is outside peer {peer!r}'s {remote.num_heads} heads "
+                                f"or our {self._num_heads}")
 
     @abc.abstractmethod
     def poll_notifications(self) -> list[str]:
@@ -204,6 +244,11 @@ class KVTransport(abc.ABC, Generic[P]):
     @abc.abstractmethod
     def _read(self, peer: P, runs: list[Run], notify: str) -> TransferHandle:
         """Start moving ``runs`` (checked, non-empty) from ``peer``."""
+
+    def _read_heads(self, peer: P, runs: list[Run], notify: str, heads: HeadSlice) -> TransferHandle:
+        """Start moving one range of heads of ``runs``' blocks (checked) from ``peer``."""
+        raise TransferError(f"the {self.kind.value} backend moves whole blocks only; a peer of another "
+                            "tensor-parallel split needs the nixl backend")
 
     # -- helpers ---------------------------------------------------------------
 
@@ -268,6 +313,6 @@ def _is_block_id(value) -> bool:
 
 
 __all__ = [
-    "FinishedHandle", "KVTransport", "Run", "TransferError", "TransferHandle", "TransferState",
+    "FinishedHandle", "HeadSlice", "KVTransport", "Run", "TransferError", "TransferHandle", "TransferState",
     "block_runs", "check_read", "pool_geometry",
 ]

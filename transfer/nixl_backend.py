@@ -33,7 +33,7 @@ from typing import ClassVar, Sequence
 import numpy as np
 import torch
 
-from transfer.base import KVTransport, Run, TransferError, TransferHandle, TransferState
+from transfer.base import HeadSlice, KVTransport, Run, TransferError, TransferHandle, TransferState
 from transfer.wire import NonNegativeInt, PoolMetadata, PositiveInt, TransportKind
 
 from transfer.nixl_api import nixl_agent, nixl_agent_config
@@ -59,11 +59,15 @@ class NixlPeer(PoolMetadata, frozen=True, kw_only=True):
     mem_type: MemType
     device_id: NonNegativeInt
 
-    def block_descriptors(self) -> np.ndarray:
-        """One ``(address, length, device)`` row per block, in block-id order."""
+    def block_descriptors(self, head_start: int = 0, num_heads: int | None = None) -> np.ndarray:
+        """One ``(address, length, device)`` row per block, in block-id order: the whole block, or its heads
+        ``[head_start, head_start + num_heads)`` (one contiguous range: heads are outermost in a block)."""
+        head_bytes = self.block_bytes // self.num_heads
+        count = self.num_heads if num_heads is None else num_heads
         rows = np.empty((self.num_blocks, 3), dtype=np.uint64)
-        rows[:, 0] = self.base_address + np.arange(self.num_blocks, dtype=np.uint64) * np.uint64(self.block_bytes)
-        rows[:, 1] = self.block_bytes
+        rows[:, 0] = (self.base_address + head_start * head_bytes
+                      + np.arange(self.num_blocks, dtype=np.uint64) * np.uint64(self.block_bytes))
+        rows[:, 1] = count * head_bytes
         rows[:, 2] = self.device_id
         return rows
 
@@ -114,6 +118,9 @@ class NixlTransport(KVTransport[NixlPeer]):
         self._reg_descs = None
         self._local_dlist = None
         self._peer_dlists: dict = {}
+        # Head ranges of blocks, prepared once per range: ours by (start, count), peers' by (name, start, count).
+        self._local_slices: dict = {}
+        self._peer_slices: dict = {}
         self._reads: set[_NixlRead] = set()  # every read whose NIXL request is not yet freed
 
     def _register(self, kv_cache: torch.Tensor) -> None:
@@ -128,7 +135,8 @@ class NixlTransport(KVTransport[NixlPeer]):
             )
             self._local = NixlPeer(
                 name=self.engine_id, agent_metadata=nixl.get_agent_metadata(), base_address=kv_cache.data_ptr(),
-                block_bytes=block_bytes, num_blocks=num_blocks, mem_type=mem_type, device_id=device_id,
+                block_bytes=block_bytes, num_blocks=num_blocks, num_heads=self._num_heads, mem_type=mem_type,
+                device_id=device_id,
             )
             self._local_dlist = nixl.prep_xfer_dlist("NIXL_INIT_AGENT", self._local.block_descriptors(), mem_type.value)
 
@@ -160,6 +168,8 @@ class NixlTransport(KVTransport[NixlPeer]):
             dlist = self._peer_dlists.pop(name, None)
             if dlist is not None:
                 dlist.release()
+            for key in [key for key in self._peer_slices if key[0] == name]:
+                self._peer_slices.pop(key).release()
             try:
                 self._agent.nixl.remove_remote_agent(name)
             except Exception as exc:  # noqa: BLE001 - already gone on NIXL's side; nothing left to undo
@@ -170,13 +180,32 @@ class NixlTransport(KVTransport[NixlPeer]):
             self._agent.nixl.send_notif(peer.name, notify.encode())
 
     def _read(self, peer: NixlPeer, runs: list[Run], notify: str) -> TransferHandle:
+        return self._post(peer, runs, notify, self._local_dlist, self._peer_dlists[peer.name], len(runs))
+
+    def _read_heads(self, peer: NixlPeer, runs: list[Run], notify: str, heads: HeadSlice) -> TransferHandle:
+        """One descriptor per block: a range of heads is contiguous in a block, but blocks lie apart."""
+        with self._agent.lock:
+            local = self._local_slices.get((heads.local_start, heads.count))
+            if local is None:
+                local = self._local_slices[(heads.local_start, heads.count)] = self._agent.nixl.prep_xfer_dlist(
+                    "NIXL_INIT_AGENT", self._local.block_descriptors(heads.local_start, heads.count),
+                    self._local.mem_type.value)
+            key = (peer.name, heads.remote_start, heads.count)
+            remote = self._peer_slices.get(key)
+            if remote is None:
+                remote = self._peer_slices[key] = self._agent.nixl.prep_xfer_dlist(
+                    peer.name, peer.block_descriptors(heads.remote_start, heads.count), peer.mem_type.value)
+        return self._post(peer, runs, notify, local, remote, sum(n for _, _, n in runs))
+
+    def _post(self, peer: NixlPeer, runs: list[Run], notify: str, local_dlist, remote_dlist,
+              num_descriptors: int) -> TransferHandle:
         remote_ids = [remote + i for remote, _, n in runs for i in range(n)]
         local_ids = [local + i for _, local, n in runs for i in range(n)]
         nixl = self._agent.nixl
         with self._agent.lock:
-            xfer = nixl.make_prepped_xfer("READ", self._local_dlist, local_ids, self._peer_dlists[peer.name],
+            xfer = nixl.make_prepped_xfer("READ", local_dlist, local_ids, remote_dlist,
                                           remote_ids, notif_msg=notify.encode())
-            read = _NixlRead(self._agent, self._reads, xfer, peer.name, len(runs), self.timeout_s)
+            read = _NixlRead(self._agent, self._reads, xfer, peer.name, num_descriptors, self.timeout_s)
             self._reads.add(read)
             try:
                 posted = nixl.transfer(xfer)
@@ -210,6 +239,9 @@ class NixlTransport(KVTransport[NixlPeer]):
             for name in list(self._peers):
                 self._forget_peer(name)
             self._peers.clear()
+            for dlist in self._local_slices.values():
+                dlist.release()
+            self._local_slices.clear()
             if self._local_dlist is not None:
                 self._local_dlist.release()
             if self._reg_descs is not None:

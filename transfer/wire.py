@@ -82,6 +82,9 @@ class PoolMetadata(WireMessage, frozen=True, kw_only=True):
     name: NonEmptyStr  # the engine id, which names its transport endpoint
     block_bytes: PositiveInt
     num_blocks: PositiveInt
+    # The equal slices a block divides into, outermost: its KV heads (pd.engine.kv_layout), so a
+    # peer of another tensor-parallel split reads a range of them; 1 where a block moves whole only.
+    num_heads: PositiveInt = 1
 
 
 class TransportKind(str, enum.Enum):

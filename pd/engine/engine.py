@@ -14,7 +14,7 @@ from pd.engine.clock import SYSTEM_CLOCK, Clock
 from pd.engine.kv_tiers import build_tiers, tier_stats
 from pd.engine.stats import EngineStats
 from pd.engine.kv_connector import KVConnector
-from pd.engine.kv_layout import BLOCK_LAYOUT
+from pd.engine.kv_layout import BLOCK_LAYOUT, pool_heads
 from pd.engine.model_runner import ModelRunner, kv_block_bytes
 from pd.engine.outputs import RequestOutput
 from pd.engine.request import FinishReason, KVSource, Request, RequestStatus, finish_reason
@@ -93,7 +93,7 @@ class LLMEngine:
             config, self.block_pool, self.runner.kv_cache, kv_block_bytes(mc, config.block_size, self.runner.dtype),
             self.fingerprint.encode(), self.engine_id)
         if transport is not None:
-            transport.register(self.runner.kv_cache)
+            transport.register(self.runner.kv_cache, num_heads=pool_heads(self.runner.kv_cache))
         self.step_times = StepTimes()
         self.connector = KVConnector(
             self.engine_id, transport, self.fingerprint, self.kv_cache, self.scheduler,

@@ -39,6 +39,11 @@ def layer_views(pool: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
             for layer in range(pool.shape[2])]
 
 
+def pool_heads(pool: torch.Tensor) -> int:
+    """The KV heads a pool's blocks hold (each one contiguous slice of its block)."""
+    return pool.shape[1]
+
+
 def block_shape(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
     """One block's shape in the pool."""
     return (num_kv_heads, num_layers, 2, block_size, head_dim)

@@ -88,7 +88,8 @@ class TorchTransport(KVTransport[TorchPeer]):
         pool = self._require_pool()
         port = self._store.port if self._store is not None else 0
         return TorchPeer(name=self.engine_id, role=self.role, host=self.host, port=port,
-                         block_bytes=self._block_bytes, num_blocks=pool.shape[0], device=pool.device.type).encode()
+                         block_bytes=self._block_bytes, num_blocks=pool.shape[0], num_heads=self._num_heads,
+                         device=pool.device.type).encode()
 
     # -- decode side -----------------------------------------------------------
 
