@@ -104,13 +104,18 @@ class LayoutFingerprint(WireMessage, frozen=True, kw_only=True):
     head_dim: PositiveInt
     block_size: PositiveInt
     block_layout: str  # the order of a block's dimensions (pd.engine.kv_layout.BLOCK_LAYOUT)
+    # The ranks the model's KV heads are split over (pd.model.tp); pools of different splits are
+    # bridged head range by head range (pd.model.tp.kv_head_sources), so it need not match.
+    tensor_parallel_size: PositiveInt = 1
+
+    BRIDGED: ClassVar[tuple[str, ...]] = ("tensor_parallel_size",)
 
     def check_compatible(self, other: "LayoutFingerprint") -> None:
-        """Raise ``WireError`` naming every field that differs."""
+        """Raise ``WireError`` naming every field that differs (and cannot be bridged)."""
         diffs = [
             f"{name}: {getattr(other, name)!r} != {getattr(self, name)!r}"
             for name in self.__struct_fields__
-            if getattr(self, name) != getattr(other, name)
+            if name not in self.BRIDGED and getattr(self, name) != getattr(other, name)
         ]
         if diffs:
             raise WireError("KV layout fingerprint mismatch (remote != local): " + "; ".join(diffs))

@@ -88,6 +88,7 @@ class LLMEngine:
             head_dim=mc.head_dim,
             block_size=config.block_size,
             block_layout=BLOCK_LAYOUT,
+            tensor_parallel_size=config.tensor_parallel_size,
         )
         self.kv_cache.tiers = self.tiers = build_tiers(
             config, self.block_pool, self.runner.kv_cache, kv_block_bytes(mc, config.block_size, self.runner.dtype),

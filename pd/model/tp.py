@@ -85,3 +85,31 @@ class TPShard:
 
 
 SINGLE = TPShard(0, 1)
+
+
+def kv_head_sources(config: ModelConfig, source_size: int, dest: TPShard) -> list[tuple[int, int, int, int]]:
+    """Where rank ``dest`` of one split finds its KV heads in the ranks of a ``source_size``-way split.
+
+    ``(source rank, first head there, first head here, count)`` runs, in head
+    order, covering ``dest``'s heads once: a decode rank pulls exactly the
+    heads it owns, from the prefill ranks that hold them. A head replicated
+    over several source ranks (``num_kv_heads < source_size``) is read from one
+    of them, chosen by ``dest.rank`` so that destination ranks spread their
+    reads. Either split must be valid for the model (``check_tp``).
+    """
+    check_tp(config, source_size)
+    check_tp(config, dest.size)
+    kv = config.num_kv_heads
+    start, stop = dest.kv_heads(config)
+    runs, head = [], start
+    while head < stop:
+        if kv >= source_size:
+            rank = head // (kv // source_size)
+        else:  # replicated: ranks [head * p / kv, (head + 1) * p / kv) each hold this one head
+            copies = source_size // kv
+            rank = head * copies + dest.rank % copies
+        source_start, source_stop = TPShard(rank, source_size).kv_heads(config)
+        count = min(stop, source_stop) - head
+        runs.append((rank, head - source_start, head - start, count))
+        head += count
+    return runs

@@ -15,7 +15,7 @@ from pd.config import EngineConfig
 from pd.engine.tp_workers import TPWorkerError
 from pd.model.config import load_model_config
 from pd.model.loader import load_weights, read_tensors
-from pd.model.tp import TPShard, check_tp
+from pd.model.tp import TPShard, check_tp, kv_head_sources
 from tests.reference import assert_greedy_match, hf_greedy
 
 ARCHITECTURES = ["llama", "qwen2", "mistral", "qwen3", "llama_bias"]
@@ -102,3 +102,24 @@ def test_a_dead_worker_fails_the_engine_at_once_and_never_hangs(checkpoint):
     finally:
         llm.close()
     assert llm.engine.runner.workers is None
+
+
+@pytest.mark.parametrize("source, dest", [(1, 1), (2, 1), (1, 2), (2, 2), (4, 2), (2, 4), (4, 1), (1, 4), (4, 4)])
+def test_every_destination_rank_finds_each_of_its_heads_once(checkpoint, source, dest):
+    """Prefill split ``source`` to decode split ``dest`` (2 KV heads: 4 ranks replicate them): the runs cover
+    exactly the destination rank's heads, each read from a source rank that holds it."""
+    config = load_model_config(checkpoint("llama"))  # 4 heads, 2 KV heads
+    for rank in range(dest):
+        shard = TPShard(rank, dest)
+        runs = kv_head_sources(config, source, shard)
+        start, stop = shard.kv_heads(config)
+        covered = []
+        for src_rank, src_first, first, count in runs:
+            src_start, src_stop = TPShard(src_rank, source).kv_heads(config)
+            assert src_start + src_first + count <= src_stop  # the source holds them
+            covered += [start + first + i for i in range(count)]
+            assert all(src_start + src_first + i == start + first + i for i in range(count))  # the same heads
+        assert covered == list(range(start, stop))
+    # 4 -> 1: the single decode rank reads one head from each pair of replicas, two runs in all
+    assert kv_head_sources(config, 4, TPShard(0, 1)) == [(0, 0, 0, 1), (2, 0, 1, 1)]
+    assert kv_head_sources(config, 1, TPShard(1, 2)) == [(0, 1, 0, 1)]

@@ -134,3 +134,10 @@ def test_fingerprint_mismatch_names_each_differing_field():
     assert "dtype: 'bfloat16' != 'float32'" in str(refused.value)
     assert "num_kv_heads: 4 != 2" in str(refused.value)
     assert "head_dim" not in str(refused.value)
+
+
+def test_fingerprints_of_other_tensor_parallel_splits_are_bridged_but_other_layouts_are_not():
+    FINGERPRINT.check_compatible(msgspec.structs.replace(FINGERPRINT, tensor_parallel_size=4))
+    with pytest.raises(WireError, match="block_layout: 'heads-inner' != 'heads-outer'"):
+        FINGERPRINT.check_compatible(msgspec.structs.replace(FINGERPRINT, block_layout="heads-inner",
+                                                             tensor_parallel_size=2))
