@@ -212,6 +212,13 @@ class KVTransport(abc.ABC, Generic[P]):
             raise TransferError(f"head range {tuple(heads)} is outside peer {peer!r}'s {remote.num_heads} heads "
                                 f"or our {self._num_heads}")
 
+    def notify(self, peer: str, message: str) -> None:
+        """Deliver ``message`` to a known peer as a read's notification would (a read done in parts elsewhere)."""
+        remote = self._peers.get(peer)
+        if remote is None:
+            raise TransferError(f"{self.engine_id}: unknown peer {peer!r}; add_peer its metadata first")
+        self._notify(remote, message)
+
     @abc.abstractmethod
     def poll_notifications(self) -> list[str]:
         """Prefill side: the ``notify`` strings of reads completed since the last call."""

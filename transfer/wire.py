@@ -132,7 +132,9 @@ class KVHandle(WireMessage, frozen=True, kw_only=True):
     pinned until the decode side's completion notification, an abort, or
     ``lease_expiry`` (Unix seconds), whichever comes first. ``prompt_digest``
     (``prompt_digest(token_ids)``) lets the decode side refuse a handle for
-    another prompt of the same length.
+    another prompt of the same length. A tensor-parallel prefill engine adds
+    ``rank_metadata``: the transports of its ranks 1..N-1, each over its own
+    pool (``fingerprint.tensor_parallel_size`` ranks in all).
     """
 
     KIND: ClassVar[str] = "kv_handle"
@@ -148,10 +150,14 @@ class KVHandle(WireMessage, frozen=True, kw_only=True):
     first_token_id: NonNegativeInt
     lease_expiry: float
     prompt_digest: bytes
+    rank_metadata: tuple[bytes, ...] = ()
 
     def validate(self) -> None:
         if self.block_size != self.fingerprint.block_size:
             raise ValueError("kv_handle.block_size disagrees with its fingerprint")
+        if len(self.rank_metadata) != self.fingerprint.tensor_parallel_size - 1:
+            raise ValueError(f"kv_handle has {len(self.rank_metadata)} ranks' metadata beyond rank 0, for "
+                             f"tensor_parallel_size {self.fingerprint.tensor_parallel_size}")
         if len(self.block_ids) != -(-self.num_tokens // self.block_size):
             raise ValueError(f"kv_handle has {len(self.block_ids)} blocks for {self.num_tokens} tokens "
                              f"of block_size {self.block_size}")

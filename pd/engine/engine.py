@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 import uuid
 from typing import Callable
@@ -13,7 +14,7 @@ from pd.engine.block_pool import CacheEvent
 from pd.engine.clock import SYSTEM_CLOCK, Clock
 from pd.engine.kv_tiers import build_tiers, tier_stats
 from pd.engine.stats import EngineStats
-from pd.engine.kv_connector import KVConnector
+from pd.engine.kv_connector import ConnectorTP, KVConnector
 from pd.engine.kv_layout import BLOCK_LAYOUT, pool_heads
 from pd.engine.model_runner import ModelRunner, kv_block_bytes
 from pd.engine.outputs import RequestOutput
@@ -29,7 +30,7 @@ from pd.model.tokenizer import Tokenizer
 from pd.sampling_params import SamplingParams
 from router.protocol import RoutingStats
 from transfer.base import KVTransport
-from transfer.wire import KVHandle, LayoutFingerprint, WireError
+from transfer.wire import KVHandle, LayoutFingerprint, TransportKind, WireError
 
 logger = logging.getLogger(__name__)
 
@@ -61,9 +62,10 @@ class LLMEngine:
             )
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         check_tp(mc, config.tensor_parallel_size)
-        if config.tensor_parallel_size > 1 and transport is not None:
-            raise ValueError("disaggregated KV transfer does not run with tensor_parallel_size > 1 yet: "
-                             "serve a tensor-parallel model colocated")
+        tp = config.tensor_parallel_size
+        if tp > 1 and transport is not None and transport.kind is not TransportKind.NIXL:
+            raise ValueError(f"the {transport.kind.value} transport moves whole blocks only; "
+                             "tensor_parallel_size > 1 needs the nixl transport")
         num_blocks = config.num_blocks
         if num_blocks is None:
             block_bytes = kv_block_bytes(mc, config.block_size, resolve_dtype(config.dtype, mc),
@@ -79,7 +81,12 @@ class LLMEngine:
         self.scheduler = make_scheduler(self.scheduler_config)
         self.kv_cache = self.scheduler.kv_cache
         self.block_pool = self.kv_cache.pool
-        self.runner = make_runner(config, mc, self.model_dir, num_blocks, self.max_model_len)
+        runner_options = {}
+        if tp > 1 and transport is not None:  # each rank reads and serves its own heads
+            runner_options["worker_transport"] = {
+                "transport": transport.kind.value, "engine_id": self.engine_id,
+                "transport_env": {k: v for k, v in os.environ.items() if k.startswith("UCX_")}}
+        self.runner = make_runner(config, mc, self.model_dir, num_blocks, self.max_model_len, **runner_options)
         self.fingerprint = LayoutFingerprint(
             model=config.model,
             dtype=str(self.runner.dtype).removeprefix("torch."),
@@ -99,7 +106,9 @@ class LLMEngine:
         self.connector = KVConnector(
             self.engine_id, transport, self.fingerprint, self.kv_cache, self.scheduler,
             config.kv_lease_s, config.kv_read_timeout_s,
-            block_bytes=kv_block_bytes(mc, config.block_size, self.runner.dtype), clock=clock,
+            block_bytes=kv_block_bytes(mc, config.block_size, self.runner.dtype, tp), clock=clock,
+            tp=(ConnectorTP(tp, mc, self.runner.workers, self.runner.rank_transport_metadata) if tp > 1
+                else ConnectorTP(1, mc, None, list)),
         )
         self.eos_token_ids = mc.eos_token_ids or (
             (self.tokenizer.eos_token_id,) if self.tokenizer and self.tokenizer.eos_token_id is not None else ()

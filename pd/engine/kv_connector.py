@@ -22,12 +22,16 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Callable
 
 from pd.engine.clock import SYSTEM_CLOCK, Clock
 from pd.engine.kv_cache_manager import KVCacheManager
 from pd.engine.kv_lease import LeaseTable
 from pd.engine.request import Request
 from pd.engine.scheduler import Scheduler
+from pd.engine.tp_pulls import start_split_pull
+from pd.engine.tp_workers import TPWorkers
+from pd.model.config import ModelConfig
 from transfer.base import KVTransport, TransferHandle, TransferState
 from transfer.wire import KVHandle, LayoutFingerprint, WireError, prompt_digest
 
@@ -44,6 +48,16 @@ class _Pull:
     started: float  # clock.monotonic()
     deadline: float
     block_ids: list[int]  # the local blocks it writes, each with a reference held by the pull
+
+
+@dataclass
+class ConnectorTP:
+    """What the connector of a tensor-parallel engine needs beyond its rank 0's transport."""
+
+    size: int
+    model_config: ModelConfig
+    workers: TPWorkers | None  # the driver's ranks 1..N-1
+    rank_metadata: Callable[[], list[bytes]]  # their transports' metadata, for the handles it hands out
 
 
 @dataclass
@@ -70,8 +84,10 @@ class KVConnector:
         read_timeout_s: float,
         block_bytes: int,
         clock: Clock = SYSTEM_CLOCK,
+        tp: ConnectorTP | None = None,
     ):
         self.engine_id = engine_id
+        self.tp = tp
         self.transport = transport
         self.fingerprint = fingerprint
         self.block_bytes = block_bytes
@@ -90,6 +106,7 @@ class KVConnector:
         self._quarantine: list[_Pull] = []
         self._peer_metadata: dict[str, bytes] = {}
         self._peer_names: dict[str, str] = {}
+        self._rank_peers: dict[bytes, str] = {}  # prefill ranks' transports, for pulls across TP splits
 
     @property
     def has_pending_work(self) -> bool:
@@ -121,6 +138,7 @@ class KVConnector:
             first_token_id=request.output_token_ids[0],
             lease_expiry=expiry,
             prompt_digest=prompt_digest(request.prompt_token_ids),
+            rank_metadata=tuple(self.tp.rank_metadata()) if self.tp is not None else (),
         ).encode()
 
     def release(self, request_id: str) -> bool:
@@ -180,7 +198,12 @@ class KVConnector:
         lease_left = handle.lease_expiry - self.clock.wall() - MIN_LEASE_MARGIN_S
         started = self.clock.monotonic()
         deadline = started + min(self.read_timeout_s, max(lease_left, 0.0))
-        transfer = transport.read_blocks(peer, remote, local, notify=handle.request_id)  # the prefill's lease
+        local_size = self.tp.size if self.tp is not None else 1
+        if handle.fingerprint.tensor_parallel_size == 1 and local_size == 1:
+            transfer = transport.read_blocks(peer, remote, local, notify=handle.request_id)  # the prefill's lease
+        else:  # every rank reads its heads from the prefill ranks that hold them
+            transfer = start_split_pull(handle, self.tp.model_config, transport, self.tp.workers, local_size,
+                                        self._peer_of, list(remote), list(local))
         self.kv_cache.touch_blocks(local)
         self._pulls[request.request_id] = _Pull(request, transfer, started, deadline, list(local))
         self.stats.num_remote_pulls += 1
@@ -191,6 +214,15 @@ class KVConnector:
             self._peer_names[handle.engine_id] = self.transport.add_peer(handle.peer_metadata)
             self._peer_metadata[handle.engine_id] = handle.peer_metadata
         return self._peer_names[handle.engine_id]
+
+    def _peer_of(self, metadata: bytes) -> str:
+        """A prefill rank's transport, added on first contact (by its metadata: a restart changes it)."""
+        if metadata not in self._rank_peers:
+            name = self.transport.add_peer(metadata)
+            for stale in [key for key, known in self._rank_peers.items() if known == name]:
+                del self._rank_peers[stale]  # that rank restarted: its old metadata is dead
+            self._rank_peers[metadata] = name
+        return self._rank_peers[metadata]
 
     def note_fallback(self) -> None:
         self.stats.num_recompute_fallbacks += 1

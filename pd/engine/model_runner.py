@@ -74,7 +74,7 @@ class ModelRunner:
 
     def __init__(self, config: EngineConfig, model_config: ModelConfig, model_dir: Path, num_blocks: int,
                  max_model_len: int, *, launcher: Launcher | None = None, group: TPGroup | None = None,
-                 device: torch.device | None = None):
+                 device: torch.device | None = None, worker_transport: dict | None = None):
         self.config = config
         self.model_config = model_config
         self.device = device or torch.device(config.device)
@@ -85,7 +85,8 @@ class ModelRunner:
         self.backend = kernels.resolve_backend(config.attention_backend, self.device)
         self.workers: TPWorkers | None = None
         if config.tensor_parallel_size > 1 and group is None:
-            group, self.workers = start_driver(config, model_dir, num_blocks, max_model_len, launcher, self.device)
+            group, self.workers = start_driver(config, model_dir, num_blocks, max_model_len, launcher, self.device,
+                                               worker_transport)
         self.group = group
         shard = TPShard(group.rank, group.size) if group is not None else SINGLE
         try:
@@ -124,6 +125,12 @@ class ModelRunner:
             ranks += [{"rank": r.rank, "pid": r.pid, "weight_bytes": r.weight_bytes}
                       for r in sorted(self.workers.ready.values(), key=lambda r: r.rank)]
         return ranks
+
+    def rank_transport_metadata(self) -> list[bytes]:
+        """Ranks 1..N-1's KV transports' metadata (``worker_transport``), in rank order."""
+        if self.workers is None:
+            return []
+        return [self.workers.ready[rank].transport_metadata for rank in sorted(self.workers.ready)]
 
     def check_health(self) -> None:
         """Raise ``TPWorkerError`` if a tensor-parallel worker died, even while no step runs."""

@@ -15,10 +15,14 @@ import traceback
 import torch
 
 from pd.config import EngineConfig
+from transfer.base import HeadSlice, KVTransport, TransferError, TransferHandle, TransferState
 from pd.engine.tp_workers import (
     TP_WIRE_VERSION,
     Failed,
+    Pull,
+    PullDone,
     Ready,
+    Release,
     Stop,
     WorkerSpec,
     connect_to_driver,
@@ -29,6 +33,9 @@ from pd.engine.tp_workers import (
 )
 
 logger = logging.getLogger(__name__)
+
+# While a pull is in flight and no message comes, how often its reads are polled.
+PULL_POLL_S = 0.001
 
 
 def serve_rank(spec: WorkerSpec) -> None:
@@ -47,15 +54,27 @@ def serve_rank(spec: WorkerSpec) -> None:
         group.connect()
         runner = ModelRunner(config, load_model_config(spec.model_dir), spec.model_dir, spec.num_blocks,
                              spec.max_model_len, group=group, device=device)
-        connection.send_bytes(encode(Ready(TP_WIRE_VERSION, spec.rank, os.getpid(), runner.weight_bytes)))
-        while True:
-            try:
-                message = decode_to_worker(connection.recv_bytes())
-            except (EOFError, OSError):
-                return  # the driver is gone
-            if isinstance(message, Stop):
-                return
-            runner.forward(message)
+        pulls = RankPulls(rank_transport(spec, runner.kv_cache), connection)
+        connection.send_bytes(encode(Ready(TP_WIRE_VERSION, spec.rank, os.getpid(), runner.weight_bytes,
+                                           pulls.metadata())))
+        try:
+            while True:
+                if pulls.pending and not connection.poll(PULL_POLL_S):
+                    pulls.poll()
+                    continue
+                try:
+                    message = decode_to_worker(connection.recv_bytes())
+                except (EOFError, OSError):
+                    return  # the driver is gone
+                if isinstance(message, Stop):
+                    return
+                if isinstance(message, (Pull, Release)):
+                    pulls.handle(message)
+                else:
+                    runner.forward(message)
+                pulls.poll()
+        finally:
+            pulls.close()
     except BaseException as exc:
         try:
             connection.send_bytes(encode(Failed(spec.rank, f"{type(exc).__name__}: {exc}")))
@@ -64,6 +83,74 @@ def serve_rank(spec: WorkerSpec) -> None:
         raise
     finally:
         connection.close()
+
+
+def rank_transport(spec: WorkerSpec, kv_cache: torch.Tensor) -> KVTransport | None:
+    """This rank's own KV transport (named ``<engine_id>-r<rank>``) over its pool, when the engine moves KV."""
+    if spec.transport is None:
+        return None
+    from pd.engine.kv_layout import pool_heads
+    from transfer import create_transport
+
+    os.environ.update(spec.transport_env)  # UCX reads its settings when the agent starts
+    transport = create_transport(spec.transport, f"{spec.engine_id}-r{spec.rank}")
+    transport.register(kv_cache, num_heads=pool_heads(kv_cache))
+    return transport
+
+
+class RankPulls:
+    """The KV reads the driver asked of this rank, each answered with ``PullDone`` once it is quiesced."""
+
+    def __init__(self, transport: KVTransport | None, connection):
+        self.transport = transport
+        self.connection = connection
+        self._pulls: dict[int, tuple[list[TransferHandle], list[str]]] = {}  # id -> handles, errors
+        self._peers: dict[bytes, str] = {}
+
+    @property
+    def pending(self) -> bool:
+        return bool(self._pulls)
+
+    def metadata(self) -> bytes:
+        return self.transport.local_metadata() if self.transport is not None else b""
+
+    def handle(self, message: Pull | Release) -> None:
+        if isinstance(message, Release):
+            for handle in self._pulls.get(message.pull_id, ([], []))[0]:
+                handle.release()
+            return
+        handles, errors = [], []
+        self._pulls[message.pull_id] = (handles, errors)
+        try:
+            if self.transport is None:
+                raise TransferError("this rank has no KV transport")
+            for metadata, remote_head, local_head, count in message.sources:
+                if metadata not in self._peers:
+                    self._peers[metadata] = self.transport.add_peer(metadata)
+                handles.append(self.transport.read_blocks(
+                    self._peers[metadata], message.remote_block_ids, message.local_block_ids, notify="",
+                    heads=HeadSlice(remote_head, local_head, count)))
+        except Exception as exc:  # noqa: BLE001 - answered as a failed pull; the driver recomputes
+            errors.append(f"{type(exc).__name__}: {exc}")
+            for handle in handles:
+                handle.release()
+
+    def poll(self) -> None:
+        """Answer every pull whose reads all ended and can no longer write."""
+        if self.transport is not None:
+            self.transport.poll_notifications()  # reads of this rank post none; drained all the same
+        for pull_id, (handles, errors) in list(self._pulls.items()):
+            states = [handle.poll() for handle in handles]
+            if TransferState.PENDING in states or not all(handle.quiesced() for handle in handles):
+                continue
+            errors += [handle.error or "failed" for handle, state in zip(handles, states)
+                       if state is not TransferState.DONE]
+            del self._pulls[pull_id]
+            self.connection.send_bytes(encode(PullDone(pull_id, not errors, "; ".join(errors) or None)))
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
 
 
 def main() -> None:

@@ -28,6 +28,7 @@ import secrets
 import socket
 import subprocess
 import sys
+import threading
 import time
 from multiprocessing.connection import Client, Connection, answer_challenge, deliver_challenge
 from typing import Protocol
@@ -57,6 +58,11 @@ class WorkerSpec(msgspec.Struct, frozen=True):
     driver_port: int  # the step connection
     store_port: int  # the group's TCP store
     authkey: str  # hex
+    # A KV transport of the rank's own for disaggregated serving ("nixl"), named ``<engine_id>-r<rank>``,
+    # created with these environment variables (UCX_*) set; None: the engine moves no KV.
+    transport: str | None = None
+    transport_env: dict[str, str] = {}
+    engine_id: str = ""
 
 
 class StepLists(msgspec.Struct, tag="step", frozen=True):
@@ -76,11 +82,34 @@ class Stop(msgspec.Struct, tag="stop", frozen=True):
     pass
 
 
+class Pull(msgspec.Struct, tag="pull", frozen=True):
+    """Read KV heads into this rank's pool: from each source ``(peer metadata, remote head, local head, count)``,
+    blocks ``remote_block_ids`` into ``local_block_ids``. Answered with ``PullDone`` once no byte can land."""
+
+    pull_id: int
+    sources: list[tuple[bytes, int, int, int]]
+    remote_block_ids: list[int]
+    local_block_ids: list[int]
+
+
+class Release(msgspec.Struct, tag="release", frozen=True):
+    """Give a pull up (its ``PullDone`` still comes, once its reads are quiesced)."""
+
+    pull_id: int
+
+
+class PullDone(msgspec.Struct, tag="pull_done", frozen=True):
+    pull_id: int
+    ok: bool
+    error: str | None = None
+
+
 class Ready(msgspec.Struct, tag="ready", frozen=True):
     version: int
     rank: int
     pid: int
     weight_bytes: int  # the shard's, as loaded
+    transport_metadata: bytes = b""  # its KV transport's local_metadata(), when it has one
 
 
 class Failed(msgspec.Struct, tag="failed", frozen=True):
@@ -88,8 +117,8 @@ class Failed(msgspec.Struct, tag="failed", frozen=True):
     error: str
 
 
-ToWorker = StepLists | Stop
-FromWorker = Ready | Failed
+ToWorker = StepLists | Stop | Pull | Release
+FromWorker = Ready | Failed | PullDone
 _to_worker = msgspec.msgpack.Decoder(ToWorker)
 _from_worker = msgspec.msgpack.Decoder(FromWorker)
 _encoder = msgspec.msgpack.Encoder()
@@ -180,19 +209,22 @@ class TPWorkers:
         self._listener = socket.create_server((self.host, 0))
         self.connections: dict[int, Connection] = {}
         self.ready: dict[int, Ready] = {}  # each worker's report
+        self.pulls_done: dict[tuple[int, int], PullDone] = {}  # (rank, pull id) -> its answer, until taken
+        self._receive_lock = threading.Lock()  # the engine's thread and the health check both read
 
     @property
     def port(self) -> int:
         return self._listener.getsockname()[1]
 
     def launch(self, engine_config, model_dir: str, num_blocks: int, max_model_len: int, store_port: int,
-               device: torch.device) -> None:
+               device: torch.device, worker_transport: dict | None = None) -> None:
         """Start every worker; returns once each has connected (they then join the group and load)."""
         for rank in range(1, self.size):
             self.launcher.launch(WorkerSpec(
                 version=TP_WIRE_VERSION, rank=rank, size=self.size, engine_config=dataclasses.asdict(engine_config),
                 model_dir=str(model_dir), device=self.launcher.device_of(rank, device), num_blocks=num_blocks, max_model_len=max_model_len, driver_host=self.host,
-                driver_port=self.port, store_port=store_port, authkey=self._authkey.hex()))
+                driver_port=self.port, store_port=store_port, authkey=self._authkey.hex(),
+                **(worker_transport or {})))
         self._listener.settimeout(self.timeout_s)
         try:
             while len(self.connections) < self.size - 1:
@@ -242,35 +274,46 @@ class TPWorkers:
 
     def send(self, step: StepLists) -> None:
         data = encode(step)
-        for rank, connection in self.connections.items():
-            try:
-                connection.send_bytes(data)
-            except OSError as exc:
-                raise TPWorkerError(f"tensor-parallel rank {rank} is gone ({exc})") from exc
+        for rank in self.connections:
+            self.send_to(rank, data)
+
+    def send_to(self, rank: int, data: bytes | Pull | Release) -> None:
+        if not isinstance(data, bytes):
+            data = encode(data)
+        try:
+            self.connections[rank].send_bytes(data)
+        except OSError as exc:
+            raise TPWorkerError(f"tensor-parallel rank {rank} is gone ({exc})") from exc
+
+    def take_pull_done(self, rank: int, pull_id: int) -> PullDone | None:
+        """Rank ``rank``'s answer to pull ``pull_id``, once it came (raises if a worker failed or died)."""
+        self.check_alive()
+        return self.pulls_done.pop((rank, pull_id), None)
 
     def failure(self, exc: BaseException) -> TPWorkerError:
         """What a failed collective means: the error a worker reported, else which worker's connection closed."""
-        for rank, connection in self.connections.items():
-            try:
-                if connection.poll(0):
-                    message = _from_worker.decode(connection.recv_bytes())
-                    if isinstance(message, Failed):
-                        return TPWorkerError(f"tensor-parallel rank {rank} failed: {message.error}")
-            except (EOFError, OSError, msgspec.DecodeError):
-                return TPWorkerError(f"tensor-parallel rank {rank} died ({exc})")
+        try:
+            self.check_alive()
+        except TPWorkerError as found:
+            return found
         return TPWorkerError(f"a tensor-parallel collective failed: {exc}")
 
     def check_alive(self) -> None:
-        """Raise ``TPWorkerError`` if a worker reported a failure or its connection closed (it died)."""
-        for rank, connection in self.connections.items():
-            try:
-                if not connection.poll(0):
-                    continue  # nothing to read: alive (a live worker sends nothing between steps)
-                message = _from_worker.decode(connection.recv_bytes())
-            except (EOFError, OSError, msgspec.DecodeError) as exc:
-                raise TPWorkerError(f"tensor-parallel rank {rank} died ({type(exc).__name__})") from exc
-            if isinstance(message, Failed):
-                raise TPWorkerError(f"tensor-parallel rank {rank} failed: {message.error}")
+        """Read what workers sent: keep pull answers; raise ``TPWorkerError`` if a worker reported a failure
+        or its connection closed (it died)."""
+        with self._receive_lock:
+            for rank, connection in self.connections.items():
+                while True:
+                    try:
+                        if not connection.poll(0):
+                            break  # nothing more to read: alive
+                        message = _from_worker.decode(connection.recv_bytes())
+                    except (EOFError, OSError, msgspec.DecodeError) as exc:
+                        raise TPWorkerError(f"tensor-parallel rank {rank} died ({type(exc).__name__})") from exc
+                    if isinstance(message, Failed):
+                        raise TPWorkerError(f"tensor-parallel rank {rank} failed: {message.error}")
+                    if isinstance(message, PullDone):
+                        self.pulls_done[(rank, message.pull_id)] = message
 
     def close(self) -> None:
         """Tell every worker to stop, and wait for them (killing any that does not stop in time)."""
@@ -298,7 +341,7 @@ def default_worker_threads(size: int) -> int:
 
 
 def start_driver(config, model_dir, num_blocks: int, max_model_len: int, launcher: Launcher | None,
-                 device) -> tuple[TPGroup, TPWorkers]:
+                 device, worker_transport: dict | None = None) -> tuple[TPGroup, TPWorkers]:
     """Rank 0's group, with ranks 1..N-1 launched and joined (they load their shards meanwhile)."""
     size = config.tensor_parallel_size
     launcher = launcher or LocalLauncher()
@@ -306,7 +349,7 @@ def start_driver(config, model_dir, num_blocks: int, max_model_len: int, launche
     group = TPGroup(0, size, _node_address(), 0, device, config.tensor_parallel_timeout_s)
     workers = TPWorkers(size, launcher, config.tensor_parallel_timeout_s)
     try:
-        workers.launch(config, model_dir, num_blocks, max_model_len, group.port, device)
+        workers.launch(config, model_dir, num_blocks, max_model_len, group.port, device, worker_transport)
         group.connect()
     except BaseException:
         workers.close()

@@ -204,3 +204,25 @@ def test_a_decode_engine_pulls_only_what_its_own_tiers_lack(model_dir, colocated
         engine.connector.transport.close()
     finally:
         prefill.stop()
+
+
+@pytest.mark.parametrize("prefill_tp, decode_tp", [(2, 1), (1, 2), (2, 2)])
+def test_engines_of_different_tensor_parallel_splits_equal_one_engine(model_dir, colocated, prefill_tp, decode_tp):
+    """Each decode rank reads its KV heads from the prefill ranks that hold them (one descriptor per block
+    and source); the prefill engine's lease ends on one notification, once every rank has read."""
+    prefill = PrefillProcess(model_dir, "nixl", tensor_parallel_size=prefill_tp)
+    try:
+        engine = decode_engine(model_dir, "nixl", prefill, tensor_parallel_size=decode_tp)
+        try:
+            assert disaggregated(engine, prefill, "a", PROMPTS["a"]) == colocated["a"]
+            assert disaggregated(engine, prefill, "b", PROMPTS["b"]) == colocated["b"]  # 4 blocks hit locally
+            stats = engine.stats()
+            assert stats.num_recompute_fallbacks == 0 and stats.num_remote_pulls == 2
+            prefill.call("step", 0.2)
+            remote = prefill.call("stats")
+            assert remote["num_pinned_leases"] == 0 and remote["num_leases_expired"] == 0
+        finally:
+            engine.close()
+            engine.connector.transport.close()
+    finally:
+        prefill.stop()
