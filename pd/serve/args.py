@@ -326,9 +326,10 @@ class AppArgs(_Strict):
                              f"kv_lease_s ({self.prefill_drain_s}): a prefill replica going away serves its leased "
                              "KV until the last lease ends")
         for name, pool in (("prefill", self.prefill), ("decode", self.decode)):
-            if pool.tensor_parallel_size > 1 and self.mode == "disaggregated":
-                raise ValueError(f"{name}.tensor_parallel_size {pool.tensor_parallel_size}: KV transfer between "
-                                 "tensor-parallel engines is not built yet; serve a sharded model in mode: colocated")
+            if pool.tensor_parallel_size > 1 and self.mode == "disaggregated" and self.transfer_backend != "nixl":
+                raise ValueError(f"{name}.tensor_parallel_size {pool.tensor_parallel_size}: the "
+                                 f"{self.transfer_backend} transfer backend moves whole blocks only; pools of "
+                                 "tensor-parallel engines need transfer_backend: nixl")
             if pool.tensor_parallel_size > 1:
                 EngineConfig(**self.engine.model_dump(), tensor_parallel_size=pool.tensor_parallel_size)
         if self.decode.autoscaling is not None and self.max_migrations < 1:

@@ -178,8 +178,10 @@ def test_tensor_parallel_size_is_per_pool_and_asks_serve_for_one_bundle_per_rank
         "decode")
     with pytest.raises(ValueError, match="engine.tensor_parallel_size"):
         AppArgs.model_validate({**config_args("colocated.yaml"), "engine": {"tensor_parallel_size": 2}})
-    with pytest.raises(ValueError, match="decode.tensor_parallel_size 2: KV transfer between tensor-parallel"):
-        AppArgs.model_validate({**config_args("default.yaml"), "decode": {"tensor_parallel_size": 2}})
+    AppArgs.model_validate({**config_args("default.yaml"), "decode": {"tensor_parallel_size": 2}})
+    with pytest.raises(ValueError, match="decode.tensor_parallel_size 2: the torch transfer backend moves whole"):
+        AppArgs.model_validate({**config_args("default.yaml"), "transfer_backend": "torch",
+                                "decode": {"tensor_parallel_size": 2}})
     with pytest.raises(ValueError, match="KV tiers .* tensor_parallel_size > 1"):
         AppArgs.model_validate({**config_args("colocated.yaml"), "engine": {"host_kv_cache_bytes": 1 << 20},
                                 "decode": {"tensor_parallel_size": 2}})

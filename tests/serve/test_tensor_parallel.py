@@ -53,6 +53,23 @@ def test_a_two_rank_replica_serves_the_colocated_tokens(ray_cluster, offline):
     assert abs(rank["weight_bytes"] / driver["weight_bytes"] - 1) < 0.01  # about half the model each
 
 
+@pytest.mark.parametrize("prefill_tp, decode_tp", [(2, 1), (1, 2)])
+def test_pools_of_different_splits_serve_the_colocated_tokens(ray_cluster, offline, prefill_tp, decode_tp):
+    """A prompt long enough to prefill remotely: each decode rank pulls its heads from the prefill ranks
+    holding them over NIXL, and the tokens are one engine's."""
+    def pool(size: int) -> dict:
+        return {"num_replicas": 1, "ray_actor_options": {"num_cpus": 0.5}, "tensor_parallel_size": size}
+
+    ensure_app("default.yaml", prefill=pool(prefill_tp), decode=pool(decode_tp))
+    [before] = pool_stats("DecodeServer")
+    prompt = list(range(5, 305))  # past remote_prefill_threshold (256)
+    assert _generate(prompt, 8) == offline(prompt, 8)
+    [after] = pool_stats("DecodeServer")
+    assert after["num_remote_pulls"] == before["num_remote_pulls"] + 1
+    assert after["num_recompute_fallbacks"] == before["num_recompute_fallbacks"]
+    assert len(after["tp_ranks"]) == decode_tp and len(pool_stats("PrefillServer")[0]["tp_ranks"]) == prefill_tp
+
+
 def test_more_ranks_than_the_placement_group_has_bundles_are_refused(ray_cluster):
     import ray
     import torch
