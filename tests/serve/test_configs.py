@@ -185,3 +185,11 @@ def test_tensor_parallel_size_is_per_pool_and_asks_serve_for_one_bundle_per_rank
     with pytest.raises(ValueError, match="KV tiers .* tensor_parallel_size > 1"):
         AppArgs.model_validate({**config_args("colocated.yaml"), "engine": {"host_kv_cache_bytes": 1 << 20},
                                 "decode": {"tensor_parallel_size": 2}})
+
+
+def test_the_70b_config_shards_prefill_over_4_gpus_and_decode_over_2():
+    args = AppArgs.model_validate(config_args("gpu_llama3_70b.yaml"))
+    assert (args.prefill.tensor_parallel_size, args.decode.tensor_parallel_size) == (4, 2)
+    assert args.deployment_options("prefill")["placement_group_bundles"] == [{"CPU": 4.0, "GPU": 1.0}] * 4
+    gpus = sum(pool.num_replicas * pool.tensor_parallel_size for pool in (args.prefill, args.decode))
+    assert gpus == 8 and args.transfer_backend == "nixl"
