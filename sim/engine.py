@@ -81,6 +81,9 @@ def sim_engine(config: EngineConfig, cost: CostModel, seed: int = 0, *, transpor
     time out in simulated time); a ``transport`` makes it able to serve
     disaggregated requests (``sim.transport``).
     """
+    if config.tensor_parallel_size != 1:
+        raise ValueError("the simulator models a replica as one engine on one device: set tensor_parallel_size "
+                         "to 1 and give the cost model the sharded replica's step times")
     if config.disk_kv_cache_path or config.shared_kv_bucket:
         raise ValueError("the simulator models the host KV tier, not the disk tier or the shared store: "
                          "unset disk_kv_cache_path and shared_kv_bucket")

@@ -128,3 +128,8 @@ def test_the_simulator_refuses_the_tiers_it_does_not_model(tmp_path):
     with pytest.raises(ValueError, match="not the disk tier or the shared store"):
         sim_engine(dataclasses.replace(CONFIG, host_kv_cache_bytes=1 << 20, disk_kv_cache_path=str(tmp_path),
                                        disk_kv_cache_bytes=1 << 20), COST)
+
+
+def test_the_simulator_refuses_a_sharded_engine():
+    with pytest.raises(ValueError, match="one engine on one device: set tensor_parallel_size to 1"):
+        sim_engine(dataclasses.replace(CONFIG, tensor_parallel_size=2), COST)
