@@ -22,7 +22,7 @@ from pd.engine.request import FinishReason, KVSource, Request, RequestStatus, fi
 from pd.engine.scheduler import make_scheduler
 from pd.engine.step_times import StepTimes
 from pd.engine.structured import GrammarCompiler, RequestGrammar
-from pd.model.config import load_model_config
+from pd.model.config import ModelConfig, load_model_config
 from pd.model.loader import resolve_dtype
 from pd.model.paths import resolve_model_path
 from pd.model.tp import check_tp
@@ -36,6 +36,25 @@ logger = logging.getLogger(__name__)
 
 # A step with nothing to run but tier loads in flight waits this long at most for one to land.
 LOAD_WAIT_S = 0.005
+
+
+def _num_blocks(config: EngineConfig, model: ModelConfig, transport: KVTransport | None) -> int:
+    """The pool's blocks (per rank: each holds its heads), after the checks a tensor-parallel split needs."""
+    check_tp(model, config.tensor_parallel_size)
+    if config.tensor_parallel_size > 1 and transport is not None and transport.kind is not TransportKind.NIXL:
+        raise ValueError(f"the {transport.kind.value} transport moves whole blocks only; "
+                         "tensor_parallel_size > 1 needs the nixl transport")
+    if config.num_blocks is not None:
+        return config.num_blocks
+    block_bytes = kv_block_bytes(model, config.block_size, resolve_dtype(config.dtype, model),
+                                 config.tensor_parallel_size)
+    return max(1, config.kv_cache_bytes // block_bytes)
+
+
+def _worker_transport(transport: KVTransport, engine_id: str) -> dict:
+    """How ranks 1..N-1 make transports like rank 0's: its kind, this engine's id, the UCX settings."""
+    return {"transport": transport.kind.value, "engine_id": engine_id,
+            "transport_env": {k: v for k, v in os.environ.items() if k.startswith("UCX_")}}
 
 
 class LLMEngine:
@@ -61,16 +80,8 @@ class LLMEngine:
                 f"{mc.max_position_embeddings}"
             )
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
-        check_tp(mc, config.tensor_parallel_size)
         tp = config.tensor_parallel_size
-        if tp > 1 and transport is not None and transport.kind is not TransportKind.NIXL:
-            raise ValueError(f"the {transport.kind.value} transport moves whole blocks only; "
-                             "tensor_parallel_size > 1 needs the nixl transport")
-        num_blocks = config.num_blocks
-        if num_blocks is None:
-            block_bytes = kv_block_bytes(mc, config.block_size, resolve_dtype(config.dtype, mc),
-                                         config.tensor_parallel_size)
-            num_blocks = max(1, config.kv_cache_bytes // block_bytes)
+        num_blocks = _num_blocks(config, mc, transport)
         self.scheduler_config = SchedulerConfig(
             block_size=config.block_size,
             num_blocks=num_blocks,
@@ -83,9 +94,7 @@ class LLMEngine:
         self.block_pool = self.kv_cache.pool
         runner_options = {}
         if tp > 1 and transport is not None:  # each rank reads and serves its own heads
-            runner_options["worker_transport"] = {
-                "transport": transport.kind.value, "engine_id": self.engine_id,
-                "transport_env": {k: v for k, v in os.environ.items() if k.startswith("UCX_")}}
+            runner_options["worker_transport"] = _worker_transport(transport, self.engine_id)
         self.runner = make_runner(config, mc, self.model_dir, num_blocks, self.max_model_len, **runner_options)
         self.fingerprint = LayoutFingerprint(
             model=config.model,

@@ -3,6 +3,8 @@
 It joins its driver's group, loads only its shard, reports ready, then runs
 each step it is sent until told to stop or its driver's connection closes.
 It holds no scheduling state: the driver's block tables say where its KV goes.
+In a disaggregated engine it also has a KV transport of its own, and reads
+the KV heads the driver's ``Pull`` names (``RankPulls``).
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ import traceback
 import torch
 
 from pd.config import EngineConfig
-from transfer.base import HeadSlice, KVTransport, TransferError, TransferHandle, TransferState
 from pd.engine.tp_workers import (
     TP_WIRE_VERSION,
     Failed,
@@ -31,6 +32,7 @@ from pd.engine.tp_workers import (
     encode,
     read_worker_spec,
 )
+from transfer.base import HeadSlice, KVTransport, TransferError, TransferHandle, TransferState
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +51,9 @@ def serve_rank(spec: WorkerSpec) -> None:
     connection = connect_to_driver(spec)
     device = torch.device(spec.device)
     try:
+        if spec.version != TP_WIRE_VERSION:
+            raise ValueError(f"the driver speaks tensor-parallel version {spec.version}, "
+                             f"this worker {TP_WIRE_VERSION}")
         group = TPGroup(spec.rank, spec.size, spec.driver_host, spec.store_port, device,
                         config.tensor_parallel_timeout_s)
         group.connect()

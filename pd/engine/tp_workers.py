@@ -7,8 +7,10 @@ local connection, then runs its own forward pass; the collectives inside it
 keep the ranks in step, and the logits arrive whole on rank 0. Workers hold
 no scheduling state (``pd.engine.tp_worker``).
 
-The connection carries only steps, so an idle engine holds no collective
-open (a collective's timeout bounds a step, not the wait for one). A worker
+The connection carries steps, and a disaggregated engine's KV pulls
+(``Pull``, ``Release``; each rank answers ``PullDone``, see
+``pd.engine.tp_pulls``). An idle engine holds no collective open: a
+collective's timeout bounds a step, not the wait for one. A worker
 that dies closes its connection and its group sockets: the driver's next
 collective or send fails, naming the rank, and the engine stops (a Serve
 replica is then replaced). A driver that dies closes the connections, and
