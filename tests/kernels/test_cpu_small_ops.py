@@ -63,25 +63,21 @@ def test_silu_and_mul_refuses_a_bad_shape():
         kernels.silu_and_mul(torch.randn(4, 7), backend="cpu")
 
 
-def test_store_kv_writes_only_its_slots_and_skips_padding():
-    k_pool = torch.zeros(6, 2, 16, 2, 64)  # [blocks, layers, block_size, kv_heads, head_dim]
-    v_pool = torch.zeros_like(k_pool)
-    k_cache, v_cache = k_pool[:, 1], v_pool[:, 1]  # strided views, as the engine's per-layer views are
-    kv = torch.randn(4, 3 * 2 * 64)
-    key, value = kv[:, :128].view(4, 2, 64), kv[:, 128:256].view(4, 2, 64)
-    slots = torch.tensor([17, PAD_SLOT_ID, 95, 0])
-    expected_k, expected_v = k_cache.clone(), v_cache.clone()
-    reference.store_kv(key, value, expected_k, expected_v, slots)
-    kernels.store_kv(key, value, k_cache, v_cache, slots, backend="cpu")
-    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
-    assert not k_pool[:, 0].any() and not v_pool[:, 0].any()  # the other layer is untouched
+def _heads_inner_pool() -> tuple[torch.Tensor, list]:
+    pool = torch.zeros(6, 2, 2, 16, 2, 64)  # [blocks, layers, k/v, block_size, kv_heads, head_dim]
+    return pool, [(pool[:, layer, 0], pool[:, layer, 1]) for layer in range(2)]
 
 
-def test_store_kv_writes_a_heads_outer_pool_one_head_row_at_a_time():
+def _engine_pool() -> tuple[torch.Tensor, list]:
     """The engine's layout (pd.engine.kv_layout): a token's heads are not adjacent in the views."""
     pool = kv_pool(6, 2, 16, 2, 64, torch.float32, "cpu")
-    k_cache, v_cache = layer_views(pool)[1]
-    assert k_cache.stride(2) != 64  # heads apart
+    return pool.transpose(1, 2), layer_views(pool)  # indexed by layer first, as the other
+
+
+@pytest.mark.parametrize("make_pool", [_heads_inner_pool, _engine_pool], ids=["heads-inner", "engine"])
+def test_store_kv_writes_only_its_slots_and_skips_padding(make_pool):
+    by_layer, views = make_pool()
+    k_cache, v_cache = views[1]  # strided views, as the engine's per-layer views are
     kv = torch.randn(4, 3 * 2 * 64)
     key, value = kv[:, :128].view(4, 2, 64), kv[:, 128:256].view(4, 2, 64)
     slots = torch.tensor([17, PAD_SLOT_ID, 95, 0])
@@ -89,7 +85,7 @@ def test_store_kv_writes_a_heads_outer_pool_one_head_row_at_a_time():
     reference.store_kv(key, value, expected_k, expected_v, slots)
     kernels.store_kv(key, value, k_cache, v_cache, slots, backend="cpu")
     assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
-    assert not pool[:, :, 0].any()  # the other layer is untouched
+    assert not by_layer[:, 0].any()  # the other layer is untouched
 
 
 def test_a_nan_row_stays_in_its_row():
