@@ -8,7 +8,10 @@ lease ends on the decode side's completion notification, an explicit release
 Decode role: a request carrying ``remote_kv`` is admitted with its blocks
 allocated, and the blocks this engine's own prefix cache lacks are pulled from
 the prefill replica. A pull that fails, times out or meets an expired lease
-sends the request back to compute its prompt here; that is counted.
+sends the request back to compute its prompt here; that is counted. Between
+engines of different tensor-parallel splits every rank pulls the KV heads it
+owns from the prefill ranks that hold them (``pd.engine.tp_pulls``), and the
+lease ends on one notification once all have.
 
 Safety: a pull holds its own reference on the local blocks it writes, from
 its start until its handle is quiesced (``transfer.base``). A pull given up
