@@ -160,7 +160,7 @@ class LocalLauncher:
 
     def launch(self, spec: WorkerSpec) -> None:
         process = subprocess.Popen([sys.executable, "-m", "pd.engine.tp_worker"], stdin=subprocess.PIPE)
-        process.stdin.write(msgspec.json.encode(spec))
+        process.stdin.write(worker_spec_json(spec))
         process.stdin.close()
         self.processes[spec.rank] = process
 

@@ -62,9 +62,6 @@ class RayLauncher:
         self.actors[spec.rank] = actor
         self.runs[spec.rank] = actor.run.remote(worker_spec_json(spec))
 
-    def pids(self) -> dict[int, int]:
-        return {}
-
     def stop(self, timeout_s: float) -> None:
         """Wait for each worker's ``run`` to return (it was told to stop), killing any that does not in time."""
         if self.runs:
