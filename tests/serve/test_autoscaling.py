@@ -321,7 +321,7 @@ def test_decode_scaled_down_under_long_streams_moves_them_and_breaks_none(ray_cl
     from tests.serve.test_faults import _ingress_stats
 
     args = planner_app(decode={"initial_replicas": 2, "scale_down_delay_s": 4.0})
-    args["decode"]["graceful_shutdown_timeout_s"] = 2.0
+    args["decode"]["graceful_shutdown_timeout_s"] = 1.0
     # A fresh app, not a rolling update of the last one: the old replicas' reports would measure the
     # pool's capacity and start the scale-down clock while the second new replica is still starting
     # (on a slow machine, past the delay). Fresh replicas have no decode steps, so nothing is planned
@@ -331,7 +331,10 @@ def test_decode_scaled_down_under_long_streams_moves_them_and_breaks_none(ray_cl
     wait_until(lambda: running("DecodeServer") == 2, timeout=90)
     migrations_before = _ingress_stats()["num_migrations"]
     with ThreadPoolExecutor(4) as pool:
-        streams = [pool.submit(_long_stream, client, i, 500) for i in range(4)]
+        # Streams of 1,000 tokens last about 20 s here; the scale-down comes 6-8 s in, and the replica is
+        # stopped 1 s later. 500 tokens were too few on a faster machine: they finished inside the
+        # graceful window and nothing moved.
+        streams = [pool.submit(_long_stream, client, i, 1000) for i in range(4)]
         busy = {}  # replica id -> streams running on it, sampled until one replica is going away
         going = wait_until(lambda: busy.update(_running_streams())
                            or [rid for rid, (state, _) in replicas("DecodeServer").items() if state == "STOPPING"],
