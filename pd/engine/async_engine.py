@@ -14,6 +14,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator
 
+import torch
+
 from pd.config import EngineConfig
 from pd.engine.block_pool import CacheEvent
 from pd.engine.engine import LLMEngine
@@ -48,7 +50,11 @@ class AsyncLLMEngine:
         make_runner = functools.partial(ModelRunner, launcher=launcher)
         self.engine = LLMEngine(config, transport, make_runner=make_runner)
         self._fatal: BaseException | None = None  # what killed the engine for good (a tensor-parallel rank)
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pd-engine-step")
+        # OpenMP gives a new thread the process's starting count (``OMP_NUM_THREADS``, which Ray sets to
+        # the floor of a worker's CPUs), not the one the engine set, and oneDNN's GEMMs read it on the
+        # thread that calls them: the step thread takes the engine's count before its first step.
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pd-engine-step",
+                                            initializer=torch.set_num_threads, initargs=(torch.get_num_threads(),))
         self._grammar_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pd-grammar")
         self._streams: dict[str, asyncio.Queue] = {}
         self._pending_adds: list[tuple[str, list[int], SamplingParams, dict]] = []

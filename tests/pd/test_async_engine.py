@@ -145,3 +145,30 @@ def test_grammars_compile_off_the_event_loop():
     loop_thread, compiled_on, text, last = asyncio.run(main())
     assert compiled_on[0] is not loop_thread
     assert text in {a + b + c for a in "ab" for b in "ab" for c in "ab"} and last.finish_reason is FinishReason.STOP
+
+
+STEP_THREADS_SCRIPT = """
+import ctypes, sys, torch
+from pd.config import EngineConfig
+from pd.engine.async_engine import AsyncLLMEngine
+
+gomp = ctypes.CDLL(next(line.split()[-1] for line in open("/proc/self/maps") if "libgomp" in line))
+engine = AsyncLLMEngine(EngineConfig(model=sys.argv[1], num_blocks=16, num_threads=2))
+print(gomp.omp_get_max_threads(), engine._executor.submit(gomp.omp_get_max_threads).result())
+engine.close()
+"""
+
+
+def test_the_step_thread_computes_on_the_engines_threads(model_dir):
+    """Ray starts a worker with ``OMP_NUM_THREADS`` at the floor of its CPUs (1 for 1.5). OpenMP gives each new
+    thread that count, and oneDNN's GEMMs read it on the thread that calls them: the step thread must be set
+    to the engine's own count, or a replica's GEMMs run on one thread whatever ``num_threads`` says."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-c", STEP_THREADS_SCRIPT, model_dir], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-2:] == ["2", "2"], done.stdout
