@@ -46,7 +46,19 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
+# (backend, device type) -> its module: resolved once, since every layer of every step asks.
+_impls: dict[tuple[str, str], object] = {}
+
+
 def _impl(backend: str, device: torch.device):
+    key = (backend, device.type)
+    module = _impls.get(key)
+    if module is None:
+        module = _impls[key] = _resolve_impl(backend, device)
+    return module
+
+
+def _resolve_impl(backend: str, device: torch.device):
     resolved = resolve_backend(backend, device)
     if resolved == "torch":
         return reference

@@ -57,6 +57,8 @@ def capability_flags() -> list[str]:
 def build():
     """The compiled extension; compiles it the first time (logged with its time)."""
     global _extension
+    if _extension is not None:
+        return _extension
     with _build_lock:
         if _extension is None:
             from torch.utils.cpp_extension import load
@@ -110,7 +112,10 @@ def unified_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, 
 
 
 def _fp32(*tensors) -> bool:
-    return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
+    for t in tensors:
+        if t.dtype != torch.float32 or not t.is_cpu:
+            return False
+    return True
 
 
 def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:

@@ -18,6 +18,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
+# The op's overload itself: calling the packet resolves among its overloads on every call (about 8 us).
+_linear_pointwise = torch.ops.mkldnn._linear_pointwise.default if torch.backends.mkldnn.is_available() else None
 
 
 def onednn_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -61,8 +63,8 @@ class Linear:
             if bucket != num_rows:
                 padded = x.new_zeros(bucket, x.shape[1])
                 padded[:num_rows] = x
-                return torch.ops.mkldnn._linear_pointwise(padded, self.weight, self.bias, "none", [], "")[:num_rows]
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+                return _linear_pointwise(padded, self.weight, self.bias, "none", [], "")[:num_rows]
+            return _linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return torch.matmul(x, self.weight) if self.bias is None else torch.addmm(self.bias, x, self.weight)
 
 
