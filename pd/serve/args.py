@@ -193,6 +193,10 @@ class PoolArgs(_Strict):
     max_queued_requests: int = Field(256, ge=-1)
     # How long Serve lets a replica that is going away finish its work before it is killed.
     graceful_shutdown_timeout_s: float | None = Field(None, gt=0)
+    # How often Serve calls a replica's health check (which also checks its tensor-parallel ranks),
+    # and how long one may take; Serve replaces a replica after three failed checks in a row.
+    health_check_period_s: float | None = Field(None, gt=0)
+    health_check_timeout_s: float | None = Field(None, gt=0)
     router: RouterArgs = Field(default_factory=RouterArgs)
     autoscaling: PoolAutoscalingArgs | None = None
     # Ranks each replica shards the model over: the replica's actor is rank 0 and starts ranks
@@ -225,6 +229,9 @@ class PoolArgs(_Strict):
         }
         if graceful_shutdown_timeout_s is not None:
             options["graceful_shutdown_timeout_s"] = graceful_shutdown_timeout_s
+        for name in ("health_check_period_s", "health_check_timeout_s"):
+            if getattr(self, name) is not None:
+                options[name] = getattr(self, name)
         if self.tensor_parallel_size > 1:
             options["placement_group_bundles"] = [self.rank_bundle()] * self.tensor_parallel_size
             options["placement_group_strategy"] = "STRICT_PACK"

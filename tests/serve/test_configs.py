@@ -124,6 +124,15 @@ def test_the_autoscaling_config_runs_the_planner_with_serves_delays_off():
     assert args.deployment_options("prefill")["graceful_shutdown_timeout_s"] == args.prefill_timeout_s + args.kv_lease_s
 
 
+def test_health_checks_are_set_per_pool_and_left_to_serve_otherwise():
+    args = AppArgs.parse({"decode": {"health_check_period_s": 1.5, "health_check_timeout_s": 4}})
+    options = args.deployment_options("decode")
+    assert options["health_check_period_s"] == 1.5 and options["health_check_timeout_s"] == 4.0
+    assert "health_check_period_s" not in args.deployment_options("prefill")
+    with pytest.raises(ValueError, match="decode.health_check_period_s: Input should be greater than 0"):
+        AppArgs.parse({"decode": {"health_check_period_s": 0}})
+
+
 @pytest.mark.parametrize(
     "change, message",
     [

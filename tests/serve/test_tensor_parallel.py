@@ -93,8 +93,11 @@ def test_more_ranks_than_the_placement_group_has_bundles_are_refused(ray_cluster
 @pytest.mark.destructive
 def test_a_dead_rank_takes_its_replica_down_and_serve_replaces_it(ray_cluster, offline):
     """Rank 1's process killed while the replica is idle: its health check fails, Serve starts a new
-    replica (and rank), which serves the same tokens; nothing of the old one is left running."""
-    ensure_app("colocated.yaml", decode=TP_DECODE)
+    replica (and rank), which serves the same tokens; nothing of the old one is left running.
+
+    Checked every second (Serve's default is 10 s, and it replaces a replica after three failed checks).
+    """
+    ensure_app("colocated.yaml", decode={**TP_DECODE, "health_check_period_s": 1.0})
     [before] = _decode_replicas()
     _, rank = _ranks()
     os.kill(rank["pid"], signal.SIGKILL)
