@@ -1,6 +1,6 @@
 """KV tiers on multi-turn chat: prefix hit rate, TTFT, the tiers' speeds and a warm restart.
 
-    python -m bench.kv_tiers [--groups 2] [--device-blocks N] [--host-blocks N]
+    python -m bench.kv_tiers [--groups 2] [--turns 6] [--device-blocks N] [--host-blocks N]
 
 Prints one JSON object. Each figure is measured in this run, on this machine:
 
@@ -45,13 +45,14 @@ RESTART_REQUESTS = 50
 LLAMA3_8B_BLOCK = (32, 2, BLOCK_SIZE, 8, 128)  # layers, K and V, tokens, KV heads, head dim: 4 MiB in fp32
 
 
-def chat_prompts(num_groups: int, seed: int = 0) -> list[tuple[list[int], int]]:
-    """The chat workload's first ``num_groups`` groups as (prompt token ids, max tokens), in order."""
+def chat_prompts(num_groups: int, num_turns: int, seed: int = 0) -> list[tuple[list[int], int]]:
+    """The chat workload's first ``num_groups`` groups of ``num_turns``-turn conversations as (prompt
+    token ids, max tokens), in order."""
     from pd.model.paths import resolve_model_path
     from pd.model.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_dir(resolve_model_path(MODEL))
-    workload = ChatWorkload(seed=seed, output_len=8)
+    workload = ChatWorkload(seed=seed, output_len=8, num_turns=num_turns)
     prompts = []
     for index in range(num_groups * workload.group_size * workload.num_turns):
         request = workload.request(index)
@@ -102,7 +103,7 @@ def tier_kwargs(device_blocks: int, host_blocks: int, block_bytes: int, disk_pat
             "disk_kv_cache_path": disk_path, "disk_kv_cache_bytes": 1 << 40, "disk_kv_min_free_bytes": 0}
 
 
-def warm_restart(prompts: list[tuple[list[int], int]], kwargs: dict, groups: int) -> dict[str, float]:
+def warm_restart(prompts: list[tuple[list[int], int]], kwargs: dict, groups: int, turns: int) -> dict[str, float]:
     """The last ``RESTART_REQUESTS`` prompts' hit rate after a kill and restart, over theirs without one."""
     first, last = prompts[:-RESTART_REQUESTS], prompts[-RESTART_REQUESTS:]
     with tempfile.TemporaryDirectory(prefix="pd-kv-tiers-") as path:
@@ -112,7 +113,7 @@ def warm_restart(prompts: list[tuple[list[int], int]], kwargs: dict, groups: int
         steady.close()
     with tempfile.TemporaryDirectory(prefix="pd-kv-tiers-") as path:
         child = subprocess.Popen(
-            [sys.executable, "-m", "bench.kv_tiers", "--serve-then-wait", path, "--groups", str(groups),
+            [sys.executable, "-m", "bench.kv_tiers", "--serve-then-wait", path, "--groups", str(groups), "--turns", str(turns),
              "--device-blocks", str(kwargs["num_blocks"]), "--host-bytes", str(kwargs["host_kv_cache_bytes"])],
             stdout=subprocess.PIPE, stdin=subprocess.PIPE, text=True)
         try:
@@ -132,9 +133,9 @@ def warm_restart(prompts: list[tuple[list[int], int]], kwargs: dict, groups: int
             "warm_restart_disk_blocks_found": found}
 
 
-def serve_then_wait(path: str, groups: int, device_blocks: int, host_bytes: int) -> None:
+def serve_then_wait(path: str, groups: int, turns: int, device_blocks: int, host_bytes: int) -> None:
     """The replica that ``warm_restart`` kills: serve the first prompts, say so, wait to be killed."""
-    prompts = chat_prompts(groups)[:-RESTART_REQUESTS]
+    prompts = chat_prompts(groups, turns)[:-RESTART_REQUESTS]
     llm = engine(num_blocks=device_blocks, host_kv_cache_bytes=host_bytes, disk_kv_cache_path=path,
                  disk_kv_cache_bytes=1 << 40, disk_kv_min_free_bytes=0)
     serve(llm, prompts)
@@ -147,13 +148,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device-blocks", type=int, default=None,
                         help="default: a quarter of the workload's distinct blocks")
     parser.add_argument("--host-blocks", type=int, default=None, help="default: an eighth of the distinct blocks")
-    parser.add_argument("--groups", type=int, default=2, help="groups of 16 four-turn conversations")
+    parser.add_argument("--groups", type=int, default=2, help="groups of 16 conversations")
+    parser.add_argument("--turns", type=int, default=6, help="turns per conversation")
     parser.add_argument("--serve-then-wait", metavar="DIR", help=argparse.SUPPRESS)
     parser.add_argument("--host-bytes", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     if args.serve_then_wait:
-        serve_then_wait(args.serve_then_wait, args.groups, args.device_blocks, args.host_bytes)
+        serve_then_wait(args.serve_then_wait, args.groups, args.turns, args.device_blocks, args.host_bytes)
         return
 
     from bench.engine import cpu_name
@@ -162,7 +164,7 @@ def main(argv: list[str] | None = None) -> None:
     from pd.model.config import load_model_config
     from pd.model.paths import resolve_model_path
 
-    prompts = chat_prompts(args.groups)
+    prompts = chat_prompts(args.groups, args.turns)
     model_config = load_model_config(resolve_model_path(MODEL))
     block_bytes = kv_block_bytes(model_config, BLOCK_SIZE, torch.float32)
     working_set = distinct_blocks(prompts)
@@ -186,8 +188,8 @@ def main(argv: list[str] | None = None) -> None:
         **{f"ttft_p50_{name}_s": run["ttft_p50_s"] for name, run in runs.items()},
         "tiered_vs_unbounded_hit_rate": round(runs["tiered"]["hit_rate"] / runs["unbounded"]["hit_rate"], 3),
         "device_only_vs_tiered_ttft_p50": round(runs["device_only"]["ttft_p50_s"] / runs["tiered"]["ttft_p50_s"], 3),
-        **warm_restart(prompts, tiered_kwargs, args.groups),
-        "requests": len(prompts), "prompt_tokens": runs["unbounded"]["prompt_tokens"],
+        **warm_restart(prompts, tiered_kwargs, args.groups, args.turns),
+        "requests": len(prompts), "turns": args.turns, "prompt_tokens": runs["unbounded"]["prompt_tokens"],
         "working_set_blocks": working_set, "device_blocks": device_blocks, "host_blocks": host_blocks,
         "block_bytes": block_bytes, "promoted_blocks": runs["tiered"]["promoted_blocks"],
         "disk_read_blocks": runs["tiered"]["disk_read_blocks"], "model": MODEL,
