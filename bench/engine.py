@@ -215,7 +215,7 @@ def bench_case(case: str, name: str, engines: dict, peaks: tuple[float, float], 
         "ratio": round(median["ours"] / median["hf"], 3),
         "roofline_frac": round(bound / (useful_tokens(timed) / median["ours"]), 3),
         "hf_roofline_frac": round(bound / (useful_tokens(timed) / median["hf"]), 3),
-        "repeats": repeats,
+        "repeats": repeats, "linear_form": engines["ours"].engine.runner.linear_form,
     }
     if "vllm" in median:
         row.update(vllm_tok_s=round(median["vllm"], 1), ratio_vs_vllm=round(median["ours"] / median["vllm"], 3),

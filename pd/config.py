@@ -17,6 +17,9 @@ DTYPE_NAMES = ("float32", "bfloat16", "float16")
 DTYPES = ("auto", *DTYPE_NAMES)
 Dtype = Literal[DTYPES]
 AttentionBackend = Literal[ATTENTION_BACKENDS]
+# How a CPU engine stores its dense layers (pd.model.linear): "auto" measures both forms at start.
+LINEAR_FORMS = ("auto", "onednn", "dense")
+LinearForm = Literal[LINEAR_FORMS]
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,9 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_model_len: int | None = None
     attention_backend: AttentionBackend = "auto"
+    # CPU dense layers: oneDNN-packed weights, or plain transposed ones multiplied by the default BLAS
+    # ("dense"); "auto" times both on the model's largest layer at start and keeps the faster.
+    linear_form: LinearForm = "auto"
     # CPU compute threads (torch intra-op); None leaves the process's setting. A Serve
     # replica resolves None from the CPUs Ray assigned it (see pd.serve.engine_server).
     num_threads: int | None = None
@@ -89,6 +95,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if self.linear_form not in LINEAR_FORMS:
+            raise ValueError(f"linear_form must be one of {LINEAR_FORMS}, got {self.linear_form!r}")
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "kv_cache_bytes", "cuda_graph_max_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,12 +24,15 @@ from pd.engine.cuda_graphs import DecodeGraphs
 from pd.engine.kv_layout import kv_pool, layer_views
 from pd.model.attention import PAD_BLOCK_ID, AttentionMetadata
 from pd.model.config import ModelConfig
+from pd.model.linear import choose_form
 from pd.model.llama import CausalLM
 from pd.model.loader import load_weights, resolve_dtype
 from pd.model.rope import cos_sin_cache
 from pd.model.tp import SINGLE, TPShard
 from pd.engine.tp_group import TPGroup
 from pd.engine.tp_workers import Launcher, StepLists, TPWorkers, start_driver
+
+logger = logging.getLogger(__name__)
 
 
 def kv_block_bytes(model: ModelConfig, block_size: int, dtype: torch.dtype, tensor_parallel_size: int = 1) -> int:
@@ -72,6 +77,17 @@ class ModelRunner:
     the logits gathered to it. A worker builds its own rank with ``group``.
     """
 
+    def _choose_linear_form(self, config: EngineConfig, model_config: ModelConfig) -> str:
+        """``linear_form: auto`` made concrete: the faster form on this host for the MLP's fused gate/up layer."""
+        rows = 2 * model_config.intermediate_size // config.tensor_parallel_size
+        started = time.perf_counter()
+        choice = choose_form("auto", self.device, self.dtype, rows, model_config.hidden_size)
+        if choice.dense_over_onednn:
+            logger.info("dense layers: the %s form (dense over oneDNN time: %s; measured in %.2f s)", choice.form,
+                        ", ".join(f"{rows} rows {r}" for rows, r in choice.dense_over_onednn.items()),
+                        time.perf_counter() - started)
+        return choice.form
+
     def __init__(self, config: EngineConfig, model_config: ModelConfig, model_dir: Path, num_blocks: int,
                  max_model_len: int, *, launcher: Launcher | None = None, group: TPGroup | None = None,
                  device: torch.device | None = None, worker_transport: dict | None = None):
@@ -83,6 +99,9 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, model_config)
         self.block_size = config.block_size
         self.backend = kernels.resolve_backend(config.attention_backend, self.device)
+        if config.linear_form == "auto":  # resolved here, so every rank takes the driver's choice
+            config = self.config = dataclasses.replace(config, linear_form=self._choose_linear_form(config, model_config))
+        self.linear_form = config.linear_form
         self.workers: TPWorkers | None = None
         if config.tensor_parallel_size > 1 and group is None:
             group, self.workers = start_driver(config, model_dir, num_blocks, max_model_len, launcher, self.device,
@@ -91,7 +110,7 @@ class ModelRunner:
         shard = TPShard(group.rank, group.size) if group is not None else SINGLE
         try:
             self.local_config = shard.local_config(model_config)
-            weights = load_weights(model_dir, model_config, self.dtype, self.device, shard)
+            weights = load_weights(model_dir, model_config, self.dtype, self.device, shard, self.linear_form)
             self.weight_bytes = weights.num_bytes
             rope = cos_sin_cache(model_config.rope, model_config.head_dim, max_model_len).to(self.device)
             self.model = CausalLM(self.local_config, weights, rope, group)

@@ -1,16 +1,24 @@
 """Dense layers, stored in whichever form the device multiplies fastest.
 
-On CPU, weights are pre-packed once for oneDNN. On this project's x86 test
-machines its fp32 GEMM runs 2-3x faster than the default BLAS path of
-``F.linear`` at every batch size (the default BLAS takes a slow generic code
-path on some vendors' CPUs), with fp32 accumulation throughout. Elsewhere, or
-where oneDNN is missing, the weight is kept transposed, ``[in, out]``, for a
-plain matmul.
+Two forms, one copy of the weight either way:
+
+- ``onednn``: pre-packed once for oneDNN's GEMM, fp32 accumulation throughout.
+- ``dense``: transposed, ``[in, out]``, for a plain matmul (the default BLAS).
+
+Which is faster depends on the host. On an AMD EPYC, oneDNN ran 2-3x faster
+at every row count (the default BLAS takes a slow generic path there). On an
+Intel Xeon, the default BLAS streamed a one-row product (a single sequence's
+decode step) about 1.5x faster than oneDNN from weights past the cache, and
+oneDNN was 5-10% faster from 16 rows up. So ``choose_form`` times both on the
+model's largest layer when an engine starts (``linear_form: auto``). Without
+oneDNN (GPUs, fp16) the form is ``dense``.
 """
 
 from __future__ import annotations
 
 import logging
+import statistics
+import time
 from dataclasses import dataclass
 
 import torch
@@ -68,8 +76,78 @@ class Linear:
         return torch.matmul(x, self.weight) if self.bias is None else torch.addmm(self.bias, x, self.weight)
 
 
-def make_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
-    """Build from an HF-layout ``[out, in]`` weight already on its device and dtype."""
-    if onednn_available(weight.device, weight.dtype):
+def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, form: str = "onednn") -> Linear:
+    """Build from an HF-layout ``[out, in]`` weight already on its device and dtype.
+
+    ``form`` is ``"onednn"`` (where oneDNN runs this device and dtype; else dense) or ``"dense"``.
+    """
+    if form not in FORMS:
+        raise ValueError(f"form must be one of {FORMS}, got {form!r}")
+    if form == "onednn" and onednn_available(weight.device, weight.dtype):
         return Linear(torch.ops.mkldnn._reorder_linear_weight(weight.contiguous()), bias, packed=True)
     return Linear(weight.t().contiguous(), bias, packed=False)
+
+
+FORMS = ("onednn", "dense")
+# The row counts choose_form times: a single sequence's decode step, and a prefill chunk's.
+PROBE_ROWS = (1, 256)
+# dense is kept only if it is faster at one row and at most this much slower at many (AMD: 2-3x slower).
+DENSE_MAX_SLOWDOWN = 1.5
+# The probe cycles through copies of the layer adding up to this many bytes, past the caches, as a
+# forward pass reads its weights; one copy is capped at that size.
+PROBE_BYTES = 64 * 1024**2
+# Below this many elements (4 MiB of fp32) a layer stays in cache and either form takes microseconds: oneDNN,
+# unmeasured, so that small models run the same arithmetic on every host and every start.
+PROBE_MIN_ELEMENTS = 1024**2
+
+
+@dataclass(frozen=True)
+class FormChoice:
+    form: str
+    # Each probed row count's time with ``dense`` over its time with ``onednn`` (empty when not measured).
+    dense_over_onednn: dict[int, float]
+
+
+def time_forms(out_features: int, in_features: int, dtype: torch.dtype, repeats: int = 5) -> dict[int, float]:
+    """Per ``PROBE_ROWS`` count: the median time of ``dense`` layers over ``onednn`` ones, on this host now."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    out_features = max(1, min(out_features, PROBE_BYTES // itemsize // max(1, in_features)))
+    copies = max(1, -(-PROBE_BYTES // (out_features * in_features * itemsize)))
+    generator = torch.Generator().manual_seed(0)
+    weights = [torch.randn(out_features, in_features, generator=generator).to(dtype) for _ in range(copies)]
+    layers = {form: [make_linear(weight, None, form) for weight in weights] for form in FORMS}
+    del weights
+    ratios = {}
+    for rows in PROBE_ROWS:
+        x = torch.randn(rows, in_features, generator=generator).to(dtype)
+        medians = {}
+        for form, stack in layers.items():
+            stack[0](x)  # oneDNN builds its kernel for the shape
+            times = []
+            for _ in range(repeats):
+                started = time.perf_counter()
+                for layer in stack:
+                    layer(x)
+                times.append(time.perf_counter() - started)
+            medians[form] = statistics.median(times)
+        ratios[rows] = medians["dense"] / medians["onednn"]
+    return ratios
+
+
+def choose_form(requested: str, device: torch.device, dtype: torch.dtype, out_features: int,
+                in_features: int) -> FormChoice:
+    """The form an engine's dense layers take: ``requested``, or for ``"auto"`` the faster here.
+
+    ``dense`` is chosen when it is faster at one row and within ``DENSE_MAX_SLOWDOWN`` of oneDNN at
+    256; oneDNN otherwise, and for a layer under ``PROBE_MIN_ELEMENTS``. The shape is the model's
+    largest layer as this rank holds it.
+    """
+    if not onednn_available(device, dtype):
+        return FormChoice("dense", {})
+    if requested != "auto":
+        return FormChoice(requested, {})
+    if out_features * in_features < PROBE_MIN_ELEMENTS:
+        return FormChoice("onednn", {})
+    ratios = time_forms(out_features, in_features, dtype)
+    dense = ratios[PROBE_ROWS[0]] < 1.0 and ratios[PROBE_ROWS[-1]] <= DENSE_MAX_SLOWDOWN
+    return FormChoice("dense" if dense else "onednn", {rows: round(r, 3) for rows, r in ratios.items()})

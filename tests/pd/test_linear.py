@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pd.model.linear import EXACT_ROWS, make_linear, padded_rows
+from pd.model import linear
+from pd.model.linear import EXACT_ROWS, FORMS, choose_form, make_linear, padded_rows
 
 
 def test_padded_rows_bounds_the_shapes_and_the_waste():
@@ -16,11 +17,42 @@ def test_padded_rows_bounds_the_shapes_and_the_waste():
     assert [padded_rows(n) for n in (64, 65, 129, 2049)] == [64, 72, 144, 2304]
 
 
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("num_rows", [1, 7, 64, 65, 130, 300])
-def test_linear_matches_the_dense_product(num_rows):
+def test_linear_matches_the_dense_product(num_rows, form):
     torch.manual_seed(0)
     weight, bias, x = torch.randn(96, 40), torch.randn(96), torch.randn(num_rows, 40)
     expected = x.double() @ weight.double().t() + bias.double()
-    got = make_linear(weight, bias)(x)
+    layer = make_linear(weight, bias, form)
+    assert layer.packed == (form == "onednn")
+    got = layer(x)
     assert got.shape == (num_rows, 96)
     torch.testing.assert_close(got.double(), expected, atol=1e-4, rtol=1e-5)
+
+
+CPU = torch.device("cpu")
+
+
+def test_a_form_asked_for_is_kept_and_oneDNN_falls_back_where_it_cannot_run():
+    assert choose_form("dense", CPU, torch.float32, 4096, 4096).form == "dense"
+    assert choose_form("onednn", CPU, torch.float32, 4096, 4096).form == "onednn"
+    assert choose_form("auto", CPU, torch.float16, 4096, 4096).form == "dense"  # oneDNN runs fp32 and bf16
+    assert not make_linear(torch.randn(8, 4).half(), None, "onednn").packed
+    with pytest.raises(ValueError, match="form must be one of"):
+        make_linear(torch.randn(8, 4), None, "mkl")
+
+
+def test_auto_measures_a_large_layer_and_leaves_a_small_one_on_onednn(monkeypatch):
+    small = choose_form("auto", CPU, torch.float32, 256, 256)
+    assert small.form == "onednn" and small.dense_over_onednn == {}  # unmeasured: same arithmetic everywhere
+    monkeypatch.setattr(linear, "PROBE_BYTES", 4 * 1024**2)  # a quick probe: 4 copies of 1 MiB
+    chosen = choose_form("auto", CPU, torch.float32, 1024, 1024)
+    assert chosen.form in FORMS and set(chosen.dense_over_onednn) == set(linear.PROBE_ROWS)
+    assert all(ratio > 0 for ratio in chosen.dense_over_onednn.values())
+
+
+@pytest.mark.parametrize("ratios, form", [({1: 0.7, 256: 1.1}, "dense"), ({1: 1.1, 256: 0.9}, "onednn"),
+                                          ({1: 0.7, 256: 2.5}, "onednn")])
+def test_dense_wins_only_faster_at_one_row_and_not_far_slower_at_many(monkeypatch, ratios, form):
+    monkeypatch.setattr(linear, "time_forms", lambda *args: ratios)
+    assert choose_form("auto", CPU, torch.float32, 4096, 4096).form == form

@@ -44,6 +44,16 @@ def test_greedy_batched_matches_hf(kind, checkpoint, references):
         assert_greedy_match(out.token_ids, ref_tokens, gaps)
 
 
+@pytest.mark.parametrize("form", ["onednn", "dense"])
+def test_either_form_of_the_dense_layers_matches_hf(form, checkpoint, references):
+    """The test models are under the probe's size, so ``auto`` runs oneDNN here: the dense form too."""
+    llm = LLM(str(checkpoint("qwen2")), num_blocks=128, linear_form=form)
+    assert llm.engine.runner.linear_form == form
+    outputs = llm.generate(prompts(), GREEDY)
+    for out, (ref_tokens, gaps) in zip(outputs, references("qwen2")):
+        assert_greedy_match(out.token_ids, ref_tokens, gaps)
+
+
 @pytest.mark.parametrize("kind", ["llama", "mistral"])
 @pytest.mark.parametrize("budget", [16, 4096])
 def test_chunked_prefill_is_identical(kind, budget, checkpoint, references):
