@@ -11,9 +11,15 @@ import importlib
 import typing
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
+from pydantic import Field, ValidationError, create_model, model_validator
 
 from pd.config import EngineConfig
+from pd.serve.autoscaling_args import (
+    DecodeAutoscalingArgs,
+    PoolAutoscalingArgs,
+    PrefillAutoscalingArgs,
+    StrictModel,
+)
 from router.remote_prefill import RemotePrefillRule
 from router.shared import DECODE_SCOPE, PREFILL_SCOPE
 
@@ -25,16 +31,11 @@ APP_LEVEL_ENGINE_FIELDS = ("kv_lease_s", "kv_read_timeout_s")
 POOL_LEVEL_ENGINE_FIELDS = ("tensor_parallel_size",)
 # Router kwargs the app sets itself: the engines' block size and the pool's routing scope.
 APP_ROUTER_KWARGS = ("block_size", "routing_scope")
-PLANNER_POLICY = "autoscale.serve:PlannerPolicy"
 # Serve's own graceful_shutdown_timeout_s, which the pools keep where nothing asks for more.
 SERVE_GRACEFUL_SHUTDOWN_S = 20.0
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class _EngineArgsBase(_Strict):
+class _EngineArgsBase(StrictModel):
     @model_validator(mode="after")
     def _valid_engine(self) -> "_EngineArgsBase":
         EngineConfig(**self.model_dump())  # the engine's own checks, with its messages
@@ -61,7 +62,7 @@ def _engine_args_model() -> type[_EngineArgsBase]:
 EngineArgs = _engine_args_model()
 
 
-class RouterArgs(_Strict):
+class RouterArgs(StrictModel):
     """A Ray Serve ``RequestRouter`` for one pool, as ``module:Class`` plus its kwargs.
 
     For this project's routers the kwargs are the fields of the router's
@@ -111,80 +112,7 @@ class RouterArgs(_Strict):
         return kwargs
 
 
-class PoolAutoscalingArgs(_Strict):
-    """The SLO planner (``autoscale.serve.PlannerPolicy``) sizes the pool; see ``autoscale.planner``."""
-
-    min_replicas: int = Field(1, ge=1)
-    max_replicas: int = Field(1, ge=1)
-    initial_replicas: int | None = Field(None, ge=1)
-    period_s: float = Field(10.0, gt=0, description="between plans; replicas report twice a period")
-    scale_down_delay_s: float = Field(60.0, ge=0)
-    hysteresis: float = Field(0.2, ge=0, lt=1)
-    forecast_periods: float = Field(2.0, ge=0)
-    smoothing: float = Field(0.5, gt=0, le=1)
-    correction_smoothing: float = Field(0.3, gt=0, le=1)
-
-    @model_validator(mode="after")
-    def _valid_bounds(self) -> "PoolAutoscalingArgs":
-        if self.max_replicas < self.min_replicas:
-            raise ValueError(f"max_replicas ({self.max_replicas}) must be >= min_replicas ({self.min_replicas})")
-        initial = self.initial_replicas
-        if initial is not None and not self.min_replicas <= initial <= self.max_replicas:
-            raise ValueError(f"initial_replicas ({initial}) must be within min_replicas and max_replicas")
-        return self
-
-    def _planner_fields(self, *pool_fields: str) -> dict[str, Any]:
-        """The ``PlannerConfig`` fields: all but the bounds (Serve's) and the pool's SLO and capacity."""
-        return self.model_dump(exclude={"min_replicas", "max_replicas", "initial_replicas", *pool_fields})
-
-    def policy_kwargs(self) -> dict[str, Any]:
-        raise NotImplementedError
-
-    def serve_config(self) -> dict[str, Any]:
-        """Serve's ``autoscaling_config``: Serve's own delays off (the planner has its own), metrics per period."""
-        return {
-            "min_replicas": self.min_replicas,
-            "max_replicas": self.max_replicas,
-            "initial_replicas": self.initial_replicas,
-            "upscale_delay_s": 0.0,
-            "downscale_delay_s": 0.0,
-            "metrics_interval_s": self.period_s / 2,
-            "look_back_period_s": self.period_s,
-            "policy": {"policy_function": PLANNER_POLICY, "policy_kwargs": self.policy_kwargs()},
-        }
-
-
-class PrefillAutoscalingArgs(PoolAutoscalingArgs):
-    slo_ttft_s: float = Field(gt=0, description="the TTFT p90 the pool is sized for")
-    backlog_drain_s: float = Field(10.0, gt=0)
-    prefill_tokens_per_s: float | None = Field(None, gt=0, description="one replica's; measured when unset")
-
-    def policy_kwargs(self) -> dict[str, Any]:
-        capacity = {"prefill_tokens_per_s": self.prefill_tokens_per_s} if self.prefill_tokens_per_s else {}
-        return {"pool": "prefill", "slo_s": self.slo_ttft_s, "capacity": capacity,
-                "planner": self._planner_fields("slo_ttft_s", "prefill_tokens_per_s")}
-
-
-class DecodeAutoscalingArgs(PoolAutoscalingArgs):
-    slo_itl_s: float = Field(gt=0, description="the inter-token latency p90 the pool is sized for")
-    decode_utilization: float = Field(0.8, gt=0, le=1)
-    decode_step_s: float | None = Field(None, ge=0, description="a decode step's fixed time; measured when unset")
-    decode_step_per_seq_s: float | None = Field(None, gt=0, description="and its time per sequence")
-
-    @model_validator(mode="after")
-    def _both_or_neither(self) -> "DecodeAutoscalingArgs":
-        if (self.decode_step_s is None) != (self.decode_step_per_seq_s is None):
-            raise ValueError("set decode_step_s and decode_step_per_seq_s together, or neither (measured)")
-        return self
-
-    def policy_kwargs(self) -> dict[str, Any]:
-        capacity = ({"decode_step_s": self.decode_step_s, "decode_step_per_seq_s": self.decode_step_per_seq_s}
-                    if self.decode_step_s is not None else {})
-        return {"pool": "decode", "slo_s": self.slo_itl_s, "capacity": capacity,
-                "planner": self._planner_fields("slo_itl_s", "decode_step_s", "decode_step_per_seq_s")}
-
-
-class PoolArgs(_Strict):
+class PoolArgs(StrictModel):
     num_replicas: int | None = Field(1, ge=1)
     # Ray Serve's own autoscaling (its queue-length policy unless a policy is named).
     autoscaling_config: dict[str, Any] | None = None
@@ -229,9 +157,8 @@ class PoolArgs(_Strict):
         }
         if graceful_shutdown_timeout_s is not None:
             options["graceful_shutdown_timeout_s"] = graceful_shutdown_timeout_s
-        for name in ("health_check_period_s", "health_check_timeout_s"):
-            if getattr(self, name) is not None:
-                options[name] = getattr(self, name)
+        options.update({name: value for name in ("health_check_period_s", "health_check_timeout_s")
+                        if (value := getattr(self, name)) is not None})
         if self.tensor_parallel_size > 1:
             options["placement_group_bundles"] = [self.rank_bundle()] * self.tensor_parallel_size
             options["placement_group_strategy"] = "STRICT_PACK"
@@ -260,14 +187,14 @@ class DecodePoolArgs(PoolArgs):
     autoscaling: DecodeAutoscalingArgs | None = None
 
 
-class IngressArgs(_Strict):
+class IngressArgs(StrictModel):
     num_replicas: int = Field(1, ge=1)
     ray_actor_options: dict[str, Any] = Field(default_factory=lambda: {"num_cpus": 0.25})
     max_ongoing_requests: int = Field(256, ge=1)
     max_queued_requests: int = Field(512, ge=-1)
 
 
-class AppArgs(_Strict):
+class AppArgs(StrictModel):
     """Everything ``serve run`` may set for the ``pd`` app."""
 
     model_name: str | None = Field(None, description="the id served at /v1/models; defaults to engine.model")
