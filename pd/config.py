@@ -59,7 +59,7 @@ class EngineConfig:
     max_model_len: int | None = None
     attention_backend: AttentionBackend = "auto"
     # CPU dense layers: oneDNN-packed weights, or plain transposed ones multiplied by the default BLAS
-    # ("dense"); "auto" times both on the model's largest layer at start and keeps the faster.
+    # ("dense"); "auto" times both on the model's fused gate/up layer at start and keeps the faster.
     linear_form: LinearForm = "auto"
     # CPU compute threads (torch intra-op); None leaves the process's setting. A Serve
     # replica resolves None from the CPUs Ray assigned it (see pd.serve.engine_server).

@@ -79,9 +79,9 @@ class ModelRunner:
 
     def _choose_linear_form(self, config: EngineConfig, model_config: ModelConfig) -> str:
         """``linear_form: auto`` made concrete: the faster form on this host for the MLP's fused gate/up layer."""
-        rows = 2 * model_config.intermediate_size // config.tensor_parallel_size
+        gate_up_rows = 2 * model_config.intermediate_size // config.tensor_parallel_size
         started = time.perf_counter()
-        choice = choose_form("auto", self.device, self.dtype, rows, model_config.hidden_size)
+        choice = choose_form("auto", self.device, self.dtype, gate_up_rows, model_config.hidden_size)
         if choice.dense_over_onednn:
             logger.info("dense layers: the %s form (dense over oneDNN time: %s; measured in %.2f s)", choice.form,
                         ", ".join(f"{rows} rows {r}" for rows, r in choice.dense_over_onednn.items()),

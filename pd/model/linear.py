@@ -10,7 +10,7 @@ at every row count (the default BLAS takes a slow generic path there). On an
 Intel Xeon, the default BLAS streamed a one-row product (a single sequence's
 decode step) about 1.5x faster than oneDNN from weights past the cache, and
 oneDNN was 5-10% faster from 16 rows up. So ``choose_form`` times both on the
-model's largest layer when an engine starts (``linear_form: auto``). Without
+model's fused gate/up layer when an engine starts (``linear_form: auto``). Without
 oneDNN (GPUs, fp16) the form is ``dense``.
 """
 
@@ -139,8 +139,8 @@ def choose_form(requested: str, device: torch.device, dtype: torch.dtype, out_fe
     """The form an engine's dense layers take: ``requested``, or for ``"auto"`` the faster here.
 
     ``dense`` is chosen when it is faster at one row and within ``DENSE_MAX_SLOWDOWN`` of oneDNN at
-    256; oneDNN otherwise, and for a layer under ``PROBE_MIN_ELEMENTS``. The shape is the model's
-    largest layer as this rank holds it.
+    256; oneDNN otherwise, and for a layer under ``PROBE_MIN_ELEMENTS``. The shape given is the
+    model's fused gate/up layer as this rank holds it.
     """
     if not onednn_available(device, dtype):
         return FormChoice("dense", {})
