@@ -76,6 +76,9 @@ class Linear:
         return torch.matmul(x, self.weight) if self.bias is None else torch.addmm(self.bias, x, self.weight)
 
 
+FORMS = ("onednn", "dense")
+
+
 def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, form: str = "onednn") -> Linear:
     """Build from an HF-layout ``[out, in]`` weight already on its device and dtype.
 
@@ -88,7 +91,6 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, form: str = "on
     return Linear(weight.t().contiguous(), bias, packed=False)
 
 
-FORMS = ("onednn", "dense")
 # The row counts choose_form times: a single sequence's decode step, and a prefill chunk's.
 PROBE_ROWS = (1, 256)
 # dense is kept only if it is faster at one row and at most this much slower at many (AMD: 2-3x slower).
