@@ -14,7 +14,10 @@ TTFT is its own compute time stretched by the queue in front of it:
 
 The planner takes the smallest ``n`` with ``ttft(n) <= slo.ttft_s``, where
 ``D`` also carries the queued backlog drained over ``backlog_drain_s``:
-requests already waiting need capacity too, not only those to come.
+requests already waiting need capacity too, not only those to come. Where a
+prompt's own compute (``rho = 0``) already exceeds the SLO, no ``n`` meets
+it; the planner then keeps each replica half busy rather than going to the
+maximum (``prefill_slo_met`` in its figures says which it did).
 
 Decode is sized on sequences in flight. A decode step of ``b`` sequences
 takes ``correction * (decode_step_s + decode_step_per_seq_s * b)``; one
@@ -44,6 +47,8 @@ from typing import Sequence
 
 # How far a correction may move the profile's capacity, either way.
 _MAX_CORRECTION = 4.0
+# How busy a prefill replica may be where its TTFT SLO cannot be met at any count.
+_UNMET_SLO_UTILIZATION = 0.5
 
 
 @dataclass(frozen=True)
@@ -196,10 +201,23 @@ def prefill_ttft_s(num_replicas: int, demand_tokens_per_s: float, prompt_tokens:
     return prompt_tokens / capacity_tokens_per_s / (1 - utilization)
 
 
+def prefill_ttft_target_s(config: PlannerConfig, prompt_tokens: float, correction: float) -> float:
+    """The TTFT to size prefill for: the SLO, or twice a prompt's own compute time where that exceeds it.
+
+    More replicas shorten only the queue, never a prompt's own compute: an
+    SLO below that cannot be met at any count, and the pool is sized to keep
+    each replica half busy (its queue doubling TTFT at most) instead of
+    going to its maximum, idle or not.
+    """
+    alone_s = correction * prefill_ttft_s(1, 0.0, prompt_tokens, config.capacity.prefill_tokens_per_s)
+    return config.slo.ttft_s if alone_s < config.slo.ttft_s else alone_s / (1 - _UNMET_SLO_UTILIZATION)
+
+
 def _fewest_prefill(config: PlannerConfig, demand: float, prompt_tokens: float, correction: float) -> int:
     capacity = config.capacity.prefill_tokens_per_s
+    target_s = prefill_ttft_target_s(config, prompt_tokens, correction)
     for count in range(1, config.prefill.max_replicas + 1):
-        if correction * prefill_ttft_s(count, demand, prompt_tokens, capacity) <= config.slo.ttft_s:
+        if correction * prefill_ttft_s(count, demand, prompt_tokens, capacity) <= target_s * (1 + 1e-9):
             return count
     return config.prefill.max_replicas
 
@@ -240,8 +258,9 @@ def _plan_prefill(config: PlannerConfig, state: PlannerState, signals: Sequence[
         wanted = max(wanted, _fewest_prefill(config, forecast * (1 + config.hysteresis), prompt_tokens, correction))
     state = replace(state, prefill_demand=demand, prompt_tokens=prompt, queued_prefill_tokens=queued,
                     prefill_correction=correction)
+    slo_met = prefill_ttft_target_s(config, prompt_tokens, correction) == config.slo.ttft_s
     return wanted, state, {"prefill_tokens_per_s": round(forecast, 1), "prompt_tokens": round(prompt_tokens, 1),
-                           "prefill_correction": round(correction, 3)}
+                           "prefill_correction": round(correction, 3), "prefill_slo_met": slo_met}
 
 
 def _plan_decode(config: PlannerConfig, state: PlannerState, signals: Sequence[ReplicaSignals],

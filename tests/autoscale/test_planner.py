@@ -162,3 +162,15 @@ def test_slo_and_capacity_reject_non_positive_values():
 def test_planner_does_not_import_ray():
     code = "import sys, autoscale.planner; sys.exit('ray' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_an_slo_no_count_can_meet_sizes_for_half_busy_not_for_the_maximum():
+    # 20,000-token prompts take 2 s alone: no count meets the 1 s target, as no count shortens a
+    # prompt's own compute. A busy pool keeps each replica half busy; an idle one stays at its minimum.
+    busy, state = plan(config(), PlannerState(), [prefill(10_000, prompt_tokens=20_000)], [decode(1)], 1, 1,
+                       now_s=10)
+    assert busy.num_prefill == 2
+    assert busy.why["prefill_slo_met"] is False
+    idle, _ = plan(config(), state, [prefill(0)], [decode(1)], 1, 1, now_s=20)
+    assert idle.why["prompt_tokens"] == 20_000
+    assert idle.num_prefill == 1

@@ -38,6 +38,7 @@ DECODE_CAPACITY = {"decode_step_s": 0.015, "decode_step_per_seq_s": 0.003}
 # The config's own KV pool (the tests' 64 MiB holds about 25 of these prompts, the planner then plans
 # for 20 a replica, and the step's contention can keep that many waiting at decode).
 LOAD_STEP_KV_BYTES = 256 * 1024**2
+LOAD_STEP_QUEUE_BOUND = 1024  # more than the whole trace: every prompt waits for the prefill pool
 
 
 def planner_app(**overrides) -> dict:
@@ -210,8 +211,11 @@ def test_a_load_step_scales_prefill_out_and_back_and_loses_nothing(ray_cluster, 
     # prefill replicas, locust and the ingress share two cores with decode: in a full suite run, 20
     # sequences waited at decode, its ITL was 3.4x the profile's, and with the tests' small pool it
     # rightly wanted a second replica.
+    # The step is the prefill pool's alone: past ``prefill_queue_bound`` calls in flight the ingress
+    # prefills at decode instead, and on CI's host that overflow once put 67 sequences at decode.
     engine = {**config_args("autoscaling.yaml")["engine"], "kv_cache_bytes": LOAD_STEP_KV_BYTES}
-    ensure_app("autoscaling.yaml", **planner_app(decode=DECODE_CAPACITY, engine=engine))
+    ensure_app("autoscaling.yaml", **planner_app(decode=DECODE_CAPACITY, engine=engine,
+                                                 prefill_queue_bound=LOAD_STEP_QUEUE_BOUND))
     client = Client(ray_cluster["url"])
     wait_until(lambda: running("PrefillServer") == 1 and running("DecodeServer") == 1, timeout=60)
     capacity = prefill_capacity(client)
@@ -219,6 +223,7 @@ def test_a_load_step_scales_prefill_out_and_back_and_loses_nothing(ray_cluster, 
     num_requests_sent = len((tmp_path / "step.jsonl").read_text().splitlines())
     step_at = PHASES[0][0]
     run_dir = tmp_path / "run"
+    [decode_before] = pool_stats("DecodeServer")
     with Timeline() as timeline:
         locust = threading.Thread(target=lambda: setattr(locust, "done", _locust(
             client.url, run_dir / "locust", "--trace-file", str(tmp_path / "step.jsonl"), "--max-tokens", "4",
@@ -260,13 +265,17 @@ def test_a_load_step_scales_prefill_out_and_back_and_loses_nothing(ray_cluster, 
     assert sum(int(row["Failure Count"]) for row in stats.values()) == 0
     num_requests = sum(int(row["Request Count"]) for (kind, _), row in stats.items() if kind == "E2E")
     assert num_requests == num_requests_sent
+    # Prompt tokens the decode replica computed itself (overflow, or a pull given up): 0 when all went well.
+    decode_computed = [stats["num_computed_prompt_tokens"] - decode_before["num_computed_prompt_tokens"]
+                       for stats in pool_stats("DecodeServer")]
     scaled_in = timeline.first(lambda s: s["prefill"] == 1 and s["prefill_other"] == 0, after=scaled_out)
     print(json.dumps({"prefill_capacity_tokens_per_s": round(capacity), "rates_per_s": [round(r, 2) for r in rates],
                       "load_step_at_s": step_at, "prefill_2_at_s": scaled_out, "prefill_back_to_1_at_s": scaled_in,
-                      "max_decode": max(s["decode"] + s["decode_other"] for s in timeline.samples),
+                      "decode_computed_prompt_tokens": decode_computed, "max_decode": max(s["decode"] + s["decode_other"] for s in timeline.samples),
                       "timeline": timeline.changes()}))
     assert scaled_out - step_at <= 30.0
-    assert all(s["decode"] + s["decode_other"] == 1 for s in timeline.samples), "\n".join(planner_decisions())
+    assert all(s["decode"] + s["decode_other"] == 1 for s in timeline.samples), \
+        "\n".join([*planner_decisions(), f"prompt tokens computed at decode: {decode_computed}"])
     wait_until(_all_clean, timeout=30)
 
 
