@@ -28,16 +28,22 @@ SCALE_DOWN_DELAY_S = 6.0
 MODEL = "builtin:tiny-llama"
 SERVE_DRAIN_LOOP_S = 2.0  # Serve's graceful_shutdown_wait_loop_s: how often a stopping replica checks its calls
 PROMPT_TOKENS = 512  # one trace block: every prompt is new to every cache, so it prefills remotely
+# The load step's prompts: two trace blocks, each new to every cache. Decode's load is per request,
+# so longer prompts keep the step on prefill (on CI's faster host, 512-token ones came at 7.9 a
+# second); much longer ones make each period's demand spiky at the low rates.
+STEP_PROMPT_TOKENS = 2 * PROMPT_TOKENS
 # The load step, as (seconds, share of one prefill replica's capacity measured just before), 15x.
 # High, one replica cannot keep up, so the planner wants two whatever its latency correction; low,
-# a 512-token prompt's own compute is most of its TTFT, well inside the target at any correction.
+# a prompt's own compute is most of its TTFT, and one replica is enough (half busy at most where
+# that compute alone misses the target, as on a loaded host).
 PHASES = ((8.0, 0.08), (24.0, 1.2), (24.0, 0.08))
 # A decode step of the test model at a 512-token context on one thread: 6.7 ms, and 1.2 ms more per
-# sequence on an Intel Xeon core (sim.profile); twice that here, for the contention.
+# sequence on an Intel Xeon core (sim.profile); twice that here, for the contention. The planner's
+# correction (4x at most) covers the step's longer contexts.
 DECODE_CAPACITY = {"decode_step_s": 0.015, "decode_step_per_seq_s": 0.003}
-# The config's own KV pool (the tests' 64 MiB holds about 25 of these prompts, the planner then plans
-# for 20 a replica, and the step's contention can keep that many waiting at decode).
-LOAD_STEP_KV_BYTES = 256 * 1024**2
+# Twice the config's own KV pool: 126 of the step's sequences a replica at 4 MiB each (the tests'
+# 64 MiB holds 15, and the planner sizes decode on KV too).
+LOAD_STEP_KV_BYTES = 512 * 1024**2
 LOAD_STEP_QUEUE_BOUND = 1024  # more than the whole trace: every prompt waits for the prefill pool
 
 
@@ -118,7 +124,9 @@ class Timeline:
 def prefill_capacity(client) -> float:
     """Prompt tokens/s the prefill pool's one replica computes, from its own step times over two prompts.
 
-    Too few steps for the planner to trust (``autoscale.capacity.MIN_SECONDS``), so it does not act on them.
+    Too few steps for the planner to trust (``autoscale.capacity.MIN_SECONDS``), so it does not act on them:
+    short prompts (two of the step's would be enough for it). Longer ones run a little slower, so the
+    step's high phase asks a little more than its share.
     """
     for seed in range(2):
         prompt = [random.Random(seed).randrange(1000) for _ in range(PROMPT_TOKENS)]
@@ -134,11 +142,13 @@ def step_trace(path: Path, capacity: float) -> list[float]:
 
     requests, at, rates = [], 0.0, []
     for duration, share in PHASES:
-        rate = share * capacity / PROMPT_TOKENS
+        rate = share * capacity / STEP_PROMPT_TOKENS
         rates.append(rate)
         end = at + duration
         while at < end - 1e-9:
-            requests.append(TraceRequest(at * 1000, PROMPT_TOKENS, 4, (len(requests),)))
+            first = len(requests) * STEP_PROMPT_TOKENS // PROMPT_TOKENS
+            requests.append(TraceRequest(at * 1000, STEP_PROMPT_TOKENS, 4,
+                                         tuple(range(first, first + STEP_PROMPT_TOKENS // PROMPT_TOKENS))))
             at += 1 / rate
         at = end
     dump_trace(requests, path)
@@ -207,12 +217,11 @@ def _going_away(deployment: str) -> tuple[str, int]:
 
 
 def test_a_load_step_scales_prefill_out_and_back_and_loses_nothing(ray_cluster, offline, tmp_path):
-    # Decode's capacity and KV pool are set well above what this load asks of it. Under the step, two
-    # prefill replicas, locust and the ingress share two cores with decode: in a full suite run, 20
-    # sequences waited at decode, its ITL was 3.4x the profile's, and with the tests' small pool it
-    # rightly wanted a second replica.
-    # The step is the prefill pool's alone: past ``prefill_queue_bound`` calls in flight the ingress
-    # prefills at decode instead, and on CI's host that overflow once put 67 sequences at decode.
+    # Decode's capacity and KV pool are set well above what this load asks of it, and the step is the
+    # prefill pool's alone: long prompts (decode's load is per request) and a queue bound past the
+    # trace (beyond it, the ingress prefills at decode). Two prefill replicas, locust and the ingress
+    # share two cores with decode: on CI's host, with 512-token prompts at 7.9 a second, decode once
+    # planned for 67 sequences in flight and rightly wanted a second replica.
     engine = {**config_args("autoscaling.yaml")["engine"], "kv_cache_bytes": LOAD_STEP_KV_BYTES}
     ensure_app("autoscaling.yaml", **planner_app(decode=DECODE_CAPACITY, engine=engine,
                                                  prefill_queue_bound=LOAD_STEP_QUEUE_BOUND))
@@ -265,17 +274,21 @@ def test_a_load_step_scales_prefill_out_and_back_and_loses_nothing(ray_cluster, 
     assert sum(int(row["Failure Count"]) for row in stats.values()) == 0
     num_requests = sum(int(row["Request Count"]) for (kind, _), row in stats.items() if kind == "E2E")
     assert num_requests == num_requests_sent
-    # Prompt tokens the decode replica computed itself (overflow, or a pull given up): 0 when all went well.
-    decode_computed = [stats["num_computed_prompt_tokens"] - decode_before["num_computed_prompt_tokens"]
-                       for stats in pool_stats("DecodeServer")]
+    # What the decode replica did: prompt tokens it computed itself (overflow, or a pull given up: 0
+    # when all went well), and its pulls.
+    decode_work = [{"computed_prompt_tokens": stats["num_computed_prompt_tokens"] - decode_before[
+                        "num_computed_prompt_tokens"],
+                    "pulls": stats["num_remote_pulls"] - decode_before["num_remote_pulls"],
+                    "pull_seconds": round(stats["pull_seconds_total"] - decode_before["pull_seconds_total"], 2)}
+                   for stats in pool_stats("DecodeServer")]
     scaled_in = timeline.first(lambda s: s["prefill"] == 1 and s["prefill_other"] == 0, after=scaled_out)
     print(json.dumps({"prefill_capacity_tokens_per_s": round(capacity), "rates_per_s": [round(r, 2) for r in rates],
                       "load_step_at_s": step_at, "prefill_2_at_s": scaled_out, "prefill_back_to_1_at_s": scaled_in,
-                      "decode_computed_prompt_tokens": decode_computed, "max_decode": max(s["decode"] + s["decode_other"] for s in timeline.samples),
+                      "decode": decode_work, "max_decode": max(s["decode"] + s["decode_other"] for s in timeline.samples),
                       "timeline": timeline.changes()}))
     assert scaled_out - step_at <= 30.0
     assert all(s["decode"] + s["decode_other"] == 1 for s in timeline.samples), \
-        "\n".join([*planner_decisions(), f"prompt tokens computed at decode: {decode_computed}"])
+        "\n".join([*planner_decisions(), f"decode: {decode_work}"])
     wait_until(_all_clean, timeout=30)
 
 
