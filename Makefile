@@ -8,12 +8,16 @@ STAMP := $(VENV)/.installed
 
 venv: $(STAMP)
 
-# Torch goes in first and pinned: an unpinned resolve would pull a multi-GB CUDA build.
+# Torch goes in first and pinned: an unpinned resolve would pull a multi-GB CUDA build. The C++
+# CPU kernels compile last, once, not in the first engine start that needs them (a source changed
+# later recompiles there, as torch's extension loader checks).
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH)"
 	$(BIN)/python -m pip install -q -e ".[test,load]"
+	$(BIN)/python -c "import kernels.cpu; kernels.cpu.build()" \
+		|| echo "C++ CPU kernels not built (no compiler?): attention_backend auto takes the torch reference"
 	touch $(STAMP)
 
 # vLLM's CPU build, in its own venv, as the same-run peer of bench.engine and bench.serve.
