@@ -2,9 +2,10 @@
 
 - host -> device: ``HostTier.promote`` of runs of ``RUN_BLOCKS`` blocks (a
   prompt's worth) into device blocks in a shuffled order, as an allocator
-  hands them out; against one copy of the same bytes as a single tensor, the
-  faster of torch's ``copy_`` and the tier's own streamed copy (so the ratio
-  is what copying scattered blocks costs, not the choice of stores).
+  hands them out; against copying the same bytes in place and in order, the
+  fastest of torch's ``copy_`` and the tier's own streamed copy (one thread,
+  or block by block over torch's threads, as promotions run): so the ratio is
+  what copying scattered blocks costs, not the choice of stores or threads.
 - disk -> host: the disk tier's reads of runs of ``RUN_BLOCKS`` records it
   wrote (NIXL POSIX, each record checked) into host slots, against plain
   sequential reads (``readinto``) of the same files into the same slots. The
@@ -65,13 +66,16 @@ def host_to_device(block_shape: tuple[int, ...], num_blocks: int, repeats: int =
 
 
 def _best_memcpy(src: torch.Tensor, dst: torch.Tensor) -> float:
-    """The faster of torch's ``copy_`` and the tier's own streamed copy, of all the bytes as one block."""
-    started = time.perf_counter()
-    dst.copy_(src)
-    plain = time.perf_counter() - started
-    started = time.perf_counter()
-    cpu_kernels.copy_blocks(src.view(1, -1), [0], dst.view(1, -1), [0])
-    return min(plain, time.perf_counter() - started)
+    """The fastest copy of the same bytes, in place and in order: torch's ``copy_`` (over its threads),
+    or the tier's own streamed copy, as one block (one thread) or block by block in order (over threads)."""
+    seconds = []
+    for copy in (lambda: dst.copy_(src),
+                 lambda: cpu_kernels.copy_blocks(src.view(1, -1), [0], dst.view(1, -1), [0]),
+                 lambda: cpu_kernels.copy_blocks(src, list(range(len(src))), dst, list(range(len(dst))))):
+        started = time.perf_counter()
+        copy()
+        seconds.append(time.perf_counter() - started)
+    return min(seconds)
 
 
 def disk_to_host(block_shape: tuple[int, ...], num_blocks: int, block_size: int = 16,

@@ -116,6 +116,21 @@ def test_copy_blocks_copies_whole_blocks_to_their_ids_and_nothing_else(dtype):
     assert torch.equal(dst, expected)
 
 
+def test_copy_blocks_splits_many_blocks_over_threads_and_copies_each_once():
+    src = torch.randn(64, 2, 16, 4, 8)
+    dst = torch.zeros(96, 2, 16, 4, 8)
+    order = torch.randperm(96, generator=torch.Generator().manual_seed(0))[:61].tolist()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        cpu.copy_blocks(src, list(range(61)), dst, order)
+    finally:
+        torch.set_num_threads(threads)
+    expected = torch.zeros_like(dst)
+    expected[order] = src[:61]
+    assert torch.equal(dst, expected)
+
+
 def test_copy_blocks_refuses_a_bad_id_or_pool():
     src, dst = torch.randn(4, 8), torch.zeros(4, 8)
     with pytest.raises(RuntimeError, match="out of range"):
