@@ -18,7 +18,7 @@ on a GPU one copy per run of consecutive host slots from a pinned pool.
 from __future__ import annotations
 
 import time
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -49,13 +49,16 @@ class HostTier:
         self.cache = torch.empty((num_blocks, *device_cache.shape[1:]), dtype=device_cache.dtype,
                                  device="cpu" if self.copies else "meta", pin_memory=device_cache.is_cuda)
         self.num_blocks = num_blocks
+        self.block_bytes = self.cache[0].nbytes
         if self.copies and not device_cache.is_cuda:
             cpu_kernels.build()  # promotions copy with it; compiled once, at engine start
         # block hash -> (host slot, the block's tokens); oldest use first.
         self._index: OrderedDict[bytes, tuple[int, tuple[int, ...]]] = OrderedDict()
         self._free_slots = list(range(num_blocks - 1, -1, -1))
-        # Slots a promotion, a load or a waiting request counts on, with how many hold each: never reused meanwhile.
-        self._pins: Counter[int] = Counter()
+        # How many hold each slot (a promotion, a load or a waiting request): a held slot is never reused.
+        # A list, not a dict: promotions unpin a slot per block, on the step's path.
+        self._pins = [0] * num_blocks
+        self._num_pinned = 0
         self.stats = HostTierStats(host_capacity_blocks=num_blocks)
         # Called with a block hash as its entry leaves the tier (to make room).
         self.on_drop: Callable[[bytes], None] | None = None
@@ -92,7 +95,7 @@ class HostTier:
         if self._free_slots:
             return self._free_slots.pop()
         for block_hash, (slot, _) in self._index.items():  # least recently used first
-            if slot not in self._pins:
+            if not self._pins[slot]:
                 del self._index[block_hash]
                 self.stats.num_host_cached_blocks = len(self._index)
                 if self.on_drop is not None:
@@ -104,7 +107,7 @@ class HostTier:
         """Up to ``num_slots`` slots for a load from a lower tier, held until ``admit`` or ``give_back``."""
         slots = []
         while len(slots) < num_slots and (slot := self._take_slot()) is not None:
-            self._pins[slot] += 1
+            self._pin(slot)
             slots.append(slot)
         return slots
 
@@ -112,7 +115,7 @@ class HostTier:
         """Index a slot that a load filled with ``block_hash``; it stays reserved until ``unreserve``."""
         existing = self._index.get(block_hash)
         if existing is not None:  # it came back meanwhile (demoted, or another load): keep that copy
-            self._pins[existing[0]] += 1
+            self._pin(existing[0])
             self.give_back([slot])
             return
         self._index[block_hash] = (slot, tuple(token_ids))
@@ -123,16 +126,19 @@ class HostTier:
         for block_hash in block_hashes:
             self._unpin(self._index[block_hash][0])
 
+    def _pin(self, slot: int) -> None:
+        if not self._pins[slot]:
+            self._num_pinned += 1
+        self._pins[slot] += 1
+
     def _unpin(self, slot: int) -> None:
-        count = self._pins[slot] - 1
-        if count > 0:
-            self._pins[slot] = count
-        else:
-            del self._pins[slot]
+        self._pins[slot] -= 1
+        if not self._pins[slot]:
+            self._num_pinned -= 1
 
     @property
     def num_pinned_slots(self) -> int:
-        return len(self._pins)
+        return self._num_pinned
 
     def give_back(self, slots: Sequence[int]) -> None:
         """Slots taken with ``take_slots`` that no load filled."""
@@ -155,7 +161,7 @@ class HostTier:
         """Keep these entries' slots from reuse until ``promote`` (demotions may run in between)."""
         for block_hash in block_hashes:
             self._index.move_to_end(block_hash)
-            self._pins[self._index[block_hash][0]] += 1
+            self._pin(self._index[block_hash][0])
 
     def promote(self, block_hashes: Sequence[bytes], block_ids: Sequence[int]) -> list[tuple[int, ...]]:
         """Copy reserved entries into device blocks ``block_ids``, one to one; their tokens."""
@@ -174,9 +180,12 @@ class HostTier:
                     start = end
         else:
             cpu_kernels.copy_blocks(self.cache, slots, self.device_cache, list(block_ids))
+        pins = self._pins  # _unpin, inline: this runs once per promoted block, on the step's path
         for slot in slots:
-            self._unpin(slot)
+            pins[slot] -= 1
+            if not pins[slot]:
+                self._num_pinned -= 1
         self.stats.num_promoted_blocks += len(slots)
-        self.stats.num_promoted_bytes += len(slots) * self.cache[0].nbytes
+        self.stats.num_promoted_bytes += len(slots) * self.block_bytes
         self.stats.promote_seconds += time.perf_counter() - started
         return [tokens for _, tokens in entries]
