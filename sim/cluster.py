@@ -15,9 +15,7 @@ by the replicas' prefix-cache events every ``report_period_s`` (as Serve's
 ``KVConnector`` leases, pulls and releases over ``sim.transport``. What is
 modelled: each engine step's time (``CostModel``), each read's time
 (``TransferModel``), one Ray call's overhead each way (``call_s``) and the
-ingress's own work on a request before it decides (``ingress_s``; on a
-shared host, a thread's worth of demand on its cores while it lasts,
-stretched as a step is).
+ingress's own work on a request before it decides (``ingress_s``).
 Serve's own queueing (``max_ongoing_requests``) is not: a replica admits
 whatever is routed to it, and its scheduler queues it.
 
@@ -123,14 +121,10 @@ class SimCluster:
         flow = _Flow(record, prompt, hash_block_tokens(prompt, self.spec.block_size), params)
         self._flows[request_id] = flow
         self._start_reports()
-        if not self.spec.ingress_s:
-            self._place(request_id, flow)
-        elif self.host is None:
+        if self.spec.ingress_s:
             self.loop.at(self.loop.now + self.spec.ingress_s, lambda: self._place(request_id, flow))
-        else:  # the ingress computes on the shared cores too: slower while they are busy, and busying them
-            worker = f"ingress:{request_id}"
-            seconds = self.spec.ingress_s * self.host.begin_step(worker, 1)
-            self.loop.at(self.loop.now + seconds, lambda: (self.host.end_step(worker), self._place(request_id, flow)))
+        else:
+            self._place(request_id, flow)
         return record
 
     def _place(self, request_id: str, flow: _Flow) -> None:

@@ -2,11 +2,10 @@
 
 On a small machine the engines compute on the same cores as the HTTP proxy,
 the ingress and the load generator, whose work grows with the tokens
-streamed. A step (or the ingress's work on a request) that starts while the
-cores are oversubscribed runs slower, by the ratio of demand to cores:
+streamed. A step that starts while the cores are oversubscribed runs
+slower, by the ratio of demand to cores:
 
-    demand  = threads of every replica stepping now (this one included),
-              one more for each request the ingress is working on
+    demand  = threads of every replica stepping now (this one included)
             + cpu_per_token_s * tokens streamed over the last window_s / window_s
     stretch = max(1, demand / cores)
 
@@ -39,7 +38,7 @@ class SharedHost:
         self.model = model
         self._tokens: deque[tuple[float, int]] = deque()
         self._num_recent_tokens = 0
-        self._stepping: dict[str, int] = {}  # replica id (or the ingress's request) -> its threads, while it runs
+        self._stepping: dict[str, int] = {}  # replica id -> its threads, while it steps
 
     def note_tokens(self, count: int) -> None:
         self._tokens.append((self.loop.now, count))

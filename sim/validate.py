@@ -263,7 +263,7 @@ def calibrated_spec(args: dict, cost_for_threads: Callable[[int], CostModel], ca
     factor = calibration.step_time_factor
     spec = cluster_spec(args, lambda threads: cost_for_threads(threads).scaled(factor, why) if factor != 1 else
                         cost_for_threads(threads), LINKS["loopback"], call_s=call_s)
-    host = HostModel(os.cpu_count() or 1, calibration.cpu_per_token_s) if calibration != Calibration() else None
+    host = HostModel(os.cpu_count() or 1, calibration.cpu_per_token_s) if calibration.cpu_per_token_s else None
     return dataclasses.replace(spec, ingress_s=calibration.ingress_s, host=host)
 
 

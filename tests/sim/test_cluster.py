@@ -102,22 +102,3 @@ def test_colocated_has_no_prefill_pool_and_the_same_seed_repeats_exactly():
 def test_pools_must_share_a_block_size():
     with pytest.raises(ValueError, match="block_size"):
         ClusterSpec(decode=PoolSpec(1, CONFIG, COST), prefill=PoolSpec(1, dataclasses.replace(CONFIG, block_size=32), COST))
-
-
-def test_the_ingress_works_on_the_shared_cores_slower_while_engines_step():
-    from sim.host import HostModel
-
-    def ttfts(cores: float) -> list[float]:
-        loop = EventLoop()
-        cluster = SimCluster(loop, spec(num_prefill=0, num_decode=1, ingress_s=0.05,
-                                        host=HostModel(cores=cores, cpu_per_token_s=0.0)))
-        long, short = prompts(2, lengths=(64,))
-        loop.at(0.0, lambda: cluster.submit("decoding", long, SamplingParams(max_tokens=400, ignore_eos=True)))
-        loop.at(0.2, lambda: cluster.submit("arriving", short, SamplingParams(max_tokens=2, ignore_eos=True)))
-        loop.run()
-        return [cluster.records[name].ttft_s for name in ("decoding", "arriving")]
-
-    one_core, eight_cores = ttfts(cores=1), ttfts(cores=8)
-    assert one_core[0] == eight_cores[0]  # nothing else ran: the ingress's own 50 ms either way
-    # Arriving while a decode step holds the only core, the ingress's 50 ms take twice as long.
-    assert one_core[1] - eight_cores[1] >= 0.05 - 1e-9
