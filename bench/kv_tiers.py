@@ -95,6 +95,8 @@ def serve(llm, prompts: list[tuple[list[int], int]]) -> dict[str, float]:
     return {"hit_rate": round((after.num_prefix_hit_tokens - before.num_prefix_hit_tokens) / prompt_tokens, 4),
             "ttft_p50_s": round(percentile(ttfts, 50), 5), "prompt_tokens": prompt_tokens,
             "promoted_blocks": after.num_promoted_blocks - before.num_promoted_blocks,
+            "demoted_blocks": after.num_demoted_blocks - before.num_demoted_blocks,
+            "demote_seconds": round(after.demote_seconds - before.demote_seconds, 4),
             "disk_read_blocks": after.disk_read_blocks - before.disk_read_blocks}
 
 
@@ -192,6 +194,7 @@ def main(argv: list[str] | None = None) -> None:
         "requests": len(prompts), "turns": args.turns, "prompt_tokens": runs["unbounded"]["prompt_tokens"],
         "working_set_blocks": working_set, "device_blocks": device_blocks, "host_blocks": host_blocks,
         "block_bytes": block_bytes, "promoted_blocks": runs["tiered"]["promoted_blocks"],
+        **{key: runs["tiered"][key] for key in ("demoted_blocks", "demote_seconds")},
         "disk_read_blocks": runs["tiered"]["disk_read_blocks"], "model": MODEL,
     }
     print(json.dumps(row))
