@@ -276,11 +276,10 @@ def test_a_load_step_scales_prefill_out_and_back_and_loses_nothing(ray_cluster, 
     assert num_requests == num_requests_sent
     # What the decode replica did: prompt tokens it computed itself (overflow, or a pull given up: 0
     # when all went well), and its pulls.
-    decode_work = [{"computed_prompt_tokens": stats["num_computed_prompt_tokens"] - decode_before[
-                        "num_computed_prompt_tokens"],
-                    "pulls": stats["num_remote_pulls"] - decode_before["num_remote_pulls"],
-                    "pull_seconds": round(stats["pull_seconds_total"] - decode_before["pull_seconds_total"], 2)}
-                   for stats in pool_stats("DecodeServer")]
+    counters = {"computed_prompt_tokens": "num_computed_prompt_tokens", "pulls": "num_remote_pulls",
+                "pull_seconds": "pull_seconds_total"}
+    decode_work = [{name: round(now[key] - decode_before[key], 2) for name, key in counters.items()}
+                   for now in pool_stats("DecodeServer")]
     scaled_in = timeline.first(lambda s: s["prefill"] == 1 and s["prefill_other"] == 0, after=scaled_out)
     print(json.dumps({"prefill_capacity_tokens_per_s": round(capacity), "rates_per_s": [round(r, 2) for r in rates],
                       "load_step_at_s": step_at, "prefill_2_at_s": scaled_out, "prefill_back_to_1_at_s": scaled_in,
