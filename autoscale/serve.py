@@ -15,7 +15,8 @@ delay and hysteresis, so the app sets Serve's own ``upscale_delay_s`` and
 ``downscale_delay_s`` to 0 (Serve applies them on top of any custom policy).
 Capacity is the configured figure where one is given, else measured from
 the pool's step times (``autoscale.capacity``); with neither yet, the target
-stays where it is.
+stays where it is. While fewer replicas report than the target holds (some
+still starting), it never scales down, and the scale-down delay starts over.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import logging
 import math
 import time
 from collections import deque
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any, Callable
 
 from autoscale.capacity import StepSums, decode_step_line, prefill_tokens_per_s
@@ -190,6 +191,12 @@ class PlannerPolicy:
         config = PlannerConfig(self.slo, capacity, **{self.pool: bounds}, **self.planner)
         step = plan_prefill if self.pool == "prefill" else plan_decode
         count, self.state, why = step(config, self.state, signals, current, now_s)
+        if count < current <= bounds.max_replicas and len(signals) < current:
+            # Replicas of the target still starting: the demand is no lower for their silence, and
+            # scaling down now would stop one before it served. The delay starts once all report.
+            count = current
+            self.state = replace(self.state, prefill_wants=(), decode_wants=())
+            why = {**why, "waiting_for_replicas": current - len(signals)}
         why = {**why, "capacity": _capacity_figures(capacity, self.pool)}
         if count != current:
             logger.info("planner: %s pool %d -> %d replicas (%s)", self.pool, current, count, why)

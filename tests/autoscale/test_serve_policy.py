@@ -127,6 +127,18 @@ def test_policy_plans_once_a_period_and_scales_prefill_on_measured_capacity():
     assert count > 1 and why["prefill_tokens_per_s"] > 1000
 
 
+def test_policy_scales_down_only_once_every_replica_of_the_target_reports():
+    planner, bounds = policy(scale_down_delay_s=2.0), Bounds(1, 4)
+    idle = prefill_report(10_000)  # 1,000 tokens/s measured, nothing arriving: one replica is plenty
+    one = replica_reports(raw({"a": idle}, at=100.0))
+    # The target is 2 and the second replica is still starting: its absence is not lower demand.
+    for now_s in (100.0, 102.0, 104.0, 106.0):
+        assert planner.decide(one, 2, bounds, now_s=now_s)[0] == 2
+    both = replica_reports(raw({"a": idle, "b": idle}, at=108.0))
+    assert planner.decide(both, 2, bounds, now_s=108.0)[0] == 2  # the delay starts now
+    assert planner.decide(both, 2, bounds, now_s=110.0)[0] == 1
+
+
 def test_policy_without_a_measured_or_configured_capacity_keeps_the_target():
     planner = policy()
     reports = replica_reports(raw({"a": prefill_report(10, busy_s=0.01)}, at=5.0))
