@@ -97,12 +97,15 @@ class Timeline:
 
     def _run(self) -> None:
         while not self._stop.wait(0.25):
-            sample = {"t": round(time.monotonic() - self.started, 2)}
-            for name, deployment in (("prefill", "PrefillServer"), ("decode", "DecodeServer")):
-                states = [state for state, _ in replicas(deployment).values()]
-                sample[name] = states.count("RUNNING")
-                sample[f"{name}_other"] = len(states) - sample[name]
-            self.samples.append(sample)
+            self._sample()
+
+    def _sample(self) -> None:
+        sample = {"t": round(time.monotonic() - self.started, 2)}
+        for name, deployment in (("prefill", "PrefillServer"), ("decode", "DecodeServer")):
+            states = [state for state, _ in replicas(deployment).values()]
+            sample[name] = states.count("RUNNING")
+            sample[f"{name}_other"] = len(states) - sample[name]
+        self.samples.append(sample)
 
     def changes(self) -> list[dict]:
         """The samples where any count changed: the replica timeline."""
@@ -116,9 +119,11 @@ class Timeline:
         self._thread.start()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *exc) -> None:
         self._stop.set()
         self._thread.join(10)
+        if exc_type is None:
+            self._sample()  # the state the caller waited for, which the last tick may have missed
 
 
 def prefill_capacity(client) -> float:
