@@ -32,7 +32,7 @@ import torch
 
 import kernels.cpu as cpu_kernels
 from pd.engine.block_pool import Tier
-from pd.engine.block_store import NixlBlockStore
+from pd.engine.block_store import NixlBlockStore, NixlRecords
 from pd.engine.host_tier import HostTier
 from pd.engine.store_tier import StoreTier
 
@@ -87,7 +87,7 @@ def disk_to_host(block_shape: tuple[int, ...], num_blocks: int, block_size: int 
         store = NixlBlockStore("bench-disk", "bench", block_size, data_bytes, path=path)
         hashes = _hashes(num_blocks)
         blocks = dict(zip(hashes, device))
-        tier = StoreTier(Tier.DISK, store, num_blocks, host.cache, blocks.get, num_staging=num_blocks)
+        tier = StoreTier(Tier.DISK, NixlRecords(store, host.cache, num_staging=num_blocks), num_blocks, blocks.get)
         tokens = [tuple(range(index, index + block_size)) for index in range(num_blocks)]
         for block_id, block_hash in enumerate(hashes):
             tier.offer(block_hash, tokens[block_id])

@@ -12,7 +12,7 @@ from typing import Callable
 from pd.config import EngineConfig, SchedulerConfig
 from pd.engine.block_pool import CacheEvent
 from pd.engine.clock import SYSTEM_CLOCK, Clock
-from pd.engine.kv_tiers import build_tiers, tier_stats
+from pd.engine.kv_tiers import TierIO, build_tiers, tier_stats
 from pd.engine.stats import EngineStats
 from pd.engine.kv_connector import ConnectorTP, KVConnector
 from pd.engine.kv_layout import BLOCK_LAYOUT, pool_heads
@@ -63,11 +63,13 @@ class LLMEngine:
     With a ``transport`` the engine also serves disaggregated requests: see
     ``pd.engine.kv_connector``. ``make_runner`` builds what runs the model
     (``ModelRunner``'s signature); the simulator passes one that models it,
-    and its own ``clock``.
+    its own ``clock``, and ``tier_io``: what the disk tier's and the shared
+    store's records are and what runs their I/O (``pd.engine.kv_tiers.TierIO``).
     """
 
     def __init__(self, config: EngineConfig, transport: KVTransport | None = None, *,
-                 make_runner: Callable[..., ModelRunner] = ModelRunner, clock: Clock = SYSTEM_CLOCK):
+                 make_runner: Callable[..., ModelRunner] = ModelRunner, clock: Clock = SYSTEM_CLOCK,
+                 tier_io: TierIO | None = None):
         self.config = config
         self.engine_id = uuid.uuid4().hex
         self.model_dir = resolve_model_path(config.model)
@@ -108,7 +110,7 @@ class LLMEngine:
         )
         self.kv_cache.tiers = self.tiers = build_tiers(
             config, self.block_pool, self.runner.kv_cache, kv_block_bytes(mc, config.block_size, self.runner.dtype),
-            self.fingerprint.encode(), self.engine_id)
+            self.fingerprint.encode(), self.engine_id, clock=clock, io=tier_io)
         if transport is not None:
             transport.register(self.runner.kv_cache, num_heads=pool_heads(self.runner.kv_cache))
         self.step_times = StepTimes()

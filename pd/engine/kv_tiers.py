@@ -20,27 +20,58 @@ A disk tier that finds blocks from an earlier run announces them at start.
 from __future__ import annotations
 
 import threading
-from typing import Sequence
+from typing import Protocol, Sequence
 
 import torch
 
 from pd.config import EngineConfig
 from pd.engine.block_pool import BlockPool, Tier
-from pd.engine.block_store import NixlBlockStore, ObjectStoreConfig, namespace_of
+from pd.engine.block_store import NixlBlockStore, NixlRecords, ObjectStoreConfig, namespace_of
+from pd.engine.clock import SYSTEM_CLOCK, Clock
 from pd.engine.host_tier import HostTier, HostTierStats
 from pd.engine.request import Request
-from pd.engine.store_tier import StoreTier, StoreTierStats
+from pd.engine.store_tier import Records, StoreTier, StoreTierStats, ThreadWorker, Worker
 from pd.engine.tier_loads import TierLoads
 
 
+class TierIO(Protocol):
+    """What the lower tiers' records are and what runs their I/O: NIXL and threads, or the simulator's models."""
+
+    def records(self, tier: Tier, config: EngineConfig, name: str, namespace: str, block_bytes: int,
+                host_cache: torch.Tensor) -> Records: ...
+    def worker(self, tier: Tier, role: str) -> Worker: ...
+    def event(self) -> threading.Event: ...
+
+
+class NixlTierIO:
+    """The engine's own: block files through NIXL's POSIX backend, objects through its OBJ backend, on threads."""
+
+    def records(self, tier: Tier, config: EngineConfig, name: str, namespace: str, block_bytes: int,
+                host_cache: torch.Tensor) -> Records:
+        if tier is Tier.DISK:
+            store = NixlBlockStore(f"{name}-disk", namespace, config.block_size, block_bytes,
+                                   path=config.disk_kv_cache_path)
+            return NixlRecords(store, host_cache, num_staging=config.kv_tier_write_slots,
+                               min_free_bytes=config.disk_kv_min_free_bytes)
+        bucket = ObjectStoreConfig(config.shared_kv_bucket, config.shared_kv_endpoint)
+        store = NixlBlockStore(f"{name}-shared", namespace, config.block_size, block_bytes, bucket=bucket)
+        return NixlRecords(store, host_cache, num_staging=config.kv_tier_write_slots)
+
+    def worker(self, tier: Tier, role: str) -> Worker:
+        return ThreadWorker(f"pd-{tier.name.lower()}-{role}")
+
+    def event(self) -> threading.Event:
+        return threading.Event()
+
+
 class KVTiers:
-    def __init__(self, pool: BlockPool, host: HostTier, block_size: int):
+    def __init__(self, pool: BlockPool, host: HostTier, block_size: int, loaded: threading.Event | None = None):
         self.pool, self.host, self.block_size = pool, host, block_size
         self.disk: StoreTier | None = None
         self.shared: StoreTier | None = None
         self.lower: list[StoreTier] = []  # disk, then the shared store: those configured
         self.loads = TierLoads(pool, host, self.lower, block_size)
-        self._loaded = threading.Event()  # a lower tier's query or read finished
+        self._loaded = loaded or threading.Event()  # a lower tier's query or read finished
         pool.on_evict = self._on_device_evict
         host.on_drop = self._on_host_drop
 
@@ -185,25 +216,26 @@ def tier_stats(tiers: KVTiers | None) -> dict[str, int | float]:
 
 
 def build_tiers(config: EngineConfig, pool: BlockPool, device_cache: torch.Tensor, block_bytes: int,
-                fingerprint: bytes, name: str) -> KVTiers | None:
-    """The tiers ``config`` asks for, attached to ``pool``; None without a host tier."""
+                fingerprint: bytes, name: str, *, clock: Clock = SYSTEM_CLOCK, io: TierIO | None = None) -> KVTiers | None:
+    """The tiers ``config`` asks for, attached to ``pool``; None without a host tier.
+
+    ``io`` says what the disk tier's and the shared store's records are and
+    what runs their I/O (``NixlTierIO`` unless given: the simulator's seam).
+    """
     if not config.host_kv_cache_bytes:
         return None
     if config.host_kv_cache_bytes < block_bytes:
         raise ValueError(f"host_kv_cache_bytes {config.host_kv_cache_bytes} holds no block of {block_bytes} bytes")
+    io = io or NixlTierIO()
     host = HostTier(device_cache, config.host_kv_cache_bytes // block_bytes)
-    tiers = KVTiers(pool, host, config.block_size)
-    locate = tiers.locate
+    tiers = KVTiers(pool, host, config.block_size, io.event())
     namespace = namespace_of(fingerprint)
-    disk = shared = None
-    if config.disk_kv_cache_path:
-        store = NixlBlockStore(f"{name}-disk", namespace, config.block_size, block_bytes,
-                               path=config.disk_kv_cache_path)
-        disk = StoreTier(Tier.DISK, store, max(1, config.disk_kv_cache_bytes // store.record_bytes), host.cache,
-                         locate, num_staging=config.kv_tier_write_slots, min_free_bytes=config.disk_kv_min_free_bytes)
-    if config.shared_kv_bucket:
-        bucket = ObjectStoreConfig(config.shared_kv_bucket, config.shared_kv_endpoint)
-        store = NixlBlockStore(f"{name}-shared", namespace, config.block_size, block_bytes, bucket=bucket)
-        shared = StoreTier(Tier.SHARED, store, max(1, config.shared_kv_bytes // store.record_bytes), host.cache,
-                           locate, num_staging=config.kv_tier_write_slots)
+
+    def lower(tier: Tier, capacity_bytes: int) -> StoreTier:
+        records = io.records(tier, config, name, namespace, block_bytes, host.cache)
+        return StoreTier(tier, records, max(1, capacity_bytes // records.record_bytes), tiers.locate, clock=clock,
+                         writer=io.worker(tier, "writer"), reader=io.worker(tier, "reader"))
+
+    disk = lower(Tier.DISK, config.disk_kv_cache_bytes) if config.disk_kv_cache_path else None
+    shared = lower(Tier.SHARED, config.shared_kv_bytes) if config.shared_kv_bucket else None
     return tiers.attach(disk, shared)

@@ -17,6 +17,11 @@ Reads and the shared store's queries run on a reader thread
 they found is applied on the engine's thread (``finished``). Each record read
 back is checked against the hash and tokens asked for.
 
+The bytes (staging, the store's I/O, the checks) are the tier's ``records``
+(``pd.engine.block_store.NixlRecords``), and its two threads are
+``Worker``s: the simulator gives it modelled ones (``sim.tiers``), and every
+decision here (index, LRU, capacity, backlog, misses) runs unchanged there.
+
 The disk tier's index is everything in its directory: at start it finds the
 records a previous run left (a warm restart). The shared store's index is
 what this replica wrote or found there; beyond it, the store is asked
@@ -30,20 +35,20 @@ what it holds go on. Clients never see it.
 
 from __future__ import annotations
 
-import errno
 import logging
 import queue
-import shutil
 import threading
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from pathlib import Path
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
 from pd.engine.block_pool import Tier
-from pd.engine.block_store import NixlBlockStore, StoreError, check_trailer, pack_trailer
+from pd.engine.block_store import StoreError
+from pd.engine.clock import SYSTEM_CLOCK, Clock
 
 logger = logging.getLogger(__name__)
 
@@ -72,46 +77,96 @@ class StoreTierStats:
     disabled: int = 0  # 1 once a write failed (a disk full): no more writes
 
 
+class Records(Protocol):
+    """A tier's bytes: ``pd.engine.block_store.NixlRecords``, or the simulator's modelled ones."""
+
+    dir: Path | None  # the disk tier's directory (None for a store)
+    data_bytes: int
+    record_bytes: int  # data and trailer: what a record takes in the store
+    num_staging: int
+    max_read_blocks: int
+
+    def stage(self, record: int, block: torch.Tensor, block_hash: bytes, token_ids: Sequence[int]) -> None: ...
+    def write(self, batch: Sequence[tuple[bytes, int]]) -> None: ...
+    def exists(self, block_hashes: Sequence[bytes]) -> list[bool]: ...
+    def read(self, items: Sequence[tuple[bytes, Sequence[int], int]]) -> tuple[int, str | None]: ...
+    def delete(self, block_hashes: Sequence[bytes]) -> None: ...
+    def scan(self) -> list[bytes]: ...
+    def close(self) -> None: ...
+
+
+class Worker(Protocol):
+    """Runs ``work`` calls one after another, handing each result to its ``deliver``."""
+
+    def submit(self, work: Callable[[], Any], deliver: Callable[[Any], None]) -> None: ...
+    def flush(self, timeout_s: float | None = None) -> bool: ...
+    def close(self) -> None: ...
+
+
+class ThreadWorker:
+    """A thread of its own: ``work`` and then ``deliver`` run there, in the order submitted."""
+
+    def __init__(self, name: str):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, work: Callable[[], Any], deliver: Callable[[Any], None]) -> None:
+        self._jobs.put((work, deliver))
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait until everything submitted so far has run and been delivered."""
+        done = threading.Event()
+        self._jobs.put((None, done))
+        return done.wait(timeout_s)
+
+    def close(self) -> None:
+        """Run what is queued, then stop. Idempotent."""
+        self._jobs.put(None)
+        self._thread.join()
+
+    def _loop(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            work, deliver = job
+            if work is None:
+                deliver.set()
+                continue
+            deliver(work())
+
+
 class StoreTier:
-    def __init__(self, tier: Tier, store: NixlBlockStore, capacity_blocks: int, host_cache: torch.Tensor,
-                 locate: Callable[[bytes], torch.Tensor | None], num_staging: int = 32, min_free_bytes: int = 0,
-                 max_read_blocks: int = 256, max_backlog: int = 4096):
+    def __init__(self, tier: Tier, records: Records, capacity_blocks: int,
+                 locate: Callable[[bytes], torch.Tensor | None], max_backlog: int = 4096, *,
+                 clock: Clock = SYSTEM_CLOCK, writer: Worker | None = None, reader: Worker | None = None):
         if capacity_blocks < 1:
             raise ValueError(f"a {tier.name.lower()} tier needs room for at least one block")
-        self.tier, self.store = tier, store
+        self.tier, self.records = tier, records
         self.capacity_blocks = capacity_blocks
         self.locate = locate  # a block's current copy (device or host), or None once it is gone from both
         self.max_backlog = max_backlog
+        self.clock = clock
         self._backlog: OrderedDict[bytes, tuple[int, ...]] = OrderedDict()  # offered, waiting for staging
-        self.min_free_bytes = min_free_bytes
-        self.host_cache = host_cache  # [host slots, *block]: reads land here
         self.index: OrderedDict[bytes, None] = OrderedDict()  # oldest use first
         self._mine: set[bytes] = set()  # written by this replica: only these are ever deleted
         self._misses: OrderedDict[bytes, float] = OrderedDict()  # shared store: hash -> when it was missing
-        self._staging = torch.zeros(num_staging, store.record_bytes, dtype=torch.uint8)
-        self._trailers = torch.zeros(max_read_blocks, store.trailer_bytes, dtype=torch.uint8)
-        for tensor in (self._staging, self._trailers, host_cache):
-            store.register(tensor)
-        self._free_staging = list(range(num_staging))
+        self._free_staging = list(range(records.num_staging))
         self._writing: dict[bytes, int] = {}  # hash -> staging record
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._to_write: deque[tuple[bytes, int]] = deque()  # staged, not yet taken by the writer
         self._done: deque[tuple[bytes, int, str | None]] = deque()  # (hash, staging record, error)
         self.stats = StoreTierStats(capacity_blocks=capacity_blocks)
         self._closed = False
-        if store.dir is not None:
+        if tier is Tier.DISK:
             self._warm_start()
-        self._reads: queue.SimpleQueue = queue.SimpleQueue()
         self._read_done: deque[tuple[str, int, list, object]] = deque()  # (kind, ticket, job, result)
         self.read_done = threading.Event()  # set as a result lands (the owner may share one among tiers)
-        self._writer = threading.Thread(target=self._write_loop, name=f"pd-{tier.name.lower()}-writer", daemon=True)
-        self._reader = threading.Thread(target=self._read_loop, name=f"pd-{tier.name.lower()}-reader", daemon=True)
-        self._writer.start()
-        self._reader.start()
+        name = tier.name.lower()
+        self._writer = writer or ThreadWorker(f"pd-{name}-writer")
+        self._reader = reader or ThreadWorker(f"pd-{name}-reader")
 
     def _warm_start(self) -> None:
-        found = self.store.scan()
+        found = self.records.scan()
         surplus, kept = found[:max(0, len(found) - self.capacity_blocks)], found[-self.capacity_blocks:]
-        self.store.delete(surplus)
+        self.records.delete(surplus)
         self.index.update((block_hash, None) for block_hash in kept)
         self._mine.update(kept)
         self.stats.num_blocks = len(self.index)
@@ -143,13 +198,11 @@ class StoreTier:
             self.stats.num_dropped_writes += 1
             return
         record = self._free_staging.pop()
-        staging = self._staging[record]
-        data_bytes = self.store.data_bytes
-        staging[:data_bytes].view(block.dtype).view(block.shape).copy_(block)
-        pack_trailer(staging[data_bytes:].numpy(), block_hash, token_ids, data_bytes)
+        self.records.stage(record, block, block_hash, token_ids)
         self._writing[block_hash] = record
         self.stats.num_pending_writes = len(self._writing)
-        self._jobs.put(("write", block_hash, record))
+        self._to_write.append((block_hash, record))
+        self._writer.submit(self._write_waiting, self._done.extend)
 
     def poll(self) -> tuple[list[bytes], list[bytes]]:
         """Finish the writes done since the last poll and collect garbage; ``(stored, dropped)`` hashes."""
@@ -179,7 +232,7 @@ class StoreTier:
                 doomed.append(block_hash)
         if doomed:
             self.stats.num_deleted_blocks += len(doomed)
-            self._jobs.put(("delete", doomed, None))
+            self._writer.submit(lambda: self._delete(doomed), _ignore)
         self.stats.num_blocks = len(self.index)
         self.stats.num_pending_writes = len(self._writing)
         return stored, dropped
@@ -190,7 +243,7 @@ class StoreTier:
 
     @property
     def max_read_blocks(self) -> int:
-        return len(self._trailers)
+        return self.records.max_read_blocks
 
     def local_run(self, block_hashes: Sequence[bytes]) -> int:
         """How many of ``block_hashes``, from the first, the tier's index holds (no store is asked)."""
@@ -206,15 +259,17 @@ class StoreTier:
         if self.tier is not Tier.SHARED or not block_hashes or block_hashes[0] in self.index:
             return False
         missed = self._misses.get(block_hashes[0])
-        return missed is None or time.monotonic() - missed >= MISS_TTL_S
+        return missed is None or self.clock.monotonic() - missed >= MISS_TTL_S
 
     def submit_query(self, ticket: int, block_hashes: Sequence[bytes]) -> None:
         """Ask the store, on the reader thread, which of ``block_hashes`` it holds; ``finished`` gives the run."""
-        self._reads.put(("query", ticket, list(block_hashes[:MAX_QUERY_BLOCKS])))
+        what = list(block_hashes[:MAX_QUERY_BLOCKS])
+        self._reader.submit(lambda: self._query(what), lambda present: self._landed("query", ticket, what, present))
 
     def submit_read(self, ticket: int, items: Sequence[tuple[bytes, Sequence[int], int]]) -> None:
         """Read ``(hash, tokens, host slot)`` records into their slots on the reader thread, checking each."""
-        self._reads.put(("read", ticket, list(items[:len(self._trailers)])))
+        what = list(items[:self.records.max_read_blocks])
+        self._reader.submit(lambda: self._read_checked(what), lambda result: self._landed("read", ticket, what, result))
 
     def finished(self) -> list[tuple[str, int, int]]:
         """``(kind, ticket, run)`` of the queries and reads done since the last call.
@@ -237,9 +292,7 @@ class StoreTier:
 
     def wait_reads(self) -> None:
         """Wait until the queries and reads submitted so far are done (``finished`` then has them)."""
-        done = threading.Event()
-        self._reads.put(("flush", -1, done))
-        done.wait()
+        self._reader.flush()
 
     def read_now(self, items: Sequence[tuple[bytes, Sequence[int], int]]) -> int:
         """``submit_read`` and wait for it: how many records, from the first, are good (benchmarks)."""
@@ -249,7 +302,7 @@ class StoreTier:
 
     def _apply_query(self, block_hashes: list[bytes], present: list[bool]) -> int:
         self.stats.num_store_queries += 1 + (len(present) > 1)
-        run, now = 0, time.monotonic()
+        run, now = 0, self.clock.monotonic()
         for block_hash, held in zip(block_hashes, present):
             if not held:
                 self._misses[block_hash] = now
@@ -272,27 +325,21 @@ class StoreTier:
             self.stats.num_rejected_reads += 1
             self.index.pop(block_hash, None)
         self.stats.num_read_blocks += good
-        self.stats.num_read_bytes += good * self.store.data_bytes
+        self.stats.num_read_bytes += good * self.records.data_bytes
         self.stats.read_seconds += seconds
         return good
 
-    def _read_loop(self) -> None:
-        """The reader thread: store I/O only; what it finds is applied on the engine's thread (``finished``)."""
-        while (job := self._reads.get()) is not None:
-            kind, ticket, what = job
-            if kind == "flush":
-                what.set()
-                continue
-            result = self._query(what) if kind == "query" else self._read_checked(what)
-            self._read_done.append((kind, ticket, what, result))
-            self.read_done.set()
+    def _landed(self, kind: str, ticket: int, what: list, result: object) -> None:
+        """A query's or a read's result, from the reader: applied on the engine's thread (``finished``)."""
+        self._read_done.append((kind, ticket, what, result))
+        self.read_done.set()
 
     def _query(self, block_hashes: list[bytes]) -> list[bool]:
         """Which of ``block_hashes`` the store holds: the first alone, then, if it is there, the rest at once."""
         try:
-            present = self.store.exists(block_hashes[:1])
+            present = self.records.exists(block_hashes[:1])
             if present[0] and len(block_hashes) > 1:
-                present += self.store.exists(block_hashes[1:])
+                present += self.records.exists(block_hashes[1:])
             return present
         except (StoreError, OSError) as exc:
             logger.warning("%s tier: a query failed (%s)", self.tier.name.lower(), exc)
@@ -301,28 +348,16 @@ class StoreTier:
     def _read_checked(self, items: list) -> tuple[int, str | None, float]:
         """Read ``items`` into their slots: how many, from the first, are good; why the next is not; the time."""
         started = time.perf_counter()
-        host, host_row = self.host_cache.data_ptr(), self.host_cache[0].nbytes
-        trailer, trailer_row = self._trailers.data_ptr(), self.store.trailer_bytes
-        reads = [(block_hash, host + slot * host_row, trailer + index * trailer_row)
-                 for index, (block_hash, _, slot) in enumerate(items)]
         try:
-            ok = self.store.read(reads)
+            good, why = self.records.read(items)
         except (StoreError, OSError) as exc:
             logger.warning("%s tier: a read failed (%s); recomputing", self.tier.name.lower(), exc)
-            ok = [False] * len(items)
-        trailers = self._trailers.numpy()
-        for index, (block_hash, token_ids, _) in enumerate(items):
-            why = check_trailer(trailers[index].tobytes(), block_hash, token_ids,
-                                self.store.data_bytes) if ok[index] else "missing"
-            if why is not None:
-                return index, why, time.perf_counter() - started
-        return len(items), None, time.perf_counter() - started
+            good, why = 0, "missing"
+        return good, why, time.perf_counter() - started
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until every write and deletion queued so far is done; ``poll`` then sees them."""
-        done = threading.Event()
-        self._jobs.put(("flush", done, None))
-        return done.wait(timeout_s)
+        return self._writer.flush(timeout_s)
 
     def close(self) -> None:
         """Finish the writes queued, then stop the writer thread; later offers are not written. Idempotent."""
@@ -330,11 +365,9 @@ class StoreTier:
             return
         self._closed = True
         self._backlog.clear()
-        self._jobs.put(None)
-        self._reads.put(None)
-        self._writer.join()
-        self._reader.join()
-        self.store.close()
+        self._writer.close()
+        self._reader.close()
+        self.records.close()
 
     def _disable(self, error: str) -> None:
         if not self.stats.disabled:
@@ -343,41 +376,30 @@ class StoreTier:
         self.stats.num_dropped_writes += len(self._backlog)
         self._backlog.clear()
 
-    def _write_loop(self) -> None:
-        """The writer thread: writes waiting one after another are stored together, in one transfer."""
-        held: deque = deque()  # the job that ended a batch, next in line
-        while (job := held.popleft() if held else self._jobs.get()) is not None:
-            kind, what, record = job
-            if kind == "flush":
-                what.set()
-            elif kind == "delete":
-                try:
-                    self.store.delete(what)
-                except (StoreError, OSError) as exc:
-                    logger.warning("%s tier: deleting %d records failed: %s", self.tier.name.lower(), len(what), exc)
-            else:
-                batch = [(what, record)]
-                while len(batch) < MAX_WRITE_BATCH and not self._jobs.empty():
-                    job = self._jobs.get()
-                    if job is None or job[0] != "write":
-                        held.append(job)
-                        break
-                    batch.append(job[1:])
-                self._write(batch)
+    def _write_waiting(self) -> list[tuple[bytes, int, str | None]]:
+        """On the writer: the records staged and not yet taken, up to ``MAX_WRITE_BATCH``, in one transfer.
 
-    def _write(self, batch: list[tuple[bytes, int]]) -> None:
+        Each staging submits a call; one that finds the records taken by an
+        earlier call writes nothing.
+        """
+        batch = []
+        while self._to_write and len(batch) < MAX_WRITE_BATCH:
+            batch.append(self._to_write.popleft())
+        if not batch:
+            return []
         error = None
         try:
-            self._check_free_space(len(batch))
-            self.store.write([(block_hash, self._staging[record].data_ptr()) for block_hash, record in batch])
+            self.records.write(batch)
         except (StoreError, OSError) as exc:
             error = str(exc)
-        self._done.extend((block_hash, record, error) for block_hash, record in batch)
+        return [(block_hash, record, error) for block_hash, record in batch]
 
-    def _check_free_space(self, num_records: int) -> None:
-        if self.store.dir is None or not self.min_free_bytes:
-            return
-        free = shutil.disk_usage(self.store.dir).free
-        if free - num_records * self.store.record_bytes < self.min_free_bytes:
-            raise OSError(errno.ENOSPC, f"{free} bytes free on {self.store.dir}, below the "
-                                        f"{self.min_free_bytes} kept free")
+    def _delete(self, block_hashes: list[bytes]) -> None:
+        try:
+            self.records.delete(block_hashes)
+        except (StoreError, OSError) as exc:
+            logger.warning("%s tier: deleting %d records failed: %s", self.tier.name.lower(), len(block_hashes), exc)
+
+
+def _ignore(result: object) -> None:
+    """What a deletion delivers: nothing."""

@@ -74,7 +74,7 @@ def test_a_damaged_record_is_recomputed_never_served(tmp_path, block_bytes, refe
     for prompt in CHURN:
         llm.generate([prompt], PARAMS)
     llm.engine.tiers.flush()
-    store = llm.engine.tiers.disk.store
+    store = llm.engine.tiers.disk.records.store
     path = store.path(FIRST_HASHES[3])  # the fourth block of the prompt
     data = bytearray(path.read_bytes())
     if damage == "tokens":
@@ -105,13 +105,13 @@ def test_a_full_disk_stops_the_tier_with_a_metric_and_a_log_line_and_serving_goe
     assert out.token_ids == reference
     assert stats.disk_disabled == 1 and stats.disk_written_blocks == 0
     assert "writes stopped" in caplog.text
-    assert records(llm.engine.tiers.disk.store.dir) == []  # no partial file left
+    assert records(llm.engine.tiers.disk.records.dir) == []  # no partial file left
     llm.engine.close()
 
 
 def test_the_disk_tier_deletes_its_least_recently_used_blocks_past_its_capacity(tmp_path, block_bytes):
     llm = tiered(block_bytes, disk_kv_cache_path=str(tmp_path), disk_kv_cache_bytes=1)  # room for one block
-    store = llm.engine.tiers.disk.store
+    store = llm.engine.tiers.disk.records.store
     llm.engine.tiers.disk.capacity_blocks = 12
     for prompt in [FIRST, *CHURN]:
         llm.generate([prompt], PARAMS)
@@ -138,11 +138,11 @@ def test_lower_tier_settings_are_checked(tmp_path):
 def test_engines_sharing_a_disk_path_take_their_own_slots_and_a_successor_takes_a_free_one(tmp_path, block_bytes):
     kwargs = {"disk_kv_cache_path": str(tmp_path), "disk_kv_cache_bytes": 1 << 30}
     a, b = tiered(block_bytes, **kwargs), tiered(block_bytes, **kwargs)
-    assert (a.engine.tiers.disk.store.dir.name, b.engine.tiers.disk.store.dir.name) == ("slot-0", "slot-1")
+    assert (a.engine.tiers.disk.records.dir.name, b.engine.tiers.disk.records.dir.name) == ("slot-0", "slot-1")
     a.generate([FIRST], PARAMS)
     a.engine.close()  # or killed: the lock goes with the process
     successor = tiered(block_bytes, **kwargs)
-    assert successor.engine.tiers.disk.store.dir.name == "slot-0"
+    assert successor.engine.tiers.disk.records.dir.name == "slot-0"
     assert successor.engine.stats().disk_blocks >= 8
     for llm in (b, successor):
         llm.engine.close()

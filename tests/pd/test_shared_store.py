@@ -37,7 +37,7 @@ def test_a_prefix_computed_on_one_engine_hits_on_another_through_the_store(endpo
     stats = b.engine.stats()
     assert stats.shared_read_blocks == 8 and stats.num_remote_pulls == 0
     for llm in (a, b):
-        llm.engine.tiers.shared.store.delete(FIRST_HASHES)
+        llm.engine.tiers.shared.records.delete(FIRST_HASHES)
         llm.engine.close()
 
 
@@ -54,7 +54,7 @@ def test_a_miss_in_the_store_is_recomputed_and_remembered(endpoint, block_bytes,
     assert tier.stats.num_store_queries == 1  # the request did not ask again
     b.engine.tiers.flush()
     assert tier.local_run(FIRST_HASHES) == 8  # written since: in its own index, no need to ask
-    tier.store.delete(FIRST_HASHES)
+    tier.records.delete(FIRST_HASHES)
     b.engine.close()
 
 
@@ -66,6 +66,6 @@ def test_the_store_keeps_what_an_engine_wrote_within_its_share_and_nothing_leaks
     llm.engine.tiers.shared.flush()  # the deletions queued by that poll
     keys = bucket_keys(endpoint, BUCKET)
     assert len(keys) == llm.engine.stats().shared_blocks == 5
-    llm.engine.tiers.shared.store.delete([bytes.fromhex(key.rsplit("/", 1)[1]) for key in keys])
+    llm.engine.tiers.shared.records.delete([bytes.fromhex(key.rsplit("/", 1)[1]) for key in keys])
     assert bucket_keys(endpoint, BUCKET) == []
     llm.engine.close()
