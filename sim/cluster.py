@@ -39,6 +39,7 @@ from sim.host import HostModel, SharedHost
 from sim.placement import AffinityPlacement, Arrival, Placement
 from sim.pool import PoolSpec, SimPool
 from sim.replica import RequestRecord
+from sim.tiers import ModelledStore, TierModels
 from sim.transport import LINKS, SimNetwork, TransferModel
 
 
@@ -56,6 +57,7 @@ class ClusterSpec:
     call_s: float = 0.0  # one Ray call's overhead, each way
     ingress_s: float = 0.0  # from a request's arrival to the ingress's decision (parsing, template, tokens)
     host: HostModel | None = None  # every replica on one machine's cores (sim.host); None: each has its own
+    tiers: TierModels = TierModels()  # the disk tier's and the shared store's I/O, for engines that have them
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -95,7 +97,9 @@ class SimCluster:
         block_size = spec.block_size
         self.network = SimNetwork(loop, spec.transfer) if spec.prefill is not None else None
         self.host = SharedHost(loop, spec.host) if spec.host is not None else None
-        self.decode = SimPool("decode", spec.decode, loop, self.network, spec.seed, self._decode_output, self.host)
+        self.shared_store = ModelledStore()  # the deployment's: every replica with a shared_kv_bucket reads it
+        self.decode = SimPool("decode", spec.decode, loop, self.network, spec.seed, self._decode_output, self.host,
+                              spec.tiers, self.shared_store)
         self.decode_policy = DecodePolicy(DecodePolicyConfig(block_size=block_size, seed=spec.seed,
                                                              **spec.decode_policy))
         self.decode_routing = PoolRouting()  # what the ingress asks of the decode pool's index
@@ -103,7 +107,7 @@ class SimCluster:
         self.prefill = None
         if spec.prefill is not None:
             self.prefill = SimPool("prefill", spec.prefill, loop, self.network, spec.seed + 1, self._prefill_output,
-                                 self.host)
+                                   self.host, spec.tiers, self.shared_store)
             self.prefill.placement = placement or AffinityPlacement(
                 PolicyConfig(block_size=block_size, seed=spec.seed, **spec.prefill_policy))
         else:

@@ -5,10 +5,13 @@
 admission, chunked prefill, prefix-cache hits, preemption, its update and
 bookkeeping), and where it would run the model, the runner says how long
 the batch would take (``CostModel``) and draws the sampled tokens from a
-seeded generator. A host KV tier (``host_kv_cache_bytes``) runs for real,
-its pool on the meta device too; the blocks it copies cost
-``CostModel.per_host_byte_s`` each byte, in the step that copies them. Requests end at their ``max_tokens`` (``ignore_eos``), as
-a trace's output lengths say.
+seeded generator. The KV tiers run for real: a host tier
+(``host_kv_cache_bytes``) with its pool on the meta device too, whose copies
+cost ``CostModel.per_host_byte_s`` each byte in the step that copies them;
+and a disk tier and a shared store (``disk_kv_cache_path``,
+``shared_kv_bucket``: neither is touched) whose records and I/O are modelled
+by ``sim.tiers`` in the event loop's time. Requests end at their
+``max_tokens`` (``ignore_eos``), as a trace's output lengths say.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from pd.model.loader import resolve_dtype
 from sim.clock import EventLoop
 from pd.engine.kv_layout import kv_pool
 from sim.cost import CostModel, StepShape
+from sim.tiers import ModelledStore, ModelledTierIO, TierModels
 from transfer.base import KVTransport
 
 
@@ -46,6 +50,7 @@ class ModelledRunner:
         self.last_step_seconds = 0.0
         self.num_steps = 0
         self.host_tier_stats: HostTierStats | None = None  # the engine's host tier, when it has one
+        self.tier_io: ModelledTierIO | None = None  # its disk tier's and shared store's, when it has them
         self._copied_blocks = 0
 
     def execute(self, out: SchedulerOutput, block_tables: list[list[int]]) -> ForwardOutput:
@@ -74,22 +79,29 @@ class ModelledRunner:
 
 
 def sim_engine(config: EngineConfig, cost: CostModel, seed: int = 0, *, transport: KVTransport | None = None,
-               loop: EventLoop | None = None) -> LLMEngine:
+               loop: EventLoop | None = None, tier_models: TierModels = TierModels(),
+               shared_store: ModelledStore | None = None) -> LLMEngine:
     """A real engine for ``config.model`` (its config and tokenizer are read; no weights are loaded).
 
     With a ``loop``, the engine's clock is the loop's (leases expire and pulls
     time out in simulated time); a ``transport`` makes it able to serve
-    disaggregated requests (``sim.transport``).
+    disaggregated requests (``sim.transport``). A disk tier or a shared store
+    needs the loop: their I/O lands in it, priced by ``tier_models``;
+    ``shared_store`` is the deployment's, one for every replica (a new one
+    if None). The runner's ``tier_io.on_event`` is then for the replica's wake.
     """
     if config.tensor_parallel_size != 1:
         raise ValueError("the simulator models a replica as one engine on one device: set tensor_parallel_size "
                          "to 1 and give the cost model the sharded replica's step times")
+    tier_io = None
     if config.disk_kv_cache_path or config.shared_kv_bucket:
-        raise ValueError("the simulator models the host KV tier, not the disk tier or the shared store: "
-                         "unset disk_kv_cache_path and shared_kv_bucket")
+        if loop is None:
+            raise ValueError("a simulated disk tier or shared store lands its I/O in an event loop: pass loop")
+        tier_io = ModelledTierIO(loop, tier_models, shared_store)
     clock = SYSTEM_CLOCK if loop is None else Clock(wall=loop.time, monotonic=loop.time)
     engine = LLMEngine(config, transport, make_runner=functools.partial(ModelledRunner, cost=cost, seed=seed),
-                       clock=clock)
+                       clock=clock, tier_io=tier_io)
     if engine.tiers is not None:
         engine.runner.host_tier_stats = engine.tiers.host.stats
+        engine.runner.tier_io = tier_io
     return engine

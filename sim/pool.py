@@ -28,6 +28,7 @@ from sim.engine import sim_engine
 from sim.host import SharedHost
 from sim.placement import Placement
 from sim.replica import SimReplica
+from sim.tiers import ModelledStore, TierModels
 from sim.transport import SimNetwork
 
 
@@ -47,8 +48,11 @@ class SimPool:
     """One pool's replicas, their latest reports, and the routing knowledge fed from them (a ``PoolView``)."""
 
     def __init__(self, name: str, spec: PoolSpec, loop: EventLoop, network: SimNetwork | None, seed: int,
-                 on_output: Callable[[str, RequestOutput], None], host: SharedHost | None):
+                 on_output: Callable[[str, RequestOutput], None], host: SharedHost | None,
+                 tier_models: TierModels = TierModels(), shared_store: ModelledStore | None = None):
         self.name = name
+        self._tier_models = tier_models
+        self._shared_store = shared_store  # the deployment's (sim.tiers), for engines with a shared_kv_bucket
         self.spec = spec
         self.loop = loop
         self._network = network
@@ -91,7 +95,8 @@ class SimPool:
         network, loop = self._network, self.loop
         transport = network.transport(replica_id, on_event=lambda: None) if network else None
         engine = sim_engine(self.spec.engine, self.spec.cost, seed=self._seed * 100_003 + index,
-                            transport=transport, loop=loop)
+                            transport=transport, loop=loop, tier_models=self._tier_models,
+                            shared_store=self._shared_store)
         replica = SimReplica(loop, engine, replica_id, host=self._host, threads=self.spec.threads,
                              on_output=lambda out: self._on_output(replica_id, out))
         if transport is not None:

@@ -68,6 +68,8 @@ class SimReplica:
         self.threads = threads
         self.busy_s = 0.0
         self._stepping = False
+        if engine.runner.tier_io is not None:  # a disk tier's or shared store's call landed
+            engine.runner.tier_io.on_event = self.wake
 
     def add(self, request_id: str, prompt: list[int], params: SamplingParams, **options) -> None:
         """``LLMEngine.add_request`` now; it runs from the next step."""

@@ -102,3 +102,39 @@ def test_colocated_has_no_prefill_pool_and_the_same_seed_repeats_exactly():
 def test_pools_must_share_a_block_size():
     with pytest.raises(ValueError, match="block_size"):
         ClusterSpec(decode=PoolSpec(1, CONFIG, COST), prefill=PoolSpec(1, dataclasses.replace(CONFIG, block_size=32), COST))
+
+
+def test_a_shared_store_lets_a_replica_hit_on_a_prefix_another_computed_and_the_router_sees_it():
+    """Colocated, two replicas, one simulated shared store: the real tiers write through and query it, the real
+    router's index counts what it holds as on every replica, and the same seed repeats."""
+    from pd.engine.block_pool import Tier
+    from router.hashing import hash_block_tokens
+
+    block_bytes = 4 * 2 * CONFIG.block_size * 64 * 4  # more than a block of the built-in model
+    config = dataclasses.replace(CONFIG, host_kv_cache_bytes=64 * block_bytes, shared_kv_bucket="unused-by-the-sim",
+                                 shared_kv_bytes=1 << 30)
+    batch = prompts(21, lengths=(100,), shared=320, seed=3)
+
+    def run() -> SimCluster:
+        loop = EventLoop()
+        cluster = SimCluster(loop, ClusterSpec(decode=PoolSpec(2, config, COST), call_s=0.001))
+        params = SamplingParams(max_tokens=12, ignore_eos=True)
+        cluster.submit("first", batch[0], params)
+        loop.run()  # served on one replica; its blocks written through to the store
+        for index, prompt in enumerate(batch[1:]):  # a burst: the router spreads it over both
+            loop.at(loop.now + index * 0.001, lambda index=index, prompt=prompt: cluster.submit(f"r{index}", prompt,
+                                                                                                 params))
+        loop.run()
+        return cluster
+
+    cluster = run()
+    stats = pool_stats(cluster, "decode")
+    assert all(s.num_prompt_tokens > 0 for s in stats)  # both replicas served
+    assert sum(s.shared_read_blocks for s in stats) >= 320 // CONFIG.block_size  # the other one read the head
+    assert len(cluster.shared_store) > 0
+    head = hash_block_tokens(batch[0][:320], CONFIG.block_size)
+    runs = cluster.decode.index.match_tiers(head, cluster.decode.replica_ids)
+    assert set(runs) == set(cluster.decode.replica_ids)
+    assert all(len(run) == len(head) and set(run) <= {Tier.DEVICE, Tier.HOST, Tier.SHARED} for run in runs.values())
+    again = run()
+    assert summarize(list(cluster.records.values())) == summarize(list(again.records.values()))

@@ -36,6 +36,26 @@ def test_a_serve_config_becomes_its_cluster():
         cluster_spec({**app_args("default.yaml"), "remote_prefill_treshold": 5}, costs.__getitem__, LINKS["loopback"])
 
 
+def test_the_tiered_config_runs_in_the_simulator_with_its_disk_tier_modelled(tmp_path):
+    """``tiered.yaml``'s disk tier is the real store tier on modelled records: no file is written."""
+    from pd.sampling_params import SamplingParams
+    from sim.clock import EventLoop
+    from sim.cluster import SimCluster
+
+    args = app_args("tiered.yaml")
+    args["engine"] = {**args["engine"], "disk_kv_cache_path": str(tmp_path / "never-written")}
+    spec = cluster_spec(args, lambda threads: COST, LINKS["loopback"])
+    loop = EventLoop()
+    cluster = SimCluster(loop, spec)
+    for index in range(4):
+        cluster.submit(f"r{index}", list(range(1 + index, 400 + index)), SamplingParams(max_tokens=4, ignore_eos=True))
+    loop.run()
+    assert all(record.finished_s is not None for record in cluster.records.values())
+    engines = [replica.engine for pool in (cluster.prefill, cluster.decode) for replica in pool.replicas.values()]
+    assert sum(engine.stats().disk_written_blocks for engine in engines) > 0
+    assert not (tmp_path / "never-written").exists()
+
+
 def test_the_analytic_profile_follows_the_roofline():
     config = load_model_config(model_dir("llama-3-8b"))
     assert 6.5e9 < num_params(config) < 7.5e9  # Llama-3-8B without its embeddings

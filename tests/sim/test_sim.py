@@ -124,10 +124,86 @@ def test_a_host_tier_runs_for_real_in_the_simulator_and_its_copies_cost_time():
     assert seconds >= 8 * block_bytes * 1e-9  # the promotions were paid for
 
 
-def test_the_simulator_refuses_the_tiers_it_does_not_model(tmp_path):
-    with pytest.raises(ValueError, match="not the disk tier or the shared store"):
-        sim_engine(dataclasses.replace(CONFIG, host_kv_cache_bytes=1 << 20, disk_kv_cache_path=str(tmp_path),
-                                       disk_kv_cache_bytes=1 << 20), COST)
+FIRST = list(range(1, 130))  # 8 full blocks and a token
+CHURN = [list(range(130 + 125 * k, 250 + 125 * k)) for k in range(7)]  # 49 blocks: past 24 + 16
+
+
+def tier_config(**tiers) -> EngineConfig:
+    """24 device blocks and a host tier of 16, above ``tiers``: the disk's or the shared store's fields."""
+    block_bytes = sim_engine(CONFIG, COST).runner.kv_cache[0].nbytes
+    return dataclasses.replace(CONFIG, num_blocks=24, host_kv_cache_bytes=16 * block_bytes, kv_tier_write_slots=4,
+                               **tiers)
+
+
+DISK = {"disk_kv_cache_path": "/unused/by/the/simulator", "disk_kv_cache_bytes": 1 << 30}
+
+
+def tiered(config, loop, **options):
+    return sim_engine(config, COST, loop=loop, **options)
+
+
+def serve_in_turn(loop, replica, prompts, prefix: str) -> list[float]:
+    """Each prompt after the one before has finished: their TTFTs in simulated seconds."""
+    ttfts = []
+    for index, prompt in enumerate(prompts):
+        first = []
+        replica.on_output = lambda out: first.append(loop.now) if out.new_token_ids and not first else None
+        start = loop.now
+        replica.add(f"{prefix}{index}", prompt, SamplingParams(max_tokens=2, ignore_eos=True))
+        loop.run()
+        ttfts.append(first[0] - start)
+    return ttfts
+
+
+def test_a_disk_tier_runs_for_real_in_the_simulator_and_its_reads_take_their_modelled_time():
+    """The real store tier (write-through, index, loads) on modelled records: a prefix churned out of the device
+    and host pools hits on disk, and a slower disk makes that first token later by its read time."""
+    from sim.clock import EventLoop
+    from sim.replica import SimReplica
+    from sim.tiers import StoreModel, TierModels
+
+    ttfts = {}
+    for name, op_s in (("fast", 1e-4), ("slow", 0.05)):
+        disk = StoreModel(read_bytes_per_s=1e9, write_bytes_per_s=1e9, op_s=op_s, source="test")
+        loop = EventLoop()
+        engine = tiered(tier_config(**DISK), loop, tier_models=TierModels(disk=disk))
+        replica = SimReplica(loop, engine)
+        *_, ttfts[name] = serve_in_turn(loop, replica, [FIRST, *CHURN, FIRST], name)
+        stats = engine.stats()
+        assert stats.disk_written_blocks >= 8 + 7 * 7 and stats.disk_read_blocks == 8
+        assert stats.num_prefix_hit_tokens == 8 * 16  # all 8 blocks of FIRST, loaded from disk
+        assert stats.num_used_blocks == 0 and not engine.has_unfinished_requests()
+    # One query-free read of 8 records (a disk is not asked), ending a call of op_s: the slow disk's extra time.
+    assert ttfts["slow"] - ttfts["fast"] == pytest.approx(0.05 - 1e-4, rel=0.05)
+
+
+def test_a_prefix_computed_on_one_replica_hits_on_another_through_the_simulated_shared_store():
+    from pd.engine.block_pool import Tier
+    from sim.clock import EventLoop
+    from sim.replica import SimReplica
+    from sim.tiers import ModelledStore
+
+    config = tier_config(shared_kv_bucket="unused-by-the-simulator", shared_kv_bytes=1 << 30)
+    loop, store = EventLoop(), ModelledStore()
+    a, b = (tiered(config, loop, shared_store=store) for _ in range(2))
+    serve_in_turn(loop, SimReplica(loop, a), [FIRST], "a")
+    assert len(store) == 8  # written through, landed
+    shared = [event for event in a.cache_events()[1] if event.stored and event.tier == Tier.SHARED]
+    assert len(shared) == 8  # announced to routers as readable by every replica
+    serve_in_turn(loop, SimReplica(loop, b), [FIRST], "b")
+    stats = b.stats()
+    assert stats.num_prefix_hit_tokens == 8 * 16 and stats.shared_read_blocks == 8
+    assert stats.shared_store_queries >= 1
+
+
+def test_a_simulated_store_tier_cannot_be_waited_on_and_needs_the_event_loop():
+    from sim.clock import EventLoop
+
+    with pytest.raises(ValueError, match="pass loop"):
+        sim_engine(tier_config(**DISK), COST)
+    engine = tiered(tier_config(**DISK), EventLoop())
+    with pytest.raises(RuntimeError, match="run the loop instead"):
+        engine.tiers.flush()
 
 
 def test_the_simulator_refuses_a_sharded_engine():
