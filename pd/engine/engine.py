@@ -333,6 +333,11 @@ class LLMEngine:
         early, self._finished_at_admission = self._finished_at_admission, []
         self.poll_transfers()
         out = self.scheduler.schedule()
+        if self.tiers is not None:  # the blocks just reused hold demoted KV until its copies are issued
+            if out.remote_reads:
+                self.tiers.host.settle()  # NIXL writes into blocks outside any CUDA stream's order
+            else:
+                self.tiers.host.flush()
         self.connector.start_pulls(out.remote_reads)
         if out.is_empty:
             if self.tiers is not None and not early and not self.has_runnable_requests():

@@ -13,6 +13,17 @@ prefix cache does. The host pool is inclusive: a promoted block stays here
 too, so evicting it from the device again copies nothing. A promotion copies
 all its blocks in one call: on CPU one memcpy per block (``kernels.cpu``),
 on a GPU one copy per run of consecutive host slots from a pinned pool.
+
+A demotion copies nothing on the allocation path: it takes and indexes a
+slot, pinned, and queues the copy. ``flush`` issues every queued copy at
+once: the engine calls it after scheduling, before anything writes to the
+device blocks just reused (the step's KV stores, pulls); a promotion and a
+load's ``take_slots`` call it first. On CPU the batch is one
+``kernels.cpu.copy_blocks`` call over the engine's threads. On a GPU it is
+queued on a stream of its own, and the compute stream waits for it there,
+so neither the host nor a step waits for it; ``settle`` waits for it where
+the host itself reads a slot (the disk tier's write-through) or hands a slot
+to a load.
 """
 
 from __future__ import annotations
@@ -62,9 +73,14 @@ class HostTier:
         self.stats = HostTierStats(host_capacity_blocks=num_blocks)
         # Called with a block hash as its entry leaves the tier (to make room).
         self.on_drop: Callable[[bytes], None] | None = None
+        self._pending: list[tuple[int, int]] = []  # (device block, host slot): demoted, copy not yet issued
+        # On a GPU: the stream demotions copy on, and the event of the last batch issued there.
+        self._stream = torch.cuda.Stream(device_cache.device) if device_cache.is_cuda else None
+        self._issued: torch.cuda.Event | None = None
 
     def demote(self, block_id: int, block_hash: bytes, token_ids: Sequence[int]) -> Tier | None:
-        """Copy device block ``block_id`` (cached as ``block_hash``) here before the device reuses it.
+        """Keep device block ``block_id`` (cached as ``block_hash``) here: its copy is issued by ``flush``,
+        which must run before the device writes to the block again.
 
         Returns the tier that holds it from now on (None: dropped).
         """
@@ -74,14 +90,47 @@ class HostTier:
         slot = self._take_slot()
         if slot is None:
             return None  # every slot is being read by a promotion: this block is dropped, as without a tier
-        started = time.perf_counter()
         if self.copies:
-            self.cache[slot].copy_(self.device_cache[block_id])
-        self.stats.demote_seconds += time.perf_counter() - started
+            self._pin(slot)  # neither reused nor read before its copy is issued
+            self._pending.append((block_id, slot))
         self._index[block_hash] = (slot, tuple(token_ids))
         self.stats.num_demoted_blocks += 1
         self.stats.num_host_cached_blocks = len(self._index)
         return Tier.HOST
+
+    @property
+    def num_pending_demotions(self) -> int:
+        """Demoted blocks whose copies ``flush`` has yet to issue."""
+        return len(self._pending)
+
+    def flush(self) -> None:
+        """Issue the copies of every block demoted since the last flush, as one batch (see the module docstring)."""
+        if not self._pending:
+            return
+        started = time.perf_counter()
+        pending, self._pending = self._pending, []
+        block_ids, slots = [block_id for block_id, _ in pending], [slot for _, slot in pending]
+        if self._stream is not None:
+            compute = torch.cuda.current_stream(self.device_cache.device)
+            self._stream.wait_stream(compute)  # the blocks' last writes land before they are read
+            with torch.cuda.stream(self._stream):
+                for block_id, slot in pending:
+                    self.cache[slot].copy_(self.device_cache[block_id], non_blocking=True)
+                self._issued = torch.cuda.Event()
+                self._issued.record(self._stream)
+            compute.wait_stream(self._stream)  # the next writes to those blocks wait for the copies, on the GPU
+        else:
+            cpu_kernels.copy_blocks(self.device_cache, block_ids, self.cache, slots)
+        for slot in slots:
+            self._unpin(slot)
+        self.stats.demote_seconds += time.perf_counter() - started
+
+    def settle(self) -> None:
+        """``flush``, then (on a GPU) wait until the copies have landed: the host reads or hands out slots next."""
+        self.flush()
+        if self._issued is not None:
+            self._issued.synchronize()
+            self._issued = None
 
     def __contains__(self, block_hash: bytes) -> bool:
         return block_hash in self._index
@@ -94,17 +143,22 @@ class HostTier:
     def _take_slot(self) -> int | None:
         if self._free_slots:
             return self._free_slots.pop()
-        for block_hash, (slot, _) in self._index.items():  # least recently used first
-            if not self._pins[slot]:
-                del self._index[block_hash]
-                self.stats.num_host_cached_blocks = len(self._index)
-                if self.on_drop is not None:
-                    self.on_drop(block_hash)
-                return slot
+        for _ in range(2):
+            for block_hash, (slot, _) in self._index.items():  # least recently used first
+                if not self._pins[slot]:
+                    del self._index[block_hash]
+                    self.stats.num_host_cached_blocks = len(self._index)
+                    if self.on_drop is not None:
+                        self.on_drop(block_hash)
+                    return slot
+            if not self._pending:
+                return None
+            self.flush()  # every slot waits on a copy: issue them, and the oldest can go
         return None
 
     def take_slots(self, num_slots: int) -> list[int]:
         """Up to ``num_slots`` slots for a load from a lower tier, held until ``admit`` or ``give_back``."""
+        self.settle()  # a load writes into its slots from another thread: no copy may still land there
         slots = []
         while len(slots) < num_slots and (slot := self._take_slot()) is not None:
             self._pin(slot)
@@ -165,6 +219,7 @@ class HostTier:
 
     def promote(self, block_hashes: Sequence[bytes], block_ids: Sequence[int]) -> list[tuple[int, ...]]:
         """Copy reserved entries into device blocks ``block_ids``, one to one; their tokens."""
+        self.flush()  # the blocks written may be ones just demoted, and the entries read may be demoted ones
         started = time.perf_counter()
         entries = [self._index[block_hash] for block_hash in block_hashes]
         slots = [slot for slot, _ in entries]

@@ -107,7 +107,10 @@ class KVTiers:
         if block_id is not None:
             return self.host.device_cache[block_id]
         slot = self.host.slot_of(block_hash)
-        return self.host.cache[slot] if slot is not None else None
+        if slot is None:
+            return None
+        self.host.settle()  # the caller reads the slot on the host: its demotion's copy has landed
+        return self.host.cache[slot]
 
     def _on_device_evict(self, block_id: int, block_hash: bytes, token_ids: tuple[int, ...]) -> Tier | None:
         if self.host.demote(block_id, block_hash, token_ids) is Tier.HOST:

@@ -35,6 +35,7 @@ def test_a_demoted_block_comes_back_with_its_contents():
     tier = HostTier(device, num_blocks=2)
     original = device[1].clone()
     tier.demote(1, b"h1", (7,) * BLOCK)
+    tier.flush()  # what the engine does after scheduling, before the block is written again
     device[1].zero_()  # the device reuses the block
     assert tier.match([b"h1"], (7,) * BLOCK, BLOCK, start=0) == [b"h1"]
     tier.reserve([b"h1"])
@@ -65,6 +66,63 @@ def test_a_full_tier_drops_its_least_recently_used_but_never_a_block_being_promo
     tier.demote(3, b"d", (3,) * BLOCK)  # nowhere to go: both slots are being read
     assert tier.match([b"d"], (3,) * BLOCK, BLOCK, 0) == []
     assert tier.stats.num_demoted_blocks == 3 and tier.stats.num_host_cached_blocks == 2
+
+
+def test_demotions_are_copied_together_later_and_whatever_touches_their_blocks_first_flushes(monkeypatch):
+    import kernels.cpu as cpu_kernels
+
+    copies = []
+    copy_blocks = cpu_kernels.copy_blocks
+    monkeypatch.setattr(cpu_kernels, "copy_blocks", lambda src, src_ids, dst, dst_ids: (
+        copies.append((list(src_ids), list(dst_ids))), copy_blocks(src, src_ids, dst, dst_ids)))
+    device = device_cache(8)
+    originals = device.clone()
+    tier = HostTier(device, num_blocks=4)
+    for block_id in (0, 1, 2):
+        tier.demote(block_id, bytes([block_id]), (block_id,) * BLOCK)
+    assert tier.num_pending_demotions == 3 and copies == []  # nothing copied on the allocation path
+    tier.flush()
+    assert copies == [([0, 1, 2], [0, 1, 2])] and tier.num_pending_demotions == 0  # one batch
+    assert tier.num_pinned_slots == 0
+    device[:3] = -1
+    tier.reserve([b"\x01"])
+    tier.promote([b"\x01"], [7])
+    assert torch.equal(device[7], originals[1])
+    # A promotion issues the pending copies first: it may read a block just demoted, or write over one.
+    tier.demote(3, b"\x03", (3,) * BLOCK)
+    tier.reserve([b"\x03"])
+    tier.promote([b"\x03"], [6])
+    assert torch.equal(device[6], originals[3])
+    # A load's slots are handed out with no copy outstanding: its reader thread writes into them.
+    tier.demote(4, b"\x04", (4,) * BLOCK)
+    tier.take_slots(1)
+    assert tier.num_pending_demotions == 0
+    device[4] = -1
+    tier.reserve([b"\x04"])
+    tier.promote([b"\x04"], [5])
+    assert torch.equal(device[5], originals[4])
+
+
+def test_every_step_issues_its_demotions_before_the_model_writes_to_the_blocks(engines):
+    _, tiered = engines
+    engine = tiered.engine
+    pending_at_forward = []
+    execute = engine.runner.execute
+
+    def checked(out, block_tables):
+        pending_at_forward.append(engine.tiers.host.num_pending_demotions)
+        return execute(out, block_tables)
+
+    engine.runner.execute = checked
+    try:
+        demoted = engine.stats().num_demoted_blocks
+        rng = random.Random(1)
+        for _ in range(5):
+            tiered.generate([[rng.randrange(100, 1000) for _ in range(120)]], SamplingParams(max_tokens=2))
+    finally:
+        engine.runner.execute = execute
+    assert engine.stats().num_demoted_blocks > demoted
+    assert pending_at_forward and set(pending_at_forward) == {0}
 
 
 @pytest.fixture(scope="module")
