@@ -49,9 +49,13 @@ class EngineConfig:
     # The deployment's shared store: an S3 bucket every replica reads and writes (NIXL OBJ), at
     # the endpoint given (None: AWS). Credentials come from the AWS_* environment variables.
     # ``shared_kv_bytes`` bounds what this replica's writes take there; past it they are deleted.
+    # ``shared_kv_total_bytes`` bounds the whole store's blocks of this model, whoever wrote them:
+    # past it, a replica deletes the oldest (a replica that stopped leaves its writes behind).
+    # 0: no such bound, so give the bucket a lifecycle rule.
     shared_kv_bucket: str | None = None
     shared_kv_endpoint: str | None = None
     shared_kv_bytes: int = 0
+    shared_kv_total_bytes: int = 0
     # Blocks each of those tiers may have in flight to it; more are not written (bounds its bandwidth).
     kv_tier_write_slots: int = 32
     max_num_batched_tokens: int = 2048
@@ -87,6 +91,11 @@ class EngineConfig:
                                  f"got {getattr(self, where)!r} and {getattr(self, size)}")
             if getattr(self, where) and not self.host_kv_cache_bytes:
                 raise ValueError(f"the {tier} KV tier loads through host memory: set host_kv_cache_bytes too")
+        if self.shared_kv_total_bytes and not self.shared_kv_bucket:
+            raise ValueError("shared_kv_total_bytes bounds the shared store: set shared_kv_bucket and shared_kv_bytes too")
+        if 0 < self.shared_kv_total_bytes < self.shared_kv_bytes:
+            raise ValueError(f"shared_kv_total_bytes {self.shared_kv_total_bytes} is the whole store's bound: it cannot be "
+                             f"below one replica's shared_kv_bytes {self.shared_kv_bytes}")
         if self.kv_tier_write_slots < 1:
             raise ValueError(f"kv_tier_write_slots must be >= 1, got {self.kv_tier_write_slots}")
 
@@ -100,7 +109,8 @@ class EngineConfig:
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "kv_cache_bytes", "cuda_graph_max_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("host_kv_cache_bytes", "disk_kv_cache_bytes", "disk_kv_min_free_bytes", "shared_kv_bytes"):
+        for name in ("host_kv_cache_bytes", "disk_kv_cache_bytes", "disk_kv_min_free_bytes", "shared_kv_bytes",
+                     "shared_kv_total_bytes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         self._check_lower_tiers()

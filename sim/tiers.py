@@ -116,6 +116,10 @@ class ModelledRecords:
     def scan(self) -> list[bytes]:
         return list(self.store.hashes)
 
+    def listing(self) -> list[tuple[float, bytes]]:
+        self._owed_s += self.model.op_s
+        return [(float(order), block_hash) for order, block_hash in enumerate(self.store.hashes)]
+
     def close(self) -> None:
         """Nothing is open."""
 

@@ -270,6 +270,23 @@ class NixlBlockStore:
             found.append(block_hash)
         return found
 
+    def listing(self) -> list[tuple[float, bytes]]:
+        """``(last write, hash)`` of every record in the bucket under this namespace, any writer's.
+
+        S3 keeps a write's time to the second."""
+        import boto3
+
+        client = boto3.client("s3", endpoint_url=self.bucket.endpoint, region_name=self.bucket.region)
+        found = []
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket.bucket,
+                                                                      Prefix=f"{self.namespace}/"):
+            for item in page.get("Contents", []):
+                try:
+                    found.append((item["LastModified"].timestamp(), bytes.fromhex(item["Key"].rsplit("/", 1)[1])))
+                except ValueError:
+                    continue  # not one of ours
+        return found
+
     def _open_for_read(self, block_hashes: Sequence[bytes]) -> list[int | str | None]:
         """Where each record is read from: an open file, an object key, or None (no such file)."""
         if self.dir is None:
@@ -395,6 +412,9 @@ class NixlRecords:
 
     def scan(self) -> list[bytes]:
         return self.store.scan()
+
+    def listing(self) -> list[tuple[float, bytes]]:
+        return self.store.listing()
 
     def close(self) -> None:
         self.store.close()

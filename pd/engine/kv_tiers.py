@@ -234,11 +234,13 @@ def build_tiers(config: EngineConfig, pool: BlockPool, device_cache: torch.Tenso
     tiers = KVTiers(pool, host, config.block_size, io.event())
     namespace = namespace_of(fingerprint)
 
-    def lower(tier: Tier, capacity_bytes: int) -> StoreTier:
+    def lower(tier: Tier, capacity_bytes: int, total_bytes: int = 0) -> StoreTier:
         records = io.records(tier, config, name, namespace, block_bytes, host.cache)
-        return StoreTier(tier, records, max(1, capacity_bytes // records.record_bytes), tiers.locate, clock=clock,
+        return StoreTier(tier, records, max(1, capacity_bytes // records.record_bytes), tiers.locate,
+                         total_capacity_blocks=total_bytes // records.record_bytes, clock=clock,
                          writer=io.worker(tier, "writer"), reader=io.worker(tier, "reader"))
 
     disk = lower(Tier.DISK, config.disk_kv_cache_bytes) if config.disk_kv_cache_path else None
-    shared = lower(Tier.SHARED, config.shared_kv_bytes) if config.shared_kv_bucket else None
+    shared = (lower(Tier.SHARED, config.shared_kv_bytes, config.shared_kv_total_bytes) if config.shared_kv_bucket
+              else None)
     return tiers.attach(disk, shared)

@@ -50,6 +50,7 @@ class EngineStats:
     disk_rejected_reads: int = 0
     disk_store_queries: int = 0
     disk_deleted_blocks: int = 0
+    disk_collected_blocks: int = 0
     disk_blocks: int = 0
     disk_capacity_blocks: int = 0
     disk_disabled: int = 0
@@ -62,6 +63,7 @@ class EngineStats:
     shared_rejected_reads: int = 0
     shared_store_queries: int = 0
     shared_deleted_blocks: int = 0
+    shared_collected_blocks: int = 0
     shared_blocks: int = 0
     shared_capacity_blocks: int = 0
     shared_disabled: int = 0

@@ -71,7 +71,8 @@ class StoreTierStats:
     read_seconds: float = 0.0
     num_rejected_reads: int = 0  # missing, short or not the block asked for: recomputed
     num_store_queries: int = 0  # shared store: questions of which blocks it holds
-    num_deleted_blocks: int = 0
+    num_deleted_blocks: int = 0  # this replica's own writes, past its capacity
+    num_collected_blocks: int = 0  # any writer's, past the store's total (``total_capacity_blocks``)
     num_blocks: int = 0  # indexed now
     capacity_blocks: int = 0
     disabled: int = 0  # 1 once a write failed (a disk full): no more writes
@@ -92,6 +93,7 @@ class Records(Protocol):
     def read(self, items: Sequence[tuple[bytes, Sequence[int], int]]) -> tuple[int, str | None]: ...
     def delete(self, block_hashes: Sequence[bytes]) -> None: ...
     def scan(self) -> list[bytes]: ...
+    def listing(self) -> list[tuple[float, bytes]]: ...  # a store's records, any writer's: (last write, hash)
     def close(self) -> None: ...
 
 
@@ -137,11 +139,16 @@ class ThreadWorker:
 class StoreTier:
     def __init__(self, tier: Tier, records: Records, capacity_blocks: int,
                  locate: Callable[[bytes], torch.Tensor | None], max_backlog: int = 4096, *,
-                 clock: Clock = SYSTEM_CLOCK, writer: Worker | None = None, reader: Worker | None = None):
+                 total_capacity_blocks: int = 0, clock: Clock = SYSTEM_CLOCK, writer: Worker | None = None,
+                 reader: Worker | None = None):
         if capacity_blocks < 1:
             raise ValueError(f"a {tier.name.lower()} tier needs room for at least one block")
         self.tier, self.records = tier, records
         self.capacity_blocks = capacity_blocks
+        # The whole store's bound, whoever wrote (0: none): past it, ``collect_garbage`` deletes the oldest.
+        self.total_capacity_blocks = total_capacity_blocks
+        self._written_since_collect = 0
+        self._collected: deque[bytes] = deque()  # deleted by the writer's collection, not yet applied
         self.locate = locate  # a block's current copy (device or host), or None once it is gone from both
         self.max_backlog = max_backlog
         self.clock = clock
@@ -162,6 +169,8 @@ class StoreTier:
         name = tier.name.lower()
         self._writer = writer or ThreadWorker(f"pd-{name}-writer")
         self._reader = reader or ThreadWorker(f"pd-{name}-reader")
+        if total_capacity_blocks:
+            self._submit_collect()  # what stopped replicas left behind
 
     def _warm_start(self) -> None:
         found = self.records.scan()
@@ -218,7 +227,18 @@ class StoreTier:
             self._mine.add(block_hash)
             self._misses.pop(block_hash, None)
             self.stats.num_written_blocks += 1
+            self._written_since_collect += 1
             stored.append(block_hash)
+        while self._collected:
+            block_hash = self._collected.popleft()
+            self.stats.num_collected_blocks += 1
+            self._mine.discard(block_hash)
+            if block_hash in self.index:
+                del self.index[block_hash]
+                dropped.append(block_hash)
+        if self.total_capacity_blocks and self._written_since_collect >= max(1, self.total_capacity_blocks // 8):
+            self._written_since_collect = 0
+            self._submit_collect()
         while self._backlog and self._free_staging and not self._closed and not self.stats.disabled:
             block_hash, token_ids = self._backlog.popitem(last=False)
             if block_hash not in self.index and block_hash not in self._writing:
@@ -393,6 +413,31 @@ class StoreTier:
         except (StoreError, OSError) as exc:
             error = str(exc)
         return [(block_hash, record, error) for block_hash, record in batch]
+
+    def collect_garbage(self) -> None:
+        """Delete the store's oldest records past ``total_capacity_blocks`` now, and wait for it (a later
+        ``poll`` applies it). The writer also does this every eighth of that total written."""
+        self._submit_collect()
+        self._writer.flush()
+
+    def _submit_collect(self) -> None:
+        self._writer.submit(self._collect, self._collected.extend)
+
+    def _collect(self) -> list[bytes]:
+        """On the writer: list the store, delete the oldest records past its total; the hashes deleted.
+
+        Of records written in the same second (a store's resolution), others' go before this replica's own.
+        """
+        try:
+            listed = [block_hash for _, _, block_hash in
+                      sorted((written, block_hash in self._mine, block_hash) for written, block_hash in self.records.listing())]
+            surplus = listed[:max(0, len(listed) - self.total_capacity_blocks)]
+            if surplus:
+                self.records.delete(surplus)
+            return surplus
+        except (StoreError, OSError) as exc:
+            logger.warning("%s tier: collecting past the store's total failed: %s", self.tier.name.lower(), exc)
+            return []
 
     def _delete(self, block_hashes: list[bytes]) -> None:
         try:

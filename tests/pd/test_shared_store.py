@@ -69,3 +69,30 @@ def test_the_store_keeps_what_an_engine_wrote_within_its_share_and_nothing_leaks
     llm.engine.tiers.shared.records.delete([bytes.fromhex(key.rsplit("/", 1)[1]) for key in keys])
     assert bucket_keys(endpoint, BUCKET) == []
     llm.engine.close()
+
+
+def test_the_store_stays_within_its_total_though_the_engine_that_wrote_it_is_gone(endpoint, block_bytes):
+    """A replica that stops leaves its objects; past ``shared_kv_total_bytes`` any replica deletes the oldest."""
+    record = block_bytes + trailer_bytes(16)
+    gone = shared_engine(endpoint, block_bytes)
+    gone.generate([FIRST], PARAMS)
+    gone.engine.tiers.flush()
+    gone.engine.close()  # its 8 objects stay: nobody owns them now
+    assert len(bucket_keys(endpoint, BUCKET)) == 8
+    llm = LLM("builtin:tiny-llama", num_blocks=DEVICE_BLOCKS, host_kv_cache_bytes=HOST_BLOCKS * block_bytes,
+              shared_kv_bucket=BUCKET, shared_kv_endpoint=endpoint, shared_kv_bytes=12 * record,
+              shared_kv_total_bytes=12 * record)
+    for prompt in CHURN[:2]:  # 14 blocks more: its own 12 kept, and the 8 left behind past the total
+        llm.generate([prompt], PARAMS)
+    llm.engine.tiers.shared.collect_garbage()  # it also runs as the engine writes: this is the last
+    llm.engine.tiers.flush()  # and applies it
+    keys = bucket_keys(endpoint, BUCKET)
+    assert len(keys) == 12
+    assert not {bytes.fromhex(key.rsplit("/", 1)[1]) for key in keys} & set(FIRST_HASHES)  # the oldest went first
+    assert llm.engine.stats().shared_collected_blocks >= 8
+    llm.engine.tiers.shared.records.delete([bytes.fromhex(key.rsplit("/", 1)[1]) for key in keys])
+    llm.engine.close()
+    with pytest.raises(ValueError, match="shared_kv_total_bytes"):
+        LLM("builtin:tiny-llama", num_blocks=DEVICE_BLOCKS, host_kv_cache_bytes=HOST_BLOCKS * block_bytes,
+            shared_kv_bucket=BUCKET, shared_kv_endpoint=endpoint, shared_kv_bytes=12 * record,
+            shared_kv_total_bytes=8 * record)
