@@ -32,6 +32,7 @@ TIER_GAUGES = (
     ("write_seconds", "time spent demoting to host memory, cumulative (lower tiers write off the step)"),
     ("dropped_writes", "blocks not written: gone from device and host, or past the backlog, before a write"),
     ("disabled", "1 once a write failed (a full disk): the tier takes no more writes"),
+    ("deleted_blocks", "records deleted: this replica's past its share, and (shared store) any past its total, cumulative"),
 )
 
 
@@ -101,6 +102,7 @@ def tier_values(stats) -> dict[tuple[str, str], float]:
             ("written_blocks", tier): getattr(stats, f"{tier}_written_blocks"),
             ("dropped_writes", tier): getattr(stats, f"{tier}_dropped_writes"),
             ("disabled", tier): getattr(stats, f"{tier}_disabled"),
+            ("deleted_blocks", tier): getattr(stats, f"{tier}_deleted_blocks") + getattr(stats, f"{tier}_collected_blocks"),
         })
     return values
 

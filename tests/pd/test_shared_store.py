@@ -90,6 +90,10 @@ def test_the_store_stays_within_its_total_though_the_engine_that_wrote_it_is_gon
     assert len(keys) == 12
     assert not {bytes.fromhex(key.rsplit("/", 1)[1]) for key in keys} & set(FIRST_HASHES)  # the oldest went first
     assert llm.engine.stats().shared_collected_blocks >= 8
+    from pd.serve.metrics import tier_values
+
+    stats = llm.engine.stats()
+    assert tier_values(stats)[("deleted_blocks", "shared")] == stats.shared_deleted_blocks + stats.shared_collected_blocks
     llm.engine.tiers.shared.records.delete([bytes.fromhex(key.rsplit("/", 1)[1]) for key in keys])
     llm.engine.close()
     with pytest.raises(ValueError, match="shared_kv_total_bytes"):
