@@ -28,6 +28,20 @@ namespace {
 // D > 0: the head dim known at compile time (loops fully unrolled); D == 0: n at run time.
 template <int64_t D>
 inline float dot(const float* a, const float* b, int64_t runtime_n) {
+  if constexpr (D > 0 && D % 16 == 0) {
+    // One vector of partial sums, then halved in a tree: a reduction loop over the whole row compiles
+    // to sixteen scalar adds in a chain at its end, which bounded the kernel.
+    float lanes[16] = {};
+    for (int64_t d = 0; d < D; d += 16) {
+#pragma omp simd
+      for (int j = 0; j < 16; ++j) lanes[j] += a[d + j] * b[d + j];
+    }
+    for (int width = 8; width > 0; width /= 2) {
+#pragma omp simd
+      for (int j = 0; j < width; ++j) lanes[j] += lanes[j + width];
+    }
+    return lanes[0];
+  }
   const int64_t n = D > 0 ? D : runtime_n;
   float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
@@ -76,6 +90,14 @@ inline float nan_max(const float* s, int64_t n) {
   return nan ? std::numeric_limits<float>::quiet_NaN() : m;
 }
 
+// A row of the page a loop reads next, requested while it reads this one (one row per row read): a
+// page is a jump to another block, where the hardware prefetcher (which stops at 4 KiB boundaries)
+// starts cold, so each page began with a stall.
+inline void prefetch_row(const float* row, int64_t row_len) {
+  constexpr int64_t kLine = 64 / sizeof(float);
+  for (int64_t d = 0; d < row_len; d += kLine) __builtin_prefetch(row + d);
+}
+
 struct DecodeArgs {
   const float *q, *k, *v;
   float* out;
@@ -93,8 +115,10 @@ inline void weighted_values(const DecodeArgs& a, const int32_t* pages, int64_t g
   const int64_t hd = D > 0 ? D : a.head_dim, bs = a.block_size, group = G > 0 ? G : a.group;
   for (int64_t page = first / bs; page * bs < len; ++page) {
     const int64_t t0 = std::max(page * bs, first), t1 = std::min((page + 1) * bs, len);
+    const float* next = (page + 1) * bs < len ? a.v + pages[page + 1] * a.vs0 + g * a.vs2 : nullptr;
     const float* v = a.v + pages[page] * a.vs0 + g * a.vs2 + (t0 - page * bs) * a.vs1;
     for (int64_t t = t0; t < t1; ++t, v += a.vs1) {
+      if (next != nullptr) prefetch_row(next + (t - page * bs) * a.vs1, hd);
       for (int64_t h = 0; h < group; ++h) axpy<D>(p[h * n + (t - first)], v, acc + h * hd, hd);
     }
   }
@@ -113,8 +137,10 @@ void decode_task(const DecodeArgs& a, int64_t i, int64_t g, float* scores, float
   // Pass 1: scores[h * n + (t - first)] for every visible key t.
   for (int64_t page = first / bs; page * bs < len; ++page) {
     const int64_t t0 = std::max(page * bs, first), t1 = std::min((page + 1) * bs, len);
+    const float* next = (page + 1) * bs < len ? a.k + pages[page + 1] * a.ks0 + g * a.ks2 : nullptr;
     const float* k = a.k + pages[page] * a.ks0 + g * a.ks2 + (t0 - page * bs) * a.ks1;
     for (int64_t t = t0; t < t1; ++t, k += a.ks1) {
+      if (next != nullptr) prefetch_row(next + (t - page * bs) * a.ks1, hd);
       for (int64_t h = 0; h < group; ++h) scores[h * n + (t - first)] = dot<D>(qg + h * a.qs1, k, hd) * a.scale;
     }
   }
