@@ -137,10 +137,14 @@ void decode_task(const DecodeArgs& a, int64_t i, int64_t g, float* scores, float
   // Pass 1: scores[h * n + (t - first)] for every visible key t.
   for (int64_t page = first / bs; page * bs < len; ++page) {
     const int64_t t0 = std::max(page * bs, first), t1 = std::min((page + 1) * bs, len);
+    // This page's value rows are requested too: pass 3 then finds them in cache (a task's keys and
+    // values, 2 x 300 x 64 floats at a 300-token context, stay well within L2).
     const float* next = (page + 1) * bs < len ? a.k + pages[page + 1] * a.ks0 + g * a.ks2 : nullptr;
     const float* k = a.k + pages[page] * a.ks0 + g * a.ks2 + (t0 - page * bs) * a.ks1;
-    for (int64_t t = t0; t < t1; ++t, k += a.ks1) {
+    const float* v = a.v + pages[page] * a.vs0 + g * a.vs2 + (t0 - page * bs) * a.vs1;
+    for (int64_t t = t0; t < t1; ++t, k += a.ks1, v += a.vs1) {
       if (next != nullptr) prefetch_row(next + (t - page * bs) * a.ks1, hd);
+      prefetch_row(v, hd);
       for (int64_t h = 0; h < group; ++h) scores[h * n + (t - first)] = dot<D>(qg + h * a.qs1, k, hd) * a.scale;
     }
   }

@@ -26,11 +26,37 @@ BLOCK_LAYOUT = "heads-outer"
 
 def kv_pool(num_blocks: int, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
             dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """A zeroed pool (``device="meta"``: its shape only)."""
+    """A zeroed pool (``device="meta"``: its shape only); in host memory, on huge pages where the OS lends them."""
     shape = (num_blocks, num_kv_heads, num_layers, 2, block_size, head_dim)
-    if torch.device(device).type == "meta":
+    kind = torch.device(device).type
+    if kind == "meta":
         return torch.empty(shape, dtype=dtype, device="meta")
-    return torch.zeros(shape, dtype=dtype, device=device)
+    if kind != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    pool = torch.empty(shape, dtype=dtype)
+    advise_huge_pages(pool)
+    return pool.zero_()  # the first touch: the pages are faulted in huge where the advice took
+
+
+def advise_huge_pages(tensor: torch.Tensor) -> bool:
+    """Ask Linux to back ``tensor`` with transparent huge pages (``madvise``); whether the call was taken.
+
+    Attention reads a sequence's blocks from all over the pool, a jump to another 4 KiB page (and a TLB
+    miss) every block; with 2 MiB pages the TLB covers the pool. A no-op where the OS says no.
+    """
+    import ctypes
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return False
+    huge = 1 << 21
+    start = tensor.data_ptr()
+    first, last = (start + huge - 1) & ~(huge - 1), (start + tensor.numel() * tensor.element_size()) & ~(huge - 1)
+    if last <= first:
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    madv_hugepage = 14
+    return libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), madv_hugepage) == 0
 
 
 def layer_views(pool: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
