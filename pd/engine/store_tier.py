@@ -426,11 +426,15 @@ class StoreTier:
     def _collect(self) -> list[bytes]:
         """On the writer: list the store, delete the oldest records past its total; the hashes deleted.
 
-        Of records written in the same second (a store's resolution), others' go before this replica's own.
+        Of records written in the same second (a store's resolution), others' go before this replica's own
+        (those it wrote, and those it is writing: landed, not yet polled).
         """
         try:
+            def own(block_hash: bytes) -> bool:
+                return block_hash in self._mine or block_hash in self._writing
+
             listed = [block_hash for _, _, block_hash in
-                      sorted((written, block_hash in self._mine, block_hash) for written, block_hash in self.records.listing())]
+                      sorted((written, own(block_hash), block_hash) for written, block_hash in self.records.listing())]
             surplus = listed[:max(0, len(listed) - self.total_capacity_blocks)]
             if surplus:
                 self.records.delete(surplus)

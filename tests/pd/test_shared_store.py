@@ -84,6 +84,7 @@ def test_the_store_stays_within_its_total_though_the_engine_that_wrote_it_is_gon
               shared_kv_total_bytes=12 * record)
     for prompt in CHURN[:2]:  # 14 blocks more: its own 12 kept, and the 8 left behind past the total
         llm.generate([prompt], PARAMS)
+    llm.engine.tiers.flush()  # every write done and applied
     llm.engine.tiers.shared.collect_garbage()  # it also runs as the engine writes: this is the last
     llm.engine.tiers.flush()  # and applies it
     keys = bucket_keys(endpoint, BUCKET)
