@@ -118,13 +118,14 @@ def decode_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, s
 
 
 def prefill_attention(q, k_cache, v_cache, cu, lens, block_table, softmax_scale, sliding_window, softcap,
-                      out) -> None:
-    """The sequences of a batch with more than one query (``cu``, ``lens`` as lists), into ``out``."""
+                      out, only: list[int] | None = None) -> None:
+    """The sequences of a batch with more than one query (``cu``, ``lens`` as lists), into ``out``
+    (``only``: just those of these indices)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
     compute_dtype = torch.float32
-    for i in range(len(lens)):
+    for i in range(len(lens)) if only is None else only:
         q_len = cu[i + 1] - cu[i]
         if q_len <= 1:
             continue

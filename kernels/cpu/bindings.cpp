@@ -8,6 +8,10 @@ void paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache
                             const torch::Tensor& block_table, const torch::Tensor& seq_lens,
                             const torch::Tensor& token_rows, double scale, int64_t window, double softcap,
                             torch::Tensor& out);
+void paged_prefill_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                             const torch::Tensor& block_table, const std::vector<int64_t>& query_starts,
+                             const std::vector<int64_t>& seq_lens, const std::vector<int64_t>& seqs, double scale,
+                             int64_t window, double softcap, torch::Tensor& out);
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
 std::vector<torch::Tensor> add_rms_norm(const torch::Tensor& x, const torch::Tensor& residual,
                                         const torch::Tensor& weight, double eps);
@@ -21,6 +25,8 @@ void copy_blocks(const torch::Tensor& src, const std::vector<int64_t>& src_ids, 
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention over a block-major pool (fp32)");
+  m.def("paged_prefill_attention", &paged_prefill_attention,
+        "paged prefill attention over a block-major pool, online softmax (fp32)");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim (fp32)");
   m.def("add_rms_norm", &add_rms_norm, "residual add, then RMSNorm; returns (normed, sum) (fp32)");
   m.def("rotary", &rotary, "rotate-half rotary embedding of q and k into new tensors (fp32)");

@@ -1,0 +1,248 @@
+// Paged prefill attention on CPU: each chunk of queries reads its context's keys and values out of
+// the block-major pool through its block table, with flash attention's online softmax. One task per
+// (sequence, KV head, tile of queries); the tile's rows are its queries times the query heads that
+// share the KV head, so the keys and values are read once for all of them.
+//
+//   keys kb .. kb+127 of the pages -> KT [hd, 128] (transposed) and VB [128, hd], once per task and block
+//   S[r, :] = q_r . KT                          (4 rows x 64 keys of accumulators at a time)
+//   m' = max(m, max S[r, :]); p = exp(S - m'); l = l * exp(m - m') + sum p; O_r = O_r * exp(m - m') + p VB
+//
+// Blocks past a tile's last query are skipped; a key past it is never read. Measured against the
+// reference's gather + SDPA (AMD EPYC, 2 threads, 8 heads over 2 KV heads): 1.4-1.7x at 64-128
+// queries, 1.1x at about 500, 0.7x at 1,024 (kernels.cpu routes contexts over 512 keys to SDPA).
+// Built without -ffast-math: a NaN score reaches its row's output.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kTileRows = 128;  // query rows (queries x group heads) per task
+
+struct PrefillArgs {
+  const float *q, *k, *v;
+  float* out;
+  const int32_t* table;
+  int64_t head_dim, block_size, num_kv_heads, group, window;
+  int64_t qs0, qs1, os0, os1, ks0, ks1, ks2, vs0, vs1, vs2, table_stride;
+  float scale, cap;
+};
+
+struct Task {
+  int64_t seq, kv_head, first_query, num_queries;  // queries: rows of q, first_query .. + num_queries
+  int64_t query_start, context_len;  // the sequence's first row in q; its keys (the last query's position + 1)
+};
+
+// Keys per step of the recurrence: pages are gathered in blocks of this many keys, so the per-row
+// work of the softmax (max, exponentials, rescaling) is paid once per KB keys, not once per page.
+constexpr int64_t KB = 128;
+
+// x[i] = exp(x[i] - shift) for i < n (a multiple of the vector width here); returns the sum.
+inline float exp_sum(float* x, int64_t n, float shift) {
+  using Vec = at::vec::Vectorized<float>;
+  const Vec sh(shift);
+  Vec sums(0.f);
+  for (int64_t i = 0; i < n; i += Vec::size()) {
+    const Vec e = (Vec::loadu(x + i) - sh).exp();
+    e.store(x + i);
+    sums = sums + e;
+  }
+  float lanes[Vec::size()];
+  sums.store(lanes);
+  float sum = 0.f;
+  for (int64_t i = 0; i < Vec::size(); ++i) sum += lanes[i];
+  return sum;
+}
+
+// D > 0: the head dim known at compile time.
+template <int64_t D>
+void prefill_task(const PrefillArgs& a, const Task& task) {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  const int64_t hd = D > 0 ? D : a.head_dim, bs = a.block_size, group = a.group, g = task.kv_head;
+  const int64_t rows = task.num_queries * group;
+  const int64_t padded_rows = (rows + 3) / 4 * 4;
+  // o: the rows' outputs; kt: the block's keys transposed [hd, KB]; vb: its values [KB, hd]; s: scores [rows, KB].
+  std::vector<float> o(padded_rows * hd, 0.f), kt(hd * KB), vb(KB * hd), s(padded_rows * KB);
+  std::vector<float> m(rows, kNegInf), l(rows, 0.f);
+  std::vector<const float*> qr(padded_rows);
+  for (int64_t row = 0; row < padded_rows; ++row) {
+    const int64_t r = std::min(row, rows - 1);  // padding rows repeat the last: computed, never stored
+    qr[row] = a.q + (task.first_query + r / group) * a.qs0 + (g * group + r % group) * a.qs1;
+  }
+  // The tile's queries are the positions just before context_len.
+  const int64_t first_pos = task.context_len - task.num_queries, last_pos = task.context_len - 1;
+  const int64_t lowest = a.window > 0 ? std::max<int64_t>(0, first_pos - a.window + 1) : 0;
+  const int32_t* pages = a.table + task.seq * a.table_stride;
+  for (int64_t kb = lowest / KB * KB; kb <= last_pos; kb += KB) {
+    const int64_t kn = std::min(KB, last_pos + 1 - kb);  // keys read: kb .. kb + kn - 1, never past the last query
+    for (int64_t t = 0; t < kn; ++t) {
+      const int64_t key = kb + t, page = pages[key / bs], slot = key % bs;
+      const float* krow = a.k + page * a.ks0 + g * a.ks2 + slot * a.ks1;
+      const float* vrow = a.v + page * a.vs0 + g * a.vs2 + slot * a.vs1;
+      for (int64_t d = 0; d < hd; ++d) kt[d * KB + t] = krow[d];
+      std::copy(vrow, vrow + hd, vb.data() + t * hd);
+    }
+    for (int64_t t = kn; t < KB; ++t) {
+      for (int64_t d = 0; d < hd; ++d) kt[d * KB + t] = 0.f;
+      std::fill(vb.data() + t * hd, vb.data() + (t + 1) * hd, 0.f);
+    }
+    // Scores: four rows by 64 keys at a time, each KT row loaded once for the four.
+    for (int64_t r0 = 0; r0 < padded_rows; r0 += 4) {
+      for (int64_t c = 0; c < KB; c += 64) {
+        float acc0[64] = {}, acc1[64] = {}, acc2[64] = {}, acc3[64] = {};
+        for (int64_t d = 0; d < hd; ++d) {
+          const float* ktd = kt.data() + d * KB + c;
+          const float q0 = qr[r0][d], q1 = qr[r0 + 1][d], q2 = qr[r0 + 2][d], q3 = qr[r0 + 3][d];
+#pragma omp simd
+          for (int64_t t = 0; t < 64; ++t) {
+            const float kv = ktd[t];
+            acc0[t] += q0 * kv;
+            acc1[t] += q1 * kv;
+            acc2[t] += q2 * kv;
+            acc3[t] += q3 * kv;
+          }
+        }
+        float* s0 = s.data() + r0 * KB + c;
+#pragma omp simd
+        for (int64_t t = 0; t < 64; ++t) {
+          s0[t] = acc0[t] * a.scale;
+          s0[KB + t] = acc1[t] * a.scale;
+          s0[2 * KB + t] = acc2[t] * a.scale;
+          s0[3 * KB + t] = acc3[t] * a.scale;
+        }
+      }
+    }
+    // The softmax's recurrence, row by row; a row's weights stay in s (0 where it may not look).
+    for (int64_t row = 0; row < padded_rows; ++row) {
+      float* sr = s.data() + row * KB;
+      float* orow = o.data() + row * hd;
+      if (row >= rows) {
+        std::fill(sr, sr + KB, 0.f);
+        continue;
+      }
+      const int64_t p = first_pos + row / group;
+      const int64_t hi = std::min(kn, p - kb + 1);  // keys t < hi are not in the future
+      const int64_t lo = a.window > 0 ? std::max<int64_t>(0, p - a.window + 1 - kb) : 0;
+      if (hi <= lo) {
+        std::fill(sr, sr + KB, 0.f);
+        continue;
+      }
+      if (a.cap > 0.f) {
+        for (int64_t t = lo; t < hi; ++t) sr[t] = a.cap * std::tanh(sr[t] / a.cap);
+      }
+      float block_max = kNegInf;
+      int nan = 0;
+#pragma omp simd reduction(max : block_max) reduction(| : nan)
+      for (int64_t t = lo; t < hi; ++t) {
+        nan |= sr[t] != sr[t];
+        block_max = sr[t] > block_max ? sr[t] : block_max;
+      }
+      const float m_old = m[row];
+      const float m_new = nan || std::isnan(m_old) ? std::numeric_limits<float>::quiet_NaN() : std::max(m_old, block_max);
+      for (int64_t t = 0; t < lo; ++t) sr[t] = kNegInf;
+      for (int64_t t = hi; t < KB; ++t) sr[t] = kNegInf;
+      const float sum = exp_sum(sr, KB, m_new);
+      if (m_old == kNegInf) {  // the first keys this row sees
+        l[row] = sum;
+        std::fill(orow, orow + hd, 0.f);
+      } else {
+        const float alpha = std::exp(m_old - m_new);
+        l[row] = l[row] * alpha + sum;
+#pragma omp simd
+        for (int64_t d = 0; d < hd; ++d) orow[d] *= alpha;
+      }
+      m[row] = m_new;
+    }
+    // O += P V: four rows at a time, each value row loaded once for the four.
+    for (int64_t r0 = 0; r0 < padded_rows; r0 += 4) {
+      float* o0 = o.data() + r0 * hd;
+      const float* p0 = s.data() + r0 * KB;
+      if constexpr (D > 0) {
+        float a0[D], a1[D], a2[D], a3[D];
+        std::copy(o0, o0 + D, a0);
+        std::copy(o0 + D, o0 + 2 * D, a1);
+        std::copy(o0 + 2 * D, o0 + 3 * D, a2);
+        std::copy(o0 + 3 * D, o0 + 4 * D, a3);
+        for (int64_t t = 0; t < kn; ++t) {
+          const float w0 = p0[t], w1 = p0[KB + t], w2 = p0[2 * KB + t], w3 = p0[3 * KB + t];
+          const float* vrow = vb.data() + t * D;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) {
+            const float vv = vrow[d];
+            a0[d] += w0 * vv;
+            a1[d] += w1 * vv;
+            a2[d] += w2 * vv;
+            a3[d] += w3 * vv;
+          }
+        }
+        std::copy(a0, a0 + D, o0);
+        std::copy(a1, a1 + D, o0 + D);
+        std::copy(a2, a2 + D, o0 + 2 * D);
+        std::copy(a3, a3 + D, o0 + 3 * D);
+      } else {
+        for (int64_t r = 0; r < 4; ++r) {
+          float* orow = o0 + r * hd;
+          const float* pr = p0 + r * KB;
+          for (int64_t t = 0; t < kn; ++t) {
+            const float w = pr[t];
+            const float* vrow = vb.data() + t * hd;
+#pragma omp simd
+            for (int64_t d = 0; d < hd; ++d) orow[d] += w * vrow[d];
+          }
+        }
+      }
+    }
+  }
+  for (int64_t row = 0; row < rows; ++row) {
+    float* dst = a.out + (task.first_query + row / group) * a.os0 + (g * group + row % group) * a.os1;
+    const float inv = 1.f / l[row];
+    const float* orow = o.data() + row * hd;
+#pragma omp simd
+    for (int64_t d = 0; d < hd; ++d) dst[d] = orow[d] * inv;
+  }
+}
+
+}  // namespace
+
+// q, out: [num_tokens, heads, head_dim] fp32 (head_dim contiguous).
+// k_cache, v_cache: [num_blocks, block_size, kv_heads, head_dim] fp32 views (head_dim contiguous).
+// block_table: int32 [num_seqs, >= pages]; query_starts: int64 [num_seqs + 1] rows of q per sequence
+// (cu_seqlens); seq_lens: int64 [num_seqs]; seqs: the sequences to run (those with more than one query).
+void paged_prefill_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                             const torch::Tensor& block_table, const std::vector<int64_t>& query_starts,
+                             const std::vector<int64_t>& seq_lens, const std::vector<int64_t>& seqs, double scale,
+                             int64_t window, double softcap, torch::Tensor& out) {
+  PrefillArgs a{
+      q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), out.data_ptr<float>(),
+      block_table.data_ptr<int32_t>(), q.size(2), k_cache.size(1), k_cache.size(2), q.size(1) / k_cache.size(2),
+      window, q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
+      k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
+      static_cast<float>(scale), static_cast<float>(softcap),
+  };
+  const int64_t tile = std::max<int64_t>(1, kTileRows / a.group);
+  std::vector<Task> tasks;
+  for (int64_t i : seqs) {
+    const int64_t start = query_starts[i], end = query_starts[i + 1], len = seq_lens[i];
+    for (int64_t first = start; first < end; first += tile) {
+      const int64_t n = std::min(tile, end - first);
+      for (int64_t g = 0; g < a.num_kv_heads; ++g) {
+        // The tile's queries are positions len - (end - first) .. len - (end - first) + n - 1.
+        tasks.push_back(Task{i, g, first, n, start, len - (end - first - n)});
+      }
+    }
+  }
+  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      if (a.head_dim == 32) prefill_task<32>(a, tasks[t]);
+      else if (a.head_dim == 64) prefill_task<64>(a, tasks[t]);
+      else if (a.head_dim == 128) prefill_task<128>(a, tasks[t]);
+      else prefill_task<0>(a, tasks[t]);
+    }
+  });
+}
