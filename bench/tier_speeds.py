@@ -32,7 +32,8 @@ import torch
 
 import kernels.cpu as cpu_kernels
 from pd.engine.block_pool import Tier
-from pd.engine.block_store import NixlBlockStore, NixlRecords
+from pd.engine.block_store import NixlBlockStore
+from pd.engine.tier_io import NixlRecords
 from pd.engine.host_tier import HostTier
 from pd.engine.store_tier import StoreTier
 

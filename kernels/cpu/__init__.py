@@ -72,11 +72,20 @@ def build():
             started = time.monotonic()
             _extension = load(
                 name="pd_cpu_kernels", sources=_SOURCES, build_directory=str(_build_directory()),
-                extra_cflags=["-O3", "-march=native", "-fopenmp", "-fopenmp-simd", *capability_flags()],
+                extra_cflags=["-O3", "-march=native", "-fopenmp", "-fopenmp-simd", *capability_flags(),
+                              f"-DPD_HEADERS={_headers_digest()}"],
                 extra_ldflags=["-fopenmp"], verbose=False,
             )
             logger.info("cpu kernels ready in %.1f s", time.monotonic() - started)
         return _extension
+
+
+def _headers_digest() -> str:
+    """A digest of the headers the sources include: torch rebuilds on changed sources or flags, not headers."""
+    digest = hashlib.sha256()
+    for header in sorted(Path(__file__).parent.glob("*.h")):
+        digest.update(header.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def _build_directory() -> Path:

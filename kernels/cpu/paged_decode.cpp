@@ -18,12 +18,16 @@
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
 
+#include "vec_exp.h"
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
 
 namespace {
+
+using pd_cpu::exp_shifted;
 
 // D > 0: the head dim known at compile time (loops fully unrolled); D == 0: n at run time.
 template <int64_t D>
@@ -54,29 +58,6 @@ inline void axpy(float w, const float* x, float* y, int64_t runtime_n) {
   const int64_t n = D > 0 ? D : runtime_n;
 #pragma omp simd
   for (int64_t d = 0; d < n; ++d) y[d] += w * x[d];
-}
-
-// p[t] = exp(s[t] - m) for t < n; returns the sum. NaN in, NaN out. Vectorised with
-// ATen's Vectorized (Sleef's expf, as torch's own softmax); std::exp alone stays scalar.
-inline float exp_shifted(float* s, int64_t n, float m) {
-  using Vec = at::vec::Vectorized<float>;
-  const Vec shift(m);
-  Vec sums(0.f);
-  int64_t t = 0;
-  for (; t + Vec::size() <= n; t += Vec::size()) {
-    const Vec e = (Vec::loadu(s + t) - shift).exp();
-    e.store(s + t);
-    sums = sums + e;
-  }
-  float lanes[Vec::size()];
-  sums.store(lanes);
-  float sum = 0.f;
-  for (int64_t i = 0; i < Vec::size(); ++i) sum += lanes[i];
-  for (; t < n; ++t) {
-    s[t] = std::exp(s[t] - m);
-    sum += s[t];
-  }
-  return sum;
 }
 
 // NaN-propagating max: a NaN score makes the row NaN, as in the reference.

@@ -16,12 +16,16 @@
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
 
+#include "vec_exp.h"
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
 
 namespace {
+
+using pd_cpu::exp_shifted;
 
 constexpr int64_t kTileRows = 128;  // query rows (queries x group heads) per task
 
@@ -42,23 +46,6 @@ struct Task {
 // Keys per step of the recurrence: pages are gathered in blocks of this many keys, so the per-row
 // work of the softmax (max, exponentials, rescaling) is paid once per KB keys, not once per page.
 constexpr int64_t KB = 128;
-
-// x[i] = exp(x[i] - shift) for i < n (a multiple of the vector width here); returns the sum.
-inline float exp_sum(float* x, int64_t n, float shift) {
-  using Vec = at::vec::Vectorized<float>;
-  const Vec sh(shift);
-  Vec sums(0.f);
-  for (int64_t i = 0; i < n; i += Vec::size()) {
-    const Vec e = (Vec::loadu(x + i) - sh).exp();
-    e.store(x + i);
-    sums = sums + e;
-  }
-  float lanes[Vec::size()];
-  sums.store(lanes);
-  float sum = 0.f;
-  for (int64_t i = 0; i < Vec::size(); ++i) sum += lanes[i];
-  return sum;
-}
 
 // D > 0: the head dim known at compile time.
 template <int64_t D>
@@ -147,7 +134,7 @@ void prefill_task(const PrefillArgs& a, const Task& task) {
       const float m_new = nan || std::isnan(m_old) ? std::numeric_limits<float>::quiet_NaN() : std::max(m_old, block_max);
       for (int64_t t = 0; t < lo; ++t) sr[t] = kNegInf;
       for (int64_t t = hi; t < KB; ++t) sr[t] = kNegInf;
-      const float sum = exp_sum(sr, KB, m_new);
+      const float sum = exp_shifted(sr, KB, m_new);
       if (m_old == kNegInf) {  // the first keys this row sees
         l[row] = sum;
         std::fill(orow, orow + hd, 0.f);

@@ -23,13 +23,11 @@ PUT visible only once it is complete.
 from __future__ import annotations
 
 import array
-import errno
 import fcntl
 import hashlib
 import itertools
 import logging
 import os
-import shutil
 import struct
 import threading
 import time
@@ -343,86 +341,3 @@ class NixlBlockStore:
         self._next_dev_id += 1
         return self._next_dev_id
 
-
-class NixlRecords:
-    """The bytes of a ``StoreTier`` over a ``NixlBlockStore``: its staging records, reads into host slots, checks.
-
-    ``stage`` copies a block and its trailer into a staging record (on the
-    engine's thread); ``write``, ``read``, ``exists`` and ``delete`` run on
-    the tier's workers. A read lands in host-tier slots and is checked
-    against the hash and tokens asked for (``check_trailer``).
-    """
-
-    def __init__(self, store: NixlBlockStore, host_cache, *, num_staging: int, max_read_blocks: int = 256,
-                 min_free_bytes: int = 0):
-        import torch  # here: the module itself needs only numpy
-
-        self.store = store
-        self.host_cache = host_cache  # [host slots, *block]: reads land here
-        self.min_free_bytes = min_free_bytes
-        self.data_bytes, self.record_bytes = store.data_bytes, store.record_bytes
-        self._staging = torch.zeros(num_staging, store.record_bytes, dtype=torch.uint8)
-        self._trailers = torch.zeros(max_read_blocks, store.trailer_bytes, dtype=torch.uint8)
-        for tensor in (self._staging, self._trailers, host_cache):
-            store.register(tensor)
-
-    @property
-    def dir(self) -> Path | None:
-        return self.store.dir
-
-    @property
-    def num_staging(self) -> int:
-        return len(self._staging)
-
-    @property
-    def max_read_blocks(self) -> int:
-        return len(self._trailers)
-
-    def stage(self, record: int, block, block_hash: bytes, token_ids: Sequence[int]) -> None:
-        """Copy ``block`` and its trailer into staging record ``record``."""
-        staging = self._staging[record]
-        staging[:self.data_bytes].view(block.dtype).view(block.shape).copy_(block)
-        pack_trailer(staging[self.data_bytes:].numpy(), block_hash, token_ids, self.data_bytes)
-
-    def write(self, batch: Sequence[tuple[bytes, int]]) -> None:
-        """Store the staged ``(hash, record)`` records, in one transfer; raises ``StoreError`` or ``OSError``."""
-        self._check_free_space(len(batch))
-        self.store.write([(block_hash, self._staging[record].data_ptr()) for block_hash, record in batch])
-
-    def exists(self, block_hashes: Sequence[bytes]) -> list[bool]:
-        return self.store.exists(block_hashes)
-
-    def read(self, items: Sequence[tuple[bytes, Sequence[int], int]]) -> tuple[int, str | None]:
-        """Read ``(hash, tokens, host slot)`` records into their slots: how many, from the first, are good;
-        why the next one is not."""
-        host, host_row = self.host_cache.data_ptr(), self.host_cache[0].nbytes
-        trailer, trailer_row = self._trailers.data_ptr(), self.store.trailer_bytes
-        ok = self.store.read([(block_hash, host + slot * host_row, trailer + index * trailer_row)
-                              for index, (block_hash, _, slot) in enumerate(items)])
-        trailers = self._trailers.numpy()
-        for index, (block_hash, token_ids, _) in enumerate(items):
-            why = check_trailer(trailers[index].tobytes(), block_hash, token_ids,
-                                self.data_bytes) if ok[index] else "missing"
-            if why is not None:
-                return index, why
-        return len(items), None
-
-    def delete(self, block_hashes: Sequence[bytes]) -> None:
-        self.store.delete(block_hashes)
-
-    def scan(self) -> list[bytes]:
-        return self.store.scan()
-
-    def listing(self) -> list[tuple[float, bytes]]:
-        return self.store.listing()
-
-    def close(self) -> None:
-        self.store.close()
-
-    def _check_free_space(self, num_records: int) -> None:
-        if self.store.dir is None or not self.min_free_bytes:
-            return
-        free = shutil.disk_usage(self.store.dir).free
-        if free - num_records * self.record_bytes < self.min_free_bytes:
-            raise OSError(errno.ENOSPC, f"{free} bytes free on {self.store.dir}, below the "
-                                        f"{self.min_free_bytes} kept free")

@@ -12,7 +12,7 @@ from typing import Callable
 from pd.config import EngineConfig, SchedulerConfig
 from pd.engine.block_pool import CacheEvent
 from pd.engine.clock import SYSTEM_CLOCK, Clock
-from pd.engine.kv_tiers import TierIO, build_tiers, tier_stats
+from pd.engine.kv_tiers import build_tiers, tier_stats
 from pd.engine.stats import EngineStats
 from pd.engine.kv_connector import ConnectorTP, KVConnector
 from pd.engine.kv_layout import BLOCK_LAYOUT, pool_heads
@@ -21,6 +21,7 @@ from pd.engine.outputs import RequestOutput
 from pd.engine.request import FinishReason, KVSource, Request, RequestStatus, finish_reason
 from pd.engine.scheduler import make_scheduler
 from pd.engine.step_times import StepTimes
+from pd.engine.tier_io import TierIO
 from pd.engine.structured import GrammarCompiler, RequestGrammar
 from pd.model.config import ModelConfig, load_model_config
 from pd.model.loader import resolve_dtype
@@ -64,7 +65,7 @@ class LLMEngine:
     ``pd.engine.kv_connector``. ``make_runner`` builds what runs the model
     (``ModelRunner``'s signature); the simulator passes one that models it,
     its own ``clock``, and ``tier_io``: what the disk tier's and the shared
-    store's records are and what runs their I/O (``pd.engine.kv_tiers.TierIO``).
+    store's records are and what runs their I/O (``pd.engine.tier_io.TierIO``).
     """
 
     def __init__(self, config: EngineConfig, transport: KVTransport | None = None, *,

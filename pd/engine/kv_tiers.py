@@ -20,48 +20,19 @@ A disk tier that finds blocks from an earlier run announces them at start.
 from __future__ import annotations
 
 import threading
-from typing import Protocol, Sequence
+from typing import Sequence
 
 import torch
 
 from pd.config import EngineConfig
 from pd.engine.block_pool import BlockPool, Tier
-from pd.engine.block_store import NixlBlockStore, NixlRecords, ObjectStoreConfig, namespace_of
+from pd.engine.block_store import namespace_of
 from pd.engine.clock import SYSTEM_CLOCK, Clock
 from pd.engine.host_tier import HostTier, HostTierStats
 from pd.engine.request import Request
-from pd.engine.store_tier import Records, StoreTier, StoreTierStats, ThreadWorker, Worker
+from pd.engine.store_tier import StoreTier, StoreTierStats
+from pd.engine.tier_io import NixlTierIO, TierIO
 from pd.engine.tier_loads import TierLoads
-
-
-class TierIO(Protocol):
-    """What the lower tiers' records are and what runs their I/O: NIXL and threads, or the simulator's models."""
-
-    def records(self, tier: Tier, config: EngineConfig, name: str, namespace: str, block_bytes: int,
-                host_cache: torch.Tensor) -> Records: ...
-    def worker(self, tier: Tier, role: str) -> Worker: ...
-    def event(self) -> threading.Event: ...
-
-
-class NixlTierIO:
-    """The engine's own: block files through NIXL's POSIX backend, objects through its OBJ backend, on threads."""
-
-    def records(self, tier: Tier, config: EngineConfig, name: str, namespace: str, block_bytes: int,
-                host_cache: torch.Tensor) -> Records:
-        if tier is Tier.DISK:
-            store = NixlBlockStore(f"{name}-disk", namespace, config.block_size, block_bytes,
-                                   path=config.disk_kv_cache_path)
-            return NixlRecords(store, host_cache, num_staging=config.kv_tier_write_slots,
-                               min_free_bytes=config.disk_kv_min_free_bytes)
-        bucket = ObjectStoreConfig(config.shared_kv_bucket, config.shared_kv_endpoint)
-        store = NixlBlockStore(f"{name}-shared", namespace, config.block_size, block_bytes, bucket=bucket)
-        return NixlRecords(store, host_cache, num_staging=config.kv_tier_write_slots)
-
-    def worker(self, tier: Tier, role: str) -> Worker:
-        return ThreadWorker(f"pd-{tier.name.lower()}-{role}")
-
-    def event(self) -> threading.Event:
-        return threading.Event()
 
 
 class KVTiers:

@@ -18,7 +18,7 @@ they found is applied on the engine's thread (``finished``). Each record read
 back is checked against the hash and tokens asked for.
 
 The bytes (staging, the store's I/O, the checks) are the tier's ``records``
-(``pd.engine.block_store.NixlRecords``), and its two threads are
+(``pd.engine.tier_io.NixlRecords``), and its two threads are
 ``Worker``s: the simulator gives it modelled ones (``sim.tiers``), and every
 decision here (index, LRU, capacity, backlog, misses) runs unchanged there.
 
@@ -36,19 +36,18 @@ what it holds go on. Clients never see it.
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Callable, Protocol, Sequence
+from typing import Callable, Sequence
 
 import torch
 
 from pd.engine.block_pool import Tier
 from pd.engine.block_store import StoreError
 from pd.engine.clock import SYSTEM_CLOCK, Clock
+from pd.engine.tier_io import Records, ThreadWorker, Worker
 
 logger = logging.getLogger(__name__)
 
@@ -76,64 +75,6 @@ class StoreTierStats:
     num_blocks: int = 0  # indexed now
     capacity_blocks: int = 0
     disabled: int = 0  # 1 once a write failed (a disk full): no more writes
-
-
-class Records(Protocol):
-    """A tier's bytes: ``pd.engine.block_store.NixlRecords``, or the simulator's modelled ones."""
-
-    dir: Path | None  # the disk tier's directory (None for a store)
-    data_bytes: int
-    record_bytes: int  # data and trailer: what a record takes in the store
-    num_staging: int
-    max_read_blocks: int
-
-    def stage(self, record: int, block: torch.Tensor, block_hash: bytes, token_ids: Sequence[int]) -> None: ...
-    def write(self, batch: Sequence[tuple[bytes, int]]) -> None: ...
-    def exists(self, block_hashes: Sequence[bytes]) -> list[bool]: ...
-    def read(self, items: Sequence[tuple[bytes, Sequence[int], int]]) -> tuple[int, str | None]: ...
-    def delete(self, block_hashes: Sequence[bytes]) -> None: ...
-    def scan(self) -> list[bytes]: ...
-    def listing(self) -> list[tuple[float, bytes]]: ...  # a store's records, any writer's: (last write, hash)
-    def close(self) -> None: ...
-
-
-class Worker(Protocol):
-    """Runs ``work`` calls one after another, handing each result to its ``deliver``."""
-
-    def submit(self, work: Callable[[], Any], deliver: Callable[[Any], None]) -> None: ...
-    def flush(self, timeout_s: float | None = None) -> bool: ...
-    def close(self) -> None: ...
-
-
-class ThreadWorker:
-    """A thread of its own: ``work`` and then ``deliver`` run there, in the order submitted."""
-
-    def __init__(self, name: str):
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
-        self._thread.start()
-
-    def submit(self, work: Callable[[], Any], deliver: Callable[[Any], None]) -> None:
-        self._jobs.put((work, deliver))
-
-    def flush(self, timeout_s: float | None = None) -> bool:
-        """Wait until everything submitted so far has run and been delivered."""
-        done = threading.Event()
-        self._jobs.put((None, done))
-        return done.wait(timeout_s)
-
-    def close(self) -> None:
-        """Run what is queued, then stop. Idempotent."""
-        self._jobs.put(None)
-        self._thread.join()
-
-    def _loop(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            work, deliver = job
-            if work is None:
-                deliver.set()
-                continue
-            deliver(work())
 
 
 class StoreTier:
