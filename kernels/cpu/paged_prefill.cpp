@@ -40,7 +40,7 @@ struct PrefillArgs {
 
 struct Task {
   int64_t seq, kv_head, first_query, num_queries;  // queries: rows of q, first_query .. + num_queries
-  int64_t query_start, context_len;  // the sequence's first row in q; its keys (the last query's position + 1)
+  int64_t context_len;  // the keys the tile's last query sees: its position + 1
 };
 
 // Keys per step of the recurrence: pages are gathered in blocks of this many keys, so the per-row
@@ -220,7 +220,7 @@ void paged_prefill_attention(const torch::Tensor& q, const torch::Tensor& k_cach
       const int64_t n = std::min(tile, end - first);
       for (int64_t g = 0; g < a.num_kv_heads; ++g) {
         // The tile's queries are positions len - (end - first) .. len - (end - first) + n - 1.
-        tasks.push_back(Task{i, g, first, n, start, len - (end - first - n)});
+        tasks.push_back(Task{i, g, first, n, len - (end - first - n)});
       }
     }
   }
