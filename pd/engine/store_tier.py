@@ -25,8 +25,10 @@ decision here (index, LRU, capacity, backlog, misses) runs unchanged there.
 The disk tier's index is everything in its directory: at start it finds the
 records a previous run left (a warm restart). The shared store's index is
 what this replica wrote or found there; beyond it, the store is asked
-(``submit_query``), and a miss is believed for ``MISS_TTL_S``. Garbage collection deletes only
-records this replica wrote, least recently used first, past the capacity.
+(``submit_query``), and a miss is believed for ``MISS_TTL_S``. Garbage collection deletes the
+records this replica wrote, least recently used first, past its capacity; with a
+``total_capacity_blocks`` (the shared store's whole bound) it also lists the store and deletes the
+oldest records past that total, whoever wrote them (``collect_garbage``).
 
 A failed write (a disk full, below ``min_free_bytes``, or any store error)
 disables writing to the tier, with a log line and ``disabled`` set; reads of
