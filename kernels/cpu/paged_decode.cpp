@@ -18,6 +18,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
 
+#include "balance.h"
 #include "vec_exp.h"
 
 #include <algorithm>
@@ -156,9 +157,15 @@ void decode_task(const DecodeArgs& a, int64_t i, int64_t g, float* scores, float
 
 template <int64_t D, int64_t G>
 void decode_all(const DecodeArgs& a, int64_t num_decodes, int64_t max_len) {
-  at::parallel_for(0, num_decodes * a.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+  // A task's cost: the keys it reads (contexts differ by 10-100x in a mixed batch).
+  std::vector<int64_t> costs(num_decodes * a.num_kv_heads);
+  for (int64_t task = 0; task < static_cast<int64_t>(costs.size()); ++task) {
+    const int64_t len = a.lens[task / a.num_kv_heads];
+    costs[task] = a.window > 0 ? std::min<int64_t>(len, a.window) : len;
+  }
+  pd_cpu::parallel_balanced(costs, [&](const std::vector<int64_t>& share) {
     std::vector<float> scores(a.group * max_len), acc(a.group * a.head_dim), inv(a.group);
-    for (int64_t task = begin; task < end; ++task) {
+    for (int64_t task : share) {
       decode_task<D, G>(a, task / a.num_kv_heads, task % a.num_kv_heads, scores.data(), acc.data(), inv.data());
     }
   });
@@ -185,8 +192,9 @@ void paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache
   };
   int64_t max_len = 0;
   for (int64_t i = 0; i < num_decodes; ++i) max_len = std::max<int64_t>(max_len, a.lens[i]);
-  // The common shapes (head dim 64 or 128, GQA group 4, 7 or 8) get their own instances.
+  // The common shapes (head dim 64 or 128, GQA group 4, 7 or 8; the built-in model's 32 x 4) get their own instances.
   const int64_t group = a.group;
+  if (head_dim == 32 && group == 4) return decode_all<32, 4>(a, num_decodes, max_len);
   if (head_dim == 64 && group == 4) return decode_all<64, 4>(a, num_decodes, max_len);
   if (head_dim == 64 && group == 7) return decode_all<64, 7>(a, num_decodes, max_len);
   if (head_dim == 64 && group == 8) return decode_all<64, 8>(a, num_decodes, max_len);

@@ -16,6 +16,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
 
+#include "balance.h"
 #include "vec_exp.h"
 
 #include <algorithm>
@@ -224,8 +225,16 @@ void paged_prefill_attention(const torch::Tensor& q, const torch::Tensor& k_cach
       }
     }
   }
-  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
+  // A task's cost: its rows times the keys it reads (a causal tile reads up to its last query).
+  std::vector<int64_t> costs;
+  costs.reserve(tasks.size());
+  for (const Task& t : tasks) {
+    const int64_t first_pos = t.context_len - t.num_queries;
+    const int64_t lowest = a.window > 0 ? std::max<int64_t>(0, first_pos - a.window + 1) : 0;
+    costs.push_back(t.num_queries * a.group * (t.context_len - lowest / KB * KB));
+  }
+  pd_cpu::parallel_balanced(costs, [&](const std::vector<int64_t>& share) {
+    for (int64_t t : share) {
       if (a.head_dim == 32) prefill_task<32>(a, tasks[t]);
       else if (a.head_dim == 64) prefill_task<64>(a, tasks[t]);
       else if (a.head_dim == 128) prefill_task<128>(a, tasks[t]);
