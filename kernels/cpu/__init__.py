@@ -4,7 +4,7 @@
   from the block-major pool through its block table; the reference gathers
   every sequence's whole context into a padded copy first.
 - ``paged_prefill.cpp``: prefill chunks whose context is at most
-  ``max_paged_prefill_keys(head_dim)`` keys, read from the pool in blocks of 128 keys
+  ``MAX_PAGED_PREFILL_KEYS`` keys, read from the pool in blocks of 128 keys
   with flash attention's online softmax, a tile of queries times the heads
   sharing a KV head per task. Longer contexts stay on the reference (a gather
   of the chunk's context, then SDPA, whose matrix products win there).
@@ -43,16 +43,9 @@ _SOURCES = [str(Path(__file__).with_name(name)) for name in ("bindings.cpp", "pa
                                                                  "small_ops.cpp", "block_copy.cpp")]
 _build_lock = threading.Lock()
 # Prefill chunks whose context (keys) is at most this long run in paged_prefill.cpp; longer ones on the
-# reference's SDPA, whose matrix products win there. Ours against SDPA, one sequence, 2 threads (AMD EPYC):
-# head dim 32 and 64 1.4-1.7x at up to 512 keys, 1.0-1.2x at 811-1024, 0.95x at 2048; head dim 128
-# 0.85-1.15x at 128-512, 0.86-0.88x at 811-1024.
-MAX_PAGED_PREFILL_KEYS = 512
-MAX_PAGED_PREFILL_KEYS_SMALL_HEADS = 1024  # head dims of at most 64
-
-
-def max_paged_prefill_keys(head_dim: int) -> int:
-    """The longest prefill context paged_prefill.cpp takes at this head dim (longer: the reference's SDPA)."""
-    return MAX_PAGED_PREFILL_KEYS_SMALL_HEADS if head_dim <= 64 else MAX_PAGED_PREFILL_KEYS
+# reference's SDPA, whose matrix products win there. Ours against SDPA, one sequence, 2 threads (AMD EPYC),
+# head dims 32, 64 and 128: 1.1-1.9x at up to 488 keys, 1.0-1.3x at 811-1024, 0.9-1.1x at 2048.
+MAX_PAGED_PREFILL_KEYS = 1024
 _extension = None
 
 
@@ -130,10 +123,9 @@ def unified_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, 
         )
     if len(decode_ids) < len(lens):
         ours, theirs = [], []
-        max_keys = max_paged_prefill_keys(q.shape[-1])
         for i in range(len(lens)):
             if cu[i + 1] - cu[i] > 1:
-                (ours if lens[i] <= max_keys else theirs).append(i)
+                (ours if lens[i] <= MAX_PAGED_PREFILL_KEYS else theirs).append(i)
         if ours:
             build().paged_prefill_attention(q, k_cache, v_cache, block_table.contiguous(), cu, lens, ours,
                                             softmax_scale, sliding_window or 0, softcap or 0.0, out)

@@ -7,9 +7,11 @@
 //   S[r, :] = q_r . KT                          (4 rows x 64 keys of accumulators at a time)
 //   m' = max(m, max S[r, :]); p = exp(S - m'); l = l * exp(m - m') + sum p; O_r = O_r * exp(m - m') + p VB
 //
-// Blocks past a tile's last query are skipped; a key past it is never read. Measured against the
-// reference's gather + SDPA (AMD EPYC, 2 threads, 8 heads over 2 KV heads): 1.4-1.7x at 64-128
-// queries, 1.1x at about 500, 0.7x at 1,024 (kernels.cpu routes contexts over 512 keys to SDPA).
+// Blocks past a tile's last query are skipped; a key past it is never read. Tasks are shared out
+// over the threads by their cost (balance.h). Measured against the reference's gather + SDPA (AMD
+// EPYC, 2 threads, 8 heads over 2 KV heads, one sequence): head dim 32 1.4-1.9x at 64-488 queries,
+// 1.1-1.3x at 811-1,024, 0.9-1.1x at 2,048; head dims 64 and 128 1.1-1.5x to 488, 1.0-1.1x at
+// 811-1,024, 0.9x at 2,048 (kernels.cpu.MAX_PAGED_PREFILL_KEYS sends longer contexts to SDPA).
 // Built without -ffast-math: a NaN score reaches its row's output.
 
 #include <torch/extension.h>
@@ -28,7 +30,9 @@ namespace {
 
 using pd_cpu::exp_shifted;
 
-constexpr int64_t kTileRows = 128;  // query rows (queries x group heads) per task
+// Query rows (queries x group heads) per task: each task gathers and transposes its keys once, so
+// longer tiles gather less (256 against 128: 0-15% faster from 811 keys, the same at 488).
+constexpr int64_t kTileRows = 256;
 
 struct PrefillArgs {
   const float *q, *k, *v;
@@ -47,6 +51,36 @@ struct Task {
 // Keys per step of the recurrence: pages are gathered in blocks of this many keys, so the per-row
 // work of the softmax (max, exponentials, rescaling) is paid once per KB keys, not once per page.
 constexpr int64_t KB = 128;
+
+// O[r, :] += sum over t < kn of P[r, t] V[t, :] for four rows (P's rows KB apart, O's D apart).
+// The accumulators are explicit vectors, unrolled at compile time, so they stay in registers: as
+// float arrays with a simd loop, gcc kept them on the stack and every multiply-add waited on a store.
+// Rows go in pairs, or one at a time, where four rows' accumulators would take more than half the
+// vector registers (32 with AVX-512, 16 with AVX2).
+template <int64_t D>
+inline void weighted_values_4(const float* p, const float* vb, int64_t kn, float* o) {
+  using Vec = at::vec::Vectorized<float>;
+  constexpr int64_t W = Vec::size(), NV = D / W, budget = W >= 16 ? 16 : 8;
+  constexpr int64_t R = NV * 4 <= budget ? 4 : NV * 2 <= budget ? 2 : 1;
+  for (int64_t r0 = 0; r0 < 4; r0 += R) {
+    Vec acc[R][NV];
+    for (int64_t r = 0; r < R; ++r) {
+      for (int64_t j = 0; j < NV; ++j) acc[r][j] = Vec::loadu(o + (r0 + r) * D + j * W);
+    }
+    for (int64_t t = 0; t < kn; ++t) {
+      const float* vrow = vb + t * D;
+      Vec w[R];
+      for (int64_t r = 0; r < R; ++r) w[r] = Vec(p[(r0 + r) * KB + t]);
+      for (int64_t j = 0; j < NV; ++j) {
+        const Vec v = Vec::loadu(vrow + j * W);
+        for (int64_t r = 0; r < R; ++r) acc[r][j] = at::vec::fmadd(w[r], v, acc[r][j]);
+      }
+    }
+    for (int64_t r = 0; r < R; ++r) {
+      for (int64_t j = 0; j < NV; ++j) acc[r][j].store(o + (r0 + r) * D + j * W);
+    }
+  }
+}
 
 // D > 0: the head dim known at compile time.
 template <int64_t D>
@@ -151,28 +185,8 @@ void prefill_task(const PrefillArgs& a, const Task& task) {
     for (int64_t r0 = 0; r0 < padded_rows; r0 += 4) {
       float* o0 = o.data() + r0 * hd;
       const float* p0 = s.data() + r0 * KB;
-      if constexpr (D > 0) {
-        float a0[D], a1[D], a2[D], a3[D];
-        std::copy(o0, o0 + D, a0);
-        std::copy(o0 + D, o0 + 2 * D, a1);
-        std::copy(o0 + 2 * D, o0 + 3 * D, a2);
-        std::copy(o0 + 3 * D, o0 + 4 * D, a3);
-        for (int64_t t = 0; t < kn; ++t) {
-          const float w0 = p0[t], w1 = p0[KB + t], w2 = p0[2 * KB + t], w3 = p0[3 * KB + t];
-          const float* vrow = vb.data() + t * D;
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) {
-            const float vv = vrow[d];
-            a0[d] += w0 * vv;
-            a1[d] += w1 * vv;
-            a2[d] += w2 * vv;
-            a3[d] += w3 * vv;
-          }
-        }
-        std::copy(a0, a0 + D, o0);
-        std::copy(a1, a1 + D, o0 + D);
-        std::copy(a2, a2 + D, o0 + 2 * D);
-        std::copy(a3, a3 + D, o0 + 3 * D);
+      if constexpr (D > 0 && D % at::vec::Vectorized<float>::size() == 0) {
+        weighted_values_4<D>(p0, vb.data(), kn, o0);
       } else {
         for (int64_t r = 0; r < 4; ++r) {
           float* orow = o0 + r * hd;

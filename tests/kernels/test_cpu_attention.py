@@ -11,8 +11,8 @@ from kernels import reference
 
 DECODE = [(1, 523), (1, 37), (1, 2011), (1, 1)]
 MIXED = [(1, 1328), (5, 18), (129, 463), (1, 16)]
-# Prefill chunks on both sides of kernels.cpu.max_paged_prefill_keys (ours up to it, SDPA past it: 512
-# keys at head dim 128, 1024 at 64 and below), a decode row among them.
+# Prefill chunks on both sides of kernels.cpu.MAX_PAGED_PREFILL_KEYS (ours up to it, SDPA past it),
+# a decode row among them.
 LONG = [(40, 700), (1, 300), (300, 300), (7, 513), (512, 512), (3, 1025), (2, 1024)]
 
 # (num_heads, num_kv_heads), head_dim, block_size, batch, sliding_window, softcap
