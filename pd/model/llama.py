@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import kernels
 from pd.model.attention import AttentionMetadata
 from pd.model.config import ModelConfig
-from pd.model.linear import Linear
+from pd.model.linear import Linear, padded_rows
 
 
 @dataclass
@@ -78,6 +78,17 @@ class CausalLM:
         logits_indices: torch.Tensor,  # int64 [num_samples], rows of the batch that sample
     ) -> torch.Tensor:
         """Run the batch, write its K/V into the pool, return fp32 logits ``[num_samples, vocab]``."""
+        num_tokens = token_ids.shape[0]
+        rows = self._rows(num_tokens)
+        attn_out = None
+        if rows != num_tokens:
+            # Every row-wise op runs on the rows oneDNN's GEMMs take, so no dense layer copies its input
+            # into a padded one (four copies a layer). The padding rows (token 0's embedding) are computed
+            # and never read: rotary, the KV store, attention and the logits take the batch's rows only.
+            token_ids = F.pad(token_ids, (0, rows - num_tokens))
+            # Attention writes the batch's rows of this one buffer; its padding rows stay zero.
+            attn_out = torch.zeros(rows, self.config.num_heads, self.config.head_dim,
+                                   dtype=self.weights.embed_tokens.dtype, device=token_ids.device)
         hidden = self._embed(token_ids)
         residual = None
         for layer, weights in enumerate(self.weights.layers):
@@ -88,7 +99,7 @@ class CausalLM:
                 hidden, residual = kernels.rms_norm(
                     hidden, weights.input_norm, self.config.rms_norm_eps, residual, backend=attn.backend
                 )
-            hidden = self._attention(layer, weights, hidden, positions, attn, kv_caches[layer])
+            hidden = self._attention(layer, weights, hidden, positions, attn, kv_caches[layer], num_tokens, attn_out)
             hidden, residual = kernels.rms_norm(
                 hidden, weights.post_attention_norm, self.config.rms_norm_eps, residual, backend=attn.backend
             )
@@ -100,6 +111,10 @@ class CausalLM:
         if self.collectives is None:
             return logits
         return self.collectives.gather_logits(logits, self.config.vocab_size)
+
+    def _rows(self, num_tokens: int) -> int:
+        """The rows a batch of ``num_tokens`` runs as: ``padded_rows`` where the dense layers are oneDNN's."""
+        return padded_rows(num_tokens) if self.weights.layers and self.weights.layers[0].qkv_proj.packed else num_tokens
 
     def _embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """Each token's embedding; a rank looks up the tokens in its vocabulary slice, zeros elsewhere, and sums."""
@@ -124,10 +139,12 @@ class CausalLM:
         positions: torch.Tensor,
         attn: AttentionMetadata,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
+        num_tokens: int,  # the batch's rows; hidden may have padding rows after them
+        out: torch.Tensor | None,  # [hidden's rows, heads, head_dim] for attention to write, or None
     ) -> torch.Tensor:
         cfg = self.config
-        num_tokens = hidden.shape[0]
-        qkv = weights.qkv_proj(hidden)
+        rows = hidden.shape[0]
+        qkv = weights.qkv_proj(hidden)[:num_tokens]
         q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         q = q.view(num_tokens, cfg.num_heads, cfg.head_dim)
         k = k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
@@ -138,9 +155,12 @@ class CausalLM:
         q, k = kernels.rotary_embedding(q, k, positions, self.cos_sin_cache, backend=attn.backend)
         k_cache, v_cache = kv_cache
         kernels.store_kv(k, v, k_cache, v_cache, attn.slot_mapping, backend=attn.backend)
-        out = kernels.unified_attention(
+        result = kernels.unified_attention(
             q, k_cache, v_cache, attn.cu_seqlens_q, attn.seq_lens, attn.block_table, self.softmax_scale,
             sliding_window=cfg.sliding_windows[layer], backend=attn.backend,
+            out=None if out is None else out[:num_tokens],
         )
-        return self._reduced(weights.o_proj(out.view(num_tokens, cfg.q_size)), weights.o_bias)
+        if out is not None:
+            result = out
+        return self._reduced(weights.o_proj(result.view(rows, cfg.q_size)), weights.o_bias)
 
