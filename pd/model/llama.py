@@ -80,15 +80,14 @@ class CausalLM:
         """Run the batch, write its K/V into the pool, return fp32 logits ``[num_samples, vocab]``."""
         num_tokens = token_ids.shape[0]
         rows = self._rows(num_tokens)
-        attn_out = None
-        if rows != num_tokens:
-            # Every row-wise op runs on the rows oneDNN's GEMMs take, so no dense layer copies its input
-            # into a padded one (four copies a layer). The padding rows (token 0's embedding) are computed
-            # and never read: rotary, the KV store, attention and the logits take the batch's rows only.
-            token_ids = F.pad(token_ids, (0, rows - num_tokens))
-            # Attention writes the batch's rows of this one buffer; its padding rows stay zero.
-            attn_out = torch.zeros(rows, self.config.num_heads, self.config.head_dim,
-                                   dtype=self.weights.embed_tokens.dtype, device=token_ids.device)
+        # Every row-wise op runs on the rows oneDNN's GEMMs take, so no dense layer copies its input into
+        # a padded one (four copies a layer). The padding rows (token 0's embedding) are computed and
+        # never read: rotary, the KV store, attention and the logits take the batch's rows only.
+        token_ids = F.pad(token_ids, (0, rows - num_tokens)) if rows != num_tokens else token_ids
+        # Every layer's attention writes the batch's rows of this one buffer; padding rows stay zero.
+        attn_out = (torch.zeros if rows != num_tokens else torch.empty)(
+            rows, self.config.num_heads, self.config.head_dim, dtype=self.weights.embed_tokens.dtype,
+            device=token_ids.device)
         hidden = self._embed(token_ids)
         residual = None
         for layer, weights in enumerate(self.weights.layers):
@@ -140,7 +139,7 @@ class CausalLM:
         attn: AttentionMetadata,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         num_tokens: int,  # the batch's rows; hidden may have padding rows after them
-        out: torch.Tensor | None,  # [hidden's rows, heads, head_dim] for attention to write, or None
+        out: torch.Tensor,  # [hidden's rows, heads, head_dim]: attention writes its first num_tokens rows
     ) -> torch.Tensor:
         cfg = self.config
         rows = hidden.shape[0]
@@ -155,12 +154,9 @@ class CausalLM:
         q, k = kernels.rotary_embedding(q, k, positions, self.cos_sin_cache, backend=attn.backend)
         k_cache, v_cache = kv_cache
         kernels.store_kv(k, v, k_cache, v_cache, attn.slot_mapping, backend=attn.backend)
-        result = kernels.unified_attention(
+        kernels.unified_attention(
             q, k_cache, v_cache, attn.cu_seqlens_q, attn.seq_lens, attn.block_table, self.softmax_scale,
-            sliding_window=cfg.sliding_windows[layer], backend=attn.backend,
-            out=None if out is None else out[:num_tokens],
+            sliding_window=cfg.sliding_windows[layer], backend=attn.backend, out=out[:num_tokens],
         )
-        if out is not None:
-            result = out
-        return self._reduced(weights.o_proj(result.view(rows, cfg.q_size)), weights.o_bias)
+        return self._reduced(weights.o_proj(out.view(rows, cfg.q_size)), weights.o_bias)
 
