@@ -178,3 +178,24 @@ def check_rotary_args(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     for name, tensor in (("k", k), ("positions", positions), ("cos_sin_cache", cos_sin_cache)):
         if tensor.device != q.device:
             _fail(name, f"is on {tensor.device}, q is on {q.device}")
+
+
+def check_linear_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """Validate a dense layer's launch: x [rows, in], weight [out, in] contiguous, bias [out]; one dtype."""
+    check_ndim("x", x, 2)
+    check_ndim("weight", weight, 2)
+    check_dtype("x", x)
+    check_dtype("weight", weight, x.dtype)
+    check_last_dim_contiguous("x", x)
+    if not weight.is_contiguous():
+        _fail("weight", "must be contiguous [out_features, in_features]")
+    if weight.shape[1] != x.shape[1]:
+        _fail("weight", f"has {weight.shape[1]} input features, x has {x.shape[1]}")
+    if weight.device != x.device:
+        _fail("weight", f"is on {weight.device}, x is on {x.device}")
+    if bias is not None:
+        check_dtype("bias", bias, x.dtype)
+        if bias.shape != (weight.shape[0],):
+            _fail("bias", f"expected shape ({weight.shape[0]},), got {tuple(bias.shape)}")
+        if bias.device != x.device:
+            _fail("bias", f"is on {bias.device}, x is on {x.device}")

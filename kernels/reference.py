@@ -226,3 +226,8 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` for ``gate_up = [gate | up]`` ``[num_tokens, 2 * n]``."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight^T + bias`` for ``x [rows, in]`` and ``weight [out, in]``, as checkpoints hold it."""
+    return F.linear(x, weight, bias)

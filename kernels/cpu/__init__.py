@@ -8,6 +8,9 @@
   with flash attention's online softmax, a tile of queries times the heads
   sharing a KV head per task. Longer contexts stay on the reference (a gather
   of the chunk's context, then SDPA, whose matrix products win there).
+- ``dense_rows.cpp``: a dense layer for a batch of a few rows (a decode
+  step's), reading each weight row once in its checkpoint layout; oneDNN's
+  packed GEMM, tuned for many rows, streamed the weights 3-5x slower there.
 - ``block_copy.cpp``: whole KV blocks between pools, one memcpy each (the
   host tier's promotions).
 - ``small_ops.cpp``: residual add with RMSNorm, rotary, SiLU-and-mul and the KV
@@ -36,11 +39,12 @@ from pathlib import Path
 import torch
 
 from kernels import reference
+from kernels.checks import check_linear_args
 
 logger = logging.getLogger(__name__)
 
 _SOURCES = [str(Path(__file__).with_name(name)) for name in ("bindings.cpp", "paged_decode.cpp", "paged_prefill.cpp",
-                                                                 "small_ops.cpp", "block_copy.cpp")]
+                                                                 "small_ops.cpp", "block_copy.cpp", "dense_rows.cpp")]
 _build_lock = threading.Lock()
 # Prefill chunks whose context (keys) is at most this long run in paged_prefill.cpp; longer ones on the
 # reference's SDPA, whose matrix products win there. Ours against SDPA, one sequence, 2 threads (AMD EPYC),
@@ -175,3 +179,11 @@ def silu_and_mul(gate_up):
     if not _fp32(gate_up):
         return reference.silu_and_mul(gate_up)
     return build().silu_and_mul(gate_up.contiguous())
+
+
+def linear_rows(x, weight, bias=None):
+    """``x @ weight^T + bias`` for a few rows ``x [rows, in]``, ``weight [out, in]`` (``reference.linear_rows``)."""
+    check_linear_args(x, weight, bias)
+    if not _fp32(x, weight) or (bias is not None and not _fp32(bias)):
+        return reference.linear_rows(x, weight, bias)
+    return build().linear_rows(x, weight, None if bias is None else bias.contiguous())

@@ -81,7 +81,8 @@ class ModelRunner:
         """``linear_form: auto`` made concrete: the faster form on this host for the MLP's fused gate/up layer."""
         gate_up_rows = 2 * model_config.intermediate_size // config.tensor_parallel_size
         started = time.perf_counter()
-        choice = choose_form("auto", self.device, self.dtype, gate_up_rows, model_config.hidden_size)
+        choice = choose_form("auto", self.device, self.dtype, gate_up_rows, model_config.hidden_size,
+                             few_rows=self.backend == "cpu")
         if choice.dense_over_onednn:
             logger.info("dense layers: the %s form (dense over oneDNN time: %s; measured in %.2f s)", choice.form,
                         ", ".join(f"{rows} rows {r}" for rows, r in choice.dense_over_onednn.items()),
@@ -110,7 +111,9 @@ class ModelRunner:
         shard = TPShard(group.rank, group.size) if group is not None else SINGLE
         try:
             self.local_config = shard.local_config(model_config)
-            weights = load_weights(model_dir, model_config, self.dtype, self.device, shard, self.linear_form)
+            # The cpu backend's few-row kernel takes decode steps' dense layers (pd.model.linear).
+            weights = load_weights(model_dir, model_config, self.dtype, self.device, shard, self.linear_form,
+                                   few_rows=self.backend == "cpu")
             self.weight_bytes = weights.num_bytes
             rope = cos_sin_cache(model_config.rope, model_config.head_dim, max_model_len).to(self.device)
             self.model = CausalLM(self.local_config, weights, rope, group)

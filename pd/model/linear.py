@@ -1,17 +1,26 @@
 """Dense layers, stored in whichever form the device multiplies fastest.
 
-Two forms, one copy of the weight either way:
+Two forms:
 
 - ``onednn``: pre-packed once for oneDNN's GEMM, fp32 accumulation throughout.
+  With ``few_rows`` (fp32 on CPU, where the ``cpu`` kernels run), the layer
+  also keeps its checkpoint-layout ``[out, in]`` weight, and a batch of at most
+  ``FEW_ROWS`` rows (a decode step's) runs in ``kernels.cpu.linear_rows``,
+  which reads each weight row once. oneDNN's packed GEMM is tuned for many
+  rows: on the built-in model's layers (AMD EPYC, 2 threads) it took 3x as long
+  at one row, 1.4x at eight, and as long at sixteen. The cost is a second copy
+  of the weights in host memory.
 - ``dense``: transposed, ``[in, out]``, for a plain matmul (the default BLAS).
+  One copy.
 
 Which is faster depends on the host. On an AMD EPYC, oneDNN ran 2-3x faster
 at every row count (the default BLAS takes a slow generic path there). On an
 Intel Xeon, the default BLAS streamed a one-row product (a single sequence's
 decode step) about 1.5x faster than oneDNN from weights past the cache, and
 oneDNN was 5-10% faster from 16 rows up. So ``choose_form`` times both on the
-model's fused gate/up layer when an engine starts (``linear_form: auto``). Without
-oneDNN (GPUs, fp16) the form is ``dense``.
+model's fused gate/up layer when an engine starts (``linear_form: auto``), unless
+the few-row kernel takes the decode steps: then it is ``onednn`` unmeasured.
+Without oneDNN (GPUs, fp16) the form is ``dense``.
 """
 
 from __future__ import annotations
@@ -19,9 +28,12 @@ from __future__ import annotations
 import logging
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+import kernels.cpu
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +68,10 @@ def padded_rows(num_rows: int) -> int:
     return -(-num_rows // step) * step
 
 
+# Batches of at most this many rows run in the few-row kernel where a layer has one (see the module's doc).
+FEW_ROWS = 8
+
+
 @dataclass(frozen=True)
 class Linear:
     """``y = x @ W^T + b`` for ``x [num_tokens, in_features]``."""
@@ -63,8 +79,13 @@ class Linear:
     weight: torch.Tensor  # oneDNN-packed [out, in] when ``packed``, else dense [in, out]
     bias: torch.Tensor | None  # [out]
     packed: bool
+    # The checkpoint-layout weight [out, in] and the kernel that multiplies a few rows by it; both or neither.
+    rows_weight: torch.Tensor | None = None
+    rows_kernel: Callable | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rows_kernel is not None and x.shape[0] <= FEW_ROWS:
+            return self.rows_kernel(x, self.rows_weight, self.bias)
         if self.packed:
             num_rows = x.shape[0]
             bucket = padded_rows(num_rows)
@@ -79,15 +100,27 @@ class Linear:
 FORMS = ("onednn", "dense")
 
 
-def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, form: str = "onednn") -> Linear:
+def few_rows_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``kernels.cpu.linear_rows`` runs this device and dtype (it is built by the ``cpu`` backend)."""
+    return device.type == "cpu" and dtype == torch.float32
+
+
+def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, form: str = "onednn", few_rows: bool = False) -> Linear:
     """Build from an HF-layout ``[out, in]`` weight already on its device and dtype.
 
     ``form`` is ``"onednn"`` (where oneDNN runs this device and dtype; else dense) or ``"dense"``.
+    ``few_rows``: an ``onednn`` layer keeps ``weight`` for ``FEW_ROWS``-row batches too, where
+    ``few_rows_available``; the caller has built ``kernels.cpu``.
     """
     if form not in FORMS:
         raise ValueError(f"form must be one of {FORMS}, got {form!r}")
     if form == "onednn" and onednn_available(weight.device, weight.dtype):
-        return Linear(torch.ops.mkldnn._reorder_linear_weight(weight.contiguous()), bias, packed=True)
+        weight = weight.contiguous()
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight)
+        if few_rows and few_rows_available(weight.device, weight.dtype):
+            bias = None if bias is None else bias.contiguous()
+            return Linear(packed, bias, packed=True, rows_weight=weight, rows_kernel=kernels.cpu.build().linear_rows)
+        return Linear(packed, bias, packed=True)
     return Linear(weight.t().contiguous(), bias, packed=False)
 
 
@@ -137,18 +170,19 @@ def time_forms(out_features: int, in_features: int, dtype: torch.dtype, repeats:
 
 
 def choose_form(requested: str, device: torch.device, dtype: torch.dtype, out_features: int,
-                in_features: int) -> FormChoice:
+                in_features: int, few_rows: bool = False) -> FormChoice:
     """The form an engine's dense layers take: ``requested``, or for ``"auto"`` the faster here.
 
     ``dense`` is chosen when it is faster at one row and within ``DENSE_MAX_SLOWDOWN`` of oneDNN at
-    256; oneDNN otherwise, and for a layer under ``PROBE_MIN_ELEMENTS``. The shape given is the
-    model's fused gate/up layer as this rank holds it.
+    256; oneDNN otherwise, for a layer under ``PROBE_MIN_ELEMENTS``, and where ``few_rows`` (the
+    few-row kernel, which only the ``onednn`` form uses, takes the decode steps that ``dense`` won).
+    The shape given is the model's fused gate/up layer as this rank holds it.
     """
     if not onednn_available(device, dtype):
         return FormChoice("dense", {})
     if requested != "auto":
         return FormChoice(requested, {})
-    if out_features * in_features < PROBE_MIN_ELEMENTS:
+    if out_features * in_features < PROBE_MIN_ELEMENTS or (few_rows and few_rows_available(device, dtype)):
         return FormChoice("onednn", {})
     ratios = time_forms(out_features, in_features, dtype)
     dense = ratios[PROBE_ROWS[0]] < 1.0 and ratios[PROBE_ROWS[-1]] <= DENSE_MAX_SLOWDOWN

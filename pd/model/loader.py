@@ -148,14 +148,15 @@ def _vocab_shard(w: _Weights, name: str, config: ModelConfig, shard: TPShard) ->
     return part
 
 
-def _row_parallel(name: str, weight: torch.Tensor, bias: torch.Tensor | None, whole: bool, form: str) -> dict:
+def _row_parallel(name: str, weight: torch.Tensor, bias: torch.Tensor | None, whole: bool, form: str,
+                  few_rows: bool) -> dict:
     """A row-parallel layer's fields: its bias in the GEMM when one rank runs it, else added after the all-reduce."""
     if whole:
-        return {f"{name}_proj": make_linear(weight, bias, form), f"{name}_bias": None}
-    return {f"{name}_proj": make_linear(weight, None, form), f"{name}_bias": bias}
+        return {f"{name}_proj": make_linear(weight, bias, form, few_rows), f"{name}_bias": None}
+    return {f"{name}_proj": make_linear(weight, None, form, few_rows), f"{name}_bias": bias}
 
 
-def _layer(w: _Weights, config: ModelConfig, shard: TPShard, i: int, form: str) -> LayerWeights:
+def _layer(w: _Weights, config: ModelConfig, shard: TPShard, i: int, form: str, few_rows: bool) -> LayerWeights:
     """Layer ``i``'s weights as rank ``shard`` holds them (see ``pd.model.tp``)."""
     h, inter, hd = config.hidden_size, config.intermediate_size, config.head_dim
     q, kv = config.q_size, config.kv_size
@@ -172,38 +173,38 @@ def _layer(w: _Weights, config: ModelConfig, shard: TPShard, i: int, form: str) 
             w.fused([attn + f"{x}_proj.weight" for x in "qkv"], [(q, h), (kv, h), (kv, h)], [q_rows, kv_rows, kv_rows]),
             w.fused([attn + f"{x}_proj.bias" for x in "qkv"], [(q,), (kv,), (kv,)], [q_rows, kv_rows, kv_rows],
                     required=False),
-            form,
+            form, few_rows,
         ),
         q_norm=w.get(attn + "q_norm.weight", (hd,)) if config.qk_norm else None,
         k_norm=w.get(attn + "k_norm.weight", (hd,)) if config.qk_norm else None,
         **_row_parallel("o", w.get(attn + "o_proj.weight", (h, q), cols=q_rows), w.optional(attn + "o_proj.bias", (h,)),
-                        whole, form),
+                        whole, form, few_rows),
         post_attention_norm=w.get(p + "post_attention_layernorm.weight", (h,)),
         gate_up_proj=make_linear(
             w.fused([mlp + "gate_proj.weight", mlp + "up_proj.weight"], [(inter, h), (inter, h)], [mlp_rows, mlp_rows]),
             w.fused([mlp + "gate_proj.bias", mlp + "up_proj.bias"], [(inter,), (inter,)], [mlp_rows, mlp_rows],
                     required=False),
-            form,
+            form, few_rows,
         ),
         **_row_parallel("down", w.get(mlp + "down_proj.weight", (h, inter), cols=mlp_rows),
-                        w.optional(mlp + "down_proj.bias", (h,)), whole, form),
+                        w.optional(mlp + "down_proj.bias", (h,)), whole, form, few_rows),
     )
 
 
 def load_weights(model_dir: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device,
-                 shard: TPShard = SINGLE, linear_form: str = "onednn") -> ModelWeights:
+                 shard: TPShard = SINGLE, linear_form: str = "onednn", few_rows: bool = False) -> ModelWeights:
     """The weights rank ``shard`` runs (all of them at ``SINGLE``), read from the files slice by slice.
 
-    ``linear_form``: the dense layers' form (``pd.model.linear.FORMS``).
+    ``linear_form``: the dense layers' form (``pd.model.linear.FORMS``); ``few_rows``: see ``make_linear``.
     """
     with Checkpoint(model_dir) as checkpoint:
         w = _Weights(checkpoint, dtype, device)
-        layers = [_layer(w, config, shard, i, linear_form) for i in range(config.num_layers)]
+        layers = [_layer(w, config, shard, i, linear_form, few_rows) for i in range(config.num_layers)]
         embed = _vocab_shard(w, "model.embed_tokens.weight", config, shard)
         if config.tie_word_embeddings:
-            lm_head = make_linear(embed, None, linear_form)
+            lm_head = make_linear(embed, None, linear_form, few_rows)
         elif "lm_head.weight" in w:
-            lm_head = make_linear(_vocab_shard(w, "lm_head.weight", config, shard), None, linear_form)
+            lm_head = make_linear(_vocab_shard(w, "lm_head.weight", config, shard), None, linear_form, few_rows)
         else:
             raise ValueError("checkpoint is missing the weight 'lm_head.weight' and tie_word_embeddings is false")
         norm = w.get("model.norm.weight", (config.hidden_size,))

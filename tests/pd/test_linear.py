@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+import kernels.cpu
 from pd.model import linear
-from pd.model.linear import EXACT_ROWS, FORMS, choose_form, make_linear, padded_rows
+from pd.model.linear import EXACT_ROWS, FEW_ROWS, FORMS, choose_form, make_linear, padded_rows
 
 
 def test_padded_rows_bounds_the_shapes_and_the_waste():
@@ -17,20 +18,38 @@ def test_padded_rows_bounds_the_shapes_and_the_waste():
     assert [padded_rows(n) for n in (64, 65, 129, 2049)] == [64, 72, 144, 2304]
 
 
+@pytest.mark.parametrize("few_rows", [False, True])
 @pytest.mark.parametrize("form", FORMS)
-@pytest.mark.parametrize("num_rows", [1, 7, 64, 65, 130, 300])
-def test_linear_matches_the_dense_product(num_rows, form):
+@pytest.mark.parametrize("num_rows", [1, 7, 8, 9, 64, 65, 130, 300])
+def test_linear_matches_the_dense_product(num_rows, form, few_rows):
     torch.manual_seed(0)
     weight, bias, x = torch.randn(96, 40), torch.randn(96), torch.randn(num_rows, 40)
     expected = x.double() @ weight.double().t() + bias.double()
-    layer = make_linear(weight, bias, form)
+    layer = make_linear(weight, bias, form, few_rows)
     assert layer.packed == (form == "onednn")
+    assert (layer.rows_kernel is not None) == (few_rows and form == "onednn")
     got = layer(x)
     assert got.shape == (num_rows, 96)
     torch.testing.assert_close(got.double(), expected, atol=1e-4, rtol=1e-5)
 
 
 CPU = torch.device("cpu")
+
+
+def test_a_few_row_batch_runs_in_the_few_row_kernel_and_a_larger_one_in_onednn():
+    torch.manual_seed(0)
+    weight, bias = torch.randn(96, 40), torch.randn(96)
+    layer, plain = make_linear(weight, bias, "onednn", few_rows=True), make_linear(weight, bias, "onednn")
+    for num_rows in (1, FEW_ROWS):
+        x = torch.randn(num_rows, 40)
+        assert torch.equal(layer(x), kernels.cpu.linear_rows(x, weight, bias))
+        assert not torch.equal(layer(x), plain(x))  # the two sum in different orders
+    x = torch.randn(FEW_ROWS + 1, 40)
+    assert torch.equal(layer(x), plain(x))
+
+
+def test_the_few_row_kernel_is_fp32_only():
+    assert make_linear(torch.randn(8, 4).bfloat16(), None, "onednn", few_rows=True).rows_kernel is None
 
 
 def test_a_form_asked_for_is_kept_and_oneDNN_falls_back_where_it_cannot_run():
@@ -40,6 +59,13 @@ def test_a_form_asked_for_is_kept_and_oneDNN_falls_back_where_it_cannot_run():
     assert not make_linear(torch.randn(8, 4).half(), None, "onednn").packed
     with pytest.raises(ValueError, match="form must be one of"):
         make_linear(torch.randn(8, 4), None, "mkl")
+
+
+def test_auto_takes_onednn_unmeasured_where_the_few_row_kernel_runs_the_decode_steps(monkeypatch):
+    monkeypatch.setattr(linear, "time_forms", lambda *args: {1: 0.5, 256: 1.0})  # dense's one win: one row
+    assert choose_form("auto", CPU, torch.float32, 4096, 4096).form == "dense"
+    assert choose_form("auto", CPU, torch.float32, 4096, 4096, few_rows=True) == linear.FormChoice("onednn", {})
+    assert choose_form("auto", CPU, torch.bfloat16, 4096, 4096, few_rows=True).form == "dense"  # fp32 kernel only
 
 
 def test_auto_measures_a_large_layer_and_leaves_a_small_one_on_onednn(monkeypatch):
