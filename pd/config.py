@@ -68,6 +68,11 @@ class EngineConfig:
     # CPU compute threads (torch intra-op); None leaves the process's setting. A Serve
     # replica resolves None from the CPUs Ray assigned it (see pd.serve.engine_server).
     num_threads: int | None = None
+    # CPU threads for a step of at most pd.model.linear.FEW_ROWS tokens (a small batch's decode step);
+    # None: num_threads. Such a step is a hundred short parallel regions, each waiting for every
+    # thread, so on cores shared with other processes fewer threads can finish it sooner. A Serve
+    # replica sets it to the CPUs Ray assigned it, rounded down (see pd.serve.engine_server).
+    decode_threads: int | None = None
     # CUDA only: replay decode steps of up to this many sequences from CUDA graphs captured at start.
     cuda_graphs: bool = True
     cuda_graph_max_batch: int = 256
@@ -122,7 +127,7 @@ class EngineConfig:
         for name in ("kv_lease_s", "kv_read_timeout_s", "tensor_parallel_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("num_blocks", "max_model_len", "num_threads"):
+        for name in ("num_blocks", "max_model_len", "num_threads", "decode_threads"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1 or None, got {value}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -24,7 +25,7 @@ from pd.engine.cuda_graphs import DecodeGraphs
 from pd.engine.kv_layout import kv_pool, layer_views
 from pd.model.attention import PAD_BLOCK_ID, AttentionMetadata
 from pd.model.config import ModelConfig
-from pd.model.linear import choose_form
+from pd.model.linear import FEW_ROWS, choose_form
 from pd.model.llama import CausalLM
 from pd.model.loader import load_weights, resolve_dtype
 from pd.model.rope import cos_sin_cache
@@ -248,7 +249,8 @@ class ModelRunner:
             mask.fill()
         logits = self.graphs.run(batch) if self.graphs is not None else None
         if logits is None:
-            logits = self._forward(batch)
+            with self._step_threads(len(batch.token_ids)):
+                logits = self._forward(batch)
         num_samples = len(batch.sampling_requests)
         scores = self._prompt_logprobs(logits[num_samples:], batch) if batch.prompt_rows else {}
         if not batch.sampling_requests:
@@ -257,6 +259,21 @@ class ModelRunner:
         if scores:
             forward = dataclasses.replace(forward, prompt_logprobs=scores)
         return forward if mask is None else advance_grammars(mask, forward)
+
+    @contextlib.contextmanager
+    def _step_threads(self, num_tokens: int):
+        """The step's compute threads: ``decode_threads`` for a step of few tokens on one CPU rank."""
+        threads = self.config.decode_threads
+        if (threads is None or num_tokens > FEW_ROWS or self.device.type != "cpu" or self.workers is not None
+                or threads == torch.get_num_threads()):
+            yield
+            return
+        previous = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(previous)
 
     def _forward(self, batch: ForwardInput) -> torch.Tensor:
         if self.workers is None:

@@ -79,6 +79,19 @@ def replica_threads(assigned_cpus: float | None) -> int:
     return max(1, min(cores, wanted))
 
 
+def replica_decode_threads(assigned_cpus: float | None) -> int:
+    """Threads for a replica's steps of few tokens: ``replica_threads`` of the CPUs it holds whole.
+
+    A fraction of a core left over belongs to the processes beside the replica
+    (its ingress, Serve's proxy). A small decode step is a hundred short
+    parallel regions, and every region waits for a thread that one of them has
+    preempted. Served alone on two cores with ``num_cpus: 1.5``, one stream's
+    inter-token latency went from 6.5-7.2 ms on two threads to 4.9-5.6 on one
+    (AMD EPYC); prefill chunks keep the rounded-up count.
+    """
+    return replica_threads(math.floor(assigned_cpus) if assigned_cpus and assigned_cpus >= 1 else None)
+
+
 class EngineServer:
     """An ``AsyncLLMEngine`` inside a Serve replica."""
 
@@ -93,8 +106,10 @@ class EngineServer:
             import ray
 
             assigned = ray.get_runtime_context().get_assigned_resources().get("CPU")
-            config = dataclasses.replace(config, num_threads=replica_threads(assigned))
-        logger.info("%s replica computes on %s threads", self.role, config.num_threads or "the default")
+            config = dataclasses.replace(config, num_threads=replica_threads(assigned),
+                                         decode_threads=config.decode_threads or replica_decode_threads(assigned))
+        logger.info("%s replica computes on %s threads (%s for steps of few tokens)", self.role,
+                    config.num_threads or "the default", config.decode_threads or "as many")
         launcher = None
         if config.tensor_parallel_size > 1:
             from pd.serve.tp_launcher import RayLauncher

@@ -1,4 +1,5 @@
-"""A replica computes on the CPUs Ray assigned it, rounded up, within the cores it may use."""
+"""A replica computes on the CPUs Ray assigned it, rounded up, within the cores it may use; its steps of few
+tokens on the CPUs it holds whole."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import os
 import pytest
 
 from pd.serve import engine_server
-from pd.serve.engine_server import replica_threads
+from pd.serve.engine_server import replica_decode_threads, replica_threads
 
 
 @pytest.fixture
@@ -20,6 +21,12 @@ def four_cores(monkeypatch):
 def test_assigned_cpus_round_up_to_the_cores_there_are(four_cores, assigned, threads):
     # Ray itself would give 1.5 CPUs one OpenMP thread (the floor).
     assert replica_threads(assigned) == threads
+
+
+@pytest.mark.parametrize(("assigned", "threads"), [(None, 1), (0.25, 1), (1.0, 1), (1.5, 1), (2.0, 2), (2.5, 2),
+                                                   (16.0, 4)])
+def test_steps_of_few_tokens_take_the_whole_cpus_only(four_cores, assigned, threads):
+    assert replica_decode_threads(assigned) == threads
 
 
 def test_a_cgroup_quota_caps_the_threads(four_cores, monkeypatch):
