@@ -68,8 +68,8 @@ class EngineConfig:
     # CPU compute threads (torch intra-op); None leaves the process's setting. A Serve
     # replica resolves None from the CPUs Ray assigned it (see pd.serve.engine_server).
     num_threads: int | None = None
-    # CPU threads for a step of at most pd.model.linear.FEW_ROWS tokens (a small batch's decode step);
-    # None: num_threads. Such a step is a hundred short parallel regions, each waiting for every
+    # CPU threads for a step of at most pd.engine.model_runner.DECODE_STEP_TOKENS (8) tokens, a small
+    # batch's decode step; None: num_threads. Such a step is a hundred short parallel regions, each waiting for every
     # thread, so on cores shared with other processes fewer threads can finish it sooner. A Serve
     # replica sets it to the CPUs Ray assigned it, rounded down (see pd.serve.engine_server).
     decode_threads: int | None = None

@@ -10,7 +10,7 @@
   of the chunk's context, then SDPA, whose matrix products win there).
 - ``dense_rows.cpp``: a dense layer for a batch of a few rows (a decode
   step's), reading each weight row once in its checkpoint layout; oneDNN's
-  packed GEMM, tuned for many rows, streamed the weights 3-5x slower there.
+  packed GEMM, tuned for many rows, took 1.2-1.4x as long at one and two.
 - ``block_copy.cpp``: whole KV blocks between pools, one memcpy each (the
   host tier's promotions).
 - ``small_ops.cpp``: residual add with RMSNorm, rotary, SiLU-and-mul and the KV

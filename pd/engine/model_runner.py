@@ -25,7 +25,7 @@ from pd.engine.cuda_graphs import DecodeGraphs
 from pd.engine.kv_layout import kv_pool, layer_views
 from pd.model.attention import PAD_BLOCK_ID, AttentionMetadata
 from pd.model.config import ModelConfig
-from pd.model.linear import FEW_ROWS, choose_form
+from pd.model.linear import choose_form
 from pd.model.llama import CausalLM
 from pd.model.loader import load_weights, resolve_dtype
 from pd.model.rope import cos_sin_cache
@@ -68,6 +68,9 @@ def copy_to_device(int64_lists: list[list[int]], int32_lists: list[list[int]],
     int32_views = on_device[num_int64:].to(torch.int32).split(int32_sizes)
     return list(int64_views), list(int32_views)
 
+
+# A step of at most this many tokens computes on ``EngineConfig.decode_threads``.
+DECODE_STEP_TOKENS = 8
 
 class ModelRunner:
     """The model and its KV pool, one step at a time.
@@ -264,8 +267,8 @@ class ModelRunner:
     def _step_threads(self, num_tokens: int):
         """The step's compute threads: ``decode_threads`` for a step of few tokens on one CPU rank."""
         threads = self.config.decode_threads
-        if (threads is None or num_tokens > FEW_ROWS or self.device.type != "cpu" or self.workers is not None
-                or threads == torch.get_num_threads()):
+        if (threads is None or num_tokens > DECODE_STEP_TOKENS or self.device.type != "cpu"
+                or self.workers is not None or threads == torch.get_num_threads()):
             yield
             return
         previous = torch.get_num_threads()

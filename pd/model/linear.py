@@ -5,11 +5,12 @@ Two forms:
 - ``onednn``: pre-packed once for oneDNN's GEMM, fp32 accumulation throughout.
   With ``few_rows`` (fp32 on CPU, where the ``cpu`` kernels run), the layer
   also keeps its checkpoint-layout ``[out, in]`` weight, and a batch of at most
-  ``FEW_ROWS`` rows (a decode step's) runs in ``kernels.cpu.linear_rows``,
-  which reads each weight row once. oneDNN's packed GEMM is tuned for many
-  rows: on the built-in model's layers (AMD EPYC, 2 threads) it took 3x as long
-  at one row, 1.4x at eight, and as long at sixteen. The cost is a second copy
-  of the weights in host memory.
+  ``FEW_ROWS`` rows (a decode step of one or two sequences) runs in
+  ``kernels.cpu.linear_rows``, which reads each weight row once. On the
+  built-in model's 32 layers (24 MiB, past the caches; AMD EPYC) oneDNN's
+  packed GEMM took 1.3-1.4x as long at one and two rows on two threads, and
+  1.16x on one; at four rows the two were level, and from eight oneDNN was
+  faster. The cost is a second copy of the weights in host memory.
 - ``dense``: transposed, ``[in, out]``, for a plain matmul (the default BLAS).
   One copy.
 
@@ -69,7 +70,7 @@ def padded_rows(num_rows: int) -> int:
 
 
 # Batches of at most this many rows run in the few-row kernel where a layer has one (see the module's doc).
-FEW_ROWS = 8
+FEW_ROWS = 2
 
 
 @dataclass(frozen=True)

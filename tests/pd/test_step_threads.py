@@ -7,7 +7,7 @@ import torch
 
 from pd import LLM, SamplingParams
 from pd.config import EngineConfig
-from pd.model.linear import FEW_ROWS
+from pd.engine.model_runner import DECODE_STEP_TOKENS
 from pd.model.llama import CausalLM
 
 
@@ -28,7 +28,7 @@ def test_decode_steps_take_decode_threads_and_prefill_steps_the_engines(monkeypa
         return forward(self, token_ids, *args)
 
     monkeypatch.setattr(CausalLM, "forward", recording)
-    prompt = list(range(3, 3 + 4 * FEW_ROWS))
+    prompt = list(range(3, 3 + 4 * DECODE_STEP_TOKENS))
     llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     assert seen[0] == (len(prompt), 2)
     assert seen[1:] == [(1, 1)] * 3
