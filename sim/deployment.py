@@ -5,14 +5,18 @@ which needs no running Ray), so the simulator reads replica counts, engine
 limits, the remote-prefill rule and the routers' kwargs exactly as the app
 does. A replica computes on ``ceil(num_cpus)`` threads (as
 ``pd.serve.engine_server.replica_threads`` gives it within the machine's
-cores), and ``cost_for_threads`` gives the profile for that many.
+cores), and its steps of few tokens on ``floor(num_cpus)`` (as
+``replica_decode_threads`` does; ``engine.decode_threads`` overrides it);
+``cost_for_threads`` gives the profile for each count.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Callable
 
+from pd.config import EngineConfig
 from pd.serve.args import AppArgs, PoolArgs
 from sim.cluster import ClusterSpec, PoolSpec
 from sim.cost import CostModel
@@ -24,6 +28,16 @@ DEFAULT_ROUTERS = {"prefill": "router.serve:PrefixAffinityRouter", "decode": "ro
 def pool_threads(pool: PoolArgs) -> int:
     num_cpus = pool.ray_actor_options.get("num_cpus") or 1
     return max(1, math.ceil(num_cpus))
+
+
+def pool_decode_threads(pool: PoolArgs, engine: EngineConfig) -> int:
+    """The threads of a pool replica's steps of few tokens (``pd.engine.model_runner.step_threads``)."""
+    if engine.decode_threads is not None:
+        return engine.decode_threads
+    if engine.num_threads is not None:  # a replica given its threads computes every step on them
+        return engine.num_threads
+    num_cpus = pool.ray_actor_options.get("num_cpus") or 1
+    return max(1, math.floor(num_cpus))
 
 
 def _policy_kwargs(name: str, pool: PoolArgs) -> dict[str, Any]:
@@ -43,7 +57,12 @@ def cluster_spec(args: dict | AppArgs, cost_for_threads: Callable[[int], CostMod
 
     def pool(args: PoolArgs) -> PoolSpec:
         threads = pool_threads(args)
-        return PoolSpec(args.num_replicas, engine, cost_for_threads(threads), threads)
+        if engine.device != "cpu":
+            return PoolSpec(args.num_replicas, engine, cost_for_threads(threads), threads)
+        decode_threads = pool_decode_threads(args, engine)
+        replica = dataclasses.replace(engine, num_threads=threads, decode_threads=decode_threads)
+        return PoolSpec(args.num_replicas, replica, cost_for_threads(threads), threads,
+                        decode_cost=cost_for_threads(decode_threads))
 
     disaggregated = app.mode == "disaggregated"
     return ClusterSpec(

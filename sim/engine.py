@@ -25,6 +25,7 @@ from pd.config import EngineConfig
 from pd.engine.clock import SYSTEM_CLOCK, Clock
 from pd.engine.engine import LLMEngine
 from pd.engine.host_tier import HostTierStats
+from pd.engine.model_runner import step_threads
 from pd.engine.outputs import ForwardOutput, SchedulerOutput
 from pd.model.config import ModelConfig
 from pd.model.loader import resolve_dtype
@@ -39,22 +40,29 @@ class ModelledRunner:
     """``ModelRunner``'s interface, without a model: each ``execute`` records its modelled seconds."""
 
     def __init__(self, config: EngineConfig, model_config: ModelConfig, model_dir: Path, num_blocks: int,
-                 max_model_len: int, *, cost: CostModel, seed: int):
+                 max_model_len: int, *, cost: CostModel, seed: int, decode_cost: CostModel | None = None):
         self.dtype = resolve_dtype(config.dtype, model_config)
         # The pool's shape, on the meta device: a transport checks its geometry, and no byte exists.
         self.kv_cache = kv_pool(num_blocks, model_config.num_layers, config.block_size, model_config.num_kv_heads,
                                 model_config.head_dim, self.dtype, "meta")
         self.vocab_size = model_config.vocab_size
+        self.config = config
         self.cost = cost
+        # Steps of few tokens on ``config.decode_threads`` (``step_threads``) cost this instead, when given.
+        self.decode_cost = decode_cost
         self._tokens = random.Random(seed)
         self.last_step_seconds = 0.0
+        self.last_step_threads: int | None = None  # the threads of the last step where not the engine's own
         self.num_steps = 0
         self.host_tier_stats: HostTierStats | None = None  # the engine's host tier, when it has one
         self.tier_io: ModelledTierIO | None = None  # its disk tier's and shared store's, when it has them
         self._copied_blocks = 0
 
     def execute(self, out: SchedulerOutput, block_tables: list[list[int]]) -> ForwardOutput:
-        self.last_step_seconds = self.cost.step_seconds(StepShape.of(out.scheduled)) + self._host_copy_seconds()
+        shape = StepShape.of(out.scheduled)
+        self.last_step_threads = step_threads(self.config, shape.num_tokens)
+        cost = self.decode_cost if self.last_step_threads is not None and self.decode_cost is not None else self.cost
+        self.last_step_seconds = cost.step_seconds(shape) + self._host_copy_seconds()
         self.num_steps += 1
         sampled = [self._tokens.randrange(self.vocab_size) for item in out.scheduled if item.samples]
         return ForwardOutput(sampled_token_ids=sampled, logprobs=None)
@@ -80,7 +88,7 @@ class ModelledRunner:
 
 def sim_engine(config: EngineConfig, cost: CostModel, seed: int = 0, *, transport: KVTransport | None = None,
                loop: EventLoop | None = None, tier_models: TierModels = TierModels(),
-               shared_store: ModelledStore | None = None) -> LLMEngine:
+               shared_store: ModelledStore | None = None, decode_cost: CostModel | None = None) -> LLMEngine:
     """A real engine for ``config.model`` (its config and tokenizer are read; no weights are loaded).
 
     With a ``loop``, the engine's clock is the loop's (leases expire and pulls
@@ -99,7 +107,8 @@ def sim_engine(config: EngineConfig, cost: CostModel, seed: int = 0, *, transpor
             raise ValueError("a simulated disk tier or shared store lands its I/O in an event loop: pass loop")
         tier_io = ModelledTierIO(loop, tier_models, shared_store)
     clock = SYSTEM_CLOCK if loop is None else Clock(wall=loop.time, monotonic=loop.time)
-    engine = LLMEngine(config, transport, make_runner=functools.partial(ModelledRunner, cost=cost, seed=seed),
+    engine = LLMEngine(config, transport, make_runner=functools.partial(ModelledRunner, cost=cost, seed=seed,
+                                                                  decode_cost=decode_cost),
                        clock=clock, tier_io=tier_io)
     if engine.tiers is not None:
         engine.runner.host_tier_stats = engine.tiers.host.stats

@@ -38,6 +38,8 @@ class PoolSpec:
     engine: EngineConfig
     cost: CostModel
     threads: int = 1  # compute threads per replica (what a shared host counts)
+    # The cost of a step on ``engine.decode_threads`` (pd.engine.model_runner.step_threads); None: ``cost``.
+    decode_cost: CostModel | None = None
 
     def __post_init__(self) -> None:
         if self.num_replicas < 1:
@@ -96,7 +98,7 @@ class SimPool:
         transport = network.transport(replica_id, on_event=lambda: None) if network else None
         engine = sim_engine(self.spec.engine, self.spec.cost, seed=self._seed * 100_003 + index,
                             transport=transport, loop=loop, tier_models=self._tier_models,
-                            shared_store=self._shared_store)
+                            shared_store=self._shared_store, decode_cost=self.spec.decode_cost)
         replica = SimReplica(loop, engine, replica_id, host=self._host, threads=self.spec.threads,
                              on_output=lambda out: self._on_output(replica_id, out))
         if transport is not None:

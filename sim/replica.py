@@ -90,7 +90,7 @@ class SimReplica:
             return
         seconds = self.engine.runner.last_step_seconds if ran else 0.0
         if ran and self.host is not None:
-            seconds *= self.host.begin_step(self.replica_id, self.threads)
+            seconds *= self.host.begin_step(self.replica_id, self.engine.runner.last_step_threads or self.threads)
         self.busy_s += seconds
         self._stepping = True
         self.loop.at(self.loop.now + seconds, lambda: self._land(results))

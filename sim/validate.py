@@ -326,10 +326,11 @@ def main(argv: list[str] | None = None) -> None:
     import yaml
 
     from pd.serve.args import AppArgs
-    from sim.deployment import pool_threads
+    from sim.deployment import pool_decode_threads, pool_threads
 
     apps = [AppArgs.parse(yaml.safe_load(path.read_text())["applications"][0]["args"]) for path in configs]
-    threads = sorted({pool_threads(pool) for app in apps for pool in (app.decode, app.prefill)})
+    threads = sorted({count for app in apps for pool in (app.decode, app.prefill)
+                      for count in (pool_threads(pool), pool_decode_threads(pool, app.engine_config()))})
     models = {app.engine.model for app in apps}
     if len(models) != 1:
         raise SystemExit(f"the configs serve different models: {sorted(models)}")

@@ -72,6 +72,14 @@ def copy_to_device(int64_lists: list[list[int]], int32_lists: list[list[int]],
 # A step of at most this many tokens computes on ``EngineConfig.decode_threads``.
 DECODE_STEP_TOKENS = 8
 
+
+def step_threads(config: EngineConfig, num_tokens: int) -> int | None:
+    """The CPU threads a step of ``num_tokens`` computes on when not the engine's own: ``decode_threads``
+    for a step of at most ``DECODE_STEP_TOKENS``; None otherwise. The simulator prices steps by it."""
+    if config.decode_threads is not None and num_tokens <= DECODE_STEP_TOKENS:
+        return config.decode_threads
+    return None
+
 class ModelRunner:
     """The model and its KV pool, one step at a time.
 
@@ -266,9 +274,9 @@ class ModelRunner:
     @contextlib.contextmanager
     def _step_threads(self, num_tokens: int):
         """The step's compute threads: ``decode_threads`` for a step of few tokens on one CPU rank."""
-        threads = self.config.decode_threads
-        if (threads is None or num_tokens > DECODE_STEP_TOKENS or self.device.type != "cpu"
-                or self.workers is not None or threads == torch.get_num_threads()):
+        threads = step_threads(self.config, num_tokens)
+        if (threads is None or self.device.type != "cpu" or self.workers is not None
+                or threads == torch.get_num_threads()):
             yield
             return
         previous = torch.get_num_threads()

@@ -32,6 +32,13 @@ def test_a_serve_config_becomes_its_cluster():
     assert default.rule.threshold == 256 and default.rule.queue_bound == 32
     colocated = cluster_spec(app_args("colocated.yaml"), costs.__getitem__, LINKS["loopback"])
     assert colocated.prefill is None and colocated.decode.cost == costs[2]  # num_cpus 1.5: two threads
+    # ... and one for its steps of few tokens, as pd.serve.engine_server.replica_decode_threads gives it
+    assert colocated.decode.decode_cost == costs[1] and colocated.decode.engine.decode_threads == 1
+    assert default.decode.decode_cost == COST and default.decode.engine.decode_threads == 1
+    given = cluster_spec({**app_args("colocated.yaml"), "engine": {**app_args("colocated.yaml")["engine"],
+                                                                    "decode_threads": 2}},
+                         costs.__getitem__, LINKS["loopback"])
+    assert given.decode.decode_cost == costs[2]
     with pytest.raises(ValueError, match="remote_prefill_treshold"):
         cluster_spec({**app_args("default.yaml"), "remote_prefill_treshold": 5}, costs.__getitem__, LINKS["loopback"])
 

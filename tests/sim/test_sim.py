@@ -61,6 +61,22 @@ def test_the_same_seed_gives_the_same_run():
     assert summarize(first) == summarize(second)
 
 
+def test_steps_of_few_tokens_are_priced_on_the_decode_threads_profile():
+    """A replica's decode steps compute on ``decode_threads`` (``pd.engine.model_runner.step_threads``): the
+    simulated engine prices them by that count's profile, and its prefill steps by the engine's."""
+    from pd import SamplingParams
+
+    slow_decode = CostModel(base_s=0.05, per_token_s=0.0, per_pair_s=0.0, per_seq_s=0.0, per_sample_s=0.0)
+    engine = sim_engine(dataclasses.replace(CONFIG, num_threads=2, decode_threads=1), COST, decode_cost=slow_decode)
+    engine.add_request("a", list(range(3, 3 + 64)), SamplingParams(max_tokens=3, ignore_eos=True))
+    seen = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        seen.append((engine.runner.last_step_seconds, engine.runner.last_step_threads))
+    assert seen[0][0] < 0.05 and seen[0][1] is None  # the 64-token prefill: the engine's threads, COST
+    assert seen[1:] == [(0.05, 1)] * 2
+
+
 def test_the_real_scheduler_decides_a_limit_changes_the_result():
     trace = burst(24, every_ms=0.0)
     wide = summarize(run(trace))
