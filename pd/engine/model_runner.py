@@ -80,6 +80,7 @@ def step_threads(config: EngineConfig, num_tokens: int) -> int | None:
         return config.decode_threads
     return None
 
+
 class ModelRunner:
     """The model and its KV pool, one step at a time.
 
