@@ -69,9 +69,9 @@ class EngineConfig:
     # replica resolves None from the CPUs Ray assigned it (see pd.serve.engine_server).
     num_threads: int | None = None
     # CPU threads for a step of at most pd.engine.model_runner.DECODE_STEP_TOKENS (8) tokens, a small
-    # batch's decode step; None: num_threads. Such a step is a hundred short parallel regions, each waiting for every
-    # thread, so on cores shared with other processes fewer threads can finish it sooner. A Serve
-    # replica sets it to the CPUs Ray assigned it, rounded down (see pd.serve.engine_server).
+    # batch's decode step; None: num_threads. Such a step is a hundred short parallel regions, each
+    # waiting for every thread, so on cores shared with other processes fewer threads can finish it
+    # sooner. A Serve replica sets it to the CPUs Ray assigned it, rounded down (pd.serve.engine_server).
     decode_threads: int | None = None
     # CUDA only: replay decode steps of up to this many sequences from CUDA graphs captured at start.
     cuda_graphs: bool = True

@@ -25,7 +25,10 @@ from sim.transport import TransferModel
 DEFAULT_ROUTERS = {"prefill": "router.serve:PrefixAffinityRouter", "decode": "router.serve:DecodeLoadRouter"}
 
 
-def pool_threads(pool: PoolArgs) -> int:
+def pool_threads(pool: PoolArgs, engine: EngineConfig | None = None) -> int:
+    """A pool replica's compute threads: ``engine.num_threads`` where the config gives it."""
+    if engine is not None and engine.num_threads is not None:
+        return engine.num_threads
     num_cpus = pool.ray_actor_options.get("num_cpus") or 1
     return max(1, math.ceil(num_cpus))
 
@@ -56,7 +59,7 @@ def cluster_spec(args: dict | AppArgs, cost_for_threads: Callable[[int], CostMod
     engine = app.engine_config()
 
     def pool(args: PoolArgs) -> PoolSpec:
-        threads = pool_threads(args)
+        threads = pool_threads(args, engine)
         if engine.device != "cpu":
             return PoolSpec(args.num_replicas, engine, cost_for_threads(threads), threads)
         decode_threads = pool_decode_threads(args, engine)

@@ -330,7 +330,8 @@ def main(argv: list[str] | None = None) -> None:
 
     apps = [AppArgs.parse(yaml.safe_load(path.read_text())["applications"][0]["args"]) for path in configs]
     threads = sorted({count for app in apps for pool in (app.decode, app.prefill)
-                      for count in (pool_threads(pool), pool_decode_threads(pool, app.engine_config()))})
+                      for count in (pool_threads(pool, app.engine_config()),
+                                    pool_decode_threads(pool, app.engine_config()))})
     models = {app.engine.model for app in apps}
     if len(models) != 1:
         raise SystemExit(f"the configs serve different models: {sorted(models)}")

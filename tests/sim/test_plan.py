@@ -39,6 +39,10 @@ def test_a_serve_config_becomes_its_cluster():
                                                                     "decode_threads": 2}},
                          costs.__getitem__, LINKS["loopback"])
     assert given.decode.decode_cost == costs[2]
+    pinned = cluster_spec({**app_args("colocated.yaml"), "engine": {**app_args("colocated.yaml")["engine"],
+                                                                     "num_threads": 1}},
+                          costs.__getitem__, LINKS["loopback"])
+    assert pinned.decode.cost == pinned.decode.decode_cost == COST  # a replica given its threads keeps them
     with pytest.raises(ValueError, match="remote_prefill_treshold"):
         cluster_spec({**app_args("default.yaml"), "remote_prefill_treshold": 5}, costs.__getitem__, LINKS["loopback"])
 
