@@ -1,6 +1,6 @@
 """The few-row dense kernel against oneDNN's packed GEMM: ``python -m bench.dense_rows``.
 
-``python -m bench.dense_rows [--model builtin:tiny-llama] [--threads 1,2] [--rows 1,2,4,8] [--repeats 31]``
+``python -m bench.dense_rows [--model builtin:tiny-llama] [--threads 1,2] [--rows 1,2,4,8,16] [--repeats 31]``
 builds one decode step's dense layers in the model's shapes (QKV, o_proj,
 gate/up and down per layer, then the LM head; random weights, each layer
 its own, so that they are read from memory as a step reads them, not from
@@ -48,11 +48,11 @@ def bench(model: str, threads: int, rows_list: list[int], repeats: int) -> list[
     shapes = step_shapes(model)
     layers = [make_linear(torch.randn(out, inp, generator=generator), None, "onednn", few_rows=True)
               for out, inp in shapes]
-    weight_bytes = sum(layer.rows_weight.numel() * layer.rows_weight.element_size() for layer in layers)
+    weight_bytes = sum(out * inp * 4 for out, inp in shapes)  # fp32; the panels' zero padding is not counted
     copy_bw = measure_peaks()[1]
     onednn = torch.ops.mkldnn._linear_pointwise.default
     forms = {
-        "ours": lambda layer, x: layer.rows_kernel(x, layer.rows_weight, layer.bias),
+        "ours": lambda layer, x: layer.rows_kernel(x, layer.rows_weight, layer.bias, layer.out_features),
         "onednn": lambda layer, x: onednn(x, layer.weight, layer.bias, "none", [], ""),
     }
     results = []
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="builtin:tiny-llama")
     parser.add_argument("--threads", default="1,2")
-    parser.add_argument("--rows", default="1,2,4,8")
+    parser.add_argument("--rows", default="1,2,4,8,16")
     parser.add_argument("--repeats", type=int, default=31)
     args = parser.parse_args(argv)
     for threads in (int(t) for t in args.threads.split(",")):

@@ -9,8 +9,9 @@
   sharing a KV head per task. Longer contexts stay on the reference (a gather
   of the chunk's context, then SDPA, whose matrix products win there).
 - ``dense_rows.cpp``: a dense layer for a batch of a few rows (a decode
-  step's), reading each weight row once in its checkpoint layout; oneDNN's
-  packed GEMM, tuned for many rows, took 1.2-1.4x as long at one and two.
+  step's), reading the weight once from panels of its own layout
+  (``pack_rows_weight``); oneDNN's packed GEMM, tuned for many rows, took
+  1.6-2.3x as long at one to eight rows.
 - ``block_copy.cpp``: whole KV blocks between pools, one memcpy each (the
   host tier's promotions).
 - ``small_ops.cpp``: residual add with RMSNorm, rotary, SiLU-and-mul and the KV
@@ -181,9 +182,18 @@ def silu_and_mul(gate_up):
     return build().silu_and_mul(gate_up.contiguous())
 
 
+def pack_rows_weight(weight):
+    """``weight [out, in]`` (fp32, CPU) as the panels ``linear_rows`` reads: ``[ceil(out / L), in, L]``."""
+    return build().pack_rows_weight(weight.contiguous())
+
+
 def linear_rows(x, weight, bias=None):
-    """``x @ weight^T + bias`` for a few rows ``x [rows, in]``, ``weight [out, in]`` (``reference.linear_rows``)."""
+    """``x @ weight^T + bias`` for a few rows ``x [rows, in]``, ``weight [out, in]`` (``reference.linear_rows``).
+
+    Packs ``weight`` on every call; a layer packs it once (``pd.model.linear``).
+    """
     check_linear_args(x, weight, bias)
     if not _fp32(x, weight) or (bias is not None and not _fp32(bias)):
         return reference.linear_rows(x, weight, bias)
-    return build().linear_rows(x, weight, None if bias is None else bias.contiguous())
+    return build().linear_rows(x, pack_rows_weight(weight), None if bias is None else bias.contiguous(),
+                               weight.shape[0])

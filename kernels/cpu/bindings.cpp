@@ -20,7 +20,9 @@ std::vector<torch::Tensor> rotary(const torch::Tensor& q, const torch::Tensor& k
 torch::Tensor silu_and_mul(const torch::Tensor& gate_up);
 void store_kv(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& k_cache, torch::Tensor& v_cache,
               const torch::Tensor& slot_mapping);
-torch::Tensor linear_rows(const torch::Tensor& x, const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias);
+torch::Tensor pack_rows_weight(const torch::Tensor& weight);
+torch::Tensor linear_rows(const torch::Tensor& x, const torch::Tensor& panels, const c10::optional<torch::Tensor>& bias,
+                          int64_t out_features);
 void copy_blocks(const torch::Tensor& src, const std::vector<int64_t>& src_ids, torch::Tensor& dst,
                  const std::vector<int64_t>& dst_ids);
 
@@ -32,7 +34,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "residual add, then RMSNorm; returns (normed, sum) (fp32)");
   m.def("rotary", &rotary, "rotate-half rotary embedding of q and k into new tensors (fp32)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up over [gate | up] (fp32)");
-  m.def("linear_rows", &linear_rows, "x @ weight^T + bias for a few rows of x, weight [out, in] (fp32)");
+  m.def("pack_rows_weight", &pack_rows_weight, "a weight [out, in] as linear_rows's panels (fp32)");
+  m.def("linear_rows", &linear_rows, "x @ weight^T + bias for a few rows of x, from pack_rows_weight's panels (fp32)");
   m.def("copy_blocks", &copy_blocks, "dst[dst_ids[i]] = src[src_ids[i]], whole blocks, any dtype");
   m.def("store_kv", &store_kv, "write K/V rows into their pool slots, skipping negative slots (fp32)");
 }

@@ -4,13 +4,13 @@ Two forms:
 
 - ``onednn``: pre-packed once for oneDNN's GEMM, fp32 accumulation throughout.
   With ``few_rows`` (fp32 on CPU, where the ``cpu`` kernels run), the layer
-  also keeps its checkpoint-layout ``[out, in]`` weight, and a batch of at most
-  ``FEW_ROWS`` rows (a decode step of one or two sequences) runs in
-  ``kernels.cpu.linear_rows``, which reads each weight row once. On the
-  built-in model's 32 layers (24 MiB, past the caches; AMD EPYC) oneDNN's
-  packed GEMM took 1.3-1.4x as long at one and two rows on two threads, and
-  1.16x on one; at four rows the two were level, and from eight oneDNN was
-  faster. The cost is a second copy of the weights in host memory.
+  also keeps its weight as ``kernels.cpu.pack_rows_weight``'s panels, and a
+  batch of at most ``FEW_ROWS`` rows (a decode step of a small batch) runs in
+  ``kernels.cpu.linear_rows``, which reads them once as sequential streams.
+  On the built-in model's 32 layers and LM head (24 MiB, past the caches;
+  AMD EPYC, ``python -m bench.dense_rows``) oneDNN's packed GEMM took
+  1.6-2.3x as long from one row to eight, on one thread or two. The cost is
+  a second copy of the weights in host memory.
 - ``dense``: transposed, ``[in, out]``, for a plain matmul (the default BLAS).
   One copy.
 
@@ -70,7 +70,7 @@ def padded_rows(num_rows: int) -> int:
 
 
 # Batches of at most this many rows run in the few-row kernel where a layer has one (see the module's doc).
-FEW_ROWS = 2
+FEW_ROWS = 8
 
 
 @dataclass(frozen=True)
@@ -80,13 +80,15 @@ class Linear:
     weight: torch.Tensor  # oneDNN-packed [out, in] when ``packed``, else dense [in, out]
     bias: torch.Tensor | None  # [out]
     packed: bool
-    # The checkpoint-layout weight [out, in] and the kernel that multiplies a few rows by it; both or neither.
+    # The few-row path: the weight's panels (kernels.cpu.pack_rows_weight), the kernel that multiplies a
+    # few rows by them, and the layer's output features; all or none.
     rows_weight: torch.Tensor | None = None
     rows_kernel: Callable | None = None
+    out_features: int = 0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.rows_kernel is not None and x.shape[0] <= FEW_ROWS:
-            return self.rows_kernel(x, self.rows_weight, self.bias)
+            return self.rows_kernel(x, self.rows_weight, self.bias, self.out_features)
         if self.packed:
             num_rows = x.shape[0]
             bucket = padded_rows(num_rows)
@@ -110,8 +112,8 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, form: str = "on
     """Build from an HF-layout ``[out, in]`` weight already on its device and dtype.
 
     ``form`` is ``"onednn"`` (where oneDNN runs this device and dtype; else dense) or ``"dense"``.
-    ``few_rows``: an ``onednn`` layer keeps ``weight`` for ``FEW_ROWS``-row batches too, where
-    ``few_rows_available``; the caller has built ``kernels.cpu``.
+    ``few_rows``: an ``onednn`` layer keeps ``weight``'s panels for batches of up to ``FEW_ROWS`` rows
+    too, where ``few_rows_available``; the caller has built ``kernels.cpu``.
     """
     if form not in FORMS:
         raise ValueError(f"form must be one of {FORMS}, got {form!r}")
@@ -120,7 +122,8 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, form: str = "on
         packed = torch.ops.mkldnn._reorder_linear_weight(weight)
         if few_rows and few_rows_available(weight.device, weight.dtype):
             bias = None if bias is None else bias.contiguous()
-            return Linear(packed, bias, packed=True, rows_weight=weight, rows_kernel=kernels.cpu.build().linear_rows)
+            return Linear(packed, bias, packed=True, rows_weight=kernels.cpu.pack_rows_weight(weight),
+                          rows_kernel=kernels.cpu.build().linear_rows, out_features=weight.shape[0])
         return Linear(packed, bias, packed=True)
     return Linear(weight.t().contiguous(), bias, packed=False)
 

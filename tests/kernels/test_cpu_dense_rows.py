@@ -14,7 +14,7 @@ SHAPES = [(7, 33), (1000, 250), (384, 256), (256, 768), (4099, 64)]
 
 
 @pytest.mark.parametrize("out_features, in_features", SHAPES)
-@pytest.mark.parametrize("num_rows", [1, 2, 3, 4, 5, 8, 13])
+@pytest.mark.parametrize("num_rows", [1, 2, 3, 4, 5, 8, 9, 13, 17])
 def test_matches_the_reference(out_features, in_features, num_rows):
     torch.manual_seed(num_rows)
     x, weight, bias = torch.randn(num_rows, in_features), torch.randn(out_features, in_features), torch.randn(out_features)
@@ -58,7 +58,21 @@ def test_bad_arguments_are_named(x, weight, bias, message):
 def test_the_extension_checks_what_a_dense_layer_passes_it_directly():
     """``Linear`` calls the extension without the Python checks; the C++ ones still fail clearly."""
     kernel = cpu.build().linear_rows
+    panels = cpu.pack_rows_weight(torch.randn(8, 12))
     with pytest.raises(RuntimeError, match="weight has 12 input features, x has 16"):
-        kernel(torch.randn(2, 16), torch.randn(8, 12), None)
+        kernel(torch.randn(2, 16), panels, None, 8)
+    with pytest.raises(RuntimeError, match="panels must be pack_rows_weight's for 40 outputs"):
+        kernel(torch.randn(2, 12), panels, None, 40)
     with pytest.raises(RuntimeError, match="fp32 only"):
-        kernel(torch.randn(2, 16).double(), torch.randn(8, 16).double(), None)
+        kernel(torch.randn(2, 12).double(), panels, None, 8)
+    with pytest.raises(RuntimeError, match="weight must be a 2-D fp32 CPU tensor"):
+        cpu.pack_rows_weight(torch.randn(8, 12).double())
+
+
+def test_panels_hold_the_weight_and_zero_padding():
+    weight = torch.randn(21, 5)
+    panels = cpu.pack_rows_weight(weight)
+    lanes = panels.shape[2]
+    assert panels.shape == (-(-21 // lanes), 5, lanes)
+    flat = panels.transpose(1, 2).reshape(-1, 5)  # back to [padded out, in]
+    assert torch.equal(flat[:21], weight) and not flat[21:].any()
