@@ -11,7 +11,7 @@
 - ``dense_rows.cpp``: a dense layer for a batch of a few rows (a decode
   step's), reading the weight once from panels of its own layout
   (``pack_rows_weight``); oneDNN's packed GEMM, tuned for many rows, took
-  1.6-2.3x as long at one to eight rows.
+  1.4-2.2x as long at one to eight rows.
 - ``block_copy.cpp``: whole KV blocks between pools, one memcpy each (the
   host tier's promotions).
 - ``small_ops.cpp``: residual add with RMSNorm, rotary, SiLU-and-mul and the KV

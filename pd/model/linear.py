@@ -9,7 +9,7 @@ Two forms:
   ``kernels.cpu.linear_rows``, which reads them once as sequential streams.
   On the built-in model's 32 layers and LM head (24 MiB, past the caches;
   AMD EPYC, ``python -m bench.dense_rows``) oneDNN's packed GEMM took
-  1.6-2.3x as long from one row to eight, on one thread or two. The cost is
+  1.4-2.2x as long from one row to eight, on one thread or two. The cost is
   a second copy of the weights in host memory.
 - ``dense``: transposed, ``[in, out]``, for a plain matmul (the default BLAS).
   One copy.
@@ -108,7 +108,8 @@ def few_rows_available(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype == torch.float32
 
 
-def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, form: str = "onednn", few_rows: bool = False) -> Linear:
+def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, form: str = "onednn",
+                few_rows: bool = False) -> Linear:
     """Build from an HF-layout ``[out, in]`` weight already on its device and dtype.
 
     ``form`` is ``"onednn"`` (where oneDNN runs this device and dtype; else dense) or ``"dense"``.
