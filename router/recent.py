@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Sequence
+
 
 class RecentRouted:
     """Requests and prefill tokens this router sent each replica, decaying by ``1 - 1/window`` per decision.
@@ -35,6 +37,15 @@ class RecentRouted:
         if replica_id not in self._prefill_tokens:
             self._admit(replica_id)
         return self._prefill_tokens[replica_id] * self._scale
+
+    def requests_of(self, replica_ids: Sequence[str]) -> list[float]:
+        """``requests`` of each of ``replica_ids``, in order (newcomers admitted in that order)."""
+        stored = self._requests
+        for replica_id in replica_ids:
+            if replica_id not in stored:
+                self._admit(replica_id)
+        scale = self._scale
+        return [stored[replica_id] * scale for replica_id in replica_ids]
 
     def record(self, replica_id: str, prefill_tokens: int) -> None:
         if replica_id not in self._requests:

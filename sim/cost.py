@@ -43,12 +43,13 @@ class StepShape:
     @classmethod
     def of(cls, scheduled: Sequence[ScheduledRequest]) -> StepShape:
         """The shape of a scheduler's output, before its update (``num_computed_tokens`` not yet advanced)."""
-        pairs = 0
-        for item in scheduled:
+        tokens = pairs = samples = 0
+        for item in scheduled:  # one pass: every simulated step of every replica comes through here
             n, c = item.num_new_tokens, item.request.num_computed_tokens
+            tokens += n
             pairs += n * c + n * (n + 1) // 2
-        return cls(num_tokens=sum(item.num_new_tokens for item in scheduled), attn_pairs=pairs,
-                   num_seqs=len(scheduled), num_samples=sum(1 for item in scheduled if item.samples))
+            samples += item.samples
+        return cls(num_tokens=tokens, attn_pairs=pairs, num_seqs=len(scheduled), num_samples=samples)
 
     def vector(self) -> list[float]:
         return [1.0, *(float(getattr(self, name)) for name in FEATURES)]
@@ -74,8 +75,9 @@ class CostModel:
             raise ValueError(f"cost coefficients must be >= 0: {', '.join(negative)}")
 
     def step_seconds(self, shape: StepShape) -> float:
-        coefficients = (self.base_s, self.per_token_s, self.per_pair_s, self.per_seq_s, self.per_sample_s)
-        return float(sum(c * x for c, x in zip(coefficients, shape.vector())))
+        # ``vector()``'s terms summed in its order, written out: it runs once per simulated step.
+        return (0.0 + self.base_s + self.per_token_s * shape.num_tokens + self.per_pair_s * shape.attn_pairs
+                + self.per_seq_s * shape.num_seqs + self.per_sample_s * shape.num_samples)
 
     @classmethod
     def fit(cls, shapes: Sequence[StepShape], seconds: Sequence[float], source: str) -> CostModel:

@@ -74,6 +74,9 @@ class KVCacheManager:
         blocks = self._blocks.get(request.request_id, [])
         num_tokens = request.num_computed_tokens + prefix.num_tokens + num_new_tokens
         num_needed = -(-num_tokens // self.block_size) - len(blocks) - len(prefix.block_ids)
+        if num_needed <= 0 and not prefix.block_ids:  # a decode within its last block: most calls
+            self._blocks[request.request_id] = blocks
+            return True
         # Prefix hits sitting in the free queue leave it when referenced.
         num_free_hits = sum(1 for b in prefix.block_ids if self.pool.is_free(b))
         if num_needed > self.pool.num_free_blocks - num_free_hits:

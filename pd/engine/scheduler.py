@@ -154,38 +154,47 @@ class Scheduler:
         """Advance each scheduled request by its chunk and append sampled tokens."""
         results = []
         sample_index = 0
+        any_finished = False
+        cache_blocks = self.kv_cache.cache_blocks
+        # Per request of every step, so the common case (no prompt scores, logprobs or errors) reads little.
+        prompt_logprobs, errors, stop_rows = forward.prompt_logprobs, forward.errors, forward.stop_rows
+        logprobs, top_logprobs = forward.logprobs, forward.top_logprobs
         for item in out.scheduled:
             request = item.request
-            self.num_computed_prompt_tokens += max(0, min(item.num_new_tokens,
-                                                          request.num_prompt_tokens - request.num_computed_tokens))
+            uncomputed_prompt = len(request.prompt_token_ids) - request.num_computed_tokens
+            if uncomputed_prompt > 0:
+                self.num_computed_prompt_tokens += min(item.num_new_tokens, uncomputed_prompt)
             request.num_computed_tokens += item.num_new_tokens
-            self.kv_cache.cache_blocks(request)
-            request.prompt_logprobs += forward.prompt_logprobs.get(request.request_id, ())
+            cache_blocks(request)
+            if prompt_logprobs:
+                request.prompt_logprobs += prompt_logprobs.get(request.request_id, ())
             if not item.samples:
                 continue
             token_id = forward.sampled_token_ids[sample_index]
-            logprob = forward.logprobs[sample_index] if forward.logprobs is not None else None
-            top = forward.top_logprobs[sample_index] if forward.top_logprobs is not None else None
-            error = forward.errors.get(sample_index)
-            stops = sample_index in forward.stop_rows
+            logprob = logprobs[sample_index] if logprobs is not None else None
+            top = top_logprobs[sample_index] if top_logprobs is not None else None
+            error = errors.get(sample_index) if errors else None
+            stops = sample_index in stop_rows
             sample_index += 1
             if error is not None:
                 self._finish(request, FinishReason.ERROR)
                 results.append(self._output(request, [], [], FinishReason.ERROR, error))
+                any_finished = True
                 continue
             request.append_output(token_id, logprob)
             reason = FinishReason.STOP if stops else finish_reason(
-                request.sampling_params, token_id, len(request.output_token_ids), request.num_tokens,
+                request.sampling_params, token_id, len(request.output_token_ids), len(request.token_ids),
                 self.config.max_model_len, request.eos_token_ids)
             if reason is not None:
                 self._finish(request, reason)
+                any_finished = True
             output = self._output(request, [token_id], [logprob] if logprob is not None else [], reason,
                                   top_logprobs=[top] if top is not None else [])
             if request.sampling_params.prompt_logprobs is not None and not request.prompt_logprobs_reported:
                 request.prompt_logprobs_reported = True  # the prompt is whole by its first sample
                 output = dataclasses.replace(output, prompt_logprobs=list(request.prompt_logprobs))
             results.append(output)
-        if any(r.finished for r in results):
+        if any_finished:
             self.running = [r for r in self.running if not r.is_finished]
         return results
 
