@@ -47,10 +47,13 @@ def _quiet_gc() -> Iterator[None]:
     it runs, and young objects are collected less often. A full collection scanned every engine's block
     pool over and over: a quarter of the wall time of 1,000 replicas. Both are undone when the loop ends."""
     threshold = gc.get_threshold()
-    gc.freeze()
+    freezes = gc.get_freeze_count() == 0  # never unfreeze what another part of the process froze
+    if freezes:
+        gc.freeze()
     gc.set_threshold(RUN_GC_THRESHOLD, *threshold[1:])
     try:
         yield
     finally:
         gc.set_threshold(*threshold)
-        gc.unfreeze()
+        if freezes:
+            gc.unfreeze()

@@ -16,6 +16,7 @@ from router.policy import (
     uncached_tokens,
 )
 from router.prefix_index import PrefixIndex
+from router.tiers import Tier
 
 BLOCK = 16
 
@@ -343,3 +344,26 @@ def test_recent_routed_decays_everyone_per_decision_without_touching_everyone():
     for replica, (requests, prefill_tokens) in expected.items():
         assert recent.requests(replica) == pytest.approx(requests, rel=1e-9)
         assert recent.prefill_tokens(replica) == pytest.approx(prefill_tokens, rel=1e-9)
+
+
+def test_recent_routed_reads_many_as_it_reads_each_admitting_newcomers_in_order():
+    from router.recent import RecentRouted
+
+    one_by_one, at_once = RecentRouted(window=8), RecentRouted(window=8)
+    for recent in (one_by_one, at_once):
+        for replica in ("a", "a", "b", "a"):
+            recent.record(replica, 0)
+    ids = ["b", "new-1", "a", "new-2"]
+    expected = [one_by_one.requests(replica) for replica in ids]
+    assert at_once.requests_of(ids) == expected  # exactly: the router's ties depend on it
+    assert expected[1] == pytest.approx((expected[0] + expected[2]) / 2)  # a newcomer starts at the mean
+    assert expected[3] == pytest.approx(sum(expected[:3]) / 3)  # of everyone known by then, the first newcomer too
+
+
+def test_decode_policy_decides_alike_whether_a_replica_without_a_match_is_absent_or_empty():
+    loads = [ReplicaLoad(f"r{index}", num_active_requests=index % 3, kv_usage=0.1 * (index % 4)) for index in range(12)]
+    matches = {"r5": (Tier.DEVICE,) * 3, "r7": 2}
+    config = DecodePolicyConfig(block_size=16, seed=3)
+    absent = DecodePolicy(config).choose(loads, matches, 100)
+    empty = DecodePolicy(config).choose(loads, {**matches, "r1": (), "r2": 0}, 100)
+    assert absent == empty

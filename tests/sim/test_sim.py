@@ -225,3 +225,34 @@ def test_a_simulated_store_tier_cannot_be_waited_on_and_needs_the_event_loop():
 def test_the_simulator_refuses_a_sharded_engine():
     with pytest.raises(ValueError, match="one engine on one device: set tensor_parallel_size to 1"):
         sim_engine(dataclasses.replace(CONFIG, tensor_parallel_size=2), COST)
+
+
+def test_the_event_loop_keeps_the_gc_off_what_existed_and_puts_it_back_when_done():
+    import gc
+
+    from sim.clock import RUN_GC_THRESHOLD, EventLoop
+
+    loop, seen = EventLoop(), []
+    threshold, frozen = gc.get_threshold(), gc.get_freeze_count()
+    existing = [[index] for index in range(1000)]  # objects the cyclic GC tracks
+    loop.at(1.0, lambda: seen.append((gc.get_threshold()[0], gc.get_freeze_count())))
+    loop.run()
+    assert seen[0][0] == RUN_GC_THRESHOLD
+    assert seen[0][1] >= frozen + len(existing)  # frozen while it ran
+    assert gc.get_threshold() == threshold and gc.get_freeze_count() == frozen
+
+
+def test_the_event_loop_puts_the_gc_back_when_an_event_raises():
+    import gc
+
+    from sim.clock import EventLoop
+
+    def fail() -> None:
+        raise RuntimeError("an event failed")
+
+    loop = EventLoop()
+    threshold, frozen = gc.get_threshold(), gc.get_freeze_count()
+    loop.at(0.5, fail)
+    with pytest.raises(RuntimeError, match="an event failed"):
+        loop.run()
+    assert gc.get_threshold() == threshold and gc.get_freeze_count() == frozen
