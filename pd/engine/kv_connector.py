@@ -263,15 +263,19 @@ class KVConnector:
     # Housekeeping, once per step and while idle -----------------------------
 
     def poll(self) -> None:
-        self._drain_quarantine()
+        # Once per engine step: each part is skipped when it has nothing to look at.
+        if self._quarantine:
+            self._drain_quarantine()
         if self.transport is not None:
             for request_id in self.transport.poll_notifications():
                 self.release(request_id)
-        now = self.clock.wall()
-        for request_id in self.leases.expired(now):
-            logger.warning("request %s: KV lease expired before the decode side pulled it", request_id)
-            self.stats.num_leases_expired += 1
-            self.release(request_id)
+        if self.leases:
+            for request_id in self.leases.expired(self.clock.wall()):
+                logger.warning("request %s: KV lease expired before the decode side pulled it", request_id)
+                self.stats.num_leases_expired += 1
+                self.release(request_id)
+        if not self._pulls:
+            return
         mono = self.clock.monotonic()
         for request_id, pull in list(self._pulls.items()):
             state = pull.handle.poll()
