@@ -98,7 +98,7 @@ class SimCluster:
         self.network = SimNetwork(loop, spec.transfer) if spec.prefill is not None else None
         self.host = SharedHost(loop, spec.host) if spec.host is not None else None
         self.shared_store = ModelledStore()  # the deployment's: every replica with a shared_kv_bucket reads it
-        self.decode = SimPool("decode", spec.decode, loop, self.network, spec.seed, self._decode_output, self.host,
+        self.decode = SimPool("decode", spec.decode, loop, self.network, spec.seed, self._decode_outputs, self.host,
                               spec.tiers, self.shared_store)
         self.decode_policy = DecodePolicy(DecodePolicyConfig(block_size=block_size, seed=spec.seed,
                                                              **spec.decode_policy))
@@ -106,7 +106,7 @@ class SimCluster:
         self.decode_routing.share_index(self.decode.index, block_size)
         self.prefill = None
         if spec.prefill is not None:
-            self.prefill = SimPool("prefill", spec.prefill, loop, self.network, spec.seed + 1, self._prefill_output,
+            self.prefill = SimPool("prefill", spec.prefill, loop, self.network, spec.seed + 1, self._prefill_outputs,
                                    self.host, spec.tiers, self.shared_store)
             self.prefill.placement = placement or AffinityPlacement(
                 PolicyConfig(block_size=block_size, seed=spec.seed, **spec.prefill_policy))
@@ -153,10 +153,10 @@ class SimCluster:
         self.loop.at(self.loop.now + self.spec.call_s,
                      lambda: replica.add(request_id, flow.prompt, flow.params, pin_kv=True))
 
-    def _prefill_output(self, replica_id: str, output: RequestOutput) -> None:
-        if not output.finished:
-            return
-        self.loop.at(self.loop.now + self.spec.call_s, lambda: self._prefilled(replica_id, output))
+    def _prefill_outputs(self, replica_id: str, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            if output.finished:
+                self.loop.at(self.loop.now + self.spec.call_s, lambda output=output: self._prefilled(replica_id, output))
 
     def _prefilled(self, replica_id: str, output: RequestOutput) -> None:
         """The prefill's answer is back: its first token streams, and the decode call goes out with the handle."""
@@ -198,17 +198,19 @@ class SimCluster:
 
         self.loop.at(self.loop.now + self.spec.call_s, call)
 
-    def _decode_output(self, replica_id: str, output: RequestOutput) -> None:
-        self.loop.at(self.loop.now + self.spec.call_s, lambda: self._streamed(replica_id, output))
+    def _decode_outputs(self, replica_id: str, outputs: list[RequestOutput]) -> None:
+        # One event for the step's outputs: they were sent together, and nothing can come between them.
+        self.loop.at(self.loop.now + self.spec.call_s, lambda: self._streamed(replica_id, outputs))
 
-    def _streamed(self, replica_id: str, output: RequestOutput) -> None:
-        flow = self._flows[output.request_id]
-        flow.record.add(output, self.loop.now)
-        if self.host is not None:
-            self.host.note_tokens(len(output.new_token_ids))
-        if output.finished:
-            self.decode.returned(replica_id)
-            self._done(output.request_id)
+    def _streamed(self, replica_id: str, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            flow = self._flows[output.request_id]
+            flow.record.add(output, self.loop.now)
+            if self.host is not None:
+                self.host.note_tokens(len(output.new_token_ids))
+            if output.finished:
+                self.decode.returned(replica_id)
+                self._done(output.request_id)
 
     def _done(self, request_id: str) -> None:
         del self._flows[request_id]

@@ -50,7 +50,7 @@ class SimPool:
     """One pool's replicas, their latest reports, and the routing knowledge fed from them (a ``PoolView``)."""
 
     def __init__(self, name: str, spec: PoolSpec, loop: EventLoop, network: SimNetwork | None, seed: int,
-                 on_output: Callable[[str, RequestOutput], None], host: SharedHost | None,
+                 on_outputs: Callable[[str, list[RequestOutput]], None], host: SharedHost | None,
                  tier_models: TierModels = TierModels(), shared_store: ModelledStore | None = None):
         self.name = name
         self._tier_models = tier_models
@@ -59,7 +59,7 @@ class SimPool:
         self.loop = loop
         self._network = network
         self._seed = seed
-        self._on_output = on_output
+        self._on_outputs = on_outputs
         self._host = host
         self.replicas: dict[str, SimReplica] = {}  # every replica there has been, stopped ones too
         self._serving: dict[str, None] = {}  # routable, in the order they came
@@ -100,7 +100,7 @@ class SimPool:
                             transport=transport, loop=loop, tier_models=self._tier_models,
                             shared_store=self._shared_store, decode_cost=self.spec.decode_cost)
         replica = SimReplica(loop, engine, replica_id, host=self._host, threads=self.spec.threads,
-                             on_output=lambda out: self._on_output(replica_id, out))
+                             on_outputs=lambda outputs: self._on_outputs(replica_id, outputs))
         if transport is not None:
             transport.on_event = replica.wake
         self.replicas[replica_id] = replica

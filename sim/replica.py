@@ -53,17 +53,17 @@ class RequestRecord:
 class SimReplica:
     """Steps one engine from the event loop, as ``AsyncLLMEngine``'s loop does, and hands on its outputs.
 
-    ``on_output`` gets every ``RequestOutput`` at the end of the step that
-    made it. ``busy_s`` adds up the modelled time of the steps run.
+    ``on_outputs`` gets a step's ``RequestOutput``s at the end of the step
+    that made them, in the engine's order. ``busy_s`` adds up the modelled time of the steps run.
     """
 
     def __init__(self, loop: EventLoop, engine: LLMEngine, replica_id: str = "replica",
-                 on_output: Callable[[RequestOutput], None] | None = None, host: SharedHost | None = None,
+                 on_outputs: Callable[[list[RequestOutput]], None] | None = None, host: SharedHost | None = None,
                  threads: int = 1):
         self.loop = loop
         self.engine = engine
         self.replica_id = replica_id
-        self.on_output = on_output or (lambda output: None)
+        self.on_outputs = on_outputs or (lambda outputs: None)
         self.host = host  # cores shared with other processes (``sim.host``), if any
         self.threads = threads
         self.busy_s = 0.0
@@ -98,8 +98,8 @@ class SimReplica:
     def _land(self, results: list[RequestOutput]) -> None:
         if self.host is not None:
             self.host.end_step(self.replica_id)
-        for result in results:
-            self.on_output(result)
+        if results:
+            self.on_outputs(results)
         self._step()
 
 
@@ -108,10 +108,11 @@ def replay(trace: Sequence[TraceRequest], engine: LLMEngine, block_tokens: int) 
     loop = EventLoop()
     records: dict[str, RequestRecord] = {}
 
-    def land(result: RequestOutput) -> None:
-        records[result.request_id].add(result, loop.now)
+    def land(results: list[RequestOutput]) -> None:
+        for result in results:
+            records[result.request_id].add(result, loop.now)
 
-    replica = SimReplica(loop, engine, on_output=land)
+    replica = SimReplica(loop, engine, on_outputs=land)
     for index, request in enumerate(trace):
         prompt = prompt_token_ids(request, block_tokens, engine.model_config.vocab_size)
         max_tokens = scaled(request.output_length, block_tokens) if request.output_length else 1

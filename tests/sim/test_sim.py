@@ -163,7 +163,8 @@ def serve_in_turn(loop, replica, prompts, prefix: str) -> list[float]:
     ttfts = []
     for index, prompt in enumerate(prompts):
         first = []
-        replica.on_output = lambda out: first.append(loop.now) if out.new_token_ids and not first else None
+        replica.on_outputs = lambda outs: first.append(loop.now) if not first and any(
+            out.new_token_ids for out in outs) else None
         start = loop.now
         replica.add(f"{prefix}{index}", prompt, SamplingParams(max_tokens=2, ignore_eos=True))
         loop.run()
