@@ -156,7 +156,8 @@ class SimCluster:
     def _prefill_outputs(self, replica_id: str, outputs: list[RequestOutput]) -> None:
         for output in outputs:
             if output.finished:
-                self.loop.at(self.loop.now + self.spec.call_s, lambda output=output: self._prefilled(replica_id, output))
+                self.loop.at(self.loop.now + self.spec.call_s,
+                             lambda output=output: self._prefilled(replica_id, output))
 
     def _prefilled(self, replica_id: str, output: RequestOutput) -> None:
         """The prefill's answer is back: its first token streams, and the decode call goes out with the handle."""
