@@ -1,4 +1,4 @@
-"""Placement policies for the prefill and decode pools. Pure Python, no Ray.
+"""Prefill placement, and the decision both pools' policies share. Pure Python, no Ray.
 
 Prefill placement scores every candidate replica in prompt-token units:
 
@@ -44,9 +44,7 @@ bound, a prefix every request shares (one system prompt) would make its holder
 the cheapest choice for all of them. When every candidate is over a bound,
 all are scored as if within bounds.
 
-Decode placement (``DecodePolicy``) prefers KV headroom and few active
-decodes, with a bonus for prompt blocks the decode replica already holds,
-since those need not be transferred, valued by tier as above.
+Decode placement is ``router.decode_policy``'s; both share ``decide``.
 
 Policies are not thread-safe: a router calls them from its one event loop.
 Several ingress replicas each run their own, and each balances its own stream.
@@ -167,7 +165,9 @@ def uncached_tokens(matches: Mapping[str, int], block_size: int, num_prompt_toke
     return num_prompt_tokens - matched_tokens(max(matches.values(), default=0), block_size, num_prompt_tokens)
 
 
-class _Scored(NamedTuple):
+class Scored(NamedTuple):
+    """One candidate's score, as both policies hand it to ``decide``."""
+
     replica_id: str
     overloaded: bool
     cost: float
@@ -175,7 +175,7 @@ class _Scored(NamedTuple):
     valued_tokens: float  # matched tokens, each weighed by its tier's hit value
 
 
-def _decide(scored: list[_Scored], num_prompt_tokens: int, rng: random.Random) -> RoutingDecision:
+def decide(scored: list[Scored], num_prompt_tokens: int, rng: random.Random) -> RoutingDecision:
     """Lowest cost among the replicas within bounds (among all when none is); ties at random."""
     eligible = [entry for entry in scored if not entry.overloaded]
     all_overloaded = not eligible
@@ -282,8 +282,8 @@ class PrefixAffinityPolicy:
             matched, valued = valued_tokens(run, self.hit_values, config.block_size, num_prompt_tokens) \
                 if run else (0, 0.0)
             cost = config.w_prefix * (num_prompt_tokens - valued) + config.w_load * loads[replica.replica_id]
-            scored.append(_Scored(replica.replica_id, self.is_overloaded(replica, routed_limit), cost, matched, valued))
-        return _decide(scored, num_prompt_tokens, self._rng)
+            scored.append(Scored(replica.replica_id, self.is_overloaded(replica, routed_limit), cost, matched, valued))
+        return decide(scored, num_prompt_tokens, self._rng)
 
     def record_routed(self, decision: RoutingDecision, block_hashes: Sequence[bytes]) -> None:
         """The request went to ``decision.replica_id``, which will hold its blocks (optimistic insertion).
@@ -301,106 +301,3 @@ class PrefixAffinityPolicy:
         self.index.remove_replica(replica_id)
         self.recent.remove(replica_id)
         self._unreported_prefill_tokens.pop(replica_id, None)
-
-
-@dataclass(frozen=True)
-class DecodePolicyConfig(TierHitValues):
-    """Weights and bounds of decode placement; costs are in units of one active decode.
-
-    ``block_size`` is the engines' (the app sets it from the engine config). A
-    held block saves a pull from the prefill replica; one in a slower tier
-    must be loaded instead, weighed by the ``*_hit_value`` fields: the
-    defaults price a load against recomputing (``router.tiers``), which
-    ranks the tiers as a pull would.
-    """
-
-    block_size: int
-    w_active: float = 1.0  # per active request
-    w_kv_usage: float = 8.0  # a full KV cache weighs like this many active requests
-    w_prefix_hit: float = 2.0  # bonus for already holding the whole prompt, scaled by the fraction held
-    # Per request this router sent a replica recently, beyond the least-sent candidate's: reports
-    # come once a period, and without this a burst would all follow the last one to the same replica.
-    w_recent: float = 1.0
-    recent_window: int = 64  # decisions over which "recent" decays by 1/e
-    max_kv_usage: float | None = 0.95
-    max_active_requests: int | None = None
-    index_max_blocks: int = 1 << 20  # (block hash, replica) entries in the decode pool's prefix index
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
-        if self.index_max_blocks < 1:
-            raise ValueError(f"index_max_blocks must be >= 1, got {self.index_max_blocks}")
-        if self.recent_window < 1:
-            raise ValueError(f"recent_window must be >= 1, got {self.recent_window}")
-        for name in ("w_active", "w_kv_usage", "w_prefix_hit", "w_recent"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.max_kv_usage is not None and not 0.0 < self.max_kv_usage <= 1.0:
-            raise ValueError(f"max_kv_usage must be in (0, 1] or None, got {self.max_kv_usage}")
-        if self.max_active_requests is not None and self.max_active_requests < 1:
-            raise ValueError(f"max_active_requests must be >= 1 or None, got {self.max_active_requests}")
-
-
-class DecodePolicy:
-    """Chooses the decode replica: KV headroom and few active decodes, plus a bonus for its own prefix hits.
-
-        cost(r) = w_active * num_active_requests + w_kv_usage * kv_usage
-                  + w_recent * (recent_requests(r) - least)
-                  - w_prefix_hit * valued_matched_tokens / num_prompt_tokens
-    """
-
-    def __init__(self, config: DecodePolicyConfig) -> None:
-        self.config = config
-        self.hit_values = config.hit_values()
-        self.recent = RecentRouted(config.recent_window)
-        self.reason_counts: Counter[RoutingReason] = Counter()
-        self._rng = random.Random(config.seed)
-
-    def is_overloaded(self, replica: ReplicaLoad) -> bool:
-        config = self.config
-        if config.max_kv_usage is not None and replica.kv_usage > config.max_kv_usage:
-            return True
-        return config.max_active_requests is not None and replica.num_active_requests > config.max_active_requests
-
-    def choose(
-        self, candidates: Sequence[ReplicaLoad], matches: Mapping[str, int | Sequence[int]], num_prompt_tokens: int
-    ) -> RoutingDecision:
-        """The candidate of lowest cost among those within bounds.
-
-        ``matches`` maps replica id to its leading run of the prompt's blocks
-        in the decode pool's index: the tier of each block
-        (``PrefixIndex.match_tiers``), or a count of device blocks
-        (``PrefixIndex.match``). Absent means none.
-        """
-        if not candidates:
-            raise ValueError("no candidate replicas")
-        config = self.config
-        # One pass over the candidates, each a few float operations: a pool of 1,000 is scored per request.
-        recent = self.recent.requests_of([replica.replica_id for replica in candidates])
-        least_recent = min(recent)
-        w_active, w_kv_usage, w_recent, w_prefix_hit = (config.w_active, config.w_kv_usage, config.w_recent,
-                                                        config.w_prefix_hit)
-        scored = []
-        for replica, recent_requests in zip(candidates, recent):
-            run = matches.get(replica.replica_id)
-            if run:
-                matched, valued = valued_tokens(run, self.hit_values, config.block_size, num_prompt_tokens)
-                hit_fraction = valued / num_prompt_tokens if num_prompt_tokens > 0 else 0.0
-            else:  # no block held: what ``valued_tokens`` answers for an empty run
-                matched, valued, hit_fraction = 0, 0.0, 0.0
-            cost = (
-                w_active * replica.num_active_requests
-                + w_kv_usage * replica.kv_usage
-                + w_recent * (recent_requests - least_recent)
-                - w_prefix_hit * hit_fraction
-            )
-            scored.append(_Scored(replica.replica_id, self.is_overloaded(replica), cost, matched, valued))
-        return _decide(scored, num_prompt_tokens, self._rng)
-
-    def record_routed(self, decision: RoutingDecision) -> None:
-        """Count the decision once the request is sent."""
-        self.recent.record(decision.replica_id, 0)
-        self.reason_counts[decision.reason] += 1

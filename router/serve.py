@@ -24,14 +24,8 @@ from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, R
 from ray.util import metrics
 
 from router.cache_feed import CacheEventFeed
-from router.policy import (
-    DecodePolicy,
-    DecodePolicyConfig,
-    PolicyConfig,
-    PrefixAffinityPolicy,
-    ReplicaLoad,
-    RoutingDecision,
-)
+from router.decode_policy import DecodePolicy, DecodePolicyConfig
+from router.policy import PolicyConfig, PrefixAffinityPolicy, ReplicaLoad, RoutingDecision
 from router.prefix_index import PrefixIndex
 from router.protocol import NO_STATS, ROUTING_STATS_KEY, RouteHints, RoutingStats, read_route_hints, replica_load
 from router.shared import MAX_REMEMBERED, PoolRouting, RoutingScopes

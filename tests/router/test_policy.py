@@ -5,9 +5,8 @@ from collections import Counter
 import pytest
 
 from router.hashing import hash_block_tokens
+from router.decode_policy import DecodePolicy, DecodePolicyConfig
 from router.policy import (
-    DecodePolicy,
-    DecodePolicyConfig,
     PolicyConfig,
     PrefixAffinityPolicy,
     ReplicaLoad,

@@ -1,0 +1,121 @@
+"""Decode placement: KV headroom and few active decodes, plus a bonus for the prompt blocks a replica holds.
+
+A held block need not be pulled from the prefill replica; one in a slower
+tier is valued as ``router.policy`` values it for prefill (``router.tiers``).
+The lowest cost wins, within bounds, as ``router.policy.decide`` decides.
+Pure Python, no Ray; not thread-safe (a router calls it from its one event loop).
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+from router.policy import ReplicaLoad, RoutingDecision, RoutingReason, Scored, decide
+from router.recent import RecentRouted
+from router.tiers import TierHitValues, valued_tokens
+
+
+@dataclass(frozen=True)
+class DecodePolicyConfig(TierHitValues):
+    """Weights and bounds of decode placement; costs are in units of one active decode.
+
+    ``block_size`` is the engines' (the app sets it from the engine config). A
+    held block saves a pull from the prefill replica; one in a slower tier
+    must be loaded instead, weighed by the ``*_hit_value`` fields: the
+    defaults price a load against recomputing (``router.tiers``), which
+    ranks the tiers as a pull would.
+    """
+
+    block_size: int
+    w_active: float = 1.0  # per active request
+    w_kv_usage: float = 8.0  # a full KV cache weighs like this many active requests
+    w_prefix_hit: float = 2.0  # bonus for already holding the whole prompt, scaled by the fraction held
+    # Per request this router sent a replica recently, beyond the least-sent candidate's: reports
+    # come once a period, and without this a burst would all follow the last one to the same replica.
+    w_recent: float = 1.0
+    recent_window: int = 64  # decisions over which "recent" decays by 1/e
+    max_kv_usage: float | None = 0.95
+    max_active_requests: int | None = None
+    index_max_blocks: int = 1 << 20  # (block hash, replica) entries in the decode pool's prefix index
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.index_max_blocks < 1:
+            raise ValueError(f"index_max_blocks must be >= 1, got {self.index_max_blocks}")
+        if self.recent_window < 1:
+            raise ValueError(f"recent_window must be >= 1, got {self.recent_window}")
+        for name in ("w_active", "w_kv_usage", "w_prefix_hit", "w_recent"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.max_kv_usage is not None and not 0.0 < self.max_kv_usage <= 1.0:
+            raise ValueError(f"max_kv_usage must be in (0, 1] or None, got {self.max_kv_usage}")
+        if self.max_active_requests is not None and self.max_active_requests < 1:
+            raise ValueError(f"max_active_requests must be >= 1 or None, got {self.max_active_requests}")
+
+
+class DecodePolicy:
+    """Chooses the decode replica: KV headroom and few active decodes, plus a bonus for its own prefix hits.
+
+        cost(r) = w_active * num_active_requests + w_kv_usage * kv_usage
+                  + w_recent * (recent_requests(r) - least)
+                  - w_prefix_hit * valued_matched_tokens / num_prompt_tokens
+    """
+
+    def __init__(self, config: DecodePolicyConfig) -> None:
+        self.config = config
+        self.hit_values = config.hit_values()
+        self.recent = RecentRouted(config.recent_window)
+        self.reason_counts: Counter[RoutingReason] = Counter()
+        self._rng = random.Random(config.seed)
+
+    def is_overloaded(self, replica: ReplicaLoad) -> bool:
+        config = self.config
+        if config.max_kv_usage is not None and replica.kv_usage > config.max_kv_usage:
+            return True
+        return config.max_active_requests is not None and replica.num_active_requests > config.max_active_requests
+
+    def choose(
+        self, candidates: Sequence[ReplicaLoad], matches: Mapping[str, int | Sequence[int]], num_prompt_tokens: int
+    ) -> RoutingDecision:
+        """The candidate of lowest cost among those within bounds.
+
+        ``matches`` maps replica id to its leading run of the prompt's blocks
+        in the decode pool's index: the tier of each block
+        (``PrefixIndex.match_tiers``), or a count of device blocks
+        (``PrefixIndex.match``). Absent means none.
+        """
+        if not candidates:
+            raise ValueError("no candidate replicas")
+        config = self.config
+        # One pass over the candidates, each a few float operations: a pool of 1,000 is scored per request.
+        recent = self.recent.requests_of([replica.replica_id for replica in candidates])
+        least_recent = min(recent)
+        w_active, w_kv_usage, w_recent, w_prefix_hit = (config.w_active, config.w_kv_usage, config.w_recent,
+                                                        config.w_prefix_hit)
+        scored = []
+        for replica, recent_requests in zip(candidates, recent):
+            run = matches.get(replica.replica_id)
+            if run:
+                matched, valued = valued_tokens(run, self.hit_values, config.block_size, num_prompt_tokens)
+                hit_fraction = valued / num_prompt_tokens if num_prompt_tokens > 0 else 0.0
+            else:  # no block held: what ``valued_tokens`` answers for an empty run
+                matched, valued, hit_fraction = 0, 0.0, 0.0
+            cost = (
+                w_active * replica.num_active_requests
+                + w_kv_usage * replica.kv_usage
+                + w_recent * (recent_requests - least_recent)
+                - w_prefix_hit * hit_fraction
+            )
+            scored.append(Scored(replica.replica_id, self.is_overloaded(replica), cost, matched, valued))
+        return decide(scored, num_prompt_tokens, self._rng)
+
+    def record_routed(self, decision: RoutingDecision) -> None:
+        """Count the decision once the request is sent."""
+        self.recent.record(decision.replica_id, 0)
+        self.reason_counts[decision.reason] += 1
