@@ -37,6 +37,7 @@ from bench.process import stop_process
 from loadtest.records import META_SUFFIX, REQUESTS_SUFFIX, RunMeta, read_requests
 
 LOCUSTFILE = Path(__file__).resolve().with_name("locustfile.py")
+WARMUP_PREFIX = "warmup-rate-"  # a config's recorded warm-up run (--warmup-duration)
 REPO_ROOT = LOCUSTFILE.parents[1]
 # Exit codes of locust that still leave a run to report: 0 clean, 1 some requests failed.
 LOCUST_REPORTABLE = (0, 1)
@@ -183,6 +184,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ray-address", default="local", help="'local' (default): a private Ray; or a cluster")
     parser.add_argument("--num-cpus", type=int, help="CPUs of the private Ray (default: all)")
     parser.add_argument("--cooldown", type=float, default=3.0, help="seconds between runs (default 3)")
+    parser.add_argument("--warmup-duration", type=float, default=0.0,
+                        help="seconds of a recorded run at the first rate before the others, as "
+                             f"{WARMUP_PREFIX}<r> (default 0: none); a freshly deployed app serves its "
+                             "first minute slower than the next")
     args, locust_extra = parser.parse_known_args(argv)
     rates = [float(rate) for rate in args.rates.split(",") if rate.strip()]
     if not rates or min(rates) <= 0:
@@ -204,9 +209,13 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"{config.label}: deploying", flush=True)
                 deploy(config, app, deployed, url)
                 warm_up(url, api_key)
-                for rate in rates:
-                    prefix = out / config.path.stem / f"rate-{rate:g}"
-                    code = run_locust(url, prefix, rate, args.duration, config.label, locust_extra)
+                runs = [(f"rate-{rate:g}", rate, args.duration, config.label) for rate in rates]
+                if args.warmup_duration > 0:
+                    runs.insert(0, (f"{WARMUP_PREFIX}{rates[0]:g}", rates[0], args.warmup_duration,
+                                    f"{config.label} (warm-up)"))
+                for name, rate, duration_s, label in runs:
+                    prefix = out / config.path.stem / name
+                    code = run_locust(url, prefix, rate, duration_s, label, locust_extra)
                     if code not in LOCUST_REPORTABLE:
                         raise RuntimeError(f"locust exited {code}; see {prefix}.log")
                     print(_one_line(prefix, rate), flush=True)

@@ -11,9 +11,12 @@
    workload regenerated from its seed, tokenized as the ingress does), the
    same output lengths, the config's own replicas, limits and routers, and
    one simulated deployment per config across its runs, in the order they
-   ran (the real caches carry from one run to the next). The first run, at
-   ``--calibration-rate`` and not validated, calibrates what a quiet-machine
-   profile cannot see (``Calibration``).
+   ran (the real caches carry from one run to the next). A first run, at the
+   first rate for ``--warmup-duration`` seconds, takes the app's one-off
+   costs (in four sweeps, an app's first run, at 0.75 req/s, had a TTFT p50
+   1.1-2.1x that of its third, at 1 req/s); the next, at
+   ``--calibration-rate``, calibrates what a quiet-machine profile cannot see
+   (``Calibration``). Both are replayed, neither is validated.
 4. Summarizes both sides with the load-test report's own code
    (``loadtest.report.summarize``: the same percentiles, SLOs, cut-off rule)
    and prints one JSON object per config, rate and metric with the relative
@@ -40,6 +43,7 @@ from typing import Callable, Sequence
 from loadtest.client import CHAT_PATH
 from loadtest.records import META_SUFFIX, REQUESTS_SUFFIX, RequestRecord, RunMeta, Status, read_requests
 from loadtest.report import RunSummary, summarize
+from loadtest.sweep import WARMUP_PREFIX
 from loadtest.workloads import LoadRequest, make_workload, parse_workload_args
 from pd.model.paths import resolve_model_path
 from pd.model.tokenizer import Tokenizer
@@ -171,11 +175,11 @@ def profile(model: str, threads: int, out: Path) -> CostModel:
     return cost
 
 
-def run_sweep(configs: list[Path], rates: list[float], duration_s: float, workload: str, out: Path,
-              extra: list[str]) -> None:
+def run_sweep(configs: list[Path], rates: list[float], duration_s: float, warmup_s: float, workload: str,
+              out: Path, extra: list[str]) -> None:
     command = [sys.executable, "-m", "loadtest.sweep", "--configs", *map(str, configs),
                "--rates", ",".join(f"{rate:g}" for rate in rates), "--duration", f"{duration_s:g}",
-               "--out", str(out), "--workload", workload, *extra]
+               "--warmup-duration", f"{warmup_s:g}", "--out", str(out), "--workload", workload, *extra]
     subprocess.run(command, cwd=REPO_ROOT, check=True, stdout=sys.stderr)
 
 
@@ -267,6 +271,23 @@ def calibrated_spec(args: dict, cost_for_threads: Callable[[int], CostModel], ca
     return dataclasses.replace(spec, ingress_s=calibration.ingress_s, host=host)
 
 
+def served_runs(directory: Path, rates: list[float], calibration_rate: float | None,
+                ) -> tuple[list[Run], Run | None, list[Run]]:
+    """A config's runs in the order they were served, its calibration run (if any), and the validated ones.
+
+    Every run under ``directory`` that the sweep made is served and replayed:
+    the warm-up (``WARMUP_PREFIX``), the calibration run, the validated rates.
+    """
+    validated = [Run.read(directory / f"rate-{rate:g}") for rate in rates]
+    served_first = [Run.read(path.parent / path.name.removesuffix(REQUESTS_SUFFIX))
+                    for path in directory.glob(f"{WARMUP_PREFIX}*{REQUESTS_SUFFIX}")]
+    calibration_run = None
+    if calibration_rate is not None:
+        calibration_run = Run.read(directory / f"rate-{calibration_rate:g}")
+        served_first.append(calibration_run)
+    return sorted([*served_first, *validated], key=lambda run: run.meta.start_time), calibration_run, validated
+
+
 def validate(configs: list[Path], rates: list[float], calibration_rate: float | None, out: Path,
              costs: dict[int, CostModel], call_s: float) -> list[dict]:
     """Compare every run under ``out/real`` with its simulation; one JSON line per config, rate and metric."""
@@ -280,20 +301,20 @@ def validate(configs: list[Path], rates: list[float], calibration_rate: float | 
             why = f"served {config.stem} at {calibration_rate:g} req/s" if calibration_rate else "served"
             return calibrated_spec(args, costs.__getitem__, calibration, call_s, why)
 
-        runs = sorted((Run.read(out / "real" / config.stem / f"rate-{rate:g}")
-                       for rate in ([calibration_rate] if calibration_rate else []) + rates),
-                      key=lambda run: run.meta.start_time)
+        runs, calibration_run, validated = served_runs(out / "real" / config.stem, rates, calibration_rate)
         calibration = Calibration()
-        if calibration_rate is not None:
-            calibration = calibrate(runs[0], spec_for)
+        if calibration_run is not None:
+            calibration = calibrate(calibration_run, spec_for, before=[
+                run for run in runs if run.meta.start_time < calibration_run.meta.start_time])
             print(json.dumps({"config": config.stem, "calibration_rate": calibration_rate,
                               **dataclasses.asdict(calibration)}), flush=True)
         compared = compare(runs, spec_for(calibration))
         uncalibrated = compare(runs, spec_for(Calibration())) if calibration != Calibration() else compared
+        validated_ids = {id(run) for run in validated}
         for run, result, plain in zip(runs, compared, uncalibrated):
-            rate = run.meta.arrival_rate
-            if calibration_rate is not None and rate == calibration_rate:
+            if id(run) not in validated_ids:  # the warm-up and calibration runs: served and simulated only
                 continue
+            rate = run.meta.arrival_rate
             result = {"config": config.stem, "rate": rate, **dataclasses.asdict(calibration), **result,
                       "uncalibrated_error": plain["error"]}
             results.append(result)
@@ -316,9 +337,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--calibration-rate", type=float, default=0.75,
                         help="one more rate, run first and not validated, that calibrates each config "
                              "(see Calibration; 0: none, the quiet-machine profile as measured)")
+    parser.add_argument("--warmup-duration", type=float, default=30.0,
+                        help="seconds of a first run at the first rate, served and simulated but neither "
+                             "calibrated on nor validated (a freshly deployed app serves its first minute slower; "
+                             "0: none)")
     parser.add_argument("--reuse", action="store_true", help="compare the runs already under OUT/real")
     args, sweep_extra = parser.parse_known_args(argv)
     rates = [float(rate) for rate in args.rates.split(",") if rate.strip()]
+    if args.calibration_rate in rates:
+        parser.error(f"--calibration-rate {args.calibration_rate:g} is also in --rates: a run calibrated on "
+                     "is not validated")
     configs = [Path(path).resolve() for path in args.configs]
     out = Path(args.out or f"sim-validate-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -342,8 +370,8 @@ def main(argv: list[str] | None = None) -> None:
         costs[count] = CostModel.load(path) if reused else profile(apps[0].engine.model, count, path)
     calibration = args.calibration_rate or None
     if not args.reuse:
-        run_sweep(configs, ([calibration] if calibration else []) + rates, args.duration, args.workload,
-                  out / "real", sweep_extra)
+        run_sweep(configs, ([calibration] if calibration else []) + rates, args.duration, args.warmup_duration,
+                  args.workload, out / "real", sweep_extra)
     results = validate(configs, rates, calibration, out, costs, args.call_ms / 1000)
     summary = {"summary": True, "median_abs_error": median_abs_errors(results)}
     if calibration:
