@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import random
 from dataclasses import dataclass
 
@@ -143,21 +144,28 @@ def fleet_yaml(layout: Layout, model: str, engine: EngineConfig, units: int) -> 
     """The ``serve run`` config of the whole fleet, its args checked by ``AppArgs``.
 
     ``engine.model`` is what ``--model`` named: for a preset, point it at the checkpoint's directory.
+    A unit was simulated with one ingress; in the fleet each ingress replica
+    takes ``units / ingresses`` units' traffic and counts only its own
+    prefill calls in flight, so the rule's load terms are scaled to keep its
+    decisions at the same load per prefill replica.
     """
     from pd.serve.args import AppArgs
 
     gpu_pool = {"ray_actor_options": {"num_gpus": 1, "num_cpus": 4}, "max_ongoing_requests": 256}
+    ingresses = max(1, units // 4)
     args = {
         "mode": "disaggregated" if layout.num_prefill else "colocated",
         "engine": {"model": model, "dtype": "bfloat16", "device": "cuda", "block_size": engine.block_size,
                    "kv_cache_bytes": engine.kv_cache_bytes, "max_num_batched_tokens": layout.max_num_batched_tokens},
         "decode": {"num_replicas": layout.num_decode * units, **gpu_pool},
-        "ingress": {"num_replicas": max(1, units // 4)},
+        "ingress": {"num_replicas": ingresses},
     }
     if layout.num_prefill:
+        units_per_ingress = units / ingresses
         args["prefill"] = {"num_replicas": layout.num_prefill * units, **gpu_pool}
         args["remote_prefill_threshold"] = layout.threshold
-        args["remote_prefill_threshold_per_in_flight"] = layout.threshold_per_in_flight
+        args["remote_prefill_threshold_per_in_flight"] = layout.threshold_per_in_flight / units_per_ingress
+        args["prefill_queue_bound"] = math.ceil(RemotePrefillRule().queue_bound * units_per_ingress)
     AppArgs.parse(args)
     return {"applications": [{"name": "pd", "route_prefix": "/", "import_path": "pd.serve.app:build_app",
                               "args": args}]}

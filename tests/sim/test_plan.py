@@ -107,3 +107,20 @@ def test_the_planned_yaml_passes_the_apps_own_checks():
     assert args.remote_prefill_threshold == 1024 and args.mode == "disaggregated"
     colocated = fleet_yaml(Layout(0, 8, 256, 8192), "llama-3-8b", engine, units=125)["applications"][0]["args"]
     assert AppArgs.parse(colocated).mode == "colocated" and colocated["decode"]["num_replicas"] == 1000
+
+
+def test_each_ingress_of_the_planned_fleet_decides_as_the_simulated_units_one_did():
+    # A unit is simulated with one ingress; the fleet's 31 ingress replicas each see about 4 units' calls.
+    config = load_model_config(model_dir("llama-3-8b"))
+    from pd.config import EngineConfig
+
+    engine = EngineConfig(model=model_dir("llama-3-8b"), dtype="bfloat16",
+                          kv_cache_bytes=kv_cache_bytes(config, HARDWARE["h200"]))
+    layout = Layout(6, 2, 256, 8192, threshold_per_in_flight=1024.0)
+    unit_rule = unit_spec(layout, engine, COST, LINKS["loopback"]).rule
+    args = AppArgs.parse(fleet_yaml(layout, "llama-3-8b", engine, units=125)["applications"][0]["args"])
+    fleet_rule, units_per_ingress = args.remote_prefill_rule(), 125 / args.ingress.num_replicas
+    for in_flight in (0, 3, 6, 12, 31, 32, 40):
+        seen = round(in_flight * units_per_ingress)
+        for uncached in (300, 4000, 8000, 16000):
+            assert fleet_rule.wants_remote(20000, uncached, seen) == unit_rule.wants_remote(20000, uncached, in_flight)
