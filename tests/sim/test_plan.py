@@ -13,7 +13,7 @@ from pd.serve.args import AppArgs
 from sim.cost import CostModel, StepShape
 from sim.deployment import cluster_spec
 from sim.hardware import HARDWARE, MODELS, analytic_cost, kv_cache_bytes, link, model_dir, num_params
-from sim.plan import Layout, Slo, fleet_yaml, max_goodput, synthetic, unit_spec
+from sim.plan import Layout, Slo, attainment, fleet_yaml, max_goodput, synthetic, unit_spec
 from sim.transport import LINKS
 
 CONFIGS = Path(__file__).resolve().parents[2] / "serve_configs"
@@ -124,3 +124,21 @@ def test_each_ingress_of_the_planned_fleet_decides_as_the_simulated_units_one_di
         seen = round(in_flight * units_per_ingress)
         for uncached in (300, 4000, 8000, 16000):
             assert fleet_rule.wants_remote(20000, uncached, seen) == unit_rule.wants_remote(20000, uncached, in_flight)
+
+
+def test_a_stall_after_the_first_token_misses_the_slo_whatever_the_mean():
+    from types import SimpleNamespace
+
+    from sim.replica import RequestRecord
+
+    def served(token_times_s):
+        return RequestRecord(0.0, 100, token_times_s=token_times_s, finished_s=token_times_s[-1])
+
+    steady = served([0.1 + 0.02 * i for i in range(1000)])
+    # The first token at once (a remote prefill), then 10 s queued on the decode replica: the mean gap
+    # over 1,000 tokens is 30 ms, within the 50 ms target.
+    stalled = served([0.1, 10.1] + [10.1 + 0.02 * i for i in range(1, 999)])
+    slo = Slo(0.5, 0.05)
+    assert sum(stalled.itls_s()) / len(stalled.itls_s()) <= slo.itl_s
+    assert attainment(SimpleNamespace(records={"a": steady}), slo) == 1.0
+    assert attainment(SimpleNamespace(records={"a": steady, "b": stalled}), slo) == 0.5
