@@ -218,6 +218,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--profile", help="a measured CostModel JSON instead of the analytic one")
     parser.add_argument("--seconds", type=float, default=30.0,
                         help="simulated seconds of traffic per trial (the first third is warm-up)")
+    parser.add_argument("--bisection-steps", type=int, default=3,
+                        help="bisections of the highest passing rate (each halves the gap to the first failing one)")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
@@ -241,7 +243,8 @@ def main(argv: list[str] | None = None) -> None:
         if layout.num_prefill == 0 and (layout.threshold, layout.threshold_per_in_flight) != (
                 _ints(args.thresholds)[0], slopes[0]):
             continue  # colocated has no remote-prefill rule
-        rate, attained = max_goodput(unit_spec(layout, engine, cost, link(gpu, "rdma")), trace, slo, args.seconds)
+        rate, attained = max_goodput(unit_spec(layout, engine, cost, link(gpu, "rdma")), trace, slo, args.seconds,
+                                     steps=args.bisection_steps)
         result = {"layout": layout.name, "remote_prefill_threshold": layout.threshold,
                   "threshold_per_in_flight": layout.threshold_per_in_flight,
                   "max_num_batched_tokens": layout.max_num_batched_tokens, "rate_per_unit": round(rate, 3),
