@@ -22,7 +22,7 @@ none negative); ``python -m sim.profile`` measures them on the real engine.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Sequence
 
@@ -96,12 +96,12 @@ class CostModel:
         coefficients[active] = solution
         return cls(*map(float, coefficients), source=source)
 
-    def scaled(self, factor: float, why: str) -> CostModel:
-        """Every coefficient times ``factor`` (a machine the profile's steps ran slower on, and why)."""
-        if factor <= 0:
-            raise ValueError(f"a cost scale factor must be > 0, got {factor}")
-        values = {name: value * factor for name, value in asdict(self).items() if name != "source"}
-        return CostModel(**values, source=f"{self.source}; x{factor:.3g}: {why}")
+    def with_overhead(self, step_s: float, sample_s: float, why: str) -> CostModel:
+        """``step_s`` more on every step and ``sample_s`` on every sampled token (work the profile does not see, and why)."""
+        if step_s < 0 or sample_s < 0:
+            raise ValueError(f"a step's overheads must be >= 0, got step_s={step_s} and sample_s={sample_s}")
+        return replace(self, base_s=self.base_s + step_s, per_sample_s=self.per_sample_s + sample_s,
+                       source=f"{self.source}; +{step_s * 1000:.3g} ms a step, +{sample_s * 1000:.3g} ms a token: {why}")
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)

@@ -29,7 +29,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
+import random
 import math
 import os
 import statistics
@@ -39,6 +41,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
+
+import numpy as np
 
 from loadtest.client import CHAT_PATH
 from loadtest.records import META_SUFFIX, REQUESTS_SUFFIX, RequestRecord, RunMeta, Status, read_requests
@@ -80,12 +84,23 @@ def relative_error(simulated: float, measured: float) -> float:
     return (simulated - measured) / measured
 
 
-def _as_loadtest_record(real: RequestRecord, sim: SimRecord, end_s: float, arrival_s: float) -> RequestRecord:
-    """A simulated request as the load test would have logged it, cut off at the run's end."""
-    tokens = [t for t in sim.token_times_s if t <= end_s]
-    finished = sim.finished_s is not None and sim.finished_s <= end_s
+def _as_loadtest_record(real: RequestRecord, sim: SimRecord, end_s: float, arrival_s: float,
+                        delivery_s: Sequence[float] = ()) -> RequestRecord:
+    """A simulated request as the load test would have logged it, cut off at the run's end.
+
+    ``delivery_s`` delays each token on its way to the client, in order: a
+    token that would overtake the one before it arrives with it.
+    """
+    arrivals, last = [], -math.inf
+    for time_s, delay_s in itertools.zip_longest(sim.token_times_s, delivery_s[:len(sim.token_times_s)], fillvalue=0.0):
+        last = max(last, time_s + delay_s)
+        arrivals.append(last)
+    tokens = [t for t in arrivals if t <= end_s]
+    done_s = max([sim.finished_s, *arrivals[-1:]]) if sim.finished_s is not None else None
+    finished = done_s is not None and done_s <= end_s
+    finished_s = done_s if finished else end_s
     ttft_ms = (tokens[0] - arrival_s) * 1000 if tokens else math.nan
-    e2e_ms = ((sim.finished_s if finished else end_s) - arrival_s) * 1000
+    e2e_ms = (finished_s - arrival_s) * 1000
     tpot_ms = (e2e_ms - ttft_ms) / (len(tokens) - 1) if finished and len(tokens) > 1 else math.nan
     return RequestRecord(
         index=real.index, kind=real.kind, endpoint=real.endpoint, start_time=real.start_time,
@@ -110,12 +125,15 @@ class Run:
         return summarize(self.prefix.name, self.records if records is None else records, self.meta)
 
 
-def simulate_runs(runs: list[Run], spec: ClusterSpec) -> tuple[list[list[RequestRecord]], int]:
+def simulate_runs(runs: list[Run], spec: ClusterSpec, delivery_jitter_s: float = 0.0,
+                  ) -> tuple[list[list[RequestRecord]], int]:
     """The runs' requests, each arriving when it did, on one simulated deployment; and the prompt-length mismatches.
 
     One deployment for all of a config's runs, in the order they ran: the
     real app's prefix caches carry from one run to the next (each run's
-    workload starts again at request 0), and so do the simulated ones.
+    workload starts again at request 0), and so do the simulated ones. Each
+    token reaches the client after a delay drawn from an exponential of mean
+    ``delivery_jitter_s`` (seeded by the request), in order.
     """
     tokenizer = Tokenizer.from_dir(resolve_model_path(spec.decode.engine.model))
     loop = EventLoop()
@@ -136,15 +154,23 @@ def simulate_runs(runs: list[Run], spec: ClusterSpec) -> tuple[list[list[Request
     simulated = []
     for number, run in enumerate(runs):
         end_s = run.meta.end_time - origin
-        simulated.append([_as_loadtest_record(record, cluster.records[f"{number}-{record.index}"], end_s,
-                                              record.start_time - origin) for record in run.records])
+        records = []
+        for record in run.records:
+            request_id = f"{number}-{record.index}"
+            sim = cluster.records[request_id]
+            delays = ()
+            if delivery_jitter_s:
+                draw = random.Random(request_id)
+                delays = [draw.expovariate(1 / delivery_jitter_s) for _ in sim.token_times_s]
+            records.append(_as_loadtest_record(record, sim, end_s, record.start_time - origin, delays))
+        simulated.append(records)
     return simulated, mismatched
 
 
-def compare(runs: list[Run], spec: ClusterSpec) -> list[dict]:
+def compare(runs: list[Run], spec: ClusterSpec, delivery_jitter_s: float = 0.0) -> list[dict]:
     """Measured and simulated metrics of each run, all simulated in one sequence."""
     started = time.perf_counter()
-    simulated, mismatched = simulate_runs(runs, spec)
+    simulated, mismatched = simulate_runs(runs, spec, delivery_jitter_s)
     wall_s = time.perf_counter() - started
     results = []
     for run, sim_records in zip(runs, simulated):
@@ -210,63 +236,139 @@ def write_plot(results: list[dict], path: Path) -> None:
 class Calibration:
     """What the profile does not see of the served app.
 
-    Its steps run ``step_time_factor`` slower even alone; the engines share
+    Its replicas spend ``step_s`` more on each step and ``token_s`` on each
+    token a step samples, serially with their steps: the replica's event
+    loop takes each step's outputs and streams every token through Ray,
+    sharing the process (and its GIL) with the step thread. Its engines share
     the machine's cores with the HTTP proxy, the ingress and the load
     generator, which spend ``cpu_per_token_s`` on each streamed token
-    (``sim.host``); and the ingress spends ``ingress_s`` on a request before
-    it places it (parsing, chat template, tokens, hashes).
+    (``sim.host``); the ingress spends ``ingress_s`` on a request before
+    it places it (parsing, chat template, tokens, hashes); and each token
+    reaches the client after a delay of mean ``jitter_s`` on its way through
+    the ingress, the proxy and the client, which share two busy cores: it
+    spreads the gaps between tokens (and delivers some together) without
+    slowing the engine.
     """
 
-    step_time_factor: float = 1.0
+    step_s: float = 0.0
+    token_s: float = 0.0
     ingress_s: float = 0.0
     cpu_per_token_s: float = 0.0
+    jitter_s: float = 0.0
 
 
 CPU_PER_TOKEN_GRID_S = (0.0, 1e-3, 2e-3, 4e-3, 6e-3, 8e-3)
+# A number of concurrent streams enters the ITL line with at least this many gaps measured at it.
+MIN_GAPS_PER_STREAM_COUNT = 50
 
 
-def _fit_factor_and_ingress(run: Run, spec_for: Callable[[Calibration], ClusterSpec], cpu_per_token_s: float,
-                            iterations: int, before: Sequence[Run]) -> tuple[Calibration, RunSummary]:
-    """ITL p50 is a decode step: it sets the step-time factor; what TTFT p50 still misses is the ingress's."""
+def itl_by_streams(records: Sequence[RequestRecord]) -> dict[int, float]:
+    """The median gap between two tokens (ms) for each number of streams that were decoding when it ended.
+
+    A stream decodes from its first token to its last; the count is the
+    client's view, from the records alone, so the measured and the
+    simulated runs are counted alike.
+    """
+    done = [r for r in records if r.status == Status.OK and r.itl_ms]
+    if not done:
+        return {}
+    first = np.sort([r.start_time + r.ttft_ms / 1000 for r in done])
+    last = np.sort([r.start_time + r.e2e_ms / 1000 for r in done])
+    times, gaps = [], []
+    for record in done:
+        ends = record.start_time + (record.ttft_ms + np.cumsum(record.itl_ms)) / 1000
+        times.append(ends)
+        gaps.append(np.asarray(record.itl_ms))
+    times, gaps = np.concatenate(times), np.concatenate(gaps)
+    streams = np.searchsorted(first, times, side="right") - np.searchsorted(last, times, side="left")
+    return {int(n): float(np.median(gaps[streams == n])) for n in np.unique(streams)
+            if n > 0 and (streams == n).sum() >= MIN_GAPS_PER_STREAM_COUNT}
+
+
+@dataclass(frozen=True)
+class ItlLine:
+    """``itl_by_streams`` as ``intercept_ms + slope_ms * streams`` (least squares; no slope from one point),
+    from ``first`` streams up."""
+
+    intercept_ms: float
+    slope_ms: float | None
+    first: int
+
+    @classmethod
+    def of(cls, records: Sequence[RequestRecord]) -> ItlLine | None:
+        points = itl_by_streams(records)
+        if not points:
+            return None
+        if len(points) == 1:
+            (count, gap), = points.items()
+            return cls(gap, None, count)
+        slope, intercept = np.polyfit(list(points), list(points.values()), 1)
+        return cls(float(intercept), float(slope), min(points))
+
+    def at(self, streams: int) -> float:
+        return self.intercept_ms + (self.slope_ms or 0.0) * streams
+
+
+def _fit_overheads_and_ingress(run: Run, spec_for: Callable[[Calibration], ClusterSpec], cpu_per_token_s: float,
+                               iterations: int, before: Sequence[Run]) -> tuple[Calibration, RunSummary]:
+    """The gaps between tokens, against the streams decoding, set the step's and the token's overheads;
+    what TTFT p50 still misses is the ingress's."""
     measured = run.summary()
+    line = ItlLine.of(run.records)
     calibration = Calibration(cpu_per_token_s=cpu_per_token_s)
     for _ in range(iterations):
-        records = simulate_runs([*before, run], spec_for(calibration))[0][-1]
+        records = simulate_runs([*before, run], spec_for(calibration), calibration.jitter_s)[0][-1]
         simulated = run.summary(records)
-        factor = calibration.step_time_factor
-        if simulated.itl_ms.p50 > 0 and measured.itl_ms.p50 > 0:
-            factor *= measured.itl_ms.p50 / simulated.itl_ms.p50
+        sim_line = ItlLine.of(records)
+        step_s, token_s = calibration.step_s, calibration.token_s
+        if line is not None and sim_line is not None:
+            if line.slope_ms is not None and sim_line.slope_ms is not None:
+                token_s = max(0.0, token_s + (line.slope_ms - sim_line.slope_ms) / 1000)
+            # a step of n streams samples n tokens: the step's overhead takes what the tokens' does not
+            missed_s = (line.at(line.first) - sim_line.at(line.first)) / 1000
+            step_s = max(0.0, step_s + missed_s - line.first * (token_s - calibration.token_s))
         ingress_s = max(0.0, calibration.ingress_s + (measured.ttft_ms.p50 - simulated.ttft_ms.p50) / 1000)
-        calibration = Calibration(factor, ingress_s, cpu_per_token_s)
-    records = simulate_runs([*before, run], spec_for(calibration))[0][-1]
+        # the spread of the gaps, p90 over p50, is the delivery's: a difference of two exponential delays
+        # of mean m has its p90 1.6 m past its median
+        spread_missed_ms = ((measured.itl_ms.p90 - measured.itl_ms.p50) - (simulated.itl_ms.p90 - simulated.itl_ms.p50))
+        jitter_s = max(0.0, calibration.jitter_s + spread_missed_ms / 1.6 / 1000)
+        calibration = Calibration(step_s, token_s, ingress_s, cpu_per_token_s, jitter_s)
+    records = simulate_runs([*before, run], spec_for(calibration), calibration.jitter_s)[0][-1]
     return calibration, run.summary(records)
 
 
-def calibrate(run: Run, spec_for: Callable[[Calibration], ClusterSpec], iterations: int = 3,
+def calibrate(run: Run, spec_for: Callable[[Calibration], ClusterSpec], iterations: int = 4,
               before: Sequence[Run] = ()) -> Calibration:
-    """The calibration that makes one run's ITL p50, TTFT p50 and ITL p90 match.
+    """The calibration that makes one run's gaps between tokens, TTFT p50 and ITL p90 match.
 
-    For each per-token CPU cost of a grid, the step-time factor and the
-    ingress time are fitted to the medians; the cost whose ITL p90 (the
-    tail, where the cores run short) comes closest wins. From a run at a
-    rate that is not validated. ``before`` are the runs the app served
-    before it, replayed first as the comparison replays them: their
-    prompts warm the simulated caches as they warmed the real ones.
+    For each per-token CPU cost of a grid, the replicas' overheads are fitted
+    to the median gap between tokens at each number of streams decoding
+    (``ItlLine``), the ingress time to TTFT p50 and the delivery's jitter to
+    the gaps' spread (p90 less p50); the cost whose ITL p90 (the tail, where
+    the cores run short) comes closest wins. From a run at
+    a rate that is not validated. ``before`` are the runs the app served
+    before it, replayed first as the comparison replays them: their prompts
+    warm the simulated caches as they warmed the real ones.
     """
     target = run.summary().itl_ms.p90
-    fits = [_fit_factor_and_ingress(run, spec_for, cost, iterations, before) for cost in CPU_PER_TOKEN_GRID_S]
+    fits = [_fit_overheads_and_ingress(run, spec_for, cost, iterations, before) for cost in CPU_PER_TOKEN_GRID_S]
     best, _ = min(fits, key=lambda fit: abs(math.log(max(fit[1].itl_ms.p90, 1e-9) / target)))
     return best
 
 
 def calibrated_spec(args: dict, cost_for_threads: Callable[[int], CostModel], calibration: Calibration,
                     call_s: float, why: str = "served") -> ClusterSpec:
-    """The app of ``args`` as served on this machine: its profile scaled, its ingress timed, its host's cores shared."""
+    """The app of ``args`` as served on this machine: its steps' overheads added, its ingress timed, its host's
+    cores shared."""
     from sim.deployment import cluster_spec
 
-    factor = calibration.step_time_factor
-    spec = cluster_spec(args, lambda threads: cost_for_threads(threads).scaled(factor, why) if factor != 1 else
-                        cost_for_threads(threads), LINKS["loopback"], call_s=call_s)
+    def cost(threads: int) -> CostModel:
+        measured = cost_for_threads(threads)
+        if not calibration.step_s and not calibration.token_s:
+            return measured
+        return measured.with_overhead(calibration.step_s, calibration.token_s, why)
+
+    spec = cluster_spec(args, cost, LINKS["loopback"], call_s=call_s)
     host = HostModel(os.cpu_count() or 1, calibration.cpu_per_token_s) if calibration.cpu_per_token_s else None
     return dataclasses.replace(spec, ingress_s=calibration.ingress_s, host=host)
 
@@ -308,7 +410,7 @@ def validate(configs: list[Path], rates: list[float], calibration_rate: float | 
                 run for run in runs if run.meta.start_time < calibration_run.meta.start_time])
             print(json.dumps({"config": config.stem, "calibration_rate": calibration_rate,
                               **dataclasses.asdict(calibration)}), flush=True)
-        compared = compare(runs, spec_for(calibration))
+        compared = compare(runs, spec_for(calibration), calibration.jitter_s)
         uncalibrated = compare(runs, spec_for(Calibration())) if calibration != Calibration() else compared
         validated_ids = {id(run) for run in validated}
         for run, result, plain in zip(runs, compared, uncalibrated):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -25,7 +26,7 @@ def app_args(name: str) -> dict:
 
 
 def test_a_serve_config_becomes_its_cluster():
-    costs = {1: COST, 2: COST.scaled(0.5, "two threads")}
+    costs = {1: COST, 2: dataclasses.replace(COST, base_s=COST.base_s / 2)}
     default = cluster_spec(app_args("default.yaml"), costs.__getitem__, LINKS["loopback"])
     assert default.prefill.num_replicas == default.decode.num_replicas == 1
     assert default.prefill.cost == COST  # num_cpus 0.5: one thread

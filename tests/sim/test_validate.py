@@ -1,12 +1,22 @@
-"""Which of a sweep's runs ``sim.validate`` replays, calibrates on and validates."""
+"""``sim.validate``: which of a sweep's runs it replays, calibrates on and validates, and what a calibration fits."""
 
 from __future__ import annotations
 
-import pytest
+import random
+from pathlib import Path
 
-from loadtest.records import META_SUFFIX, REQUESTS_SUFFIX, RequestLog, RunMeta
+import pytest
+import yaml
+
+from loadtest.records import META_SUFFIX, REQUESTS_SUFFIX, RequestLog, RequestRecord, RunMeta, Status
 from loadtest.sweep import WARMUP_PREFIX
-from sim.validate import main, served_runs
+from loadtest.workloads import make_workload, parse_workload_args
+from sim.cost import CostModel
+from sim.replica import RequestRecord as SimRecord
+from sim.validate import (Calibration, ItlLine, Run, _as_loadtest_record, _fit_overheads_and_ingress, calibrated_spec,
+                          itl_by_streams, main, served_runs, simulate_runs)
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _served(directory, name: str, rate: float, start_time: float) -> None:
@@ -44,3 +54,80 @@ def test_a_calibration_rate_among_the_validated_rates_is_refused(tmp_path, capsy
     with pytest.raises(SystemExit):
         main(["--rates", "0.5,0.75", "--calibration-rate", "0.75", "--out", str(tmp_path)])
     assert "--calibration-rate 0.75 is also in --rates" in capsys.readouterr().err
+
+
+def _streamed(index: int, start_time: float, ttft_ms: float, gaps_ms: list[float]) -> RequestRecord:
+    e2e_ms = ttft_ms + sum(gaps_ms)
+    return RequestRecord(index=index, kind="k", endpoint="/v1/completions", start_time=start_time, status=Status.OK,
+                         ttft_ms=ttft_ms, tpot_ms=(e2e_ms - ttft_ms) / len(gaps_ms), e2e_ms=e2e_ms, prompt_tokens=8,
+                         max_tokens=len(gaps_ms) + 1, output_tokens=len(gaps_ms) + 1, num_chunks=len(gaps_ms) + 1,
+                         itl_ms=tuple(gaps_ms))
+
+
+def test_the_gaps_between_tokens_are_counted_by_the_streams_decoding_when_they_end():
+    # One stream alone at 4 ms a token, joined for 0.2 s by a second one at 8 ms each, then alone again.
+    alone = _streamed(0, 0.0, 10.0, [4.0] * 50 + [8.0] * 25 + [4.0] * 60)
+    joined = _streamed(1, 0.2, 10.0, [8.0] * 25)
+
+    by_streams = itl_by_streams([alone, joined])
+
+    assert by_streams == {1: 4.0, 2: 8.0}
+    line = ItlLine.of([alone, joined])
+    assert line.first == 1 and line.intercept_ms == pytest.approx(0.0, abs=1e-9)
+    assert line.slope_ms == pytest.approx(4.0) and line.at(3) == pytest.approx(12.0)
+
+
+def test_delivery_delays_keep_the_tokens_in_order():
+    real = _streamed(0, 100.0, 0.0, [10.0, 10.0])
+    sim = SimRecord(arrival_s=1.0, num_prompt_tokens=8, token_times_s=[1.05, 1.06, 1.07], finished_s=1.07)
+
+    # the first token is held up past the next two: all three reach the client together
+    record = _as_loadtest_record(real, sim, end_s=10.0, arrival_s=1.0, delivery_s=[0.03, 0.0, 0.0])
+
+    assert record.status == Status.OK and record.ttft_ms == pytest.approx(80.0)
+    assert record.itl_ms == pytest.approx((0.0, 0.0)) and record.e2e_ms == pytest.approx(80.0)
+    # a last token delivered after the run's end is cut off with it
+    late = _as_loadtest_record(real, sim, end_s=1.08, arrival_s=1.0, delivery_s=[0.0, 0.0, 0.02])
+    assert late.status == Status.CUTOFF and late.output_tokens == 2
+
+
+def test_a_step_overhead_must_not_be_negative():
+    cost = CostModel(1e-3, 1e-4, 0.0, 1e-4, 0.0, source="test")
+    assert cost.with_overhead(2e-3, 1e-3, "why").base_s == pytest.approx(3e-3)
+    with pytest.raises(ValueError, match="step_s=-0.001"):
+        cost.with_overhead(-1e-3, 0.0, "why")
+
+
+def test_a_calibration_recovers_the_overheads_that_made_a_run():
+    """A run simulated with known overheads, ingress time and delivery jitter, calibrated on: the same come back."""
+    args = yaml.safe_load((REPO / "serve_configs" / "colocated.yaml").read_text())["applications"][0]["args"]
+    cost = CostModel(base_s=6e-4, per_token_s=1.6e-4, per_pair_s=1.9e-7, per_seq_s=3.7e-4, per_sample_s=0.0,
+                     source="test")
+
+    def spec_for(calibration):
+        return calibrated_spec(args, lambda threads: cost, calibration, call_s=0.002)
+
+    meta = RunMeta(label="pd", workload="mixed", seed=7, model="builtin:tiny-llama", host="h", stream=True,
+                   workload_args="long_short.prompt_len=384,short_long.output_len=48,chat.output_len=24",
+                   arrival_rate=2.0, arrival_process="poisson", num_users=1, slo_ttft_ms=2000.0, slo_tpot_ms=100.0,
+                   start_time=1000.0, end_time=1060.0)
+    workload = make_workload(meta.workload, meta.seed, parse_workload_args(meta.workload_args))
+    draw, sent_at, sent = random.Random(0), meta.start_time, []
+    for index in range(100):
+        sent_at += draw.expovariate(meta.arrival_rate)
+        request = workload.request(index)
+        sent.append(RequestRecord(
+            index=index, kind=request.kind, endpoint="/v1/chat/completions" if request.is_chat else "/v1/completions",
+            start_time=sent_at, status=Status.OK, ttft_ms=float("nan"), tpot_ms=float("nan"), e2e_ms=float("nan"),
+            prompt_tokens=0, max_tokens=request.max_tokens, output_tokens=0, num_chunks=0, itl_ms=()))
+    truth = Calibration(step_s=3e-3, token_s=1e-3, ingress_s=0.02, jitter_s=2e-3)
+    measured = simulate_runs([Run(Path("sent"), sent, meta)], spec_for(truth), truth.jitter_s)[0][0]
+    assert ItlLine.of(measured).slope_ms is not None  # the run had steps of one and of two streams
+
+    # at this load a per-token CPU cost of the host's few ms moves no metric beyond a few percent (it is
+    # chosen by the grid, not fitted): the fit at the true one
+    fitted, _ = _fit_overheads_and_ingress(Run(Path("measured"), measured, meta), spec_for, truth.cpu_per_token_s,
+                                           iterations=4, before=())
+
+    for name in ("step_s", "token_s", "ingress_s", "jitter_s"):
+        assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=0.05), (name, fitted)
