@@ -13,8 +13,8 @@ from loadtest.sweep import WARMUP_PREFIX
 from loadtest.workloads import make_workload, parse_workload_args
 from sim.cost import CostModel
 from sim.replica import RequestRecord as SimRecord
-from sim.validate import (Calibration, ItlLine, Run, _as_loadtest_record, _fit_overheads_and_ingress, calibrated_spec,
-                          itl_by_streams, main, served_runs, simulate_runs)
+from sim.validate import (Calibration, ItlLine, Run, _as_loadtest_record, calibrate, calibrated_spec, itl_by_streams,
+                          main, served_runs, simulate_runs)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -120,14 +120,12 @@ def test_a_calibration_recovers_the_overheads_that_made_a_run():
             index=index, kind=request.kind, endpoint="/v1/chat/completions" if request.is_chat else "/v1/completions",
             start_time=sent_at, status=Status.OK, ttft_ms=float("nan"), tpot_ms=float("nan"), e2e_ms=float("nan"),
             prompt_tokens=0, max_tokens=request.max_tokens, output_tokens=0, num_chunks=0, itl_ms=()))
-    truth = Calibration(step_s=3e-3, token_s=1e-3, ingress_s=0.02, jitter_s=2e-3)
+    truth = Calibration(step_s=3e-3, token_s=1e-3, ingress_s=0.02, cpu_per_token_s=4e-3, jitter_s=2e-3)
     measured = simulate_runs([Run(Path("sent"), sent, meta)], spec_for(truth), truth.jitter_s)[0][0]
     assert ItlLine.of(measured).slope_ms is not None  # the run had steps of one and of two streams
 
-    # at this load a per-token CPU cost of the host's few ms moves no metric beyond a few percent (it is
-    # chosen by the grid, not fitted): the fit at the true one
-    fitted, _ = _fit_overheads_and_ingress(Run(Path("measured"), measured, meta), spec_for, truth.cpu_per_token_s,
-                                           iterations=4, before=())
+    # the rest of the path's CPU per token is given (a run at this load cannot tell it from the jitter)
+    fitted = calibrate(Run(Path("measured"), measured, meta), spec_for, cpu_per_token_s=truth.cpu_per_token_s)
 
     for name in ("step_s", "token_s", "ingress_s", "jitter_s"):
         assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=0.05), (name, fitted)
