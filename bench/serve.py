@@ -1,8 +1,10 @@
 """Disaggregated against colocated serving, and against vLLM's server, on the built-in model.
 
-``python -m bench.serve [--requests 24] [--concurrency 2] [--vllm auto|off|PYTHON]``
+``python -m bench.serve [--requests 24] [--concurrency 2] [--vllm auto|off|PYTHON] [--modes ...]``
 starts ``serve_configs/default.yaml`` and then ``serve_configs/colocated.yaml``
-on a local Ray, sends the same streamed completions to each (a mix of short
+on a local Ray (``--modes`` adds ``colocated_direct``: the colocated app on a
+Ray started with Serve's ``RAY_SERVE_ENABLE_DIRECT_INGRESS``, its clients on
+the ingress replica's own HTTP port instead of Serve's proxy), sends the same streamed completions to each (a mix of short
 prompts, prefilled locally, and long ones, prefilled remotely), and prints one
 JSON line per mode with TTFT and inter-token latency p50/p90 and output
 tokens/s, then one line with the disaggregated/colocated ratios of those
@@ -36,7 +38,10 @@ from bench.peer import peer_python
 from bench.process import stop_process
 from bench.stats import percentile
 
-CONFIGS = {"disaggregated": "default.yaml", "colocated": "colocated.yaml"}
+CONFIGS = {"disaggregated": "default.yaml", "colocated": "colocated.yaml", "colocated_direct": "colocated.yaml"}
+# Modes served by the ingress replica's own HTTP server instead of Serve's proxy (Ray started with the variable).
+DIRECT_MODES = {"colocated_direct"}
+DIRECT_INGRESS_ENV = "RAY_SERVE_ENABLE_DIRECT_INGRESS"
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "serve_configs"
 
 
@@ -121,6 +126,24 @@ def summarise(mode: str, result: LoadResult, max_tokens: int) -> dict:
     }
 
 
+def direct_ingress_port(timeout_s: float = 60.0) -> int:
+    """The port the ingress replica serves HTTP on itself: the first of Serve's direct-ingress range that lists our model."""
+    from ray.serve._private.constants import (RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT,
+                                              RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT)
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for port in range(RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT, RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT):
+            try:
+                models = requests.get(f"http://127.0.0.1:{port}/v1/models", timeout=0.5)
+            except requests.RequestException:
+                continue
+            if models.status_code == 200 and "builtin:tiny-llama" in models.text:
+                return port
+        time.sleep(1)  # polling ports that open when the replica's server is up: nothing to wait on
+    raise RuntimeError(f"no ingress replica answered on Serve's direct-ingress ports within {timeout_s} s")
+
+
 def run_mode(mode: str, prompts: list[str], args) -> dict:
     from ray import serve
 
@@ -130,6 +153,8 @@ def run_mode(mode: str, prompts: list[str], args) -> dict:
     port = config["http_options"]["port"]
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(config["applications"][0]["args"]), name="pd", route_prefix="/")
+    if mode in DIRECT_MODES:
+        port = direct_ingress_port()
     url = f"http://127.0.0.1:{port}/v1/completions"
     load(url, prompts[:4], args.max_tokens, args.concurrency)  # warm-up
     result = load(url, prompts[4:], args.max_tokens, args.concurrency)
@@ -198,17 +223,29 @@ def main() -> None:
     words = "the sea block table cache token prefill decode river mountain".split()
     prompts = [" ".join(rng.choice(words) for _ in range(rng.choice([20, 40, 300, 500])))
                for _ in range(args.requests + 4)]
-    ray.init(address="local", include_dashboard=False, log_to_driver=False)
+    modes = args.modes.split(",")
+    unknown = sorted(set(modes) - CONFIGS.keys())
+    if unknown:
+        parser.error(f"unknown modes {unknown}: choose from {sorted(CONFIGS)}")
     loads = {}
-    try:
-        for mode in args.modes.split(","):
-            loads[mode] = run_mode(mode, prompts, args)
-            print(json.dumps(summarise(mode, loads[mode], args.max_tokens)), flush=True)
-    finally:
-        from ray import serve
+    # Direct ingress is a setting of the whole Ray cluster: those modes get a Ray of their own, started with it.
+    for direct in (False, True):
+        group = [mode for mode in modes if (mode in DIRECT_MODES) == direct]
+        if not group:
+            continue
+        if direct:
+            os.environ[DIRECT_INGRESS_ENV] = "1"
+        ray.init(address="local", include_dashboard=False, log_to_driver=False)
+        try:
+            for mode in group:
+                loads[mode] = run_mode(mode, prompts, args)
+                print(json.dumps(summarise(mode, loads[mode], args.max_tokens)), flush=True)
+        finally:
+            from ray import serve
 
-        serve.shutdown()
-        ray.shutdown()
+            serve.shutdown()
+            ray.shutdown()
+            os.environ.pop(DIRECT_INGRESS_ENV, None)
     vllm_python = peer_python(args.vllm)
     if vllm_python is not None:
         loads["vllm"] = run_vllm(vllm_python, prompts, args)
@@ -219,7 +256,7 @@ def main() -> None:
         print(json.dumps({"case": "ratio_disaggregated_over_colocated",
                           "ttft_p50": round(d["ttft_p50_ms"] / c["ttft_p50_ms"], 3),
                           "itl_p50": round(d["itl_p50_ms"] / c["itl_p50_ms"], 3)}), flush=True)
-    for mode in ("colocated", "disaggregated"):
+    for mode in ("colocated", "colocated_direct", "disaggregated"):
         if mode in results and "vllm" in results:
             ours, peer = results[mode], results["vllm"]
             differ = [i for i, text in loads["vllm"].texts.items() if loads[mode].texts.get(i) != text]
