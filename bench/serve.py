@@ -4,11 +4,11 @@
 starts ``serve_configs/default.yaml`` and then ``serve_configs/colocated.yaml``
 on a local Ray (``--modes`` adds ``colocated_direct``: the colocated app on a
 Ray started with Serve's ``RAY_SERVE_ENABLE_DIRECT_INGRESS``, its clients on
-the ingress replica's own HTTP port instead of Serve's proxy), sends the same streamed completions to each (a mix of short
-prompts, prefilled locally, and long ones, prefilled remotely), and prints one
-JSON line per mode with TTFT and inter-token latency p50/p90 and output
-tokens/s, then one line with the disaggregated/colocated ratios of those
-medians.
+the ingress replica's own HTTP port instead of Serve's proxy), sends the same
+streamed completions to each (a mix of short prompts, prefilled locally, and
+long ones, prefilled remotely), and prints one JSON line per mode with TTFT
+and inter-token latency p50/p90 and output tokens/s, then one line with the
+disaggregated/colocated ratios of those medians.
 
 With the peer venv (``make peer-venv``), vLLM's OpenAI server
 (``vllm.entrypoints.openai.api_server``) serves the same checkpoint, fp32,
