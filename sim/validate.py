@@ -31,9 +31,9 @@ import argparse
 import dataclasses
 import itertools
 import json
-import random
 import math
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -88,13 +88,14 @@ def _as_loadtest_record(real: RequestRecord, sim: SimRecord, end_s: float, arriv
                         delivery_s: Sequence[float] = ()) -> RequestRecord:
     """A simulated request as the load test would have logged it, cut off at the run's end.
 
-    ``delivery_s`` delays each token on its way to the client, in order: a
-    token that would overtake the one before it arrives with it.
+    ``delivery_s`` (one per token, or none) delays each token on its way to
+    the client, in order: a token that would overtake the one before it
+    arrives with it.
     """
-    arrivals, last = [], -math.inf
-    for time_s, delay_s in itertools.zip_longest(sim.token_times_s, delivery_s[:len(sim.token_times_s)], fillvalue=0.0):
-        last = max(last, time_s + delay_s)
-        arrivals.append(last)
+    delays = delivery_s or [0.0] * len(sim.token_times_s)
+    if len(delays) != len(sim.token_times_s):
+        raise ValueError(f"{len(delays)} delivery delays for {len(sim.token_times_s)} tokens")
+    arrivals = list(itertools.accumulate((t + d for t, d in zip(sim.token_times_s, delays)), max))
     tokens = [t for t in arrivals if t <= end_s]
     done_s = max([sim.finished_s, *arrivals[-1:]]) if sim.finished_s is not None else None
     finished = done_s is not None and done_s <= end_s
