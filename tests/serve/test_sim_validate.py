@@ -3,7 +3,7 @@
 One config (the default app of the shared test cluster), one validated rate.
 The profile is measured here, on a small grid; after a warm-up run, a run at
 a lower rate calibrates what the profile does not see
-(``sim.validate.calibrate``, with the warm-up replayed before it), a third
+(``sim.calibration.calibrate``, with the warm-up replayed before it), a third
 is validated, and all are replayed in order on one simulated deployment. Tolerance: each of TTFT p50, E2E p50 and goodput within 50% of
 the measured value, loose because this machine also runs the test cluster's
 second node and pytest itself; ``sim.validate`` reports the real figures.
@@ -37,7 +37,9 @@ def test_the_simulator_predicts_a_real_run_of_the_default_app(default_app, tmp_p
 
     from sim.cost import CostModel
     from sim.profile import measure
-    from sim.validate import Run, calibrate, calibrated_spec, compare
+    from sim.calibration import calibrate, calibrated_spec
+    from sim.replay import Run
+    from sim.validate import compare
 
     shapes, seconds = measure("builtin:tiny-llama", 1, batch_sizes=(1, 4), prompt_lens=(32, 384), repeats=1)
     cost = CostModel.fit(shapes, seconds, "measured in CI")

@@ -1,4 +1,5 @@
-"""``sim.validate``: which of a sweep's runs it replays, calibrates on and validates, and what a calibration fits."""
+"""``sim.validate``, ``sim.replay`` and ``sim.calibration``: which of a sweep's runs are replayed, calibrated on and
+validated, how a replay delivers tokens, and what a calibration fits."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ from loadtest.sweep import WARMUP_PREFIX
 from loadtest.workloads import make_workload, parse_workload_args
 from sim.cost import CostModel
 from sim.replica import RequestRecord as SimRecord
-from sim.validate import (Calibration, ItlLine, Run, _as_loadtest_record, calibrate, calibrated_spec, itl_by_streams,
-                          main, served_runs, simulate_runs)
+from sim.calibration import Calibration, ItlLine, calibrate, calibrated_spec, itl_by_streams
+from sim.replay import Run, _as_loadtest_record, simulate_runs
+from sim.validate import main, served_runs
 
 REPO = Path(__file__).resolve().parents[2]
 
