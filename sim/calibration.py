@@ -14,7 +14,6 @@ from typing import Callable, Sequence
 import numpy as np
 
 from loadtest.records import RequestRecord, Status
-from loadtest.report import RunSummary
 from sim.cluster import ClusterSpec
 from sim.cost import CostModel
 from sim.host import HostModel
@@ -101,10 +100,21 @@ class ItlLine:
         return self.intercept_ms + (self.slope_ms or 0.0) * streams
 
 
-def _fit_overheads_and_ingress(run: Run, spec_for: Callable[[Calibration], ClusterSpec], cpu_per_token_s: float,
-                               iterations: int, before: Sequence[Run]) -> tuple[Calibration, RunSummary]:
-    """The gaps between tokens, against the streams decoding, set the step's and the token's overheads;
-    what TTFT p50 still misses is the ingress's."""
+def calibrate(run: Run, spec_for: Callable[[Calibration], ClusterSpec], iterations: int = 4,
+              before: Sequence[Run] = (), cpu_per_token_s: float = DEFAULT_CPU_PER_TOKEN_S) -> Calibration:
+    """The calibration that makes one run's gaps between tokens, their spread and TTFT p50 match.
+
+    The replicas' overheads are fitted to the median gap between tokens at
+    each number of streams decoding (``ItlLine``), the ingress time to TTFT
+    p50 and the delivery's jitter to the gaps' spread (p90 less p50). The
+    rest of the path's CPU per token is given, not fitted: one run at a light
+    load cannot tell it from the jitter (an earlier calibration searched a
+    grid of it for the closest ITL p90; with the jitter fitted, every value
+    of the grid matched, and the choice was noise). From a run at a rate
+    that is not validated. ``before`` are the runs the app served before it,
+    replayed first as the comparison replays them: their prompts warm the
+    simulated caches as they warmed the real ones.
+    """
     measured = run.summary()
     line = ItlLine.of(run.records)
     calibration = Calibration(cpu_per_token_s=cpu_per_token_s)
@@ -125,26 +135,7 @@ def _fit_overheads_and_ingress(run: Run, spec_for: Callable[[Calibration], Clust
         spread_missed_ms = ((measured.itl_ms.p90 - measured.itl_ms.p50) - (simulated.itl_ms.p90 - simulated.itl_ms.p50))
         jitter_s = max(0.0, calibration.jitter_s + spread_missed_ms / 1.6 / 1000)
         calibration = Calibration(step_s, token_s, ingress_s, cpu_per_token_s, jitter_s)
-    records = simulate_runs([*before, run], spec_for(calibration), calibration.jitter_s)[0][-1]
-    return calibration, run.summary(records)
-
-
-def calibrate(run: Run, spec_for: Callable[[Calibration], ClusterSpec], iterations: int = 4,
-              before: Sequence[Run] = (), cpu_per_token_s: float = DEFAULT_CPU_PER_TOKEN_S) -> Calibration:
-    """The calibration that makes one run's gaps between tokens, their spread and TTFT p50 match.
-
-    The replicas' overheads are fitted to the median gap between tokens at
-    each number of streams decoding (``ItlLine``), the ingress time to TTFT
-    p50 and the delivery's jitter to the gaps' spread (p90 less p50). The
-    rest of the path's CPU per token is given, not fitted: one run at a light
-    load cannot tell it from the jitter (an earlier calibration searched a
-    grid of it for the closest ITL p90; with the jitter fitted, every value
-    of the grid matched, and the choice was noise). From a run at a rate
-    that is not validated. ``before`` are the runs the app served before it,
-    replayed first as the comparison replays them: their prompts warm the
-    simulated caches as they warmed the real ones.
-    """
-    return _fit_overheads_and_ingress(run, spec_for, cpu_per_token_s, iterations, before)[0]
+    return calibration
 
 
 def calibrated_spec(args: dict, cost_for_threads: Callable[[int], CostModel], calibration: Calibration,
