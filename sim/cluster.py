@@ -15,7 +15,8 @@ by the replicas' prefix-cache events every ``report_period_s`` (as Serve's
 ``KVConnector`` leases, pulls and releases over ``sim.transport``. What is
 modelled: each engine step's time (``CostModel``), each read's time
 (``TransferModel``), one Ray call's overhead each way (``call_s``) and the
-ingress's own work on a request before it decides (``ingress_s``).
+ingress's own work on a request before it decides (``ingress_s``, on the
+host's cores when it has a ``host``).
 Serve's own queueing (``max_ongoing_requests``) is not: a replica admits
 whatever is routed to it, and its scheduler queues it.
 
@@ -127,10 +128,24 @@ class SimCluster:
         self._flows[request_id] = flow
         self._start_reports()
         if self.spec.ingress_s:
-            self.loop.at(self.loop.now + self.spec.ingress_s, lambda: self._place(request_id, flow))
+            self._ingress(request_id, flow)
         else:
             self._place(request_id, flow)
         return record
+
+    def _ingress(self, request_id: str, flow: _Flow) -> None:
+        """``ingress_s`` of work before the decision: CPU on the cores the engines share, if they share them."""
+        if self.host is None:
+            self.loop.at(self.loop.now + self.spec.ingress_s, lambda: self._place(request_id, flow))
+            return
+        key = f"ingress:{request_id}"
+        stretch = self.host.begin(key, 1)
+
+        def done() -> None:
+            self.host.end(key)
+            self._place(request_id, flow)
+
+        self.loop.at(self.loop.now + self.spec.ingress_s * stretch, done)
 
     def _place(self, request_id: str, flow: _Flow) -> None:
         """The ingress's decision: prefill remotely or on the decode replica."""

@@ -2,12 +2,17 @@
 
 On a small machine the engines compute on the same cores as the HTTP proxy,
 the ingress and the load generator, whose work grows with the tokens
-streamed. A step that starts while the cores are oversubscribed runs
-slower, by the ratio of demand to cores:
+streamed and the requests coming in. Work that starts while the cores are
+oversubscribed runs slower, by the ratio of demand to cores:
 
-    demand  = threads of every replica stepping now (this one included)
+    demand  = threads of every piece of work under way (this one included):
+              a replica's step (its threads), the ingress's work on a request (one)
             + cpu_per_token_s * tokens streamed over the last window_s / window_s
     stretch = max(1, demand / cores)
+
+The ingress's work is both: its time stretches, and a step that starts
+while it runs is stretched by it. Before it counted, the simulated TTFT
+rose too little with load (too high at a light one, too low at a heavy one).
 
 GPU deployments have no such term (the host's cores are not what computes),
 so a ``ClusterSpec`` without a ``HostModel`` has none.
@@ -38,21 +43,22 @@ class SharedHost:
         self.model = model
         self._tokens: deque[tuple[float, int]] = deque()
         self._num_recent_tokens = 0
-        self._stepping: dict[str, int] = {}  # replica id -> its threads, while it steps
+        self._working: dict[str, int] = {}  # a piece of work under way -> its threads
 
     def note_tokens(self, count: int) -> None:
         self._tokens.append((self.loop.now, count))
         self._num_recent_tokens += count
 
-    def begin_step(self, replica_id: str, threads: int) -> float:
-        """A step starts: the factor its modelled time stretches by."""
-        self._stepping[replica_id] = threads
+    def begin(self, key: str, threads: int) -> float:
+        """Work on ``threads`` threads starts (a replica's step, the ingress's work on a request): the factor its
+        modelled time stretches by. ``key`` names it until ``end``."""
+        self._working[key] = threads
         horizon = self.loop.now - self.model.window_s
         while self._tokens and self._tokens[0][0] < horizon:
             self._num_recent_tokens -= self._tokens.popleft()[1]
-        demand = sum(self._stepping.values()) + (
+        demand = sum(self._working.values()) + (
             self.model.cpu_per_token_s * self._num_recent_tokens / self.model.window_s)
         return max(1.0, demand / self.model.cores)
 
-    def end_step(self, replica_id: str) -> None:
-        self._stepping.pop(replica_id, None)
+    def end(self, key: str) -> None:
+        self._working.pop(key, None)

@@ -90,14 +90,14 @@ class SimReplica:
             return
         seconds = self.engine.runner.last_step_seconds if ran else 0.0
         if ran and self.host is not None:
-            seconds *= self.host.begin_step(self.replica_id, self.engine.runner.last_step_threads or self.threads)
+            seconds *= self.host.begin(self.replica_id, self.engine.runner.last_step_threads or self.threads)
         self.busy_s += seconds
         self._stepping = True
         self.loop.at(self.loop.now + seconds, lambda: self._land(results))
 
     def _land(self, results: list[RequestOutput]) -> None:
         if self.host is not None:
-            self.host.end_step(self.replica_id)
+            self.host.end(self.replica_id)
         if results:
             self.on_outputs(results)
         self._step()
