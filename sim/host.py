@@ -11,8 +11,8 @@ oversubscribed runs slower, by the ratio of demand to cores:
     stretch = max(1, demand / cores)
 
 The ingress's work is both: its time stretches, and a step that starts
-while it runs is stretched by it. Before it counted, the simulated TTFT
-rose too little with load (too high at a light one, too low at a heavy one).
+while it runs is stretched by it. So a request's time to first token rises
+with the load on the machine, its own ingress work included.
 
 GPU deployments have no such term (the host's cores are not what computes),
 so a ``ClusterSpec`` without a ``HostModel`` has none.
