@@ -32,7 +32,8 @@ class Calibration:
     the machine's cores with the HTTP proxy, the ingress and the load
     generator, which spend ``cpu_per_token_s`` on each streamed token
     (``sim.host``); the ingress spends ``ingress_s`` on a request before
-    it places it (parsing, chat template, tokens, hashes); and each token
+    it places it (parsing, chat template, tokens, hashes), on those same
+    cores, so it stretches with the load on them; and each token
     reaches the client after a delay of mean ``jitter_s`` on its way through
     the ingress, the proxy and the client, which share two busy cores: it
     spreads the gaps between tokens (and delivers some together) without
