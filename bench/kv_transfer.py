@@ -85,7 +85,7 @@ def block_words(block_ids: torch.Tensor) -> torch.Tensor:
 
 def _prefill_main(conn, backend: str) -> None:
     """The owner: serves our transport's control messages, and a raw NIXL agent over the same pool."""
-    from transfer.nixl_api import nixl_agent, nixl_agent_config
+    from transfer.nixl_api import make_agent
 
     from transfer import create_transport
 
@@ -95,7 +95,7 @@ def _prefill_main(conn, backend: str) -> None:
     options = {"role": "prefill"} if backend == "torch" else {}
     transport = create_transport(backend, "bench-prefill", **options)
     transport.register(pool)
-    raw = nixl_agent("bench-raw-prefill", nixl_agent_config(enable_listen_thread=False))
+    raw = make_agent("bench-raw-prefill", ["UCX"])
     raw_descs = raw.register_memory(pool)
     conn.send((transport.local_metadata(), raw.get_agent_metadata(), pool.data_ptr()))
     notifications = []
@@ -121,9 +121,9 @@ class RawNixl:
     """One READ of ``TRANSFER_BYTES`` as a single descriptor, prepared once and reposted."""
 
     def __init__(self, pool: torch.Tensor, peer_metadata: bytes, peer_address: int):
-        from transfer.nixl_api import nixl_agent, nixl_agent_config
+        from transfer.nixl_api import make_agent
 
-        self.agent = nixl_agent("bench-raw-decode", nixl_agent_config(enable_listen_thread=False))
+        self.agent = make_agent("bench-raw-decode", ["UCX"])
         self.descs = self.agent.register_memory(pool)
         peer = self.agent.add_remote_agent(peer_metadata)
         self.peer = peer.decode() if isinstance(peer, bytes) else peer

@@ -47,7 +47,7 @@ def new_pool(num_heads: int, seed: int | None) -> torch.Tensor:
 def _prefill_main(conn) -> None:
     """TP=2 ranks (one head each) and a TP=1 pool (two heads), each behind its own NIXL agent, plus raw agents."""
     from transfer import create_transport
-    from transfer.nixl_api import nixl_agent, nixl_agent_config
+    from transfer.nixl_api import make_agent
 
     quiet_nixl()
     torch.set_num_threads(1)
@@ -56,7 +56,7 @@ def _prefill_main(conn) -> None:
     for name, pool in pools.items():
         transports[name] = create_transport("nixl", f"bench-{name}")
         transports[name].register(pool, num_heads=pool.shape[1])
-        raws[name] = nixl_agent(f"bench-raw-{name}", nixl_agent_config(enable_listen_thread=False))
+        raws[name] = make_agent(f"bench-raw-{name}", ["UCX"])
         raws[name].register_memory(pool)
         described[name] = (transports[name].local_metadata(), raws[name].get_agent_metadata(), pool.data_ptr())
     conn.send(described)
@@ -71,9 +71,9 @@ class RawReads:
     """Raw NIXL: one descriptor of ``num_bytes`` from each source, posted together, prepared once."""
 
     def __init__(self, name: str, pool: torch.Tensor, sources: list[tuple[bytes, int]], num_bytes: int):
-        from transfer.nixl_api import nixl_agent, nixl_agent_config
+        from transfer.nixl_api import make_agent
 
-        self.agent = nixl_agent(name, nixl_agent_config(enable_listen_thread=False))
+        self.agent = make_agent(name, ["UCX"])
         self.agent.register_memory(pool)
         self.xfers = []
         for index, (metadata, address) in enumerate(sources):

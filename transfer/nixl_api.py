@@ -28,3 +28,30 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 nixl_agent = _api.nixl_agent
 nixl_agent_config = _api.nixl_agent_config
 BUILD = _api.__name__.split(".")[0]
+
+# How long NIXL's UCX progress thread sleeps in poll() when no event wakes it sooner.
+PROGRESS_DELAY_US = 10_000
+
+
+def make_agent(name: str, backends: list[str]) -> nixl_agent:
+    """A NIXL agent with ``backends``, whose UCX progress thread sleeps between events.
+
+    ``nixl_agent`` sets the progress thread's delay to 0 µs, and the UCX plugin
+    waits for events with ``poll()`` for that delay in whole milliseconds: 0, a
+    poll that returns at once. Each agent's thread then spins a core, idle or
+    not, and on a machine whose engines compute on the same cores it takes a
+    core from them. So the agent is made again with a delay before its backends
+    are: the thread sleeps until UCX signals work (its worker is armed for
+    wake-ups), or at the latest after the delay. The thread itself stays: an
+    agent whose blocks a peer reads must make progress without being polled.
+    """
+    agent = nixl_agent(name, nixl_agent_config(enable_listen_thread=False, backends=[]))
+    bindings = importlib.import_module(f"{BUILD}._bindings")
+    config = bindings.nixlAgentConfig(True, False)  # a progress thread, no listener
+    config.pthrDelay = PROGRESS_DELAY_US
+    config.syncMode = bindings.NIXL_THREAD_SYNC_NONE  # as nixl_agent chooses without a listener
+    agent.agent = bindings.nixlAgent(name, config)
+    agent.plugin_list = agent.agent.getAvailPlugins()
+    for backend in backends:
+        agent.create_backend(backend)
+    return agent

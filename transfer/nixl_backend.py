@@ -36,7 +36,7 @@ import torch
 from transfer.base import HeadSlice, KVTransport, Run, TransferError, TransferHandle, TransferState
 from transfer.wire import NonNegativeInt, PoolMetadata, PositiveInt, TransportKind
 
-from transfer.nixl_api import nixl_agent, nixl_agent_config
+from transfer.nixl_api import make_agent
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ class _Agent:
 
     def __init__(self, name: str, backends: Sequence[str]):
         self.lock = threading.RLock()
-        self.nixl = nixl_agent(name, nixl_agent_config(enable_listen_thread=False, backends=list(backends)))
+        self.nixl = make_agent(name, list(backends))
 
     def state(self, xfer) -> str:
         """``"DONE"``, ``"PROC"`` or ``"ERR"``."""

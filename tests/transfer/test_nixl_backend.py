@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import threading
 import time
 
 import pytest
@@ -105,3 +107,29 @@ def test_close_is_idempotent_and_final(transports):
     with pytest.raises(TransferError, match="closed"):
         reader.local_metadata()
     assert reader.poll_notifications() == []
+
+
+def _cpu_seconds_of(thread_ids: set[str]) -> float:
+    ticks = 0
+    for tid in thread_ids:
+        try:
+            fields = open(f"/proc/self/task/{tid}/stat").read().rsplit(")", 1)[1].split()
+        except FileNotFoundError:  # the thread ended
+            continue
+        ticks += int(fields[11]) + int(fields[12])  # utime, stime
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads threads' CPU time from /proc")
+def test_an_idle_transport_leaves_the_cores_alone(transports):
+    """NIXL's UCX progress thread polled without ever sleeping, a whole core per agent (idle or not)."""
+    before = set(os.listdir("/proc/self/task"))
+    reader, owner = transports("idle-reader"), transports("idle-owner")
+    reader.add_peer(owner.local_metadata())
+    assert reader.read_blocks("idle-owner", [0, 1], [2, 3], notify="x").wait(5.0) is TransferState.DONE
+    started = set(os.listdir("/proc/self/task")) - before
+    assert started, "NIXL started no thread: this test no longer measures anything"
+    cpu_before, wall_before = _cpu_seconds_of(started), time.monotonic()
+    threading.Event().wait(1.0)  # the window measured: nothing to synchronise with
+    busy = (_cpu_seconds_of(started) - cpu_before) / (time.monotonic() - wall_before)
+    assert busy < 0.1, f"two idle NIXL agents' threads used {busy:.2f} of a core"
