@@ -101,9 +101,9 @@ class ItlLine:
         return self.intercept_ms + (self.slope_ms or 0.0) * streams
 
 
-def calibrate(run: Run, spec_for: Callable[[Calibration], ClusterSpec], iterations: int = 4,
+def calibrate(runs: Run | Sequence[Run], spec_for: Callable[[Calibration], ClusterSpec], iterations: int = 4,
               before: Sequence[Run] = (), cpu_per_token_s: float = DEFAULT_CPU_PER_TOKEN_S) -> Calibration:
-    """The calibration that makes one run's gaps between tokens, their spread and TTFT p50 match.
+    """The calibration that makes the runs' gaps between tokens, and the first run's spread and TTFT p50, match.
 
     The replicas' overheads are fitted to the median gap between tokens at
     each number of streams decoding (``ItlLine``), the ingress time to TTFT
@@ -111,18 +111,23 @@ def calibrate(run: Run, spec_for: Callable[[Calibration], ClusterSpec], iteratio
     rest of the path's CPU per token is given, not fitted: one run at a light
     load cannot tell it from the jitter (an earlier calibration searched a
     grid of it for the closest ITL p90; with the jitter fitted, every value
-    of the grid matched, and the choice was noise). From a run at a rate
-    that is not validated. ``before`` are the runs the app served before it,
-    replayed first as the comparison replays them: their prompts warm the
-    simulated caches as they warmed the real ones.
+    of the grid matched, and the choice was noise). From runs at rates
+    that are not validated, served one after the other, the lightest first:
+    the gaps' line is fitted to all of them together (a light run has one to
+    three streams decoding; a heavier one shows how the gaps grow past
+    them), the ingress time and the jitter to the first. ``before`` are the
+    runs the app served before them, replayed first as the comparison
+    replays them: their prompts warm the simulated caches as they warmed the
+    real ones.
     """
-    measured = run.summary()
-    line = ItlLine.of(run.records)
+    runs = [runs] if isinstance(runs, Run) else list(runs)
+    measured = runs[0].summary()
+    line = ItlLine.of([record for run in runs for record in run.records])
     calibration = Calibration(cpu_per_token_s=cpu_per_token_s)
     for _ in range(iterations):
-        records = simulate_runs([*before, run], spec_for(calibration), calibration.jitter_s)[0][-1]
-        simulated = run.summary(records)
-        sim_line = ItlLine.of(records)
+        replayed = simulate_runs([*before, *runs], spec_for(calibration), calibration.jitter_s)[0][len(before):]
+        simulated = runs[0].summary(replayed[0])
+        sim_line = ItlLine.of([record for records in replayed for record in records])
         step_s, token_s = calibration.step_s, calibration.token_s
         if line is not None and sim_line is not None:
             if line.slope_ms is not None and sim_line.slope_ms is not None:

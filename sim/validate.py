@@ -15,8 +15,9 @@
    first rate for ``--warmup-duration`` seconds, takes the app's one-off
    costs (in four sweeps, an app's first run, at 0.75 req/s, had a TTFT p50
    1.1-2.1x that of its third, at 1 req/s); the next, at
-   ``--calibration-rate``, calibrates what a quiet-machine profile cannot see
-   (``sim.calibration``). Both are replayed, neither is validated.
+   ``--calibration-rate`` (one rate, or several: the lightest first),
+   calibrates what a quiet-machine profile cannot see (``sim.calibration``).
+   They are replayed, not validated.
 4. Summarizes both sides with the load-test report's own code
    (``loadtest.report.summarize``: the same percentiles, SLOs, cut-off rule)
    and prints one JSON object per config, rate and metric with the relative
@@ -36,10 +37,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Sequence
 
 from loadtest.records import REQUESTS_SUFFIX
 from loadtest.report import RunSummary
-from loadtest.sweep import WARMUP_PREFIX
 from sim.calibration import DEFAULT_CPU_PER_TOKEN_S, Calibration, calibrate, calibrated_spec
 from sim.cluster import ClusterSpec
 from sim.cost import CostModel
@@ -127,24 +128,31 @@ def write_plot(results: list[dict], path: Path) -> None:
     plt.close(figure)
 
 
-def served_runs(directory: Path, rates: list[float], calibration_rate: float | None,
-                ) -> tuple[list[Run], Run | None, list[Run]]:
-    """A config's runs in the order they were served, its calibration run (if any), and the validated ones.
+def served_runs(directory: Path, rates: list[float], calibration_rates: Sequence[float] = (),
+                ) -> tuple[list[Run], list[Run], list[Run]]:
+    """A config's runs in the order they were served, its calibration runs (in the order given), and the validated
+    ones.
 
-    Every run under ``directory`` that the sweep made is served and replayed:
-    the warm-up (``WARMUP_PREFIX``), the calibration run, the validated rates.
+    Every run under ``directory`` that the sweep made is replayed, as it was
+    served: the warm-up (``loadtest.sweep.WARMUP_PREFIX``), the calibration runs, the
+    validated rates, and any other rate the sweep served (its prompts warmed
+    the real caches too).
     """
-    validated = [Run.read(directory / f"rate-{rate:g}") for rate in rates]
-    served_first = [Run.read(path.parent / path.name.removesuffix(REQUESTS_SUFFIX))
-                    for path in directory.glob(f"{WARMUP_PREFIX}*{REQUESTS_SUFFIX}")]
-    calibration_run = None
-    if calibration_rate is not None:
-        calibration_run = Run.read(directory / f"rate-{calibration_rate:g}")
-        served_first.append(calibration_run)
-    return sorted([*served_first, *validated], key=lambda run: run.meta.start_time), calibration_run, validated
+    served = {path.name.removesuffix(REQUESTS_SUFFIX): Run.read(path.parent / path.name.removesuffix(REQUESTS_SUFFIX))
+              for path in directory.glob(f"*{REQUESTS_SUFFIX}")}
+
+    def at(rate: float) -> Run:
+        name = f"rate-{rate:g}"
+        if name not in served:
+            raise FileNotFoundError(f"no run at {rate:g} req/s under {directory} ({name}{REQUESTS_SUFFIX})")
+        return served[name]
+
+    validated = [at(rate) for rate in rates]
+    calibration_runs = [at(rate) for rate in calibration_rates]
+    return sorted(served.values(), key=lambda run: run.meta.start_time), calibration_runs, validated
 
 
-def validate(configs: list[Path], rates: list[float], calibration_rate: float | None, out: Path,
+def validate(configs: list[Path], rates: list[float], calibration_rates: Sequence[float], out: Path,
              costs: dict[int, CostModel], call_s: float, cpu_per_token_s: float = DEFAULT_CPU_PER_TOKEN_S,
              ) -> list[dict]:
     """Compare every run under ``out/real`` with its simulation; one JSON line per config, rate and metric."""
@@ -155,16 +163,17 @@ def validate(configs: list[Path], rates: list[float], calibration_rate: float | 
         args = yaml.safe_load(config.read_text())["applications"][0]["args"]
 
         def spec_for(calibration: Calibration) -> ClusterSpec:
-            why = f"served {config.stem} at {calibration_rate:g} req/s" if calibration_rate else "served"
+            why = (f"served {config.stem} at {', '.join(f'{rate:g}' for rate in calibration_rates)} req/s"
+                   if calibration_rates else "served")
             return calibrated_spec(args, costs.__getitem__, calibration, call_s, why)
 
-        runs, calibration_run, validated = served_runs(out / "real" / config.stem, rates, calibration_rate)
+        runs, calibration_runs, validated = served_runs(out / "real" / config.stem, rates, calibration_rates)
         calibration = Calibration()
-        if calibration_run is not None:
-            calibration = calibrate(calibration_run, spec_for, before=[
-                run for run in runs if run.meta.start_time < calibration_run.meta.start_time],
-                cpu_per_token_s=cpu_per_token_s)
-            print(json.dumps({"config": config.stem, "calibration_rate": calibration_rate,
+        if calibration_runs:
+            first = min(run.meta.start_time for run in calibration_runs)
+            calibration = calibrate(calibration_runs, spec_for, before=[
+                run for run in runs if run.meta.start_time < first], cpu_per_token_s=cpu_per_token_s)
+            print(json.dumps({"config": config.stem, "calibration_rates": list(calibration_rates),
                               **dataclasses.asdict(calibration)}), flush=True)
         compared = compare(runs, spec_for(calibration), calibration.jitter_s)
         uncalibrated = compare(runs, spec_for(Calibration())) if calibration != Calibration() else compared
@@ -192,9 +201,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", help="output directory (default sim-validate-<time>)")
     parser.add_argument("--call-ms", type=float, default=DEFAULT_CALL_S * 1000,
                         help="modelled overhead of one Serve call, each way")
-    parser.add_argument("--calibration-rate", type=float, default=0.75,
-                        help="one more rate, run first and not validated, that calibrates each config "
-                             "(see Calibration; 0: none, the quiet-machine profile as measured)")
+    parser.add_argument("--calibration-rate", default="0.75",
+                        help="one more rate, or several comma-separated (the lightest first), run first and not "
+                             "validated, that calibrate each config (see Calibration; 0: none, the quiet-machine "
+                             "profile as measured)")
     parser.add_argument("--warmup-duration", type=float, default=30.0,
                         help="seconds of a first run at the first rate, served and simulated but neither "
                              "calibrated on nor validated (a freshly deployed app serves its first minute slower; "
@@ -205,9 +215,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reuse", action="store_true", help="compare the runs already under OUT/real")
     args, sweep_extra = parser.parse_known_args(argv)
     rates = [float(rate) for rate in args.rates.split(",") if rate.strip()]
-    if args.calibration_rate in rates:
-        parser.error(f"--calibration-rate {args.calibration_rate:g} is also in --rates: a run calibrated on "
-                     "is not validated")
+    calibration_rates = [rate for rate in (float(text) for text in args.calibration_rate.split(",") if text.strip())
+                         if rate]
+    for rate in calibration_rates:
+        if rate in rates:
+            parser.error(f"--calibration-rate {rate:g} is also in --rates: a run calibrated on is not validated")
     configs = [Path(path).resolve() for path in args.configs]
     out = Path(args.out or f"sim-validate-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -229,13 +241,13 @@ def main(argv: list[str] | None = None) -> None:
         path = out / f"profile-{count}-threads.json"
         reused = args.reuse and path.exists()
         costs[count] = CostModel.load(path) if reused else profile(apps[0].engine.model, count, path)
-    calibration = args.calibration_rate or None
     if not args.reuse:
-        run_sweep(configs, ([calibration] if calibration else []) + rates, args.duration, args.warmup_duration,
+        run_sweep(configs, calibration_rates + rates, args.duration, args.warmup_duration,
                   args.workload, out / "real", sweep_extra)
-    results = validate(configs, rates, calibration, out, costs, args.call_ms / 1000, args.cpu_per_token_ms / 1000)
+    results = validate(configs, rates, calibration_rates, out, costs, args.call_ms / 1000,
+                       args.cpu_per_token_ms / 1000)
     summary = {"summary": True, "median_abs_error": median_abs_errors(results)}
-    if calibration:
+    if calibration_rates:
         summary["uncalibrated_median_abs_error"] = median_abs_errors(results, "uncalibrated_error")
     (out / "validate.json").write_text(json.dumps({"workload": args.workload, "results": results, **summary}, indent=1))
     write_plot(results, out / "sim-vs-real.png")
