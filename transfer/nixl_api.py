@@ -46,7 +46,10 @@ def make_agent(name: str, backends: list[str]) -> nixl_agent:
     agent whose blocks a peer reads must make progress without being polled.
     """
     agent = nixl_agent(name, nixl_agent_config(enable_listen_thread=False, backends=[]))
-    bindings = importlib.import_module(f"{BUILD}._bindings")
+    bindings = _api.nixlBind  # the bindings of the build this process loaded
+    if not isinstance(getattr(agent, "agent", None), bindings.nixlAgent):
+        raise RuntimeError(f"{BUILD}'s nixl_agent no longer keeps its bound agent in .agent: make_agent cannot "
+                           "give it a progress thread that sleeps")
     config = bindings.nixlAgentConfig(True, False)  # a progress thread, no listener
     config.pthrDelay = PROGRESS_DELAY_US
     config.syncMode = bindings.NIXL_THREAD_SYNC_NONE  # as nixl_agent chooses without a listener
