@@ -1,4 +1,5 @@
-"""The NIXL build this process loads: import ``nixl_agent`` and ``nixl_agent_config`` from here.
+"""The NIXL build this process loads: import ``nixl_agent`` and ``nixl_agent_config`` from here, and make
+agents over UCX with ``make_agent`` (``nixl_agent``'s own spin a core each).
 
 NIXL ships one wheel per CUDA major (``nixl_cu12``, ``nixl_cu13``) behind the
 ``nixl`` package, which picks the one matching the CUDA the process has, and
