@@ -101,7 +101,7 @@ class ItlLine:
         return self.intercept_ms + (self.slope_ms or 0.0) * streams
 
 
-def calibrate(runs: Run | Sequence[Run], spec_for: Callable[[Calibration], ClusterSpec], iterations: int = 4,
+def calibrate(runs: Sequence[Run], spec_for: Callable[[Calibration], ClusterSpec], iterations: int = 4,
               before: Sequence[Run] = (), cpu_per_token_s: float = DEFAULT_CPU_PER_TOKEN_S) -> Calibration:
     """The calibration that makes the runs' gaps between tokens, and the first run's spread and TTFT p50, match.
 
@@ -120,7 +120,6 @@ def calibrate(runs: Run | Sequence[Run], spec_for: Callable[[Calibration], Clust
     replays them: their prompts warm the simulated caches as they warmed the
     real ones.
     """
-    runs = [runs] if isinstance(runs, Run) else list(runs)
     measured = runs[0].summary()
     line = ItlLine.of([record for run in runs for record in run.records])
     calibration = Calibration(cpu_per_token_s=cpu_per_token_s)

@@ -138,8 +138,9 @@ def served_runs(directory: Path, rates: list[float], calibration_rates: Sequence
     validated rates, and any other rate the sweep served (its prompts warmed
     the real caches too).
     """
-    served = {path.name.removesuffix(REQUESTS_SUFFIX): Run.read(path.parent / path.name.removesuffix(REQUESTS_SUFFIX))
-              for path in directory.glob(f"*{REQUESTS_SUFFIX}")}
+    prefixes = [path.with_name(path.name.removesuffix(REQUESTS_SUFFIX))
+                for path in directory.glob(f"*{REQUESTS_SUFFIX}")]
+    served = {prefix.name: Run.read(prefix) for prefix in prefixes}
 
     def at(rate: float) -> Run:
         name = f"rate-{rate:g}"

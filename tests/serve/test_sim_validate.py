@@ -54,7 +54,7 @@ def test_the_simulator_predicts_a_real_run_of_the_default_app(default_app, tmp_p
     _locust(default_app.url, tmp_path / "calibration", 0.5, 24)
     _locust(default_app.url, tmp_path / "validation", 1.0, 30)
     runs = [Run.read(tmp_path / name) for name in ("warm-up", "calibration", "validation")]
-    calibration = calibrate(runs[1], spec_for, before=runs[:1])
+    calibration = calibrate(runs[1:2], spec_for, before=runs[:1])
     result = compare(runs, spec_for(calibration))[2]
     print(json.dumps({"calibration": dataclasses.asdict(calibration), **result}))
     assert result["requests"] >= 10 and result["prompt_length_mismatches"] == 0

@@ -150,7 +150,7 @@ def test_a_calibration_recovers_the_overheads_that_made_a_run():
     assert ItlLine.of(measured).slope_ms is not None  # the run had steps of one and of two streams
 
     # the rest of the path's CPU per token is given (a run at this load cannot tell it from the jitter)
-    fitted = calibrate(Run(Path("measured"), measured, meta), _spec_for, cpu_per_token_s=truth.cpu_per_token_s)
+    fitted = calibrate([Run(Path("measured"), measured, meta)], _spec_for, cpu_per_token_s=truth.cpu_per_token_s)
 
     for name in ("step_s", "token_s", "ingress_s", "jitter_s"):
         assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=0.05), (name, fitted)
@@ -167,7 +167,7 @@ def test_the_gaps_line_is_fitted_over_every_calibration_run():
     light_run, heavy_run = Run(Path("light"), light, light_meta), Run(Path("heavy"), heavy, heavy_meta)
     assert ItlLine.of(light).slope_ms is None and ItlLine.of(heavy).slope_ms is not None
 
-    alone = calibrate(light_run, _spec_for, cpu_per_token_s=truth.cpu_per_token_s)
+    alone = calibrate([light_run], _spec_for, cpu_per_token_s=truth.cpu_per_token_s)
     both = calibrate([light_run, heavy_run], _spec_for, cpu_per_token_s=truth.cpu_per_token_s)
 
     assert alone.token_s == 0.0  # one stream at a time: nothing to tell a step's overhead from a token's
