@@ -4,7 +4,9 @@
 starts ``serve_configs/default.yaml`` and then ``serve_configs/colocated.yaml``
 on a local Ray (``--modes`` adds ``colocated_direct``: the colocated app on a
 Ray started with Serve's ``RAY_SERVE_ENABLE_DIRECT_INGRESS``, its clients on
-the ingress replica's own HTTP port instead of Serve's proxy), sends the same
+the ingress replica's own HTTP port instead of Serve's proxy; and
+``colocated_haproxy``: on a Ray started with ``RAY_SERVE_ENABLE_HA_PROXY``,
+Serve's HAProxy on the app's port in front of that replica port), sends the same
 streamed completions to each (a mix of short prompts, prefilled locally, and
 long ones, prefilled remotely), and prints one JSON line per mode with TTFT
 and inter-token latency p50/p90 and output tokens/s, then one line with the
@@ -38,10 +40,12 @@ from bench.peer import peer_python
 from bench.process import stop_process
 from bench.stats import percentile
 
-CONFIGS = {"disaggregated": "default.yaml", "colocated": "colocated.yaml", "colocated_direct": "colocated.yaml"}
-# Modes served by the ingress replica's own HTTP server instead of Serve's proxy (Ray started with the variable).
+CONFIGS = {"disaggregated": "default.yaml", "colocated": "colocated.yaml", "colocated_direct": "colocated.yaml",
+           "colocated_haproxy": "colocated.yaml"}
+# Modes served without Serve's Python proxy, on a Ray started with Serve's variable for it: by the ingress
+# replica's own HTTP server (clients on its port), or by HAProxy in front of it (clients on the app's port).
+MODE_ENV = {"colocated_direct": "RAY_SERVE_ENABLE_DIRECT_INGRESS", "colocated_haproxy": "RAY_SERVE_ENABLE_HA_PROXY"}
 DIRECT_MODES = {"colocated_direct"}
-DIRECT_INGRESS_ENV = "RAY_SERVE_ENABLE_DIRECT_INGRESS"
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "serve_configs"
 
 
@@ -228,13 +232,14 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown modes {unknown}: choose from {sorted(CONFIGS)}")
     loads = {}
-    # Direct ingress is a setting of the whole Ray cluster: those modes get a Ray of their own, started with it.
-    for direct in (False, True):
-        group = [mode for mode in modes if (mode in DIRECT_MODES) == direct]
+    # Serve's proxy is a setting of the whole Ray cluster: each such mode gets a Ray of its own, started with it.
+    groups = [[mode for mode in modes if mode not in MODE_ENV]] + [[mode] for mode in modes if mode in MODE_ENV]
+    for group in groups:
         if not group:
             continue
-        if direct:
-            os.environ[DIRECT_INGRESS_ENV] = "1"
+        env = MODE_ENV.get(group[0])
+        if env:
+            os.environ[env] = "1"
         ray.init(address="local", include_dashboard=False, log_to_driver=False)
         try:
             for mode in group:
@@ -245,7 +250,8 @@ def main() -> None:
 
             serve.shutdown()
             ray.shutdown()
-            os.environ.pop(DIRECT_INGRESS_ENV, None)
+            if env:
+                os.environ.pop(env, None)
     vllm_python = peer_python(args.vllm)
     if vllm_python is not None:
         loads["vllm"] = run_vllm(vllm_python, prompts, args)
@@ -256,7 +262,7 @@ def main() -> None:
         print(json.dumps({"case": "ratio_disaggregated_over_colocated",
                           "ttft_p50": round(d["ttft_p50_ms"] / c["ttft_p50_ms"], 3),
                           "itl_p50": round(d["itl_p50_ms"] / c["itl_p50_ms"], 3)}), flush=True)
-    for mode in ("colocated", "colocated_direct", "disaggregated"):
+    for mode in ("colocated", "colocated_direct", "colocated_haproxy", "disaggregated"):
         if mode in results and "vllm" in results:
             ours, peer = results[mode], results["vllm"]
             differ = [i for i, text in loads["vllm"].texts.items() if loads[mode].texts.get(i) != text]
