@@ -17,6 +17,10 @@ With the peer venv (``make peer-venv``), vLLM's OpenAI server
 prefix caching on, ``VLLM_CPU_OMP_THREADS_BIND`` on two cores, and gets the
 same requests after Ray has shut down; a last line gives colocated/vLLM ratios
 (goal: output tok/s >= 1.0, TTFT p50 <= 1.2) and the share of identical texts.
+``--repeats N`` serves every mode and vLLM's server in turn N times, each line
+tagged with its ``repeat``, and ends with each ratio's median over the repeats
+(``median_of``) and its values (``*_each``): on a shared VM a run's TTFT p50
+moves by a third with the hour, and only ratios within a repeat compare.
 """
 
 from __future__ import annotations
@@ -213,24 +217,11 @@ def wait_ready(url: str, server: subprocess.Popen, timeout_s: float) -> None:
     raise RuntimeError(f"the vLLM server was not ready within {timeout_s} s")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--requests", type=int, default=24)
-    parser.add_argument("--concurrency", type=int, default=2)
-    parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--modes", default="disaggregated,colocated")
-    parser.add_argument("--vllm", default="auto", help="auto, off, or the python of a venv with vllm-cpu")
-    args = parser.parse_args()
+def serve_modes(modes: list[str], prompts: list[str], args, repeat: int) -> dict[str, LoadResult]:
+    """Each of ``modes`` on a fresh app, under the same load; a line per mode as it finishes."""
     import ray
+    from ray import serve
 
-    rng = random.Random(0)
-    words = "the sea block table cache token prefill decode river mountain".split()
-    prompts = [" ".join(rng.choice(words) for _ in range(rng.choice([20, 40, 300, 500])))
-               for _ in range(args.requests + 4)]
-    modes = args.modes.split(",")
-    unknown = sorted(set(modes) - CONFIGS.keys())
-    if unknown:
-        parser.error(f"unknown modes {unknown}: choose from {sorted(CONFIGS)}")
     loads = {}
     # Serve's proxy is a setting of the whole Ray cluster: each such mode gets a Ray of its own, started with it.
     groups = [[mode for mode in modes if mode not in MODE_ENV]] + [[mode] for mode in modes if mode in MODE_ENV]
@@ -244,35 +235,87 @@ def main() -> None:
         try:
             for mode in group:
                 loads[mode] = run_mode(mode, prompts, args)
-                print(json.dumps(summarise(mode, loads[mode], args.max_tokens)), flush=True)
+                print(json.dumps({**summarise(mode, loads[mode], args.max_tokens), "repeat": repeat}), flush=True)
         finally:
-            from ray import serve
-
             serve.shutdown()
             ray.shutdown()
             if env:
                 os.environ.pop(env, None)
-    vllm_python = peer_python(args.vllm)
-    if vllm_python is not None:
-        loads["vllm"] = run_vllm(vllm_python, prompts, args)
-        print(json.dumps(summarise("vllm", loads["vllm"], args.max_tokens)), flush=True)
-    results = {mode: summarise(mode, result, args.max_tokens) for mode, result in loads.items()}
+    return loads
+
+
+def ratios(loads: dict[str, LoadResult], max_tokens: int) -> list[dict]:
+    """One repeat's ratios: disaggregated over colocated, and each of our modes over vLLM's server."""
+    results = {mode: summarise(mode, result, max_tokens) for mode, result in loads.items()}
+    lines = []
     if {"disaggregated", "colocated"} <= results.keys():
         d, c = results["disaggregated"], results["colocated"]
-        print(json.dumps({"case": "ratio_disaggregated_over_colocated",
-                          "ttft_p50": round(d["ttft_p50_ms"] / c["ttft_p50_ms"], 3),
-                          "itl_p50": round(d["itl_p50_ms"] / c["itl_p50_ms"], 3)}), flush=True)
-    for mode in ("colocated", "colocated_direct", "colocated_haproxy", "disaggregated"):
+        lines.append({"case": "ratio_disaggregated_over_colocated",
+                      "ttft_p50": round(d["ttft_p50_ms"] / c["ttft_p50_ms"], 3),
+                      "itl_p50": round(d["itl_p50_ms"] / c["itl_p50_ms"], 3)})
+    for mode in CONFIGS:
         if mode in results and "vllm" in results:
             ours, peer = results[mode], results["vllm"]
             differ = [i for i, text in loads["vllm"].texts.items() if loads[mode].texts.get(i) != text]
-            print(json.dumps({"case": f"ratio_{mode}_over_vllm",
-                              "output_tok_s": round(ours["output_tok_s"] / peer["output_tok_s"], 3),
-                              "ttft_p50": round(ours["ttft_p50_ms"] / peer["ttft_p50_ms"], 3),
-                              "itl_p50": round(ours["itl_p50_ms"] / peer["itl_p50_ms"], 3),
-                              "same_text": round(1 - len(differ) / len(loads["vllm"].texts), 3),
-                              "first_difference": first_difference(loads[mode].texts, loads["vllm"].texts, differ)}),
-                  flush=True)
+            lines.append({"case": f"ratio_{mode}_over_vllm",
+                          "output_tok_s": round(ours["output_tok_s"] / peer["output_tok_s"], 3),
+                          "ttft_p50": round(ours["ttft_p50_ms"] / peer["ttft_p50_ms"], 3),
+                          "itl_p50": round(ours["itl_p50_ms"] / peer["itl_p50_ms"], 3),
+                          "same_text": round(1 - len(differ) / len(loads["vllm"].texts), 3),
+                          "first_difference": first_difference(loads[mode].texts, loads["vllm"].texts, differ)})
+    return lines
+
+
+def median_ratios(per_repeat: list[list[dict]]) -> list[dict]:
+    """Each ratio's median over the repeats, with every repeat's value."""
+    by_case: dict[str, list[dict]] = {}
+    for lines in per_repeat:
+        for line in lines:
+            by_case.setdefault(line["case"], []).append(line)
+    medians = []
+    for case, lines in by_case.items():
+        keys = [key for key, value in lines[0].items() if isinstance(value, float)]
+        medians.append({"case": case, "median_of": len(lines),
+                        **{key: round(percentile([line[key] for line in lines], 50), 3) for key in keys},
+                        **{f"{key}_each": [line[key] for line in lines] for key in keys}})
+    return medians
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=24)
+    parser.add_argument("--concurrency", type=int, default=2)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--modes", default="disaggregated,colocated")
+    parser.add_argument("--vllm", default="auto", help="auto, off, or the python of a venv with vllm-cpu")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="rounds of every mode and vLLM's server in turn; with more than one, a last line each "
+                             "gives the ratios' medians")
+    args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
+
+    rng = random.Random(0)
+    words = "the sea block table cache token prefill decode river mountain".split()
+    prompts = [" ".join(rng.choice(words) for _ in range(rng.choice([20, 40, 300, 500])))
+               for _ in range(args.requests + 4)]
+    modes = list(dict.fromkeys(args.modes.split(",")))
+    unknown = sorted(set(modes) - CONFIGS.keys())
+    if unknown:
+        parser.error(f"unknown modes {unknown}: choose from {sorted(CONFIGS)}")
+    vllm_python = peer_python(args.vllm)
+    per_repeat = []
+    for repeat in range(args.repeats):
+        loads = serve_modes(modes, prompts, args, repeat)
+        if vllm_python is not None:
+            loads["vllm"] = run_vllm(vllm_python, prompts, args)
+            print(json.dumps({**summarise("vllm", loads["vllm"], args.max_tokens), "repeat": repeat}), flush=True)
+        per_repeat.append(ratios(loads, args.max_tokens))
+        for line in per_repeat[-1]:
+            print(json.dumps({**line, "repeat": repeat}), flush=True)
+    if args.repeats > 1:
+        for line in median_ratios(per_repeat):
+            print(json.dumps(line), flush=True)
 
 
 if __name__ == "__main__":

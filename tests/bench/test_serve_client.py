@@ -10,7 +10,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import requests
 
-from bench.serve import load, stream_one
+from bench.serve import LoadResult, load, median_ratios, ratios, stream_one
 
 GAP_S = 0.05
 
@@ -104,3 +104,22 @@ def test_load_streams_every_prompt_and_collects_every_ttft_and_gap(sse_server):
     assert len(result.ttfts) == 3 and all(ttft >= GAP_S for ttft in result.ttfts)
     assert len(result.gaps) == 3 * 3
     assert sorted(result.texts) == [0, 1, 2] and result.wall_s > 0
+
+
+def test_repeats_report_each_ratio_and_its_median():
+    def result(ttft_s: float, wall_s: float) -> LoadResult:
+        return LoadResult(ttfts=[ttft_s] * 4, gaps=[0.01] * 12, texts={0: "same", 1: "ours"}, wall_s=wall_s)
+
+    def repeat(ours_wall_s: float) -> list[dict]:
+        vllm = result(0.1, 1.0)
+        vllm.texts = {0: "same", 1: "theirs"}
+        return ratios({"colocated": result(0.15, ours_wall_s), "vllm": vllm}, max_tokens=8)
+
+    per_repeat = [repeat(1.0), repeat(2.0), repeat(0.5)]
+    assert [line["case"] for line in per_repeat[0]] == ["ratio_colocated_over_vllm"]
+    assert per_repeat[0][0]["same_text"] == 0.5
+    (median,) = median_ratios(per_repeat)
+    assert median["median_of"] == 3
+    assert median["output_tok_s_each"] == [1.0, 0.5, 2.0]
+    assert median["output_tok_s"] == 1.0
+    assert median["ttft_p50"] == 1.5
