@@ -4,9 +4,11 @@
 starts ``serve_configs/default.yaml`` and then ``serve_configs/colocated.yaml``
 on a local Ray (``--modes`` adds ``colocated_direct``: the colocated app on a
 Ray started with Serve's ``RAY_SERVE_ENABLE_DIRECT_INGRESS``, its clients on
-the ingress replica's own HTTP port instead of Serve's proxy; and
+the ingress replica's own HTTP port instead of Serve's proxy;
 ``colocated_haproxy``: on a Ray started with ``RAY_SERVE_ENABLE_HA_PROXY``,
-Serve's HAProxy on the app's port in front of that replica port), sends the same
+Serve's HAProxy on the app's port in front of that replica port; and
+``colocated_haproxy_throughput``: the same with ``RAY_SERVE_THROUGHPUT_OPTIMIZED``
+too), sends the same
 streamed completions to each (a mix of short prompts, prefilled locally, and
 long ones, prefilled remotely), and prints one JSON line per mode with TTFT
 and inter-token latency p50/p90 and output tokens/s, then one line with the
@@ -45,10 +47,13 @@ from bench.process import stop_process
 from bench.stats import percentile
 
 CONFIGS = {"disaggregated": "default.yaml", "colocated": "colocated.yaml", "colocated_direct": "colocated.yaml",
-           "colocated_haproxy": "colocated.yaml"}
-# Modes served without Serve's Python proxy, on a Ray started with Serve's variable for it: by the ingress
-# replica's own HTTP server (clients on its port), or by HAProxy in front of it (clients on the app's port).
-MODE_ENV = {"colocated_direct": "RAY_SERVE_ENABLE_DIRECT_INGRESS", "colocated_haproxy": "RAY_SERVE_ENABLE_HA_PROXY"}
+           "colocated_haproxy": "colocated.yaml", "colocated_haproxy_throughput": "colocated.yaml"}
+# Modes served without Serve's Python proxy, on a Ray started with Serve's variables for it: by the ingress
+# replica's own HTTP server (clients on its port), or by HAProxy in front of it (clients on the app's port),
+# and with Serve's throughput-optimized settings (handle calls over gRPC, user code on the replica's own loop).
+MODE_ENV = {"colocated_direct": ("RAY_SERVE_ENABLE_DIRECT_INGRESS",),
+            "colocated_haproxy": ("RAY_SERVE_ENABLE_HA_PROXY",),
+            "colocated_haproxy_throughput": ("RAY_SERVE_ENABLE_HA_PROXY", "RAY_SERVE_THROUGHPUT_OPTIMIZED")}
 DIRECT_MODES = {"colocated_direct"}
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "serve_configs"
 
@@ -228,9 +233,8 @@ def serve_modes(modes: list[str], prompts: list[str], args, repeat: int) -> dict
     for group in groups:
         if not group:
             continue
-        env = MODE_ENV.get(group[0])
-        if env:
-            os.environ[env] = "1"
+        env = MODE_ENV.get(group[0], ())
+        os.environ.update(dict.fromkeys(env, "1"))
         ray.init(address="local", include_dashboard=False, log_to_driver=False)
         try:
             for mode in group:
@@ -239,8 +243,8 @@ def serve_modes(modes: list[str], prompts: list[str], args, repeat: int) -> dict
         finally:
             serve.shutdown()
             ray.shutdown()
-            if env:
-                os.environ.pop(env, None)
+            for name in env:
+                os.environ.pop(name, None)
     return loads
 
 
