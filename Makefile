@@ -9,14 +9,15 @@ STAMP := $(VENV)/.installed
 venv: $(STAMP)
 
 # Torch goes in first and pinned: an unpinned resolve would pull a multi-GB CUDA build. The C++
-# CPU kernels compile last, once, not in the first engine start that needs them (a source changed
-# later recompiles there, as torch's extension loader checks).
+# CPU kernels compile last, once per ISA level (the host's, and AVX2 on an AVX-512 host for the
+# AVX2 path's tests), not in the first engine start that needs them (a source changed later
+# recompiles there, as torch's extension loader checks).
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH)"
 	$(BIN)/python -m pip install -q -e ".[test,load]"
-	$(BIN)/python -c "import kernels.cpu; kernels.cpu.build()" \
+	$(BIN)/python -m kernels.cpu \
 		|| echo "C++ CPU kernels not built (no compiler?): attention_backend auto takes the torch reference"
 	touch $(STAMP)
 

@@ -31,7 +31,10 @@ class EngineConfig:
     ``max_position_embeddings``.
     """
 
+    # A built-in name, a checkpoint directory, a .gguf file (or a directory of one), or a hub id "org/name"
+    # (pd.model.paths); ``revision`` is a hub id's branch, tag or commit.
     model: str = "builtin:tiny-llama"
+    revision: str | None = None
     dtype: Dtype = "float32"
     device: str = "cpu"
     block_size: int = 16

@@ -22,11 +22,14 @@
 
 fp32 only; other dtypes take the reference.
 
-The extension is compiled with ``torch.utils.cpp_extension`` on first use
-(tens of seconds; ``build()`` runs it at engine start) and cached under
-``TORCH_EXTENSIONS_DIR``, in a folder named for this checkout: two checkouts
-sharing one folder would each rewrite the other's build file (it names its
-sources by path) and recompile on every start.
+The extension is compiled with ``torch.utils.cpp_extension`` for the host's
+vector ISA level (``isa()``: AVX-512, AVX2 or none, with flags of its own,
+never ``-march=native``) and cached under ``TORCH_EXTENSIONS_DIR``, in a
+folder named for this checkout and that level: two checkouts sharing one
+folder would each rewrite the other's build file (it names its sources by
+path) and recompile on every start. ``make venv`` builds it (``python -m
+kernels.cpu``), so an engine start loads it; one that finds it missing
+compiles it there (tens of seconds), never on a request's path.
 """
 
 from __future__ import annotations
@@ -54,20 +57,45 @@ MAX_PAGED_PREFILL_KEYS = 1024
 _extension = None
 
 
-def capability_flags() -> list[str]:
-    """Build ATen's ``Vectorized`` for the vector width torch itself dispatches to here.
+# The flags each ISA level is built with, never ``-march=native``: a build made on one host then runs on
+# any host of its level (a venv or image copied to an older host of the same cluster would otherwise die
+# of an illegal instruction). The level is the one torch itself dispatches to here (``isa()``), and each
+# level builds into a folder and a module of its own, so hosts of different levels sharing a cache never
+# rewrite each other's build. The AVX-512 set is torch's own for its AVX512 kernels.
+ISA_FLAGS = {
+    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c", "-mbmi", "-mbmi2"],
+    "AVX2": ["-mavx2", "-mfma", "-mf16c", "-mbmi", "-mbmi2"],
+    "DEFAULT": [],
+}
 
-    Without them the header's generic fallback (scalar loops) is compiled in:
-    correct, but no faster than plain C++.
+
+def isa() -> str:
+    """The vector ISA level the extension is built for here: torch's CPU capability.
+
+    ``ATEN_CPU_CAPABILITY=avx2`` (or ``default``) lowers it, which is how an AVX-512 host runs and tests
+    the AVX2 build. A level we have no flags for (another architecture's) builds without vector flags.
     """
     capability = torch.backends.cpu.get_cpu_capability()
-    if capability in ("AVX512", "AVX2"):
-        return [f"-DCPU_CAPABILITY={capability}", f"-DCPU_CAPABILITY_{capability}"]
-    return []
+    return capability if capability in ISA_FLAGS else "DEFAULT"
+
+
+def capability_flags(level: str) -> list[str]:
+    """The compiler flags for ``level``, ATen's ``Vectorized`` of that width included.
+
+    Without ``CPU_CAPABILITY`` the header's generic fallback (scalar loops) is compiled in:
+    correct, but no faster than plain C++.
+    """
+    flags = list(ISA_FLAGS[level])
+    if level != "DEFAULT":
+        flags += [f"-DCPU_CAPABILITY={level}", f"-DCPU_CAPABILITY_{level}"]
+    return flags
 
 
 def build():
-    """The compiled extension; compiles it the first time (logged with its time)."""
+    """The compiled extension for this host's ``isa()``; compiles it the first time (logged with its time).
+
+    ``make venv`` builds it ahead, so an engine start only loads it.
+    """
     global _extension
     if _extension is not None:
         return _extension
@@ -75,14 +103,15 @@ def build():
         if _extension is None:
             from torch.utils.cpp_extension import load
 
+            level = isa()
             started = time.monotonic()
             _extension = load(
-                name="pd_cpu_kernels", sources=_SOURCES, build_directory=str(_build_directory()),
-                extra_cflags=["-O3", "-march=native", "-fopenmp", "-fopenmp-simd", *capability_flags(),
+                name=f"pd_cpu_kernels_{level.lower()}", sources=_SOURCES, build_directory=str(_build_directory(level)),
+                extra_cflags=["-O3", "-fopenmp", "-fopenmp-simd", *capability_flags(level),
                               f"-DPD_HEADERS={_headers_digest()}"],
                 extra_ldflags=["-fopenmp"], verbose=False,
             )
-            logger.info("cpu kernels ready in %.1f s", time.monotonic() - started)
+            logger.info("cpu kernels (%s) ready in %.1f s", level, time.monotonic() - started)
         return _extension
 
 
@@ -94,11 +123,11 @@ def _headers_digest() -> str:
     return digest.hexdigest()[:16]
 
 
-def _build_directory() -> Path:
+def _build_directory(level: str) -> Path:
     from torch.utils.cpp_extension import get_default_build_root
 
     checkout = hashlib.sha256(str(Path(__file__).resolve().parent).encode()).hexdigest()[:12]
-    directory = Path(get_default_build_root()) / f"pd_cpu_kernels-{checkout}"
+    directory = Path(get_default_build_root()) / f"pd_cpu_kernels-{checkout}-{level.lower()}"
     directory.mkdir(parents=True, exist_ok=True)
     return directory
 

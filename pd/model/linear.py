@@ -21,11 +21,12 @@ decode step) about 1.5x faster than oneDNN from weights past the cache, and
 oneDNN was 5-10% faster from 16 rows up. So ``choose_form`` times both on the
 model's fused gate/up layer when an engine starts (``linear_form: auto``), unless
 the few-row kernel takes the decode steps: then it is ``onednn`` unmeasured.
-Without oneDNN (GPUs, fp16) the form is ``dense``.
+Without oneDNN (GPUs, fp16, and bf16 on a host without AVX-512 or AVX-NE-CONVERT) the form is ``dense``.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import statistics
 import time
@@ -44,7 +45,21 @@ _linear_pointwise = torch.ops.mkldnn._linear_pointwise.default if torch.backends
 
 
 def onednn_available(device: torch.device, dtype: torch.dtype) -> bool:
-    return device.type == "cpu" and dtype in ONEDNN_DTYPES and torch.backends.mkldnn.is_available()
+    """Whether oneDNN's packed GEMM runs ``dtype`` on this host.
+
+    bf16 needs AVX512-BW/VL/DQ or AVX-NE-CONVERT (``torch.ops.mkldnn._is_mkldnn_bf16_supported``, which honours
+    ``ONEDNN_MAX_CPU_ISA``); on an AVX2-only host a bf16 layer is ``dense`` instead: a plain matmul on the
+    stored bf16 weight (``python -m bench.bf16_fallback`` measures what that costs against fp32).
+    """
+    if device.type != "cpu" or dtype not in ONEDNN_DTYPES or not torch.backends.mkldnn.is_available():
+        return False
+    return dtype != torch.bfloat16 or bf16_supported()
+
+
+@functools.cache
+def bf16_supported() -> bool:
+    """Whether oneDNN has a native bf16 path on this host (fixed for the process: read once)."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 # Row counts up to this many run as they are; above it they are rounded up.

@@ -155,7 +155,7 @@ class _Call:
 class Ingress:
     def __init__(self, args: dict, prefill_handle, decode_handle):
         self.args = AppArgs.model_validate(args)
-        model_dir = resolve_model_path(self.args.engine.model)
+        model_dir = resolve_model_path(self.args.engine.model, self.args.engine.revision)
         model_config = load_model_config(model_dir)
         self.tokenizer = Tokenizer.from_dir(model_dir)
         self.max_model_len = self.args.engine.max_model_len or model_config.max_position_embeddings

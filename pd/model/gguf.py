@@ -1,0 +1,361 @@
+"""GGUF checkpoints (llama.cpp's format), read with the ``gguf`` package and converted once into an HF directory.
+
+A GGUF file holds the weights (often quantized), the model's shape and its
+tokenizer as metadata under llama.cpp's key names. ``gguf_checkpoint(path)``
+turns it into the ordinary checkpoint directory the engine, the ingress and
+tensor-parallel ranks already read, under the cache (``pd.model.builtin.cache_dir``):
+
+    config.json               from ``{arch}.*`` metadata
+    model.safetensors         every tensor under its HF name, dequantized to fp32
+                              (F32, F16 and BF16 tensors kept as stored)
+    tokenizer.json            byte-level BPE from ``tokenizer.ggml.*``
+    tokenizer_config.json     special tokens and ``tokenizer.chat_template``
+    generation_config.json
+
+The engine then casts to its own dtype at load, as for any checkpoint. The
+conversion runs once per file (keyed by its path, size and modification
+time, and by ``CONVERTER_VERSION``) under a file lock, written under a
+temporary name and renamed into place, so concurrent replicas find it
+absent or complete; later starts read the cached directory.
+
+llama.cpp permutes the rows of a Llama model's Q and K projections for its
+rotary layout (``convert_hf_to_gguf.py``'s ``permute``); they are permuted
+back here, as ``transformers`` does. Qwen2 and Qwen3 files are stored
+unpermuted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import filelock
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+# Bump when the converted directory's contents change for the same file.
+CONVERTER_VERSION = 1
+
+# GGUF architecture -> (HF architecture, model_type, whether Q/K rows were permuted by llama.cpp).
+ARCHITECTURES = {
+    "llama": ("LlamaForCausalLM", "llama", True),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2", False),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3", False),
+}
+
+# The tensor types dequantized at load (the ``gguf`` package's numpy dequantizers).
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
+                   "Q6_K")
+# Kept in their stored dtype: dequantizing these is exact.
+_FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+# GGUF tensor name (after ``blk.{i}.``) -> HF name (after ``model.layers.{i}.``).
+_LAYER_TENSORS = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+# tokenizer.ggml.token_type values (llama.cpp's llama_token_type).
+_TOKEN_CONTROL = 3
+_TOKEN_USER_DEFINED = 4
+
+# llama.cpp's pre-tokenizer splits by ``tokenizer.ggml.pre`` (llama-vocab.cpp), for the vocabularies served
+# here. ``None``: GPT-2's own regex (the ByteLevel pre-tokenizer's), preceded by single digits where given.
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+@dataclass(frozen=True)
+class PreTokenizer:
+    split: str | None = None  # a regex splitting words (isolated), else GPT-2's
+    single_digits: bool = False  # digits are split one by one first
+
+
+PRE_TOKENIZERS = {
+    "default": PreTokenizer(),
+    "gpt-2": PreTokenizer(),
+    "smollm": PreTokenizer(single_digits=True),
+    "starcoder": PreTokenizer(single_digits=True),
+    "llama3": PreTokenizer(_LLAMA3_SPLIT),
+    "llama-v3": PreTokenizer(_LLAMA3_SPLIT),
+    "llama-bpe": PreTokenizer(_LLAMA3_SPLIT),
+    "smaug-bpe": PreTokenizer(_LLAMA3_SPLIT),
+    "qwen2": PreTokenizer(_QWEN2_SPLIT),
+    "deepseek-r1-qwen": PreTokenizer(_QWEN2_SPLIT),
+}
+
+
+def find_gguf(path: Path) -> Path | None:
+    """The GGUF file ``path`` names: itself, or the one ``.gguf`` in a directory that has no ``config.json``."""
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"model file {str(path)!r} is not a .gguf file; give a .gguf file or a checkpoint "
+                             f"directory")
+        return path
+    if not path.is_dir() or (path / "config.json").is_file():
+        return None
+    files = sorted(path.glob("*.gguf"))
+    if len(files) > 1:
+        raise ValueError(f"model directory {str(path)!r} holds {len(files)} GGUF files "
+                         f"({', '.join(f.name for f in files)}); name the one to serve")
+    return files[0] if files else None
+
+
+def gguf_checkpoint(gguf_path: Path, cache_root: Path) -> Path:
+    """The HF checkpoint directory converted from ``gguf_path``, converting it on first use (see the module doc)."""
+    gguf_path = gguf_path.resolve()
+    stat = gguf_path.stat()
+    key = hashlib.sha256(f"{CONVERTER_VERSION}:{gguf_path}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
+    models_dir = cache_root / "models"
+    final_dir = models_dir / f"gguf-{gguf_path.stem}-{key[:16]}"
+    if final_dir.is_dir():
+        return final_dir
+    models_dir.mkdir(parents=True, exist_ok=True)
+    with filelock.FileLock(str(models_dir / f"gguf-{key[:16]}.lock")):
+        if final_dir.is_dir():
+            return final_dir
+        started = time.monotonic()
+        temp_dir = Path(tempfile.mkdtemp(prefix=f".{final_dir.name}.tmp-", dir=models_dir))
+        try:
+            convert(gguf_path, temp_dir)
+            temp_dir.chmod(0o755)
+            for entry in temp_dir.iterdir():
+                entry.chmod(0o644)
+            os.rename(temp_dir, final_dir)
+        except BaseException:
+            shutil.rmtree(temp_dir, ignore_errors=True)
+            raise
+        logger.info("converted %s into %s in %.1f s", gguf_path, final_dir, time.monotonic() - started)
+    return final_dir
+
+
+def convert(gguf_path: Path, out_dir: Path) -> None:
+    """Write the HF files of the GGUF file into the existing ``out_dir``."""
+    import gguf
+    import safetensors.torch
+
+    try:
+        reader = gguf.GGUFReader(str(gguf_path))
+    except (ValueError, OSError) as exc:
+        raise ValueError(f"cannot read GGUF file {str(gguf_path)!r}: {exc}") from exc
+    meta = _Metadata(reader, gguf_path)
+    arch = meta.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"GGUF file {gguf_path.name} has architecture {arch!r}, which is not supported; "
+                         f"supported: {', '.join(ARCHITECTURES)}")
+    hf_architecture, model_type, permuted = ARCHITECTURES[arch]
+    tensors = {t.name: t for t in reader.tensors}
+    for name in tensors:
+        if name not in _GLOBAL_TENSORS and _hf_layer_name(name) is None:
+            raise ValueError(f"GGUF file {gguf_path.name} has tensor {name!r}, which a {arch} model here has no "
+                             f"place for" + (" (Llama 3.1's rope scaling factors are not supported yet)"
+                                             if name == "rope_freqs.weight" else ""))
+    num_heads = meta.int(f"{arch}.attention.head_count")
+    num_kv_heads = meta.int(f"{arch}.attention.head_count_kv", num_heads)
+    weights = {}
+    for name, tensor in tensors.items():
+        hf_name = _GLOBAL_TENSORS.get(name) or _hf_layer_name(name)
+        weight = _dequantize(tensor, gguf_path)
+        if permuted and name.endswith(("attn_q.weight", "attn_k.weight")):
+            weight = _unpermute(weight, num_heads if ".attn_q." in name else num_kv_heads)
+        weights[hf_name] = weight
+    config = _hf_config(meta, arch, hf_architecture, model_type, weights)
+    tokenizer, tokenizer_config = _tokenizer(meta, gguf_path)
+    tokenizer.save(str(out_dir / "tokenizer.json"))
+    _write_json(out_dir / "tokenizer_config.json", tokenizer_config)
+    _write_json(out_dir / "config.json", config)
+    _write_json(out_dir / "generation_config.json",
+                {key: config[key] for key in ("bos_token_id", "eos_token_id") if config.get(key) is not None})
+    safetensors.torch.save_file(weights, str(out_dir / "model.safetensors"),
+                                metadata={"format": "pt", "source": gguf_path.name})
+
+
+class _Metadata:
+    """A GGUF file's key-value fields, read by name with a clear error for a missing one."""
+
+    def __init__(self, reader, path: Path):
+        self._fields = reader.fields
+        self._path = path
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._fields
+
+    def get(self, key: str, default=None):
+        field = self._fields.get(key)
+        return default if field is None else field.contents()
+
+    def int(self, key: str, default: int | None = None) -> int:
+        value = self.get(key, default)
+        if value is None:
+            raise ValueError(f"GGUF file {self._path.name} has no {key!r} metadata")
+        return int(value)
+
+
+def _hf_layer_name(name: str) -> str | None:
+    parts = name.split(".", 2)
+    if len(parts) != 3 or parts[0] != "blk" or not parts[1].isdigit() or parts[2] not in _LAYER_TENSORS:
+        return None
+    return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}"
+
+
+def _dequantize(tensor, path: Path) -> torch.Tensor:
+    """The tensor in HF's ``[out, in]`` orientation: its stored dtype if a float one, else fp32."""
+    from gguf.quants import dequantize
+
+    kind = tensor.tensor_type.name
+    if kind not in SUPPORTED_TYPES:
+        raise ValueError(f"GGUF file {path.name}: tensor {tensor.name!r} is of type {kind}, which is not supported; "
+                         f"supported: {', '.join(SUPPORTED_TYPES)}")
+    shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists ne0 (the contiguous dim) first
+    if kind in _FLOAT_TYPES:
+        data = np.asarray(tensor.data)
+        if kind == "BF16":
+            return torch.from_numpy(data.view(np.int16).copy()).view(torch.bfloat16).reshape(shape)
+        return torch.from_numpy(data.copy()).reshape(shape)
+    return torch.from_numpy(np.ascontiguousarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+                            ).reshape(shape)
+
+
+def _unpermute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's per-head row interleave of a rotary projection ``[num_heads * head_dim, in]``.
+
+    llama.cpp stores each head's rows as pairs ``(r0, r_{d/2}), (r1, r_{d/2+1}), ...``; HF keeps the halves
+    apart: ``[r0 .. r_{d/2-1}, r_{d/2} .. r_{d-1}]``.
+    """
+    rows = weight.shape[0]
+    half = rows // num_heads // 2
+    return weight.reshape(num_heads, half, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape).contiguous()
+
+
+def _hf_config(meta: _Metadata, arch: str, hf_architecture: str, model_type: str,
+               weights: dict[str, torch.Tensor]) -> dict:
+    hidden = meta.int(f"{arch}.embedding_length")
+    num_heads = meta.int(f"{arch}.attention.head_count")
+    embed = weights.get("model.embed_tokens.weight")
+    if embed is None:
+        raise ValueError("GGUF file has no token_embd.weight tensor")
+    config = {
+        "architectures": [hf_architecture],
+        "model_type": model_type,
+        "vocab_size": int(embed.shape[0]),
+        "hidden_size": hidden,
+        "intermediate_size": meta.int(f"{arch}.feed_forward_length"),
+        "num_hidden_layers": meta.int(f"{arch}.block_count"),
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": meta.int(f"{arch}.attention.head_count_kv", num_heads),
+        "head_dim": meta.int(f"{arch}.attention.key_length", hidden // num_heads),
+        "hidden_act": "silu",
+        "max_position_embeddings": meta.int(f"{arch}.context_length"),
+        "rms_norm_eps": float(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+        "tie_word_embeddings": "lm_head.weight" not in weights,
+        "attention_bias": "model.layers.0.self_attn.q_proj.bias" in weights,
+        "mlp_bias": False,
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+        "torch_dtype": _stored_dtype(weights),
+    }
+    scaling = meta.get(f"{arch}.rope.scaling.type")
+    if scaling == "linear":
+        config["rope_scaling"] = {"rope_type": "linear", "factor": float(meta.get(f"{arch}.rope.scaling.factor"))}
+    elif scaling not in (None, "none"):
+        raise ValueError(f"GGUF rope scaling {scaling!r} is not supported; supported: linear, none")
+    if model_type == "qwen2":
+        config["use_sliding_window"] = False
+    return config
+
+
+def _stored_dtype(weights: dict[str, torch.Tensor]) -> str:
+    """What ``dtype: auto`` loads: the matrices' one dtype if they share it (a plain F16 or BF16 file), else fp32."""
+    dtypes = {t.dtype for t in weights.values() if t.dim() == 2}
+    return str(dtypes.pop()).removeprefix("torch.") if len(dtypes) == 1 else "float32"
+
+
+def _tokenizer(meta: _Metadata, path: Path):
+    """The byte-level BPE tokenizer the metadata describes, and its ``tokenizer_config.json``."""
+    import tokenizers
+    from tokenizers import Regex, decoders, models, pre_tokenizers, processors
+
+    kind = meta.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ValueError(f"GGUF file {path.name} has a {kind!r} tokenizer; only byte-level BPE ('gpt2': Llama 3, "
+                         f"Qwen, SmolLM) is supported")
+    pre_name = meta.get("tokenizer.ggml.pre", "default")
+    if pre_name not in PRE_TOKENIZERS:
+        raise ValueError(f"GGUF file {path.name} has pre-tokenizer {pre_name!r}, which is not supported; "
+                         f"supported: {', '.join(sorted(PRE_TOKENIZERS))}")
+    pre = PRE_TOKENIZERS[pre_name]
+    tokens = list(meta.get("tokenizer.ggml.tokens"))
+    merges = [tuple(merge.split(" ", 1)) for merge in meta.get("tokenizer.ggml.merges", [])]
+    token_types = list(meta.get("tokenizer.ggml.token_type", [1] * len(tokens)))
+    vocab = {token: index for index, token in enumerate(tokens)}
+    tokenizer = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+    steps = []
+    if pre.single_digits:
+        steps.append(pre_tokenizers.Digits(individual_digits=True))
+    if pre.split is not None:
+        steps += [pre_tokenizers.Split(Regex(pre.split), behavior="isolated"),
+                  pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    else:
+        steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True))
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(steps) if len(steps) > 1 else steps[0]
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens([tokenizers.AddedToken(token, special=True, normalized=False)
+                                  for token, kind in zip(tokens, token_types) if kind == _TOKEN_CONTROL])
+    tokenizer.add_tokens([tokenizers.AddedToken(token, special=False, normalized=False)
+                          for token, kind in zip(tokens, token_types) if kind == _TOKEN_USER_DEFINED])
+
+    def token(key: str) -> str | None:
+        index = meta.get(f"tokenizer.ggml.{key}")
+        return tokens[index] if index is not None and 0 <= index < len(tokens) else None
+
+    bos = token("bos_token_id")
+    if meta.get("tokenizer.ggml.add_bos_token", False) and bos is not None:
+        bos_id = vocab[bos]
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos}:1 $B:1", special_tokens=[(bos, bos_id)])
+    config = {
+        "bos_token": bos,
+        "eos_token": token("eos_token_id"),
+        "unk_token": token("unknown_token_id"),
+        "pad_token": token("padding_token_id"),
+        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        "clean_up_tokenization_spaces": False,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }
+    template = meta.get("tokenizer.chat_template")
+    if template is not None:
+        config["chat_template"] = template
+    return tokenizer, {key: value for key, value in config.items() if value is not None}
+
+
+def _write_json(path: Path, value: dict) -> None:
+    path.write_text(json.dumps(value, indent=2, sort_keys=True) + "\n", encoding="utf-8")
