@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
-import pytest
-import torch
+import os
 
-from tests.checkpoints import make_checkpoint
+# Nothing in the suite reaches the network: hub ids resolve from local caches only. Read by huggingface_hub
+# when imported, so set before anything imports it.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from tests.checkpoints import make_checkpoint  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -45,3 +51,47 @@ def pytest_runtest_setup(item):
 
     if item.get_closest_marker("soak") is not None and os.environ.get("PD_SOAK") != "1":
         pytest.skip("soak test: set PD_SOAK=1 to run it")
+
+
+# Chat prompts for the checks on a trained model, SmolLM2-135M-Instruct.
+SMOLLM2 = "builtin:smollm2-135m-instruct"
+SMOLLM2_PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "How many legs does a spider have?",
+    "Explain what a CPU does in one sentence.",
+    "Give me three tips for sleeping better.",
+    "What is the boiling point of water in Celsius?",
+    "Translate 'good morning' into Spanish.",
+    "Who wrote Romeo and Juliet?",
+]
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf():
+    """``(model, tokenizer)``: HF ``transformers`` reading the shipped SmolLM2 GGUF itself (its own dequantizer)."""
+    import transformers
+
+    from pd.model.builtin import PACKAGED_MODELS
+
+    path = PACKAGED_MODELS[SMOLLM2.removeprefix("builtin:")].gguf_path()
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                              dtype=torch.float32).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return model, tokenizer
+
+
+def greedy_divergence(ours: list[int], model, prompt: list[int], near_tie: float = 1e-4) -> str | None:
+    """Why ``ours`` is not HF's greedy continuation of ``prompt``, or None if it is.
+
+    Teacher-forced on ours, HF's argmax must be our token at every step, up to a first divergence at a
+    near-tie (a top-2 logit gap below ``near_tie`` in HF's logits), after which the continuations differ.
+    """
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + ours])).logits[0, len(prompt) - 1:-1]
+    for step, token in enumerate(ours):
+        top = logits[step].topk(2)
+        if int(top.indices[0]) != token:
+            gap = float(top.values[0] - top.values[1])
+            return None if gap < near_tie else f"step {step}: ours {token}, HF {int(top.indices[0])} (gap {gap:.2e})"
+    return None

@@ -44,8 +44,8 @@ def resolve_model_path(model: str, revision: str | None = None) -> Path:
         return _checkpoint_dir(path)
     if HUB_ID.match(model) and not model.startswith((".", "~")):
         return _checkpoint_dir(_hub_snapshot(model, revision))
-    raise ValueError(f"model {model!r} is neither a local directory or .gguf file nor a hub id 'org/name' "
-                     f"(built-in models: {_known_models()})")
+    raise ValueError(f"model {model!r} does not exist: it is neither a local directory or .gguf file nor a hub id "
+                     f"'org/name' (built-in models: {_known_models()})")
 
 
 def _checkpoint_dir(path: Path) -> Path:
@@ -67,8 +67,9 @@ def _hub_snapshot(repo_id: str, revision: str | None) -> Path:
         return Path(snapshot_download(repo_id, revision=revision,
                                       allow_patterns=["*.json", "*.safetensors", "*.gguf", "*.jinja", "*.txt"]))
     except LocalEntryNotFoundError as exc:
-        raise ValueError(f"hub model {repo_id!r}{_at(revision)} is not in the local hub cache and cannot be "
-                         f"downloaded (HF_HUB_OFFLINE is set, or the hub is out of reach): {exc}") from exc
+        raise ValueError(f"model {repo_id!r} is no local path, and as a hub id{_at(revision)} it is not in the local "
+                         f"hub cache and cannot be downloaded (HF_HUB_OFFLINE is set, or the hub is out of reach): "
+                         f"{exc}") from exc
     except HFValidationError as exc:
         raise ValueError(f"{repo_id!r} is not a valid hub model id: {exc}") from exc
     except OSError as exc:  # RepositoryNotFoundError, RevisionNotFoundError and HTTP errors are OSErrors

@@ -10,11 +10,11 @@ from pd import LLM, SamplingParams
 from pd.model import gguf as gguf_model
 from pd.model.paths import resolve_model_path
 from pd.model.tokenizer import Tokenizer
+from tests.conftest import greedy_divergence
 from tests.gguf_files import QUANT_TYPES, make_hf_model, write_gguf
 
 PROMPT = list(range(3, 43))
 NEW_TOKENS = 8
-NEAR_TIE = 1e-4
 
 
 @pytest.fixture(autouse=True)
@@ -55,15 +55,8 @@ def hf_from_gguf(path):
 
 
 def assert_greedy_matches(ours: list[int], model, prompt: list[int]) -> None:
-    """Our greedy tokens are HF's, teacher-forced on ours, up to a first divergence at a near-tie."""
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + ours])).logits[0, len(prompt) - 1:-1]
-    for step, token in enumerate(ours):
-        top = logits[step].topk(2)
-        if int(top.indices[0]) != token:
-            gap = float(top.values[0] - top.values[1])
-            assert gap < NEAR_TIE, f"step {step}: ours {token}, HF {int(top.indices[0])} by a logit gap of {gap:.2e}"
-            return
+    divergence = greedy_divergence(ours, model, prompt)
+    assert divergence is None, divergence
 
 
 @pytest.mark.parametrize("type_name", QUANT_TYPES)
