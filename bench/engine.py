@@ -1,7 +1,7 @@
 """Engine throughput against HF ``transformers`` generate, in the same run.
 
-``python -m bench.engine [--models small,0.5b] [--cases single,uniform,mixed,structured] [--vllm auto|off|PYTHON]``
-prints one JSON line per (case, model): our tokens/s, HF's tokens/s, their
+``python -m bench.engine [--models small,0.5b,smollm2] [--dtypes float32,bfloat16]
+[--cases single,uniform,mixed,structured] [--vllm auto|off|PYTHON]`` prints one JSON line per (case, model, dtype): our tokens/s, HF's tokens/s, their
 ratio, and ``roofline_frac``, the lower-bound time over our measured time.
 The ``structured`` case is ours alone (``bench_structured``): the decode step
 with a JSON-schema grammar on every row over the same step without one.
@@ -15,6 +15,11 @@ must be read (weights once per forward step, plus the KV each step reads) over
 a copy bandwidth. Both peaks are measured here, in this run: a 2048^3 fp32
 matmul, and a 512 MiB tensor copy counted as bytes read plus bytes written.
 Times are medians over ``--repeats`` alternating runs.
+
+``smollm2`` is the trained default model (``builtin:smollm2-135m-instruct``): every engine loads the
+same checkpoint, the one dequantized from the shipped GGUF. The peaks line names the CPU and the ISA
+the run used (``kernels.cpu.isa()``, and whether oneDNN has native bf16 here): on a host without it a
+bf16 engine's dense layers are plain matmuls (``pd.model.linear``).
 """
 
 from __future__ import annotations
@@ -41,6 +46,11 @@ MODELS = {
     "small": dict(
         arch="llama", hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
         intermediate_size=1408, vocab_size=32000, tie_word_embeddings=False,
+    ),
+    # SmolLM2-135M-Instruct's shape; its weights are the shipped GGUF's, not random (``checkpoint_dir``).
+    "smollm2": dict(
+        arch="llama", hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+        intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True,
     ),
     "0.5b": dict(
         arch="qwen2", hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
@@ -84,6 +94,15 @@ def make_checkpoint(name: str, root: Path) -> Path:
     path = root / name
     model.eval().save_pretrained(path)
     return path
+
+
+def checkpoint_dir(name: str, root: Path) -> Path:
+    """The checkpoint every engine of a run loads: the trained model's, or a random one of the named shape."""
+    if name == "smollm2":
+        from pd.model.paths import resolve_model_path
+
+        return resolve_model_path("builtin:smollm2-135m-instruct")
+    return make_checkpoint(name, root)
 
 
 def workload(case: str, vocab: int, seed: int) -> Workload:
@@ -155,8 +174,9 @@ def measure_peaks(repeats: int = 5) -> tuple[float, float]:
     return flops, copy_bw
 
 
-def lower_bound_s(cfg: dict, w: Workload, flops_peak: float, copy_bw: float) -> float:
-    """Minimum time for ``w`` on a model of shape ``cfg`` in fp32, with continuous batching."""
+def lower_bound_s(cfg: dict, w: Workload, flops_peak: float, copy_bw: float, itemsize: int = 4) -> float:
+    """Minimum time for ``w`` on a model of shape ``cfg`` with ``itemsize``-byte weights and KV, continuously
+    batched (the matmul peak is fp32's: a bf16 bound is the copy's, or an fp32-rate one that is too low)."""
     h, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     head_dim = h // heads
@@ -171,16 +191,17 @@ def lower_bound_s(cfg: dict, w: Workload, flops_peak: float, copy_bw: float) -> 
         # Attention: each token at position p does 4 * p * heads * head_dim FLOPs per layer.
         flops += 4 * heads * head_dim * layers * (total * (total + 1) / 2)
         # Each decode step reads the sequence's KV so far.
-        kv_per_token = layers * 2 * kv_heads * head_dim * 4
+        kv_per_token = layers * 2 * kv_heads * head_dim * itemsize
         kv_bytes += kv_per_token * sum(range(n_prompt, total))
     # Weights are read once per forward step; with everything batched, the steps are
     # the longest request's decode steps plus one prefill.
     steps = max(w.max_tokens)
-    weight_bytes = (layer_params * layers + h * vocab) * 4 * steps
+    weight_bytes = (layer_params * layers + h * vocab) * itemsize * steps
     return max(flops / flops_peak, (weight_bytes + kv_bytes) / copy_bw)
 
 
-def bench_case(case: str, name: str, engines: dict, peaks: tuple[float, float], repeats: int) -> dict:
+def bench_case(case: str, name: str, engines: dict, peaks: tuple[float, float], repeats: int,
+               dtype: str = "float32") -> dict:
     """One case, the engines alternating within each repeat; medians of tok/s."""
     vocab = MODELS[name]["vocab_size"]
     warm = workload(case, vocab, seed=1000)
@@ -208,9 +229,9 @@ def bench_case(case: str, name: str, engines: dict, peaks: tuple[float, float], 
         if "vllm" in outputs:
             agree.append(sum(a == b for a, b in zip(outputs["ours"], outputs["vllm"])) / len(w.prompts))
     median = {key: percentile(values, 50) for key, values in tok_s.items()}
-    bound = lower_bound_s(MODELS[name], timed, *peaks)
+    bound = lower_bound_s(MODELS[name], timed, *peaks, itemsize=torch.empty((), dtype=getattr(torch, dtype)).itemsize)
     row = {
-        "case": case, "model": name,
+        "case": case, "model": name, "dtype": dtype,
         "ours_tok_s": round(median["ours"], 1), "hf_tok_s": round(median["hf"], 1),
         "ratio": round(median["ours"] / median["hf"], 3),
         "roofline_frac": round(bound / (useful_tokens(timed) / median["ours"]), 3),
@@ -273,6 +294,7 @@ def bench_structured(repeats: int, batch: int = 16, prompt_len: int = 64, max_to
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="small,0.5b")
+    parser.add_argument("--dtypes", default="float32", help="float32, bfloat16: every engine runs each")
     parser.add_argument("--cases", default="single,uniform,mixed,structured")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per engine")
     parser.add_argument("--threads", type=int, default=2)
@@ -289,24 +311,42 @@ def main() -> None:
         return
     peaks = measure_peaks()
     print(json.dumps({"case": "peaks", "matmul_gflops": round(peaks[0] / 1e9, 1),
-                      "copy_gb_s": round(peaks[1] / 1e9, 2), "threads": args.threads, "cpu": cpu_name()}),
-          flush=True)
+                      "copy_gb_s": round(peaks[1] / 1e9, 2), "threads": args.threads, "cpu": cpu_name(),
+                      **isa_info()}), flush=True)
     vllm_python = peer_python(args.vllm)
     with tempfile.TemporaryDirectory() as root:
         for name in args.models.split(","):
-            path = make_checkpoint(name, Path(root))
-            engines = {
-                "hf": transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(),
-                "ours": LLM(str(path), dtype="float32", kv_cache_bytes=1024**3),
-                "vllm": VllmPeer(vllm_python, path, args.threads) if vllm_python else None,
-            }
-            try:
-                for case in cases:
-                    print(json.dumps(bench_case(case, name, engines, peaks, args.repeats)), flush=True)
-            finally:
-                if engines["vllm"] is not None:
-                    engines["vllm"].close()
-            del engines
+            path = checkpoint_dir(name, Path(root))
+            for dtype in args.dtypes.split(","):
+                engines = {
+                    "hf": transformers.AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval(),
+                    "ours": LLM(str(path), dtype=dtype, kv_cache_bytes=1024**3),
+                    "vllm": VllmPeer(vllm_python, path, args.threads, dtype) if vllm_python else None,
+                }
+                try:
+                    for case in cases:
+                        print(json.dumps(bench_case(case, name, engines, peaks, args.repeats, dtype)), flush=True)
+                finally:
+                    if engines["vllm"] is not None:
+                        engines["vllm"].close()
+                del engines
+
+
+def isa_info() -> dict:
+    """The vector ISA this run's kernels use, and whether oneDNN multiplies bf16 natively here."""
+    import kernels.cpu
+    from pd.model.linear import bf16_supported
+
+    flags = set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        pass
+    return {"isa": kernels.cpu.isa(), "onednn_bf16": bf16_supported(),
+            "cpu_flags": sorted(flags & {"avx2", "avx512f", "avx512_bf16", "avx_ne_convert", "amx_bf16"})}
 
 
 def cpu_name() -> str:

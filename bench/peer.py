@@ -32,14 +32,14 @@ def peer_python(choice: str) -> Path | None:
 class VllmPeer:
     """One vLLM engine in a subprocess, loaded once; ``run`` times one workload in it."""
 
-    def __init__(self, python: Path, model_dir: Path, threads: int):
+    def __init__(self, python: Path, model_dir: Path, threads: int, dtype: str = "float32"):
         if not Path(python).exists():
             raise FileNotFoundError(f"no peer venv at {python}: run `make peer-venv` first")
         env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=cpu_list(threads), VLLM_CPU_KVCACHE_SPACE="1",
                    VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS=str(threads))
         env.pop("PYTHONPATH", None)
         self.process = subprocess.Popen(
-            [str(python), str(ROOT / "bench" / "vllm_peer.py"), str(model_dir)],
+            [str(python), str(ROOT / "bench" / "vllm_peer.py"), str(model_dir), dtype],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=sys.stderr, text=True, env=env,
         )
         ready = self._read()

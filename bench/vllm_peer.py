@@ -29,9 +29,10 @@ def main() -> None:
     results = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
     model_dir = sys.argv[1]
+    dtype = sys.argv[2] if len(sys.argv) > 2 else "float32"
     from vllm import LLM, SamplingParams, TokensPrompt
 
-    llm = LLM(model=model_dir, dtype="float32", skip_tokenizer_init=True, enable_prefix_caching=True,
+    llm = LLM(model=model_dir, dtype=dtype, skip_tokenizer_init=True, enable_prefix_caching=True,
               max_model_len=4096, seed=0)
     results.write(json.dumps({"ready": True}) + "\n")
     for line in sys.stdin:

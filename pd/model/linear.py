@@ -49,7 +49,8 @@ def onednn_available(device: torch.device, dtype: torch.dtype) -> bool:
 
     bf16 needs AVX512-BW/VL/DQ or AVX-NE-CONVERT (``torch.ops.mkldnn._is_mkldnn_bf16_supported``, which honours
     ``ONEDNN_MAX_CPU_ISA``); on an AVX2-only host a bf16 layer is ``dense`` instead: a plain matmul on the
-    stored bf16 weight (``python -m bench.bf16_fallback`` measures what that costs against fp32).
+    stored bf16 weight, which keeps bf16's memory. ``python -m bench.bf16_fallback`` measures what that costs
+    against fp32 (figures in the README).
     """
     if device.type != "cpu" or dtype not in ONEDNN_DTYPES or not torch.backends.mkldnn.is_available():
         return False

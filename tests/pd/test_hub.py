@@ -69,7 +69,8 @@ def test_hub_ids_resolve_offline_at_a_branch_a_tag_or_a_commit_and_a_missing_one
     assert "/gguf-model-Q8_0-" in results["acme/tiny-GGUF@None"]["path"]  # converted from the snapshot's GGUF
     assert len(results["acme/tiny-GGUF@None"]["tokens"]) == 4
     for missing in ("acme/absent@None", "acme/tiny@v3"):
-        assert "not in the local hub cache" in results[missing]["error"] and "HF_HUB_OFFLINE" in results[missing]["error"]
+        error = results[missing]["error"]
+        assert "not in the local hub cache" in error and "HF_HUB_OFFLINE" in error
     assert "at revision 'v3'" in results["acme/tiny@v3"]["error"]
 
 

@@ -1,0 +1,67 @@
+"""What bf16 weights cost on a host without native bf16: ``python -m bench.bf16_fallback``.
+
+``python -m bench.bf16_fallback [--model builtin:smollm2-135m-instruct] [--threads 2] [--rows 1,8,256] [--repeats 9]``
+builds one forward step's dense layers in the model's shapes (QKV, o_proj, gate/up and down per layer, then
+the LM head; random weights, each layer its own, so they are read from memory as a step reads them) in the
+forms an engine can hold them, and times each, alternating, per row count:
+
+- ``fp32``: fp32 weights in oneDNN's packed form (what ``dtype: float32`` runs);
+- ``bf16``: the form ``pd.model.linear`` picks for bf16 on this host: oneDNN's packed bf16 where oneDNN has
+  native bf16 (AVX512-BW/VL/DQ or AVX-NE-CONVERT), else a plain ``torch.matmul`` on the stored bf16 weight.
+
+One JSON line per row count: medians in ms and ``bf16_over_fp32``. Run it under ``ONEDNN_MAX_CPU_ISA=AVX2
+ATEN_CPU_CAPABILITY=avx2`` on an AVX-512 host to measure the AVX2 fallback there; the first line names the
+ISA in force.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from bench.dense_rows import step_shapes
+from bench.engine import cpu_name, isa_info
+from bench.stats import percentile
+from pd.model.linear import make_linear
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="builtin:smollm2-135m-instruct")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rows", default="1,8,256")
+    parser.add_argument("--repeats", type=int, default=9)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    shapes = step_shapes(args.model)
+    generator = torch.Generator().manual_seed(0)
+    weights = [torch.randn(out, inp, generator=generator) for out, inp in shapes]
+    forms = {"fp32": [make_linear(w, None, "onednn") for w in weights],
+             "bf16": [make_linear(w.bfloat16(), None, "onednn") for w in weights]}
+    del weights
+    print(json.dumps({"case": "host", "cpu": cpu_name(), "threads": args.threads, "model": args.model,
+                      "bf16_form": "onednn" if forms["bf16"][0].packed else "matmul", **isa_info()}), flush=True)
+    for rows in (int(r) for r in args.rows.split(",")):
+        inputs = {"fp32": [torch.randn(rows, inp, generator=generator) for _, inp in shapes]}
+        inputs["bf16"] = [x.bfloat16() for x in inputs["fp32"]]
+        times: dict[str, list[float]] = {form: [] for form in forms}
+        with torch.inference_mode():
+            for repeat in range(args.repeats + 1):
+                for form, layers in forms.items():
+                    start = time.perf_counter()
+                    for layer, x in zip(layers, inputs[form]):
+                        layer(x)
+                    if repeat:  # the first pass builds oneDNN's kernels for the shapes
+                        times[form].append(time.perf_counter() - start)
+        median = {form: percentile(values, 50) for form, values in times.items()}
+        print(json.dumps({"case": "step", "rows": rows, "fp32_ms": round(median["fp32"] * 1e3, 3),
+                          "bf16_ms": round(median["bf16"] * 1e3, 3),
+                          "bf16_over_fp32": round(median["bf16"] / median["fp32"], 3), "repeats": args.repeats}),
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
