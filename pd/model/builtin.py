@@ -22,6 +22,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -133,23 +134,28 @@ def cache_dir() -> Path:
 
 
 def ensure_builtin_model(spec: BuiltinModelSpec) -> Path:
-    """Return the checkpoint directory of `spec`, generating it if missing.
+    """Return the checkpoint directory of `spec`, generating it if missing (see ``write_once``)."""
+    return write_once(cache_dir() / "models" / spec.dir_name, f"{spec.name}.lock",
+                      lambda out_dir: write_checkpoint(spec, out_dir))
+
+
+def write_once(final_dir: Path, lock_name: str, write: Callable[[Path], None]) -> Path:
+    """``final_dir``, filled by ``write(directory)`` the first time.
 
     Safe for concurrent callers across processes: the directory is written
-    under a temporary name and renamed into place while holding a file lock,
-    so it is either absent or complete.
+    under a temporary name and renamed into place while holding a file lock
+    (``lock_name``, beside it), so it is either absent or complete.
     """
-    models_dir = cache_dir() / "models"
-    final_dir = models_dir / spec.dir_name
     if final_dir.is_dir():
         return final_dir
-    models_dir.mkdir(parents=True, exist_ok=True)
-    with filelock.FileLock(str(models_dir / f"{spec.name}.lock")):
+    parent = final_dir.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    with filelock.FileLock(str(parent / lock_name)):
         if final_dir.is_dir():
             return final_dir
-        temp_dir = Path(tempfile.mkdtemp(prefix=f".{spec.dir_name}.tmp-", dir=models_dir))
+        temp_dir = Path(tempfile.mkdtemp(prefix=f".{final_dir.name}.tmp-", dir=parent))
         try:
-            write_checkpoint(spec, temp_dir)
+            write(temp_dir)
             _make_world_readable(temp_dir)
             os.rename(temp_dir, final_dir)
         except BaseException:

@@ -29,16 +29,14 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
-import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import filelock
 import numpy as np
 import torch
+
+from pd.model.builtin import write_once
 
 logger = logging.getLogger(__name__)
 
@@ -134,27 +132,14 @@ def gguf_checkpoint(gguf_path: Path, cache_root: Path) -> Path:
     gguf_path = gguf_path.resolve()
     stat = gguf_path.stat()
     key = hashlib.sha256(f"{CONVERTER_VERSION}:{gguf_path}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
-    models_dir = cache_root / "models"
-    final_dir = models_dir / f"gguf-{gguf_path.stem}-{key[:16]}"
-    if final_dir.is_dir():
-        return final_dir
-    models_dir.mkdir(parents=True, exist_ok=True)
-    with filelock.FileLock(str(models_dir / f"gguf-{key[:16]}.lock")):
-        if final_dir.is_dir():
-            return final_dir
+    final_dir = cache_root / "models" / f"gguf-{gguf_path.stem}-{key[:16]}"
+
+    def write(out_dir: Path) -> None:
         started = time.monotonic()
-        temp_dir = Path(tempfile.mkdtemp(prefix=f".{final_dir.name}.tmp-", dir=models_dir))
-        try:
-            convert(gguf_path, temp_dir)
-            temp_dir.chmod(0o755)
-            for entry in temp_dir.iterdir():
-                entry.chmod(0o644)
-            os.rename(temp_dir, final_dir)
-        except BaseException:
-            shutil.rmtree(temp_dir, ignore_errors=True)
-            raise
+        convert(gguf_path, out_dir)
         logger.info("converted %s into %s in %.1f s", gguf_path, final_dir, time.monotonic() - started)
-    return final_dir
+
+    return write_once(final_dir, f"gguf-{key[:16]}.lock", write)
 
 
 def convert(gguf_path: Path, out_dir: Path) -> None:

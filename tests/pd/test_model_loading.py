@@ -76,10 +76,12 @@ def test_tied_checkpoint_without_lm_head_weight(checkpoint):
     assert len(LLM(str(path), num_blocks=16).generate([[1, 2, 3]], SamplingParams(max_tokens=4))[0].token_ids) == 4
 
 
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "qwen3", "llama_bias"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_half_precision_dtypes_track_fp32(dtype, checkpoint, hf_model):
-    """Half-precision logits stay close to HF's fp32 logits, teacher-forced on the same prompt."""
-    path = checkpoint("llama")
+def test_half_precision_dtypes_track_fp32(dtype, kind, checkpoint, hf_model):
+    """Half-precision logits stay close to HF's fp32 logits, teacher-forced on the same prompt, on every
+    architecture (and, in tests/pd/test_isa_fallback.py's child, on the AVX2 path)."""
+    path = checkpoint(kind)
     llm = LLM(str(path), num_blocks=32, dtype=dtype)
     assert llm.engine.runner.kv_cache.dtype == getattr(torch, dtype)
     [out] = llm.generate([list(range(10, 40))], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))

@@ -1,0 +1,96 @@
+"""How long ``make serve`` takes to answer: ``python -m bench.startup [--config serve_configs/default.yaml]``.
+
+Runs ``serve run CONFIG`` as a user does (its own local Ray, in a process group of its own), and from the
+moment it is launched times: ``models_s``, until ``/v1/models`` answers; ``deployed_s``, until ``serve run``
+prints that the app is deployed; ``first_answer_s``, until the first chat completion (sent right after
+``/v1/models`` lists the model) has answered, and ``first_request_s``, that request's own time. Then it
+interrupts ``serve run``, which shuts Serve and its Ray down, and prints one JSON line with the answer's
+text. ``--repeats N`` starts it N times (the first start of a fresh cache converts the GGUF model once).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import requests
+import yaml
+
+from bench.engine import cpu_name, isa_info
+
+ROOT = Path(__file__).resolve().parent.parent
+DEPLOYED = "Deployed app"
+
+
+def one_start(config: Path, url: str, timeout_s: float) -> dict:
+    args = yaml.safe_load(config.read_text())["applications"][0]["args"]
+    model = args.get("model_name") or args["engine"]["model"]
+    started = time.monotonic()
+    server = subprocess.Popen([str(Path(sys.executable).with_name("serve")), "run", str(config)], cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    deployed: list[float] = []
+
+    def watch() -> None:  # serve run's own log: when it says the app is deployed
+        for line in server.stdout:
+            if DEPLOYED in line and not deployed:
+                deployed.append(time.monotonic() - started)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    result = {"model": model}
+    try:
+        deadline = started + timeout_s
+        while True:
+            if server.poll() is not None:
+                raise RuntimeError(f"serve run exited with code {server.returncode}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"/v1/models did not answer within {timeout_s} s")
+            try:
+                if requests.get(f"{url}/v1/models", timeout=2).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            time.sleep(0.5)  # polling a port that is not open yet: there is nothing to wait on
+        result["models_s"] = round(time.monotonic() - started, 1)
+        sent = time.monotonic()
+        answer = requests.post(f"{url}/v1/chat/completions", timeout=timeout_s, json={
+            "model": model, "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "max_tokens": 32, "temperature": 0})
+        answer.raise_for_status()
+        now = time.monotonic()
+        result.update(first_answer_s=round(now - started, 1), first_request_s=round(now - sent, 2),
+                      text=answer.json()["choices"][0]["message"]["content"])
+        result["deployed_s"] = round(deployed[0], 1) if deployed else None
+    finally:
+        os.killpg(server.pid, signal.SIGINT)  # serve run's Ctrl-C: Serve and its Ray shut down
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+        watcher.join(timeout=5)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="serve_configs/default.yaml")
+    parser.add_argument("--url", default="http://127.0.0.1:8000")
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--timeout", type=float, default=600)
+    args = parser.parse_args()
+    host = {"cpu": cpu_name(), "cores": os.cpu_count(), **isa_info()}
+    for repeat in range(args.repeats):
+        row = one_start(ROOT / args.config, args.url, args.timeout)
+        print(json.dumps({"case": "startup", "config": args.config, "repeat": repeat, **row, **host}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
