@@ -79,19 +79,3 @@ def smollm2_hf():
                                                               dtype=torch.float32).eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     return model, tokenizer
-
-
-def greedy_divergence(ours: list[int], model, prompt: list[int], near_tie: float = 1e-4) -> str | None:
-    """Why ``ours`` is not HF's greedy continuation of ``prompt``, or None if it is.
-
-    Teacher-forced on ours, HF's argmax must be our token at every step, up to a first divergence at a
-    near-tie (a top-2 logit gap below ``near_tie`` in HF's logits), after which the continuations differ.
-    """
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + ours])).logits[0, len(prompt) - 1:-1]
-    for step, token in enumerate(ours):
-        top = logits[step].topk(2)
-        if int(top.indices[0]) != token:
-            gap = float(top.values[0] - top.values[1])
-            return None if gap < near_tie else f"step {step}: ours {token}, HF {int(top.indices[0])} (gap {gap:.2e})"
-    return None

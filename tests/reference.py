@@ -27,3 +27,19 @@ def assert_greedy_match(ours: list[int], reference: list[int], gaps: list[float]
         if a != b:
             assert gaps[step] < NEAR_TIE, f"diverged at step {step} with a top-2 gap of {gaps[step]:.2e}: {ours} vs {reference}"
             return
+
+
+def teacher_forced_divergence(ours: list[int], model, prompt: list[int]) -> str | None:
+    """Why ``ours`` is not HF's greedy continuation of ``prompt``, or None if it is.
+
+    Teacher-forced on ours, HF's argmax must be our token at every step, up to a first divergence at a
+    near-tie (a top-2 logit gap below ``NEAR_TIE`` in HF's logits), after which the continuations differ.
+    """
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + ours])).logits[0, len(prompt) - 1:-1]
+    for step, token in enumerate(ours):
+        top = logits[step].topk(2)
+        if int(top.indices[0]) != token:
+            gap = float(top.values[0] - top.values[1])
+            return None if gap < NEAR_TIE else f"step {step}: ours {token}, HF {int(top.indices[0])} (gap {gap:.2e})"
+    return None

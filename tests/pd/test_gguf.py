@@ -10,8 +10,8 @@ from pd import LLM, SamplingParams
 from pd.model import gguf as gguf_model
 from pd.model.paths import resolve_model_path
 from pd.model.tokenizer import Tokenizer
-from tests.conftest import greedy_divergence
 from tests.gguf_files import QUANT_TYPES, make_hf_model, write_gguf
+from tests.reference import teacher_forced_divergence
 
 PROMPT = list(range(3, 43))
 NEW_TOKENS = 8
@@ -55,7 +55,7 @@ def hf_from_gguf(path):
 
 
 def assert_greedy_matches(ours: list[int], model, prompt: list[int]) -> None:
-    divergence = greedy_divergence(ours, model, prompt)
+    divergence = teacher_forced_divergence(ours, model, prompt)
     assert divergence is None, divergence
 
 
@@ -74,6 +74,15 @@ def test_qwen_files_match_hf(kind, gguf_file):
     [out] = LLM(str(path), num_blocks=16).generate([PROMPT], SamplingParams(max_tokens=NEW_TOKENS, temperature=0,
                                                                             ignore_eos=True))
     assert_greedy_matches(out.token_ids, hf_from_gguf(path), PROMPT)
+
+
+def test_the_same_file_loads_unchanged_on_two_tensor_parallel_ranks(gguf_file):
+    path = gguf_file("llama", "Q4_K")
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    [single] = LLM(str(path), num_blocks=16).generate([PROMPT], params)
+    with LLM(str(path), num_blocks=16, tensor_parallel_size=2) as llm:
+        [sharded] = llm.generate([PROMPT], params)
+    assert sharded.token_ids == single.token_ids
 
 
 def test_dequantized_weights_are_hfs_and_the_rotary_rows_are_unpermuted(gguf_file, hf_dirs):

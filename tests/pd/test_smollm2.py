@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from pd import LLM, SamplingParams
-from tests.conftest import SMOLLM2, SMOLLM2_PROMPTS, greedy_divergence
+from tests.conftest import SMOLLM2, SMOLLM2_PROMPTS
+from tests.reference import teacher_forced_divergence
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +37,7 @@ def test_greedy_chat_answers_equal_hf_reading_the_same_gguf(llm, smollm2_hf):
     assert "Paris" in outs[0].text
     for prompt, out in zip(prompts, outs):
         assert out.token_ids, out
-        divergence = greedy_divergence(out.token_ids, model, prompt)
+        divergence = teacher_forced_divergence(out.token_ids, model, prompt)
         assert divergence is None, (llm.tokenizer.decode(prompt), divergence)
 
 

@@ -11,7 +11,8 @@ import uuid
 import pytest
 import torch
 
-from tests.conftest import SMOLLM2, SMOLLM2_PROMPTS, greedy_divergence
+from tests.conftest import SMOLLM2, SMOLLM2_PROMPTS
+from tests.reference import teacher_forced_divergence
 from tests.serve.conftest import Client, ensure_app, pool_stats
 
 THRESHOLD = 64
@@ -63,7 +64,7 @@ def test_served_greedy_answers_equal_hf_on_either_prefill_path(app, tokenizer, s
         ours = tokenizer.encode(text, add_special_tokens=False)
         if out.choices[0].finish_reason == "stop":
             ours.append(tokenizer.eos_token_id)
-        divergence = greedy_divergence(ours, model, prompt_ids)
+        divergence = teacher_forced_divergence(ours, model, prompt_ids)
         assert divergence is None, (prompt, text, divergence)
     assert pulls() - before == (len(SMOLLM2_PROMPTS) if path == "remote" else 0)
 
