@@ -40,6 +40,10 @@ def pulls() -> int:
     return sum(s["num_remote_pulls"] for s in pool_stats("DecodeServer"))
 
 
+def prefilled_remotely() -> int:
+    return sum(s["num_prompt_tokens"] for s in pool_stats("PrefillServer"))
+
+
 def messages_for(path: str, prompt: str) -> list[dict]:
     if path == "local":
         return [{"role": "user", "content": prompt}]
@@ -74,10 +78,12 @@ def test_served_prompt_logprobs_equal_hf_log_softmax(app, tokenizer, smollm2_hf,
     model, _ = smollm2_hf
     for prompt in SMOLLM2_PROMPTS[:3]:
         text = tokenizer.apply_chat_template(messages_for(path, prompt))
+        before = prefilled_remotely()
         status, body = app.post("/v1/completions", {"model": SMOLLM2, "prompt": text, "max_tokens": 0, "echo": True,
                                                     "logprobs": 1, "temperature": 0})
         assert status == 200, body
         token_ids = tokenizer.encode(text)
+        assert prefilled_remotely() - before == (len(token_ids) if path == "remote" else 0)  # scored where it ran
         with torch.no_grad():
             reference = torch.log_softmax(model(torch.tensor([token_ids])).logits[0].float(), dim=-1)
         expected = reference[torch.arange(len(token_ids) - 1), torch.tensor(token_ids[1:])]
