@@ -21,11 +21,14 @@ decode step) about 1.5x faster than oneDNN from weights past the cache, and
 oneDNN was 5-10% faster from 16 rows up. So ``choose_form`` times both on the
 model's fused gate/up layer when an engine starts (``linear_form: auto``), unless
 the few-row kernel takes the decode steps: then it is ``onednn`` unmeasured.
-Without oneDNN (GPUs, fp16, and bf16 on a host without AVX-512 or AVX-NE-CONVERT) the form is ``dense``.
+Without oneDNN (GPUs) the form is ``dense``. A half-precision layer that
+oneDNN cannot run natively on this CPU (fp16; bf16 without AVX-512 or
+AVX-NE-CONVERT) holds fp32 weights and takes fp32's forms (``compute_dtype``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import statistics
@@ -48,13 +51,27 @@ def onednn_available(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether oneDNN's packed GEMM runs ``dtype`` on this host.
 
     bf16 needs AVX512-BW/VL/DQ or AVX-NE-CONVERT (``torch.ops.mkldnn._is_mkldnn_bf16_supported``, which honours
-    ``ONEDNN_MAX_CPU_ISA``); on an AVX2-only host a bf16 layer is ``dense`` instead: a plain matmul on the
-    stored bf16 weight, which keeps bf16's memory. ``python -m bench.bf16_fallback`` measures what that costs
-    against fp32 (figures in the README).
+    ``ONEDNN_MAX_CPU_ISA``). Where it has none, ``compute_dtype`` says how a bf16 layer multiplies instead.
     """
     if device.type != "cpu" or dtype not in ONEDNN_DTYPES or not torch.backends.mkldnn.is_available():
         return False
     return dtype != torch.bfloat16 or bf16_supported()
+
+
+def compute_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
+    """The dtype a layer of ``dtype`` weights multiplies in here: its own, or fp32 for a half-precision
+    one that oneDNN has no native path for on this CPU (bf16 without AVX-512 or AVX-NE-CONVERT; fp16).
+
+    Such a layer holds an fp32 copy of its weights (``make_linear``): its inputs are cast up, its outputs
+    back. The other choice, a plain ``torch.matmul`` on the half-precision weight, falls to ATen's scalar
+    GEMM there: about 0.9 GFLOP/s on 2 threads of an AMD EPYC, 80x slower than fp32's oneDNN at 64 rows
+    (bf16 under ``ONEDNN_MAX_CPU_ISA=AVX2``, and fp16 on AVX-512 too). The copy costs fp32's weight memory
+    and runs at fp32's speed (``python -m bench.bf16_fallback``); the model's activations and its KV
+    cache stay in ``dtype``.
+    """
+    if device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) and not onednn_available(device, dtype):
+        return torch.float32
+    return dtype
 
 
 @functools.cache
@@ -101,8 +118,16 @@ class Linear:
     rows_weight: torch.Tensor | None = None
     rows_kernel: Callable | None = None
     out_features: int = 0
+    # Set where a half-precision layer holds fp32 weights (``compute_dtype``): the inputs' dtype, which the
+    # outputs are cast back to.
+    output_dtype: torch.dtype | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.output_dtype is not None:
+            return self._multiply(x.float()).to(self.output_dtype)
+        return self._multiply(x)
+
+    def _multiply(self, x: torch.Tensor) -> torch.Tensor:
         if self.rows_kernel is not None and x.shape[0] <= FEW_ROWS:
             return self.rows_kernel(x, self.rows_weight, self.bias, self.out_features)
         if self.packed:
@@ -130,10 +155,16 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, form: str = "on
 
     ``form`` is ``"onednn"`` (where oneDNN runs this device and dtype; else dense) or ``"dense"``.
     ``few_rows``: an ``onednn`` layer keeps ``weight``'s panels for batches of up to ``FEW_ROWS`` rows
-    too, where ``few_rows_available``; the caller has built ``kernels.cpu``.
+    too, where ``few_rows_available``; the caller has built ``kernels.cpu``. A half-precision weight with
+    no native GEMM here is held in fp32 (``compute_dtype``).
     """
     if form not in FORMS:
         raise ValueError(f"form must be one of {FORMS}, got {form!r}")
+    work = compute_dtype(weight.device, weight.dtype)
+    if work != weight.dtype:
+        output_dtype = weight.dtype
+        layer = make_linear(weight.to(work), None if bias is None else bias.to(work), form, few_rows)
+        return dataclasses.replace(layer, output_dtype=output_dtype)
     if form == "onednn" and onednn_available(weight.device, weight.dtype):
         weight = weight.contiguous()
         packed = torch.ops.mkldnn._reorder_linear_weight(weight)
@@ -199,6 +230,7 @@ def choose_form(requested: str, device: torch.device, dtype: torch.dtype, out_fe
     few-row kernel, which only the ``onednn`` form uses, takes the decode steps that ``dense`` won).
     The shape given is the model's fused gate/up layer as this rank holds it.
     """
+    dtype = compute_dtype(device, dtype)
     if not onednn_available(device, dtype):
         return FormChoice("dense", {})
     if requested != "auto":

@@ -1,4 +1,4 @@
-"""Hosts without AVX-512: bf16 layers fall back to a plain matmul, and the C++ kernels run their AVX2 build.
+"""Hosts without AVX-512: bf16 layers multiply fp32 copies, and the C++ kernels run their AVX2 build.
 
 An AVX-512 host runs the AVX2 path under ``ONEDNN_MAX_CPU_ISA=AVX2`` (oneDNN, and torch's bf16 check with it)
 and ``ATEN_CPU_CAPABILITY=avx2`` (torch's own kernels, and the level ``kernels.cpu`` builds for). Both are read
@@ -33,16 +33,21 @@ AVX2_TESTS = ["tests/pd/test_isa_fallback.py", "tests/pd/test_linear.py", "tests
               "tests/kernels/test_cpu_small_ops.py", "tests/pd/test_reference_match.py"]
 
 
-def test_without_native_bf16_a_bf16_layer_is_a_plain_matmul_on_the_bf16_weight(monkeypatch):
+@pytest.mark.parametrize("few_rows", [False, True])
+@pytest.mark.parametrize("num_rows", [1, 8, 65])
+def test_without_native_bf16_a_bf16_layer_multiplies_an_fp32_copy(monkeypatch, num_rows, few_rows):
     monkeypatch.setattr(linear, "bf16_supported", lambda: False)
     torch.manual_seed(0)
-    weight, bias, x = torch.randn(96, 40), torch.randn(96), torch.randn(5, 40)
-    layer = make_linear(weight.bfloat16(), bias.bfloat16(), "onednn", few_rows=True)
-    assert not layer.packed and layer.rows_kernel is None and layer.weight.dtype == torch.bfloat16
-    expected = x.double() @ weight.double().t() + bias.double()
-    torch.testing.assert_close(layer(x.bfloat16()).double(), expected, atol=0.5, rtol=0.02)
-    assert choose_form("auto", CPU, torch.bfloat16, 4096, 4096) == linear.FormChoice("dense", {})
-    assert choose_form("auto", CPU, torch.float32, 256, 256).form == "onednn"  # fp32 keeps oneDNN
+    weight, bias, x = torch.randn(96, 40).bfloat16(), torch.randn(96).bfloat16(), torch.randn(num_rows, 40).bfloat16()
+    layer = make_linear(weight, bias, "onednn", few_rows=few_rows)
+    assert layer.packed and layer.output_dtype == torch.bfloat16 and layer.bias.dtype == torch.float32
+    assert (layer.rows_kernel is not None) == few_rows
+    got = layer(x)
+    assert got.dtype == torch.bfloat16
+    # The fp32 product of the bf16 values, rounded once to bf16.
+    expected = (x.double() @ weight.double().t() + bias.double()).bfloat16()
+    torch.testing.assert_close(got, expected, atol=0, rtol=1e-2)
+    assert choose_form("auto", CPU, torch.bfloat16, 256, 256).form == "onednn"  # fp32's choice
 
 
 def test_each_isa_level_builds_with_its_own_flags_and_never_for_the_build_host():
@@ -60,7 +65,7 @@ def test_the_child_runs_the_avx2_path():
     assert kernels.cpu.isa() == os.environ[EXPECTED_ISA]
     assert kernels.cpu.build().__name__ == f"pd_cpu_kernels_{os.environ[EXPECTED_ISA].lower()}"
     assert not linear.bf16_supported()
-    assert not make_linear(torch.randn(8, 4).bfloat16(), None, "onednn").packed
+    assert make_linear(torch.randn(8, 4).bfloat16(), None, "onednn").output_dtype == torch.bfloat16
 
 
 @pytest.mark.skipif(EXPECTED_ISA in os.environ, reason="this is the child")

@@ -57,21 +57,29 @@ def test_a_few_row_batch_runs_in_the_few_row_kernel_and_a_larger_one_in_onednn()
     assert calls == [1, FEW_ROWS]
 
 
-def test_the_few_row_kernel_is_fp32_only():
-    assert make_linear(torch.randn(8, 4).bfloat16(), None, "onednn", few_rows=True).rows_kernel is None
+def test_the_few_row_kernel_multiplies_fp32_weights_only(monkeypatch):
+    if linear.bf16_supported():  # oneDNN's own bf16 GEMM (AVX-512 or AVX-NE-CONVERT hosts)
+        native = make_linear(torch.randn(8, 4).bfloat16(), None, "onednn", few_rows=True)
+        assert native.rows_kernel is None and native.packed and native.output_dtype is None
+    monkeypatch.setattr(linear, "bf16_supported", lambda: False)  # bf16 held as fp32: the kernel runs it
+    held = make_linear(torch.randn(8, 4).bfloat16(), None, "onednn", few_rows=True)
+    assert held.rows_kernel is not None and held.output_dtype == torch.bfloat16
 
 
 def test_a_form_asked_for_is_kept_and_oneDNN_falls_back_where_it_cannot_run():
     assert choose_form("dense", CPU, torch.float32, 4096, 4096).form == "dense"
     assert choose_form("onednn", CPU, torch.float32, 4096, 4096).form == "onednn"
-    assert choose_form("auto", CPU, torch.float16, 4096, 4096).form == "dense"  # oneDNN runs fp32 and bf16
-    assert not make_linear(torch.randn(8, 4).half(), None, "onednn").packed
+    assert choose_form("dense", CPU, torch.float16, 4096, 4096).form == "dense"
+    fp16 = make_linear(torch.randn(8, 4).half(), None, "onednn")  # no oneDNN fp16 here: held in fp32
+    assert fp16.packed and fp16.output_dtype == torch.float16
+    assert fp16(torch.randn(3, 4).half()).dtype == torch.float16
     with pytest.raises(ValueError, match="form must be one of"):
         make_linear(torch.randn(8, 4), None, "mkl")
 
 
 def test_auto_takes_onednn_unmeasured_where_the_few_row_kernel_runs_the_decode_steps(monkeypatch):
     monkeypatch.setattr(linear, "time_forms", lambda *args: {1: 0.5, 256: 1.0})  # dense's one win: one row
+    monkeypatch.setattr(linear, "bf16_supported", lambda: True)
     assert choose_form("auto", CPU, torch.float32, 4096, 4096).form == "dense"
     assert choose_form("auto", CPU, torch.float32, 4096, 4096, few_rows=True) == linear.FormChoice("onednn", {})
     assert choose_form("auto", CPU, torch.bfloat16, 4096, 4096, few_rows=True).form == "dense"  # fp32 kernel only
