@@ -13,10 +13,10 @@ tensor-parallel ranks already read, under the cache (``pd.model.builtin.cache_di
     generation_config.json
 
 The engine then casts to its own dtype at load, as for any checkpoint. The
-conversion runs once per file (keyed by its path, size and modification
-time, and by ``CONVERTER_VERSION``) under a file lock, written under a
-temporary name and renamed into place, so concurrent replicas find it
-absent or complete; later starts read the cached directory.
+conversion runs once per file content (``content_digest``, and
+``CONVERTER_VERSION``) under a file lock, written under a temporary name and
+renamed into place, so concurrent replicas find it absent or complete; later
+starts read the cached directory.
 
 llama.cpp permutes the rows of a Llama model's Q and K projections for its
 rotary layout (``convert_hf_to_gguf.py``'s ``permute``); they are permuted
@@ -29,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -130,16 +131,39 @@ def find_gguf(path: Path) -> Path | None:
 def gguf_checkpoint(gguf_path: Path, cache_root: Path) -> Path:
     """The HF checkpoint directory converted from ``gguf_path``, converting it on first use (see the module doc)."""
     gguf_path = gguf_path.resolve()
-    stat = gguf_path.stat()
-    key = hashlib.sha256(f"{CONVERTER_VERSION}:{gguf_path}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
-    final_dir = cache_root / "models" / f"gguf-{gguf_path.stem}-{key[:16]}"
+    key = hashlib.sha256(f"{CONVERTER_VERSION}:{content_digest(gguf_path, cache_root)}".encode()).hexdigest()[:16]
+    final_dir = cache_root / "models" / f"gguf-{gguf_path.stem}-{key}"
 
     def write(out_dir: Path) -> None:
         started = time.monotonic()
         convert(gguf_path, out_dir)
         logger.info("converted %s into %s in %.1f s", gguf_path, final_dir, time.monotonic() - started)
 
-    return write_once(final_dir, f"gguf-{key[:16]}.lock", write)
+    return write_once(final_dir, f"gguf-{key}.lock", write)
+
+
+def content_digest(path: Path, cache_root: Path) -> str:
+    """The SHA-256 of the file's bytes, remembered under its path, size and modification time.
+
+    A conversion is keyed by what the file holds, not where it lies: every venv installs the default
+    model's wheel anew (new path, new mtime), and all of them share one conversion. The file is read
+    once per path and mtime (about 0.2 s for SmolLM2's 93 MB); later starts read the remembered digest.
+    """
+    stat = path.stat()
+    stamp = hashlib.sha256(f"{path}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:32]
+    remembered = cache_root / "models" / "gguf-digests" / stamp
+    if remembered.is_file():
+        return remembered.read_text().strip()
+    digest = hashlib.sha256()
+    with path.open("rb") as file:
+        while chunk := file.read(16 * 1024**2):
+            digest.update(chunk)
+    value = digest.hexdigest()
+    remembered.parent.mkdir(parents=True, exist_ok=True)
+    partial = remembered.with_name(f".{stamp}.{os.getpid()}")
+    partial.write_text(value + "\n")
+    os.replace(partial, remembered)  # whole or absent, for a reader in another process
+    return value
 
 
 def convert(gguf_path: Path, out_dir: Path) -> None:

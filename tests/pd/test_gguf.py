@@ -187,3 +187,18 @@ def test_a_file_that_is_not_gguf_is_refused(tmp_path):
     (tmp_path / "weights.bin").write_bytes(b"")
     with pytest.raises(ValueError, match="is not a .gguf file"):
         resolve_model_path(str(tmp_path / "weights.bin"))
+
+
+def test_a_copy_of_the_same_file_elsewhere_shares_its_conversion(gguf_file, tmp_path, monkeypatch):
+    import shutil
+
+    path = gguf_file("llama", "Q4_1")
+    first = resolve_model_path(str(path))
+    copy = tmp_path / "elsewhere" / path.name
+    copy.parent.mkdir()
+    shutil.copy(path, copy)  # a new path and modification time, as in another venv
+    monkeypatch.setattr(gguf_model, "convert", lambda *args: pytest.fail("converted again"))
+    assert resolve_model_path(str(copy)) == first
+    copy.write_bytes(copy.read_bytes()[:-4] + b"\0\0\0\1")  # other contents: another conversion
+    with pytest.raises(pytest.fail.Exception, match="converted again"):
+        resolve_model_path(str(copy))
