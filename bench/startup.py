@@ -3,9 +3,11 @@
 Runs ``serve run CONFIG`` as a user does (its own local Ray, in a process group of its own), and from the
 moment it is launched times: ``models_s``, until ``/v1/models`` answers; ``deployed_s``, until ``serve run``
 prints that the app is deployed; ``first_answer_s``, until the first chat completion (sent right after
-``/v1/models`` lists the model) has answered, and ``first_request_s``, that request's own time. Then it
-interrupts ``serve run``, which shuts Serve and its Ray down, and prints one JSON line with the answer's
-text. ``--repeats N`` starts it N times (the first start of a fresh cache converts the GGUF model once).
+``/v1/models`` lists the model) has answered, and ``first_request_s``, that request's own time. With ``--sdk``, the official ``openai`` client then
+asks for a streamed chat, a ``json_schema`` response and ``logprobs``, and the line carries what came
+back. Then it interrupts ``serve run``, which shuts Serve and its Ray down, and prints one JSON line with
+the answer's text. ``--repeats N`` starts it N times (the first start of a fresh cache converts the GGUF
+model once).
 """
 
 from __future__ import annotations
@@ -29,7 +31,33 @@ ROOT = Path(__file__).resolve().parent.parent
 DEPLOYED = "Deployed app"
 
 
-def one_start(config: Path, url: str, timeout_s: float) -> dict:
+CITY_SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}, "country": {"type": "string"}},
+               "required": ["city", "country"], "additionalProperties": False}
+
+
+def sdk_checks(url: str, model: str) -> dict:
+    """A streamed chat, a ``json_schema`` answer and ``logprobs``, through the official ``openai`` client."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    chunks = [chunk.choices[0].delta.content or "" for chunk in client.chat.completions.create(
+        model=model, messages=question, max_tokens=32, temperature=0, stream=True) if chunk.choices]
+    structured = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Name the capital of France and its country as JSON."}],
+        max_tokens=48, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": CITY_SCHEMA}})
+    scored = client.chat.completions.create(model=model, messages=question, max_tokens=8, temperature=0,
+                                            logprobs=True, top_logprobs=2)
+    return {
+        "stream_chunks": len(chunks), "stream_text": "".join(chunks),
+        "json_schema": json.loads(structured.choices[0].message.content),
+        "logprobs": [(entry.token, round(entry.logprob, 4), [alt.token for alt in entry.top_logprobs])
+                     for entry in scored.choices[0].logprobs.content],
+    }
+
+
+def one_start(config: Path, url: str, timeout_s: float, sdk: bool = False) -> dict:
     args = yaml.safe_load(config.read_text())["applications"][0]["args"]
     model = args.get("model_name") or args["engine"]["model"]
     started = time.monotonic()
@@ -68,6 +96,8 @@ def one_start(config: Path, url: str, timeout_s: float) -> dict:
         result.update(first_answer_s=round(now - started, 1), first_request_s=round(now - sent, 2),
                       text=answer.json()["choices"][0]["message"]["content"])
         result["deployed_s"] = round(deployed[0], 1) if deployed else None
+        if sdk:
+            result["sdk"] = sdk_checks(url, model)
     finally:
         os.killpg(server.pid, signal.SIGINT)  # serve run's Ctrl-C: Serve and its Ray shut down
         try:
@@ -85,10 +115,11 @@ def main() -> None:
     parser.add_argument("--url", default="http://127.0.0.1:8000")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=600)
+    parser.add_argument("--sdk", action="store_true", help="then check streaming, json_schema and logprobs")
     args = parser.parse_args()
     host = {"cpu": cpu_name(), "cores": os.cpu_count(), **isa_info()}
     for repeat in range(args.repeats):
-        row = one_start(ROOT / args.config, args.url, args.timeout)
+        row = one_start(ROOT / args.config, args.url, args.timeout, args.sdk)
         print(json.dumps({"case": "startup", "config": args.config, "repeat": repeat, **row, **host}), flush=True)
 
 

@@ -42,12 +42,17 @@ _LAYER_NAMES = {
 
 
 def make_hf_model(kind: str, path: Path) -> Path:
-    """A random HF checkpoint of ``kind`` (llama, qwen2, qwen3) in the GGUF test shape."""
+    """A random HF checkpoint of ``kind`` (llama, llama3, llama3_short, qwen2, qwen3) in the GGUF test shape."""
     import transformers
 
     torch.manual_seed(0)
     if kind == "llama":
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SHAPE, rope_theta=10000.0))
+    elif kind in ("llama3", "llama3_short"):  # Llama 3.1's rope scaling: llama.cpp stores it as rope_freqs.weight
+        # Over Llama 3.1's original context (8192) it barely turns a short prompt's rotations; over 64, it does.
+        rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192 if kind == "llama3" else 64, "rope_theta": 500000.0}
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SHAPE, rope_parameters=rope))
     elif kind == "qwen2":
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**SHAPE, tie_word_embeddings=True))
     elif kind == "qwen3":  # head_dim 128: transformers' GGUF reader takes Qwen3's default, not key_length
@@ -68,6 +73,25 @@ def _permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
     """llama.cpp's ``permute`` (convert_hf_to_gguf.py): each head's two rotary halves interleaved by rows."""
     return weight.reshape(num_heads, 2, weight.shape[0] // num_heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(
         weight.shape)
+
+
+def _llama3_factors(rope: dict, theta: float, head_dim: int) -> np.ndarray:
+    """llama.cpp's ``rope_freqs`` for Llama 3.1 rope scaling (convert_hf_to_gguf.py's LlamaModel)."""
+    import math
+
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    original = rope["original_max_position_embeddings"]
+    factors = []
+    for freq in 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim)):
+        wavelen = 2 * math.pi / freq
+        if wavelen < original / high:
+            factors.append(1.0)
+        elif wavelen > original / low:
+            factors.append(factor)
+        else:
+            smooth = (original / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
 
 
 def _random_k_blocks(qtype, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
@@ -119,7 +143,14 @@ def write_gguf(hf_dir: Path, out: Path, type_name: str, with_tokenizer: bool = T
     writer.add_value_length(head_dim)
     writer.add_rope_dimension_count(head_dim)
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    writer.add_rope_freq_base(config.get("rope_theta") or config.get("rope_parameters", {}).get("rope_theta", 1e4))
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    theta = config.get("rope_theta") or rope.get("rope_theta", 1e4)
+    writer.add_rope_freq_base(theta)
+    if rope.get("rope_type") == "llama3":
+        writer.add_tensor("rope_freqs.weight", _llama3_factors(rope, theta, head_dim))
+        if rope["original_max_position_embeddings"] != 8192:  # llama.cpp's files of Llama 3.1 have no such key
+            writer.add_uint32(f"{arch}.rope.scaling.original_context_length",
+                              rope["original_max_position_embeddings"])
     writer.add_vocab_size(config["vocab_size"])
     if with_tokenizer:
         _add_tokenizer(writer, config["vocab_size"])

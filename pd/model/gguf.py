@@ -29,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -74,6 +75,9 @@ _LAYER_TENSORS = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# Llama 3.1's rope scaling, as llama.cpp stores it: one divisor per rotary frequency (``_llama3_rope``).
+ROPE_FREQS = "rope_freqs.weight"
+LLAMA3_ORIGINAL_CONTEXT = 8192
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -182,11 +186,11 @@ def convert(gguf_path: Path, out_dir: Path) -> None:
                          f"supported: {', '.join(ARCHITECTURES)}")
     hf_architecture, model_type, permuted = ARCHITECTURES[arch]
     tensors = {t.name: t for t in reader.tensors}
+    rope_freqs = tensors.pop(ROPE_FREQS, None)
     for name in tensors:
         if name not in _GLOBAL_TENSORS and _hf_layer_name(name) is None:
             raise ValueError(f"GGUF file {gguf_path.name} has tensor {name!r}, which a {arch} model here has no "
-                             f"place for" + (" (Llama 3.1's rope scaling factors are not supported yet)"
-                                             if name == "rope_freqs.weight" else ""))
+                             f"place for")
     num_heads = meta.int(f"{arch}.attention.head_count")
     num_kv_heads = meta.int(f"{arch}.attention.head_count_kv", num_heads)
     weights = {}
@@ -197,6 +201,10 @@ def convert(gguf_path: Path, out_dir: Path) -> None:
             weight = _unpermute(weight, num_heads if ".attn_q." in name else num_kv_heads)
         weights[hf_name] = weight
     config = _hf_config(meta, arch, hf_architecture, model_type, weights)
+    if rope_freqs is not None:
+        original = meta.int(f"{arch}.rope.scaling.original_context_length", LLAMA3_ORIGINAL_CONTEXT)
+        config["rope_scaling"] = _llama3_rope(_dequantize(rope_freqs, gguf_path).double(), config, original,
+                                              gguf_path)
     tokenizer, tokenizer_config = _tokenizer(meta, gguf_path)
     tokenizer.save(str(out_dir / "tokenizer.json"))
     _write_json(out_dir / "tokenizer_config.json", tokenizer_config)
@@ -300,6 +308,29 @@ def _hf_config(meta: _Metadata, arch: str, hf_architecture: str, model_type: str
     if model_type == "qwen2":
         config["use_sliding_window"] = False
     return config
+
+
+def _llama3_rope(factors: torch.Tensor, config: dict, original: int, path: Path) -> dict:
+    """The ``llama3`` rope scaling whose per-frequency divisors are ``factors``, as llama.cpp computed them.
+
+    llama.cpp stores Llama 3.1's rope scaling as those divisors (``rope_freqs.weight``) rather than as its
+    parameters. The factor is their largest value; the others are Llama 3.1's (low 1, high 4, over
+    ``original``, the metadata's original context length or 8192), kept only if they give back every divisor.
+    """
+    head_dim, theta = config["head_dim"], config["rope_theta"]
+    freqs = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    wavelens = 2 * math.pi / freqs
+    factor = float(factors.max())
+    low, high = 1.0, 4.0
+    smooth = (original / wavelens - low) / (high - low)
+    expected = torch.where(wavelens < original / high, torch.ones_like(wavelens),
+                           torch.where(wavelens > original / low, torch.full_like(wavelens, factor),
+                                       1 / ((1 - smooth) / factor + smooth)))
+    if factors.shape != expected.shape or not torch.allclose(factors, expected, rtol=1e-4, atol=1e-6):
+        raise ValueError(f"GGUF file {path.name}: its {ROPE_FREQS} are not Llama 3.1's rope scaling over an "
+                         f"original context of {original}; other rope scaling is not supported")
+    return {"rope_type": "llama3", "factor": factor, "low_freq_factor": low, "high_freq_factor": high,
+            "original_max_position_embeddings": original, "rope_theta": theta}
 
 
 def _stored_dtype(weights: dict[str, torch.Tensor]) -> str:

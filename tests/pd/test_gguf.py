@@ -76,6 +76,20 @@ def test_qwen_files_match_hf(kind, gguf_file):
     assert_greedy_matches(out.token_ids, hf_from_gguf(path), PROMPT)
 
 
+@pytest.mark.parametrize("kind, original", [("llama3", 8192), ("llama3_short", 64)])
+def test_llama_3_1_rope_scaling_is_read_back_from_its_rope_freqs(kind, original, gguf_file, hf_dirs, hf_model):
+    import json
+
+    path = gguf_file(kind, "F32")
+    config = json.loads((resolve_model_path(str(path)) / "config.json").read_text())
+    assert config["rope_scaling"] == {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0, "original_max_position_embeddings": original,
+                                      "rope_theta": 500000.0}
+    [out] = LLM(str(path), num_blocks=16).generate([PROMPT], SamplingParams(max_tokens=NEW_TOKENS, temperature=0,
+                                                                            ignore_eos=True))
+    assert_greedy_matches(out.token_ids, hf_model(hf_dirs(kind)), PROMPT)  # HF from the original checkpoint
+
+
 def test_the_same_file_loads_unchanged_on_two_tensor_parallel_ranks(gguf_file):
     path = gguf_file("llama", "Q4_K")
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
