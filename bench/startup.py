@@ -3,11 +3,11 @@
 Runs ``serve run CONFIG`` as a user does (its own local Ray, in a process group of its own), and from the
 moment it is launched times: ``models_s``, until ``/v1/models`` answers; ``deployed_s``, until ``serve run``
 prints that the app is deployed; ``first_answer_s``, until the first chat completion (sent right after
-``/v1/models`` lists the model) has answered, and ``first_request_s``, that request's own time. With ``--sdk``, the official ``openai`` client then
-asks for a streamed chat, a ``json_schema`` response and ``logprobs``, and the line carries what came
-back. Then it interrupts ``serve run``, which shuts Serve and its Ray down, and prints one JSON line with
-the answer's text. ``--repeats N`` starts it N times (the first start of a fresh cache converts the GGUF
-model once).
+``/v1/models`` lists the model) has answered, and ``first_request_s``, that request's own time. With
+``--sdk``, the official ``openai`` client then asks for a streamed chat, a ``json_schema`` response and
+``logprobs``, and the line carries what came back. Then it interrupts ``serve run``, which shuts Serve and
+its Ray down, and prints one JSON line with the answer's text. ``--repeats N`` starts it N times (the
+first start of a fresh cache converts the GGUF model once).
 """
 
 from __future__ import annotations
