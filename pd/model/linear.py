@@ -226,16 +226,20 @@ def choose_form(requested: str, device: torch.device, dtype: torch.dtype, out_fe
     """The form an engine's dense layers take: ``requested``, or for ``"auto"`` the faster here.
 
     ``dense`` is chosen when it is faster at one row and within ``DENSE_MAX_SLOWDOWN`` of oneDNN at
-    256; oneDNN otherwise, for a layer under ``PROBE_MIN_ELEMENTS``, and where ``few_rows`` (the
-    few-row kernel, which only the ``onednn`` form uses, takes the decode steps that ``dense`` won).
-    The shape given is the model's fused gate/up layer as this rank holds it.
+    256; oneDNN otherwise, for a layer under ``PROBE_MIN_ELEMENTS``, where ``few_rows`` (the
+    few-row kernel, which only the ``onednn`` form uses, takes the decode steps that ``dense`` won),
+    and for bf16: no BLAS has a bf16 GEMM, so ``dense`` is oneDNN unpacked, and on SmolLM2's layers
+    it took 1.9x as long at one row (``bench.bf16_fallback``'s ``matmul`` on AVX-512), where the
+    probe had picked it in a contended start. The shape given is the model's fused gate/up layer as
+    this rank holds it.
     """
     dtype = compute_dtype(device, dtype)
     if not onednn_available(device, dtype):
         return FormChoice("dense", {})
     if requested != "auto":
         return FormChoice(requested, {})
-    if out_features * in_features < PROBE_MIN_ELEMENTS or (few_rows and few_rows_available(device, dtype)):
+    if (out_features * in_features < PROBE_MIN_ELEMENTS or (few_rows and few_rows_available(device, dtype))
+            or dtype == torch.bfloat16):
         return FormChoice("onednn", {})
     ratios = time_forms(out_features, in_features, dtype)
     dense = ratios[PROBE_ROWS[0]] < 1.0 and ratios[PROBE_ROWS[-1]] <= DENSE_MAX_SLOWDOWN

@@ -82,7 +82,8 @@ def test_auto_takes_onednn_unmeasured_where_the_few_row_kernel_runs_the_decode_s
     monkeypatch.setattr(linear, "bf16_supported", lambda: True)
     assert choose_form("auto", CPU, torch.float32, 4096, 4096).form == "dense"
     assert choose_form("auto", CPU, torch.float32, 4096, 4096, few_rows=True) == linear.FormChoice("onednn", {})
-    assert choose_form("auto", CPU, torch.bfloat16, 4096, 4096, few_rows=True).form == "dense"  # fp32 kernel only
+    bf16 = choose_form("auto", CPU, torch.bfloat16, 4096, 4096, few_rows=True)
+    assert bf16 == linear.FormChoice("onednn", {})  # unmeasured: a bf16 "dense" layer is unpacked oneDNN
 
 
 def test_auto_measures_a_large_layer_and_leaves_a_small_one_on_onednn(monkeypatch):
