@@ -10,9 +10,9 @@ forms an engine can hold them, and times each, alternating, per row count:
   native bf16 (AVX512-BW/VL/DQ or AVX-NE-CONVERT), else an fp32 copy of the weights (``compute_dtype``);
 - ``matmul``, at one row only: a plain ``torch.matmul`` on the bf16 weights, the fallback not taken.
 
-One JSON line per row count: medians in ms, ``bf16_over_fp32`` and ``matmul_over_fp32``. Run it under
-``ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2`` on an AVX-512 host to measure the AVX2 fallback there; the first line names the
-ISA in force.
+One JSON line per row count: medians in ms, ``bf16_over_fp32`` and ``matmul_over_fp32``. Run it
+under ``ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2`` on an AVX-512 host to measure the AVX2
+fallback there; the first line names the ISA in force.
 """
 
 from __future__ import annotations

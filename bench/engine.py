@@ -1,8 +1,9 @@
 """Engine throughput against HF ``transformers`` generate, in the same run.
 
 ``python -m bench.engine [--models small,0.5b,smollm2] [--dtypes float32,bfloat16]
-[--cases single,uniform,mixed,structured] [--vllm auto|off|PYTHON]`` prints one JSON line per (case, model, dtype): our tokens/s, HF's tokens/s, their
-ratio, and ``roofline_frac``, the lower-bound time over our measured time.
+[--cases single,uniform,mixed,structured] [--vllm auto|off|PYTHON]`` prints one JSON line per
+(case, model, dtype): our tokens/s, HF's tokens/s, their ratio, and ``roofline_frac``, the
+lower-bound time over our measured time.
 The ``structured`` case is ours alone (``bench_structured``): the decode step
 with a JSON-schema grammar on every row over the same step without one.
 With the peer venv (``make peer-venv``), vLLM's CPU engine runs in the same

@@ -166,9 +166,10 @@ class ModelRunner:
         blocks = list(range(-(-(num_tokens + 1) // bs)))
         for start, end in ((0, num_tokens), (num_tokens, num_tokens + 1)):
             positions = list(range(start, end))
-            step = StepLists(token_ids=[0] * len(positions), positions=positions,
-                             slots=[blocks[p // bs] * bs + p % bs for p in positions], logits_indices=[len(positions) - 1],
-                             cu_seqlens=[0, len(positions)], seq_lens=[end], block_table=blocks, max_blocks=len(blocks))
+            slots = [blocks[p // bs] * bs + p % bs for p in positions]
+            step = StepLists(token_ids=[0] * len(positions), positions=positions, slots=slots,
+                             logits_indices=[len(positions) - 1], cu_seqlens=[0, len(positions)], seq_lens=[end],
+                             block_table=blocks, max_blocks=len(blocks))
             if self.workers is not None:
                 self.workers.send(step)
             batch = self.to_device(step, _DriverRows())

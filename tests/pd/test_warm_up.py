@@ -16,7 +16,8 @@ def test_warm_up_steps_the_model_and_a_request_after_it_sees_a_fresh_engine(bloc
     llm = LLM("builtin:tiny-llama", num_blocks=16, block_size=block_size)
     steps = []
     forward = llm.engine.runner._forward
-    monkeypatch.setattr(llm.engine.runner, "_forward", lambda batch: steps.append(len(batch.token_ids)) or forward(batch))
+    monkeypatch.setattr(llm.engine.runner, "_forward",
+                        lambda batch: steps.append(len(batch.token_ids)) or forward(batch))
     before = llm.engine.stats()
     llm.engine.warm_up()
     assert steps == [16, 1]  # a prefill past the few-row kernel's rows, then a decode step
