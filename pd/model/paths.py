@@ -42,7 +42,7 @@ def resolve_model_path(model: str, revision: str | None = None) -> Path:
         if revision is not None:
             raise ValueError(f"revision {revision!r} is for hub model ids; {model!r} is a local path")
         return _checkpoint_dir(path)
-    if HUB_ID.match(model) and not model.startswith((".", "~")):
+    if HUB_ID.match(model):
         return _checkpoint_dir(_hub_snapshot(model, revision))
     raise ValueError(f"model {model!r} does not exist: it is neither a local directory or .gguf file nor a hub id "
                      f"'org/name' (built-in models: {_known_models()})")
