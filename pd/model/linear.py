@@ -63,11 +63,12 @@ def compute_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
     one that oneDNN has no native path for on this CPU (bf16 without AVX-512 or AVX-NE-CONVERT; fp16).
 
     Such a layer holds an fp32 copy of its weights (``make_linear``): its inputs are cast up, its outputs
-    back. The other choice, a plain ``torch.matmul`` on the half-precision weight, falls to ATen's scalar
-    GEMM there: about 0.9 GFLOP/s on 2 threads of an AMD EPYC, 80x slower than fp32's oneDNN at 64 rows
-    (bf16 under ``ONEDNN_MAX_CPU_ISA=AVX2``, and fp16 on AVX-512 too). The copy costs fp32's weight memory
-    and runs at fp32's speed (``python -m bench.bf16_fallback``); the model's activations and its KV
-    cache stay in ``dtype``.
+    back. The other choice, a plain ``torch.matmul`` on the half-precision weight (``dense``'s layout),
+    falls to ATen's scalar GEMM there: about 0.9 GFLOP/s on 2 threads of an AMD EPYC, 80x slower than
+    fp32's oneDNN at 64 rows (bf16 under ``ONEDNN_MAX_CPU_ISA=AVX2``, and fp16 on AVX-512 too); on an
+    ``[out, in]`` weight it is a fast GEMV at one row but 4x slower than fp32 at 64. The copy costs
+    fp32's weight memory and runs at fp32's speed (``python -m bench.bf16_fallback``); the model's
+    activations and its KV cache stay in ``dtype``.
     """
     if device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) and not onednn_available(device, dtype):
         return torch.float32
