@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 import uuid
 from typing import Callable
@@ -12,10 +11,11 @@ from typing import Callable
 from pd.config import EngineConfig, SchedulerConfig
 from pd.engine.block_pool import CacheEvent
 from pd.engine.clock import SYSTEM_CLOCK, Clock
+from pd.engine.derived import layout_fingerprint, num_pool_blocks, worker_transport
 from pd.engine.kv_tiers import build_tiers, tier_stats
 from pd.engine.stats import EngineStats
 from pd.engine.kv_connector import ConnectorTP, KVConnector
-from pd.engine.kv_layout import BLOCK_LAYOUT, pool_heads
+from pd.engine.kv_layout import pool_heads
 from pd.engine.model_runner import ModelRunner, kv_block_bytes
 from pd.engine.outputs import RequestOutput
 from pd.engine.request import FinishReason, KVSource, Request, RequestStatus, finish_reason
@@ -23,39 +23,18 @@ from pd.engine.scheduler import make_scheduler
 from pd.engine.step_times import StepTimes
 from pd.engine.tier_io import TierIO
 from pd.engine.structured import GrammarCompiler, RequestGrammar
-from pd.model.config import ModelConfig, load_model_config
-from pd.model.loader import resolve_dtype
+from pd.model.config import load_model_config
 from pd.model.paths import resolve_model_path
-from pd.model.tp import check_tp
 from pd.model.tokenizer import Tokenizer
 from pd.sampling_params import SamplingParams
 from router.protocol import RoutingStats
 from transfer.base import KVTransport
-from transfer.wire import KVHandle, LayoutFingerprint, TransportKind, WireError
+from transfer.wire import KVHandle, WireError
 
 logger = logging.getLogger(__name__)
 
 # A step with nothing to run but tier loads in flight waits this long at most for one to land.
 LOAD_WAIT_S = 0.005
-
-
-def _num_blocks(config: EngineConfig, model: ModelConfig, transport: KVTransport | None) -> int:
-    """The pool's blocks (per rank: each holds its heads), after the checks a tensor-parallel split needs."""
-    check_tp(model, config.tensor_parallel_size)
-    if config.tensor_parallel_size > 1 and transport is not None and transport.kind is not TransportKind.NIXL:
-        raise ValueError(f"the {transport.kind.value} transport moves whole blocks only; "
-                         "tensor_parallel_size > 1 needs the nixl transport")
-    if config.num_blocks is not None:
-        return config.num_blocks
-    block_bytes = kv_block_bytes(model, config.block_size, resolve_dtype(config.dtype, model),
-                                 config.tensor_parallel_size)
-    return max(1, config.kv_cache_bytes // block_bytes)
-
-
-def _worker_transport(transport: KVTransport, engine_id: str) -> dict:
-    """How ranks 1..N-1 make transports like rank 0's: its kind, this engine's id, the UCX settings."""
-    return {"transport": transport.kind.value, "engine_id": engine_id,
-            "transport_env": {k: v for k, v in os.environ.items() if k.startswith("UCX_")}}
 
 
 class LLMEngine:
@@ -84,7 +63,7 @@ class LLMEngine:
             )
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         tp = config.tensor_parallel_size
-        num_blocks = _num_blocks(config, mc, transport)
+        num_blocks = num_pool_blocks(config, mc, transport)
         self.scheduler_config = SchedulerConfig(
             block_size=config.block_size,
             num_blocks=num_blocks,
@@ -97,18 +76,9 @@ class LLMEngine:
         self.block_pool = self.kv_cache.pool
         runner_options = {}
         if tp > 1 and transport is not None:  # each rank reads and serves its own heads
-            runner_options["worker_transport"] = _worker_transport(transport, self.engine_id)
+            runner_options["worker_transport"] = worker_transport(transport, self.engine_id)
         self.runner = make_runner(config, mc, self.model_dir, num_blocks, self.max_model_len, **runner_options)
-        self.fingerprint = LayoutFingerprint(
-            model=config.model,
-            dtype=str(self.runner.dtype).removeprefix("torch."),
-            num_layers=mc.num_layers,
-            num_kv_heads=mc.num_kv_heads,
-            head_dim=mc.head_dim,
-            block_size=config.block_size,
-            block_layout=BLOCK_LAYOUT,
-            tensor_parallel_size=config.tensor_parallel_size,
-        )
+        self.fingerprint = layout_fingerprint(config, mc, self.runner.dtype)
         self.kv_cache.tiers = self.tiers = build_tiers(
             config, self.block_pool, self.runner.kv_cache, kv_block_bytes(mc, config.block_size, self.runner.dtype),
             self.fingerprint.encode(), self.engine_id, clock=clock, io=tier_io)

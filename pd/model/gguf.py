@@ -8,7 +8,7 @@ tensor-parallel ranks already read, under the cache (``pd.model.builtin.cache_di
     config.json               from ``{arch}.*`` metadata
     model.safetensors         every tensor under its HF name, dequantized to fp32
                               (F32, F16 and BF16 tensors kept as stored)
-    tokenizer.json            byte-level BPE from ``tokenizer.ggml.*``
+    tokenizer.json            byte-level BPE from ``tokenizer.ggml.*`` (``pd.model.gguf_tokenizer``)
     tokenizer_config.json     special tokens and ``tokenizer.chat_template``
     generation_config.json
 
@@ -32,13 +32,13 @@ import logging
 import math
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from pd.model.builtin import write_once
+from pd.model.gguf_tokenizer import gguf_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -83,38 +83,6 @@ _GLOBAL_TENSORS = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-
-# tokenizer.ggml.token_type values (llama.cpp's llama_token_type).
-_TOKEN_CONTROL = 3
-_TOKEN_USER_DEFINED = 4
-
-# llama.cpp's pre-tokenizer splits by ``tokenizer.ggml.pre`` (llama-vocab.cpp), for the vocabularies served
-# here. ``None``: GPT-2's own regex (the ByteLevel pre-tokenizer's), preceded by single digits where given.
-_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-
-
-@dataclass(frozen=True)
-class PreTokenizer:
-    split: str | None = None  # a regex splitting words (isolated), else GPT-2's
-    single_digits: bool = False  # digits are split one by one first
-
-
-PRE_TOKENIZERS = {
-    "default": PreTokenizer(),
-    "gpt-2": PreTokenizer(),
-    "smollm": PreTokenizer(single_digits=True),
-    "starcoder": PreTokenizer(single_digits=True),
-    "llama3": PreTokenizer(_LLAMA3_SPLIT),
-    "llama-v3": PreTokenizer(_LLAMA3_SPLIT),
-    "llama-bpe": PreTokenizer(_LLAMA3_SPLIT),
-    "smaug-bpe": PreTokenizer(_LLAMA3_SPLIT),
-    "qwen2": PreTokenizer(_QWEN2_SPLIT),
-    "deepseek-r1-qwen": PreTokenizer(_QWEN2_SPLIT),
-}
-
 
 def find_gguf(path: Path) -> Path | None:
     """The GGUF file ``path`` names: itself, or the one ``.gguf`` in a directory that has no ``config.json``."""
@@ -205,7 +173,7 @@ def convert(gguf_path: Path, out_dir: Path) -> None:
         original = meta.int(f"{arch}.rope.scaling.original_context_length", LLAMA3_ORIGINAL_CONTEXT)
         config["rope_scaling"] = _llama3_rope(_dequantize(rope_freqs, gguf_path).double(), config, original,
                                               gguf_path)
-    tokenizer, tokenizer_config = _tokenizer(meta, gguf_path)
+    tokenizer, tokenizer_config = gguf_tokenizer(meta, gguf_path)
     tokenizer.save(str(out_dir / "tokenizer.json"))
     _write_json(out_dir / "tokenizer_config.json", tokenizer_config)
     _write_json(out_dir / "config.json", config)
@@ -337,64 +305,6 @@ def _stored_dtype(weights: dict[str, torch.Tensor]) -> str:
     """What ``dtype: auto`` loads: the matrices' one dtype if they share it (a plain F16 or BF16 file), else fp32."""
     dtypes = {t.dtype for t in weights.values() if t.dim() == 2}
     return str(dtypes.pop()).removeprefix("torch.") if len(dtypes) == 1 else "float32"
-
-
-def _tokenizer(meta: _Metadata, path: Path):
-    """The byte-level BPE tokenizer the metadata describes, and its ``tokenizer_config.json``."""
-    import tokenizers
-    from tokenizers import Regex, decoders, models, pre_tokenizers, processors
-
-    kind = meta.get("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise ValueError(f"GGUF file {path.name} has a {kind!r} tokenizer; only byte-level BPE ('gpt2': Llama 3, "
-                         f"Qwen, SmolLM) is supported")
-    pre_name = meta.get("tokenizer.ggml.pre", "default")
-    if pre_name not in PRE_TOKENIZERS:
-        raise ValueError(f"GGUF file {path.name} has pre-tokenizer {pre_name!r}, which is not supported; "
-                         f"supported: {', '.join(sorted(PRE_TOKENIZERS))}")
-    pre = PRE_TOKENIZERS[pre_name]
-    tokens = list(meta.get("tokenizer.ggml.tokens"))
-    merges = [tuple(merge.split(" ", 1)) for merge in meta.get("tokenizer.ggml.merges", [])]
-    token_types = list(meta.get("tokenizer.ggml.token_type", [1] * len(tokens)))
-    vocab = {token: index for index, token in enumerate(tokens)}
-    tokenizer = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
-    steps = []
-    if pre.single_digits:
-        steps.append(pre_tokenizers.Digits(individual_digits=True))
-    if pre.split is not None:
-        steps += [pre_tokenizers.Split(Regex(pre.split), behavior="isolated"),
-                  pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
-    else:
-        steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True))
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(steps) if len(steps) > 1 else steps[0]
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.add_special_tokens([tokenizers.AddedToken(token, special=True, normalized=False)
-                                  for token, kind in zip(tokens, token_types) if kind == _TOKEN_CONTROL])
-    tokenizer.add_tokens([tokenizers.AddedToken(token, special=False, normalized=False)
-                          for token, kind in zip(tokens, token_types) if kind == _TOKEN_USER_DEFINED])
-
-    def token(key: str) -> str | None:
-        index = meta.get(f"tokenizer.ggml.{key}")
-        return tokens[index] if index is not None and 0 <= index < len(tokens) else None
-
-    bos = token("bos_token_id")
-    if meta.get("tokenizer.ggml.add_bos_token", False) and bos is not None:
-        bos_id = vocab[bos]
-        tokenizer.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", pair=f"{bos} $A {bos}:1 $B:1", special_tokens=[(bos, bos_id)])
-    config = {
-        "bos_token": bos,
-        "eos_token": token("eos_token_id"),
-        "unk_token": token("unknown_token_id"),
-        "pad_token": token("padding_token_id"),
-        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
-        "clean_up_tokenization_spaces": False,
-        "tokenizer_class": "PreTrainedTokenizerFast",
-    }
-    template = meta.get("tokenizer.chat_template")
-    if template is not None:
-        config["chat_template"] = template
-    return tokenizer, {key: value for key, value in config.items() if value is not None}
 
 
 def _write_json(path: Path, value: dict) -> None:

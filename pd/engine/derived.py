@@ -1,0 +1,50 @@
+"""What an engine derives from its configuration and model before its first step: the pool's size, how
+tensor-parallel ranks make their transports, and the KV layout's fingerprint that transfers check."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from pd.config import EngineConfig
+from pd.engine.kv_layout import BLOCK_LAYOUT
+from pd.engine.model_runner import kv_block_bytes
+from pd.model.config import ModelConfig
+from pd.model.loader import resolve_dtype
+from pd.model.tp import check_tp
+from transfer.base import KVTransport
+from transfer.wire import LayoutFingerprint, TransportKind
+
+
+def num_pool_blocks(config: EngineConfig, model: ModelConfig, transport: KVTransport | None) -> int:
+    """The pool's blocks (per rank: each holds its heads), after the checks a tensor-parallel split needs."""
+    check_tp(model, config.tensor_parallel_size)
+    if config.tensor_parallel_size > 1 and transport is not None and transport.kind is not TransportKind.NIXL:
+        raise ValueError(f"the {transport.kind.value} transport moves whole blocks only; "
+                         "tensor_parallel_size > 1 needs the nixl transport")
+    if config.num_blocks is not None:
+        return config.num_blocks
+    block_bytes = kv_block_bytes(model, config.block_size, resolve_dtype(config.dtype, model),
+                                 config.tensor_parallel_size)
+    return max(1, config.kv_cache_bytes // block_bytes)
+
+
+def worker_transport(transport: KVTransport, engine_id: str) -> dict:
+    """How ranks 1..N-1 make transports like rank 0's: its kind, this engine's id, the UCX settings."""
+    return {"transport": transport.kind.value, "engine_id": engine_id,
+            "transport_env": {k: v for k, v in os.environ.items() if k.startswith("UCX_")}}
+
+
+def layout_fingerprint(config: EngineConfig, model: ModelConfig, dtype: torch.dtype) -> LayoutFingerprint:
+    """What a peer's KV must match, field for field, before any byte of it moves."""
+    return LayoutFingerprint(
+        model=config.model,
+        dtype=str(dtype).removeprefix("torch."),
+        num_layers=model.num_layers,
+        num_kv_heads=model.num_kv_heads,
+        head_dim=model.head_dim,
+        block_size=config.block_size,
+        block_layout=BLOCK_LAYOUT,
+        tensor_parallel_size=config.tensor_parallel_size,
+    )
