@@ -32,10 +32,10 @@ import torch
 
 import kernels.cpu as cpu_kernels
 from pd.engine.block_pool import Tier
-from pd.engine.block_store import NixlBlockStore
-from pd.engine.tier_io import NixlRecords
-from pd.engine.host_tier import HostTier
-from pd.engine.store_tier import StoreTier
+from pd.engine.tiers.block_store import NixlBlockStore
+from pd.engine.tiers.io import NixlRecords
+from pd.engine.tiers.host import HostTier
+from pd.engine.tiers.store import StoreTier
 
 RUN_BLOCKS = 32
 

@@ -24,7 +24,7 @@ from pathlib import Path
 from pd.config import EngineConfig
 from pd.engine.clock import SYSTEM_CLOCK, Clock
 from pd.engine.engine import LLMEngine
-from pd.engine.host_tier import HostTierStats
+from pd.engine.tiers.host import HostTierStats
 from pd.engine.model_runner import step_threads
 from pd.engine.outputs import ForwardOutput, SchedulerOutput
 from pd.model.config import ModelConfig

@@ -1,9 +1,9 @@
 """The disk tier and the shared store in simulated time: records without bytes, I/O that takes modelled time.
 
-The engine's own tiers run unchanged (``pd.engine.store_tier``: the index,
+The engine's own tiers run unchanged (``pd.engine.tiers.store``: the index,
 LRU, capacity, write backlog, staging bound and remembered misses;
-``pd.engine.tier_loads``; the host tier), through the seam
-``pd.engine.tier_io.TierIO``. Only what moves bytes is modelled:
+``pd.engine.tiers.loads``; the host tier), through the seam
+``pd.engine.tiers.io.TierIO``. Only what moves bytes is modelled:
 
     records  which block hashes a store holds: a replica's disk, or the
              deployment's shared store (one ``ModelledStore`` for every replica)
@@ -24,7 +24,7 @@ import torch
 
 from pd.config import EngineConfig
 from pd.engine.block_pool import Tier
-from pd.engine.block_store import trailer_bytes
+from pd.engine.tiers.block_store import trailer_bytes
 from sim.clock import EventLoop
 
 
@@ -73,7 +73,7 @@ class ModelledStore:
 
 
 class ModelledRecords:
-    """``pd.engine.tier_io.Records`` over a ``ModelledStore``: each call adds the time it would take.
+    """``pd.engine.tiers.io.Records`` over a ``ModelledStore``: each call adds the time it would take.
 
     A read finds the run of records the store holds, from the first; a
     record it lacks ends the run, as a missing file does. Writes and
@@ -131,7 +131,7 @@ class ModelledRecords:
 
 
 class LoopWorker:
-    """A ``pd.engine.tier_io.Worker`` in simulated time: one call at a time; each lands after its modelled time."""
+    """A ``pd.engine.tiers.io.Worker`` in simulated time: one call at a time; each lands after its modelled time."""
 
     def __init__(self, loop: EventLoop, records: ModelledRecords, on_event: Callable[[], None]):
         self.loop, self.records, self.on_event = loop, records, on_event
@@ -183,7 +183,7 @@ class _NeverBlocks:
 
 
 class ModelledTierIO:
-    """``pd.engine.tier_io.TierIO`` for one simulated replica: its own disk, and the deployment's shared store.
+    """``pd.engine.tiers.io.TierIO`` for one simulated replica: its own disk, and the deployment's shared store.
 
     ``on_event`` is called as each call lands (the replica's ``wake``).
     """

@@ -8,7 +8,7 @@ bindings register the same types), so every NIXL user here imports this module.
 
 On a machine without CUDA we load ``nixl_cu12``: its UCX, POSIX and OBJ
 plugins link no CUDA library, while ``nixl_cu13``'s OBJ plugin (the shared KV
-store, ``pd.engine.block_store``) links CUDA 13's GPUDirect Storage object
+store, ``pd.engine.tiers.block_store``) links CUDA 13's GPUDirect Storage object
 client and does not load there. With CUDA, ``nixl``'s own choice stands.
 """
 

@@ -2,7 +2,7 @@
 //
 //   dst[dst_ids[i]] = src[src_ids[i]]     for every i
 //
-// The host tier's promotions and demotions (pd/engine/host_tier.py): aten's
+// The host tier's promotions and demotions (pd/engine/tiers/host.py): aten's
 // index_copy_ walks a block in strided element chunks and costs a quarter of
 // a memcpy's bandwidth more at 64 KiB blocks. Any dtype: bytes are bytes.
 

@@ -20,7 +20,7 @@ from pd.config import EngineConfig
 from pd.engine.block_pool import CacheEvent
 from pd.engine.engine import LLMEngine
 from pd.engine.model_runner import ModelRunner
-from pd.engine.tp_workers import Launcher, TPWorkerError
+from pd.engine.tp.driver import Launcher, TPWorkerError
 from pd.engine.stats import EngineStats
 from pd.engine.memory import release_free_memory
 from pd.engine.outputs import RequestOutput
@@ -46,7 +46,7 @@ class EngineDeadError(RuntimeError):
 class AsyncLLMEngine:
     def __init__(self, config: EngineConfig, transport: KVTransport | None = None, *,
                  launcher: Launcher | None = None):
-        """``launcher`` starts the tensor-parallel workers (``pd.engine.tp_workers``; local processes if None)."""
+        """``launcher`` starts the tensor-parallel workers (``pd.engine.tp.driver``; local processes if None)."""
         make_runner = functools.partial(ModelRunner, launcher=launcher)
         self.engine = LLMEngine(config, transport, make_runner=make_runner)
         self._fatal: BaseException | None = None  # what killed the engine for good (a tensor-parallel rank)

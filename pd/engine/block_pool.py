@@ -20,7 +20,7 @@ MAX_CACHE_EVENTS = 4096
 
 
 class Tier(enum.IntEnum):
-    """Where a replica holds a cached block, fastest first (``pd.engine.kv_tiers``)."""
+    """Where a replica holds a cached block, fastest first (``pd.engine.tiers.tiers``)."""
 
     DEVICE = 0
     HOST = 1

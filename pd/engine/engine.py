@@ -12,16 +12,16 @@ from pd.config import EngineConfig, SchedulerConfig
 from pd.engine.block_pool import CacheEvent
 from pd.engine.clock import SYSTEM_CLOCK, Clock
 from pd.engine.derived import layout_fingerprint, num_pool_blocks, worker_transport
-from pd.engine.kv_tiers import build_tiers, tier_stats
+from pd.engine.tiers.tiers import build_tiers, tier_stats
 from pd.engine.stats import EngineStats
-from pd.engine.kv_connector import ConnectorTP, KVConnector
+from pd.engine.disagg.connector import ConnectorTP, KVConnector
 from pd.engine.kv_layout import pool_heads
 from pd.engine.model_runner import ModelRunner, kv_block_bytes
 from pd.engine.outputs import RequestOutput
 from pd.engine.request import FinishReason, KVSource, Request, RequestStatus, finish_reason
 from pd.engine.scheduler import make_scheduler
 from pd.engine.step_times import StepTimes
-from pd.engine.tier_io import TierIO
+from pd.engine.tiers.io import TierIO
 from pd.engine.structured import GrammarCompiler, RequestGrammar
 from pd.model.config import load_model_config
 from pd.model.paths import resolve_model_path
@@ -41,10 +41,10 @@ class LLMEngine:
     """Owns a scheduler and a model runner. Not thread-safe: one caller drives ``step``.
 
     With a ``transport`` the engine also serves disaggregated requests: see
-    ``pd.engine.kv_connector``. ``make_runner`` builds what runs the model
+    ``pd.engine.disagg.connector``. ``make_runner`` builds what runs the model
     (``ModelRunner``'s signature); the simulator passes one that models it,
     its own ``clock``, and ``tier_io``: what the disk tier's and the shared
-    store's records are and what runs their I/O (``pd.engine.tier_io.TierIO``).
+    store's records are and what runs their I/O (``pd.engine.tiers.io.TierIO``).
     """
 
     def __init__(self, config: EngineConfig, transport: KVTransport | None = None, *,

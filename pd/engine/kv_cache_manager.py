@@ -11,7 +11,7 @@ from pd.engine.request import Request
 from router.hashing import ROOT_HASH, hash_block_tokens
 
 if TYPE_CHECKING:
-    from pd.engine.kv_tiers import KVTiers
+    from pd.engine.tiers.tiers import KVTiers
 
 
 @dataclass(frozen=True)

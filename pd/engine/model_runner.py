@@ -30,8 +30,8 @@ from pd.model.llama import CausalLM
 from pd.model.loader import load_weights, resolve_dtype
 from pd.model.rope import cos_sin_cache
 from pd.model.tp import SINGLE, TPShard
-from pd.engine.tp_group import TPGroup
-from pd.engine.tp_workers import Launcher, StepLists, TPWorkers, start_driver
+from pd.engine.tp.group import TPGroup
+from pd.engine.tp.driver import Launcher, StepLists, TPWorkers, start_driver
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ class ModelRunner:
 
     With ``tensor_parallel_size`` > 1 this is rank 0, the driver: it starts the
     other ranks through ``launcher`` (local processes unless given; see
-    ``pd.engine.tp_workers``), sends them each step's inputs and samples from
+    ``pd.engine.tp.driver``), sends them each step's inputs and samples from
     the logits gathered to it. A worker builds its own rank with ``group``.
     """
 

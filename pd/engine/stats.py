@@ -25,7 +25,7 @@ class EngineStats:
     pull_seconds_total: float
     num_recompute_fallbacks: int
     num_quarantined_blocks: int  # blocks of given-up pulls, held until no byte can land in them
-    # The host tier (``pd.engine.host_tier``); zeros without one.
+    # The host tier (``pd.engine.tiers.host``); zeros without one.
     num_demoted_blocks: int
     num_promoted_blocks: int
     num_host_cached_blocks: int
@@ -40,7 +40,7 @@ class EngineStats:
     decode_seqs: int
     decode_seqs_sq: int
     decode_seq_seconds: float
-    # The disk tier and the shared store (``pd.engine.store_tier``); zeros without them.
+    # The disk tier and the shared store (``pd.engine.tiers.store``); zeros without them.
     disk_written_blocks: int = 0
     disk_dropped_writes: int = 0
     disk_pending_writes: int = 0

@@ -45,7 +45,7 @@ class ModelWeights:
 
 
 class Collectives(Protocol):
-    """What a tensor-parallel rank's forward pass needs of its group (``pd.engine.tp_group``)."""
+    """What a tensor-parallel rank's forward pass needs of its group (``pd.engine.tp.group``)."""
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor: ...
 

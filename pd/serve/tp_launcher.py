@@ -16,7 +16,7 @@ import torch
 from ray.util.placement_group import PlacementGroup, get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from pd.engine.tp_workers import WorkerSpec, worker_spec_json
+from pd.engine.tp.driver import WorkerSpec, worker_spec_json
 
 
 @ray.remote
@@ -24,8 +24,8 @@ class TPWorker:
     """Rank ``spec.rank``: ``run`` serves it until its driver stops it or goes away."""
 
     def run(self, spec_json: bytes) -> None:
-        from pd.engine.tp_worker import serve_rank
-        from pd.engine.tp_workers import read_worker_spec
+        from pd.engine.tp.worker import serve_rank
+        from pd.engine.tp.driver import read_worker_spec
 
         serve_rank(read_worker_spec(spec_json))
 

@@ -9,7 +9,7 @@ import torch
 
 from pd import LLM, SamplingParams
 from pd.engine.block_pool import BlockPool
-from pd.engine.host_tier import HostTier
+from pd.engine.tiers.host import HostTier
 from pd.engine.model_runner import kv_block_bytes
 
 BLOCK = 4  # tokens per block in the pure-Python tests

@@ -84,7 +84,7 @@ def test_a_damaged_record_is_recomputed_never_served(tmp_path, block_bytes, refe
         path.write_bytes(data[: len(data) // 2])
     else:
         path.unlink()
-    with caplog.at_level(logging.WARNING, logger="pd.engine.store_tier"):
+    with caplog.at_level(logging.WARNING, logger="pd.engine.tiers.store"):
         tokens, hit = served(llm)
     assert tokens == reference
     assert hit == 3 * 16  # the three blocks before it; the rest recomputed
@@ -98,7 +98,7 @@ def test_a_full_disk_stops_the_tier_with_a_metric_and_a_log_line_and_serving_goe
     free = shutil.disk_usage(tmp_path).free
     llm = tiered(block_bytes, disk_kv_cache_path=str(tmp_path), disk_kv_cache_bytes=1 << 30,
                  disk_kv_min_free_bytes=free * 2)
-    with caplog.at_level(logging.ERROR, logger="pd.engine.store_tier"):
+    with caplog.at_level(logging.ERROR, logger="pd.engine.tiers.store"):
         [out] = llm.generate([FIRST], PARAMS)
         llm.engine.tiers.flush()
     stats = llm.engine.stats()

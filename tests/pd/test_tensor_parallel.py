@@ -12,7 +12,7 @@ import torch
 
 from pd import LLM, SamplingParams
 from pd.config import EngineConfig
-from pd.engine.tp_workers import TPWorkerError
+from pd.engine.tp.driver import TPWorkerError
 from pd.model.config import load_model_config
 from pd.model.loader import load_weights, read_tensors
 from pd.model.tp import TPShard, check_tp, kv_head_sources

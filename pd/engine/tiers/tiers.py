@@ -5,7 +5,7 @@
 
 A request whose prompt continues below the host tier waits, off the step,
 while the disk's and the shared store's records are read into host slots and
-checked (``begin``, ``pd.engine.tier_loads``). Its prefix match (``promote``)
+checked (``begin``, ``pd.engine.tiers.loads``). Its prefix match (``promote``)
 then finds the longest chain in device and host memory and copies what it
 found in host memory into free device blocks, cached there, so the scheduler
 sees device hits. A record that fails its check ends the chain: the rest is
@@ -26,13 +26,13 @@ import torch
 
 from pd.config import EngineConfig
 from pd.engine.block_pool import BlockPool, Tier
-from pd.engine.block_store import namespace_of
+from pd.engine.tiers.block_store import namespace_of
 from pd.engine.clock import SYSTEM_CLOCK, Clock
-from pd.engine.host_tier import HostTier, HostTierStats
+from pd.engine.tiers.host import HostTier, HostTierStats
 from pd.engine.request import Request
-from pd.engine.store_tier import StoreTier, StoreTierStats
-from pd.engine.tier_io import NixlTierIO, TierIO
-from pd.engine.tier_loads import TierLoads
+from pd.engine.tiers.store import StoreTier, StoreTierStats
+from pd.engine.tiers.io import NixlTierIO, TierIO
+from pd.engine.tiers.loads import TierLoads
 
 
 class KVTiers:

@@ -1,9 +1,9 @@
 """What a lower KV tier's records are and what runs their I/O: the seam between the tiers' decisions and their bytes.
 
-``pd.engine.store_tier.StoreTier`` decides (index, LRU, capacity, backlog,
+``pd.engine.tiers.store.StoreTier`` decides (index, LRU, capacity, backlog,
 misses, collection); what it moves goes through ``Records`` (staging, the
 store's I/O, the checks) on two ``Worker``s (a writer and a reader).
-``pd.engine.kv_tiers.build_tiers`` takes them from a ``TierIO``:
+``pd.engine.tiers.tiers.build_tiers`` takes them from a ``TierIO``:
 
     NixlTierIO   the engine's: NixlRecords over a NixlBlockStore (NIXL POSIX or OBJ), ThreadWorkers
     sim.tiers    the simulator's: records without bytes, lanes of I/O in the event loop's time
@@ -22,11 +22,11 @@ import torch
 
 from pd.config import EngineConfig
 from pd.engine.block_pool import Tier
-from pd.engine.block_store import NixlBlockStore, ObjectStoreConfig, check_trailer, pack_trailer
+from pd.engine.tiers.block_store import NixlBlockStore, ObjectStoreConfig, check_trailer, pack_trailer
 
 
 class Records(Protocol):
-    """A tier's bytes: ``pd.engine.tier_io.NixlRecords``, or the simulator's modelled ones."""
+    """A tier's bytes: ``pd.engine.tiers.io.NixlRecords``, or the simulator's modelled ones."""
 
     dir: Path | None  # the disk tier's directory (None for a store)
     data_bytes: int

@@ -5,11 +5,11 @@ which runs rank 0's shard itself. Each step it sends the step's flattened
 inputs (``StepLists``, typed msgpack) to every worker over an authenticated
 local connection, then runs its own forward pass; the collectives inside it
 keep the ranks in step, and the logits arrive whole on rank 0. Workers hold
-no scheduling state (``pd.engine.tp_worker``).
+no scheduling state (``pd.engine.tp.worker``).
 
 The connection carries steps, and a disaggregated engine's KV pulls
 (``Pull``, ``Release``; each rank answers ``PullDone``, see
-``pd.engine.tp_pulls``). An idle engine holds no collective open: a
+``pd.engine.disagg.pulls``). An idle engine holds no collective open: a
 collective's timeout bounds a step, not the wait for one. A worker
 that dies closes its connection and its group sockets: the driver's next
 collective or send fails, naming the rank, and the engine stops (a Serve
@@ -38,7 +38,7 @@ from typing import Protocol
 import msgspec
 import torch
 
-from pd.engine.tp_group import TPGroup
+from pd.engine.tp.group import TPGroup
 
 logger = logging.getLogger(__name__)
 
@@ -145,7 +145,7 @@ class Launcher(Protocol):
 
 
 class LocalLauncher:
-    """Workers as child processes of this one (``python -m pd.engine.tp_worker``, the spec on stdin)."""
+    """Workers as child processes of this one (``python -m pd.engine.tp.worker``, the spec on stdin)."""
 
     def __init__(self) -> None:
         self.processes: dict[int, subprocess.Popen] = {}
@@ -159,7 +159,7 @@ class LocalLauncher:
         return f"cuda:{rank}" if device.type == "cuda" else device.type
 
     def launch(self, spec: WorkerSpec) -> None:
-        process = subprocess.Popen([sys.executable, "-m", "pd.engine.tp_worker"], stdin=subprocess.PIPE)
+        process = subprocess.Popen([sys.executable, "-m", "pd.engine.tp.worker"], stdin=subprocess.PIPE)
         process.stdin.write(worker_spec_json(spec))
         process.stdin.close()
         self.processes[spec.rank] = process

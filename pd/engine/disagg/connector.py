@@ -10,7 +10,7 @@ allocated, and the blocks this engine's own prefix cache lacks are pulled from
 the prefill replica. A pull that fails, times out or meets an expired lease
 sends the request back to compute its prompt here; that is counted. Between
 engines of different tensor-parallel splits every rank pulls the KV heads it
-owns from the prefill ranks that hold them (``pd.engine.tp_pulls``), and the
+owns from the prefill ranks that hold them (``pd.engine.disagg.pulls``), and the
 lease ends on one notification once all have.
 
 Safety: a pull holds its own reference on the local blocks it writes, from
@@ -29,11 +29,11 @@ from typing import Callable
 
 from pd.engine.clock import SYSTEM_CLOCK, Clock
 from pd.engine.kv_cache_manager import KVCacheManager
-from pd.engine.kv_lease import LeaseTable
+from pd.engine.disagg.lease import LeaseTable
 from pd.engine.request import Request
 from pd.engine.scheduler import Scheduler
-from pd.engine.tp_pulls import start_split_pull
-from pd.engine.tp_workers import TPWorkers
+from pd.engine.disagg.pulls import start_split_pull
+from pd.engine.tp.driver import TPWorkers
 from pd.model.config import ModelConfig
 from transfer.base import KVTransport, TransferHandle, TransferState
 from transfer.wire import KVHandle, LayoutFingerprint, WireError, prompt_digest

@@ -20,7 +20,7 @@ import itertools
 import logging
 from typing import Callable
 
-from pd.engine.tp_workers import Pull, Release, TPWorkers
+from pd.engine.tp.driver import Pull, Release, TPWorkers
 from pd.model.config import ModelConfig
 from pd.model.tp import TPShard, kv_head_sources
 from transfer.base import HeadSlice, KVTransport, TransferHandle, TransferState

@@ -1,4 +1,4 @@
-"""A tensor-parallel worker: ranks 1..N-1 of an engine (``python -m pd.engine.tp_worker``, its spec on stdin).
+"""A tensor-parallel worker: ranks 1..N-1 of an engine (``python -m pd.engine.tp.worker``, its spec on stdin).
 
 It joins its driver's group, loads only its shard, reports ready, then runs
 each step it is sent until told to stop or its driver's connection closes.
@@ -17,7 +17,7 @@ import traceback
 import torch
 
 from pd.config import EngineConfig
-from pd.engine.tp_workers import (
+from pd.engine.tp.driver import (
     TP_WIRE_VERSION,
     Failed,
     Pull,
@@ -43,7 +43,7 @@ PULL_POLL_S = 0.001
 def serve_rank(spec: WorkerSpec) -> None:
     """Run rank ``spec.rank`` until stopped; any error is reported to the driver, then raised."""
     from pd.engine.model_runner import ModelRunner
-    from pd.engine.tp_group import TPGroup
+    from pd.engine.tp.group import TPGroup
     from pd.model.config import load_model_config
 
     config = EngineConfig(**spec.engine_config)

@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from pd.engine.block_pool import BlockPool
-from pd.engine.host_tier import HostTier
+from pd.engine.tiers.host import HostTier
 from pd.engine.request import Request
-from pd.engine.store_tier import StoreTier
+from pd.engine.tiers.store import StoreTier
 
 
 @dataclass

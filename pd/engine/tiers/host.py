@@ -2,7 +2,7 @@
 
 A later prompt that runs past the device pool's prefix hits continues its
 match here; the blocks found are copied back into device blocks
-(``pd.engine.kv_tiers``), so to the scheduler they are device hits.
+(``pd.engine.tiers.tiers``), so to the scheduler they are device hits.
 
     device pool  --evict-->  demote: copy the block, keyed by its hash (LRU)
     host pool    --match-->  promote: copy into fresh device blocks, cached there

@@ -1,4 +1,4 @@
-"""A KV tier below host memory: the local disk, or the deployment's shared store (``pd.engine.block_store``).
+"""A KV tier below host memory: the local disk, or the deployment's shared store (``pd.engine.tiers.block_store``).
 
 Blocks are written through: when a block is computed and cached, the tier
 copies it into one of ``num_staging`` staging records, and its writer thread
@@ -18,7 +18,7 @@ they found is applied on the engine's thread (``finished``). Each record read
 back is checked against the hash and tokens asked for.
 
 The bytes (staging, the store's I/O, the checks) are the tier's ``records``
-(``pd.engine.tier_io.NixlRecords``), and its two threads are
+(``pd.engine.tiers.io.NixlRecords``), and its two threads are
 ``Worker``s: the simulator gives it modelled ones (``sim.tiers``), and every
 decision here (index, LRU, capacity, backlog, misses) runs unchanged there.
 
@@ -47,9 +47,9 @@ from typing import Callable, Sequence
 import torch
 
 from pd.engine.block_pool import Tier
-from pd.engine.block_store import StoreError
+from pd.engine.tiers.block_store import StoreError
 from pd.engine.clock import SYSTEM_CLOCK, Clock
-from pd.engine.tier_io import Records, ThreadWorker, Worker
+from pd.engine.tiers.io import Records, ThreadWorker, Worker
 
 logger = logging.getLogger(__name__)
 
