@@ -39,7 +39,7 @@ from autoscale.planner import (
     plan_decode,
     plan_prefill,
 )
-from bench.stats import percentile
+from pd.workload.stats import percentile
 
 # Serve runs the policy in its controller, whose log keeps only Serve's logger: decisions go there.
 logger = logging.getLogger("ray.serve")

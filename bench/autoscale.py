@@ -18,7 +18,7 @@ to its stop or the last arrival, starting and draining included), their
 ratio per replica-hour, and the most replicas of each pool. ``--plot`` draws
 each policy's replicas over time against the offered load.
 
-The default trace (``bench/traces/bursty.jsonl.gz``) is ``bench.trace``'s
+The default trace (``bench/traces/bursty.jsonl.gz``) is ``pd.workload.trace``'s
 ``generate_bursty`` with its defaults: 10 minutes of chat, a diurnal ramp to
 2x and a 3x load step; ``--generate F`` writes it again.
 """
@@ -34,9 +34,9 @@ from collections import Counter
 from pathlib import Path
 
 from autoscale.planner import Bounds, PlannerConfig, Slo
-from bench.trace import BurstyTraceConfig, TraceRequest, dump_trace, generate_bursty, load_trace
 from pd.config import EngineConfig
 from pd.model.config import load_model_config
+from pd.workload.trace import BurstyTraceConfig, TraceRequest, dump_trace, generate_bursty, load_trace
 from sim.autoscale import PlannerAutoscaler, RayDefaultAutoscaler, StaticAutoscaler, Timeline, capacity, run
 from sim.clock import EventLoop
 from sim.cluster import ClusterSpec, PoolSpec, SimCluster

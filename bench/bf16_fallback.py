@@ -25,9 +25,10 @@ import time
 import torch
 
 from bench.dense_rows import step_shapes
-from bench.engine import cpu_name, isa_info
-from bench.stats import percentile
+from bench.engine import isa_info
 from pd.model.linear import make_linear
+from pd.workload.host import cpu_name
+from pd.workload.stats import percentile
 
 
 def main() -> None:

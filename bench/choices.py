@@ -27,7 +27,7 @@ from pathlib import Path
 import requests
 import yaml
 
-from bench.engine import cpu_name
+from pd.workload.host import cpu_name
 
 CONFIG = Path(__file__).resolve().parents[1] / "serve_configs" / "default.yaml"
 PROMPTS = {"local": "Tell me about the sea and the sky.", "remote": " ".join(f"word{i}" for i in range(150))}

@@ -20,11 +20,12 @@ import time
 
 import torch
 
-from bench.engine import cpu_name, measure_peaks
-from bench.stats import percentile
+from bench.engine import measure_peaks
 from pd.model.config import load_model_config
 from pd.model.linear import make_linear
 from pd.model.paths import resolve_model_path
+from pd.workload.host import cpu_name
+from pd.workload.stats import percentile
 
 
 def step_shapes(model: str) -> list[tuple[int, int]]:

@@ -30,18 +30,19 @@ import json
 import random
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from bench.peer import VllmPeer, peer_python
-from bench.stats import percentile
 from pd import LLM, SamplingParams
 from pd.config import EngineConfig
 from pd.engine.engine import LLMEngine
-from pd.sampling_params import StructuredKind, StructuredOutput
 from pd.model.linear import make_linear
+from pd.sampling_params import StructuredKind, StructuredOutput
+from pd.workload.host import cpu_flags, cpu_name
+from pd.workload.stats import percentile
+from pd.workload.token_prompts import TokenBatch, token_batch
 
 MODELS = {
     "small": dict(
@@ -75,12 +76,6 @@ STRUCTURED_SCHEMA = {
 }
 
 
-@dataclass(frozen=True)
-class Workload:
-    prompts: list[list[int]]
-    max_tokens: list[int]
-
-
 def make_checkpoint(name: str, root: Path) -> Path:
     import transformers
 
@@ -106,25 +101,11 @@ def checkpoint_dir(name: str, root: Path) -> Path:
     return make_checkpoint(name, root)
 
 
-def workload(case: str, vocab: int, seed: int) -> Workload:
-    rng = random.Random(seed)
-
-    def prompt(n: int) -> list[int]:
-        return [rng.randrange(3, vocab) for _ in range(n)]
-
-    if case == "single":
-        return Workload([prompt(128)], [128])
-    if case == "uniform":
-        return Workload([prompt(128) for _ in range(32)], [64] * 32)
-    lens = [rng.randint(16, 512) for _ in range(64)]
-    return Workload([prompt(n) for n in lens], [rng.randint(8, 128) for _ in range(64)])
-
-
-def useful_tokens(w: Workload) -> int:
+def useful_tokens(w: TokenBatch) -> int:
     return sum(w.max_tokens)
 
 
-def run_ours(llm: LLM, w: Workload) -> tuple[float, list[list[int]]]:
+def run_ours(llm: LLM, w: TokenBatch) -> tuple[float, list[list[int]]]:
     params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in w.max_tokens]
     start = time.perf_counter()
     outputs = llm.generate(w.prompts, params)
@@ -133,7 +114,7 @@ def run_ours(llm: LLM, w: Workload) -> tuple[float, list[list[int]]]:
     return elapsed, [list(o.token_ids) for o in outputs]
 
 
-def run_hf(model, w: Workload, batch_size: int) -> float:
+def run_hf(model, w: TokenBatch, batch_size: int) -> float:
     """As a user would: arrival order, left-padded batches, each to its longest max_tokens."""
     start = time.perf_counter()
     with torch.inference_mode():
@@ -175,7 +156,7 @@ def measure_peaks(repeats: int = 5) -> tuple[float, float]:
     return flops, copy_bw
 
 
-def lower_bound_s(cfg: dict, w: Workload, flops_peak: float, copy_bw: float, itemsize: int = 4) -> float:
+def lower_bound_s(cfg: dict, w: TokenBatch, flops_peak: float, copy_bw: float, itemsize: int = 4) -> float:
     """Minimum time for ``w`` on a model of shape ``cfg`` with ``itemsize``-byte weights and KV, continuously
     batched (the matmul peak is fp32's: a bf16 bound is the copy's, or an fp32-rate one that is too low)."""
     h, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
@@ -205,11 +186,11 @@ def bench_case(case: str, name: str, engines: dict, peaks: tuple[float, float], 
                dtype: str = "float32") -> dict:
     """One case, the engines alternating within each repeat; medians of tok/s."""
     vocab = MODELS[name]["vocab_size"]
-    warm = workload(case, vocab, seed=1000)
-    timed = workload(case, vocab, seed=1)
+    warm = token_batch(case, vocab, seed=1000)
+    timed = token_batch(case, vocab, seed=1)
     batch = {"single": 1, "uniform": 32, "mixed": 16}[case]
     # Warm-ups use other prompts, so a warm prefix cache does not flatter an engine.
-    small_warm = Workload(warm.prompts[:4], [4] * min(4, len(warm.prompts)))
+    small_warm = TokenBatch(warm.prompts[:4], [4] * min(4, len(warm.prompts)))
     runners = {
         "ours": lambda w: run_ours(engines["ours"], w),
         "hf": lambda w: (run_hf(engines["hf"], w, batch), None),
@@ -222,7 +203,7 @@ def bench_case(case: str, name: str, engines: dict, peaks: tuple[float, float], 
     agree = []
     for r in range(repeats):
         # Fresh prompts each repeat, for the same reason.
-        w = timed if r == 0 else workload(case, vocab, seed=1 + r)
+        w = timed if r == 0 else token_batch(case, vocab, seed=1 + r)
         outputs = {}
         for key, run in runners.items():
             elapsed, outputs[key] = run(w)
@@ -338,27 +319,7 @@ def isa_info() -> dict:
     import kernels.cpu
     from pd.model.linear import bf16_supported
 
-    flags = set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    except OSError:
-        pass
-    return {"isa": kernels.cpu.isa(), "onednn_bf16": bf16_supported(),
-            "cpu_flags": sorted(flags & {"avx2", "avx512f", "avx512_bf16", "avx_ne_convert", "amx_bf16"})}
-
-
-def cpu_name() -> str:
-    """The CPU model, as /proc/cpuinfo names it (figures differ between Intel and AMD hosts)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
+    return {"isa": kernels.cpu.isa(), "onednn_bf16": bf16_supported(), "cpu_flags": cpu_flags()}
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from bench.stats import percentile
+from pd.workload.stats import percentile
 
 LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
                  vocab_size=128256, rope_theta=500000.0, max_position_embeddings=8192, rms_norm_eps=1e-5)

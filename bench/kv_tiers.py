@@ -36,8 +36,8 @@ import time
 import torch
 
 from bench import tier_speeds
-from bench.stats import percentile
-from loadtest.workloads import ChatWorkload
+from pd.workload.stats import percentile
+from pd.workload.workloads import ChatWorkload
 
 BLOCK_SIZE = 16
 MODEL = "builtin:tiny-llama"
@@ -160,11 +160,11 @@ def main(argv: list[str] | None = None) -> None:
         serve_then_wait(args.serve_then_wait, args.groups, args.turns, args.device_blocks, args.host_bytes)
         return
 
-    from bench.engine import cpu_name
     from pd.engine import kv_layout
     from pd.engine.model_runner import kv_block_bytes
     from pd.model.config import load_model_config
     from pd.model.paths import resolve_model_path
+    from pd.workload.host import cpu_name
 
     prompts = chat_prompts(args.groups, args.turns)
     model_config = load_model_config(resolve_model_path(MODEL))

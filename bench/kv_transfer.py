@@ -31,7 +31,7 @@ import time
 
 import torch
 
-from bench.stats import percentile
+from pd.workload.stats import percentile
 
 NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 24, 2, 64, 16
 PROMPT_TOKENS = 2048
@@ -85,9 +85,8 @@ def block_words(block_ids: torch.Tensor) -> torch.Tensor:
 
 def _prefill_main(conn, backend: str) -> None:
     """The owner: serves our transport's control messages, and a raw NIXL agent over the same pool."""
-    from transfer.nixl_api import make_agent
-
     from transfer import create_transport
+    from transfer.nixl_api import make_agent
 
     quiet_nixl()
     torch.set_num_threads(1)

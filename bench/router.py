@@ -1,7 +1,7 @@
 """Trace-driven comparison of prefill routers, in the cluster simulator (``sim``).
 
 ``python -m bench.router [--trace FILE | --generate {multi_tenant,system_prompt,mooncake}] [--replicas 8]
-[--cache-blocks 256]`` serves one Mooncake-format trace (``bench.trace``) with
+[--cache-blocks 256]`` serves one Mooncake-format trace (``pd.workload.trace``) with
 every policy and prints one JSON line per policy:
 
 - ``pd``: this project's ``router.policy.PrefixAffinityPolicy``, fed the
@@ -27,7 +27,7 @@ null when some replica got none), ``ttft_p50_s``/``ttft_p99_s`` (simulated),
 ``utilization`` (the replicas' modelled compute time over their time),
 ``decide_us_p50``/``decide_us_p99`` (wall time of one routing decision plus
 the router's bookkeeping for it, measured here), and the per-replica request counts.
-Percentiles interpolate between ranks, as ``bench.stats`` defines them.
+Percentiles interpolate between ranks, as ``pd.workload.stats`` defines them.
 """
 
 from __future__ import annotations
@@ -41,8 +41,10 @@ from dataclasses import dataclass
 
 from bench.baseline_routers import PowerOfTwo, RoundRobin
 from bench.ray_prefix import RayPrefixRouter
-from bench.stats import percentile, percentiles
-from bench.trace import (
+from pd.config import EngineConfig
+from pd.model.config import load_model_config
+from pd.workload.stats import percentile, percentiles
+from pd.workload.trace import (
     MOONCAKE_LIKE,
     TRACE_BLOCK_TOKENS,
     MultiTenantTraceConfig,
@@ -53,8 +55,6 @@ from bench.trace import (
     generate_system_prompt,
     load_trace,
 )
-from pd.config import EngineConfig
-from pd.model.config import load_model_config
 from router.policy import PolicyConfig
 from router.protocol import RoutingStats
 from sim.clock import EventLoop

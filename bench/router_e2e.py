@@ -26,8 +26,8 @@ from pathlib import Path
 
 import yaml
 
-from bench.stats import percentile
-from bench.trace import MultiTenantTraceConfig, generate_multi_tenant
+from pd.workload.stats import percentile
+from pd.workload.trace import MultiTenantTraceConfig, generate_multi_tenant
 from router.hashing import hash_block_tokens
 
 ROUTERS = {"pd": "router.serve:PrefixAffinityRouter", "pow2": "router.serve:PinnedRequestRouter"}

@@ -33,8 +33,8 @@ import os
 import random
 import subprocess
 import time
-from dataclasses import dataclass, field
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from queue import Empty, SimpleQueue
 from typing import Iterable, Iterator
@@ -44,7 +44,7 @@ import yaml
 
 from bench.peer import peer_python
 from bench.process import stop_process
-from bench.stats import percentile
+from pd.workload.stats import percentile
 
 CONFIGS = {"disaggregated": "default.yaml", "colocated": "colocated.yaml", "colocated_direct": "colocated.yaml",
            "colocated_haproxy": "colocated.yaml", "colocated_haproxy_throughput": "colocated.yaml"}
@@ -141,8 +141,10 @@ def summarise(mode: str, result: LoadResult, max_tokens: int) -> dict:
 
 def direct_ingress_port(timeout_s: float = 60.0) -> int:
     """The port the ingress replica serves HTTP on itself: the first of Serve's direct-ingress range that lists our model."""
-    from ray.serve._private.constants import (RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT,
-                                              RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT)
+    from ray.serve._private.constants import (
+        RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT,
+        RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT,
+    )
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -25,7 +25,8 @@ from pathlib import Path
 import requests
 import yaml
 
-from bench.engine import cpu_name, isa_info
+from bench.engine import isa_info
+from pd.workload.host import cpu_name
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -35,9 +35,11 @@ import kernels
 import kernels.reference
 import pd.model.linear
 import pd.model.llama
-from bench.engine import MODELS, cpu_name, make_checkpoint, run_ours, workload
-from bench.stats import percentile
+from bench.engine import MODELS, make_checkpoint, run_ours
 from pd import LLM
+from pd.workload.host import cpu_name
+from pd.workload.stats import percentile
+from pd.workload.token_prompts import token_batch
 
 PARTS = ("dense", "attention", "gather", "kv_store", "norms", "rotary", "prepare", "sampling", "other")
 
@@ -107,10 +109,10 @@ def main() -> None:
         path = make_checkpoint(args.model, Path(root))
         llm = LLM(str(path), dtype="float32", kv_cache_bytes=1024**3, attention_backend=args.backend)
         vocab = MODELS[args.model]["vocab_size"]
-        run_ours(llm, workload(args.case, vocab, seed=1000))
+        run_ours(llm, token_batch(args.case, vocab, seed=1000))
         timers = Timers()
         instrument(timers, llm)
-        run_ours(llm, workload(args.case, vocab, seed=1))
+        run_ours(llm, token_batch(args.case, vocab, seed=1))
     total = sum(timers.totals.values())
     print(json.dumps({
         "model": args.model, "case": args.case, "threads": args.threads, "cpu": cpu_name(),

@@ -23,9 +23,10 @@ from pathlib import Path
 
 import torch
 
-from bench.engine import cpu_name, make_checkpoint
-from bench.stats import percentile
+from bench.engine import make_checkpoint
 from pd import LLM, SamplingParams
+from pd.workload.host import cpu_name
+from pd.workload.stats import percentile
 
 
 def workload(num_requests: int, prompt_len: int) -> list[list[int]]:

@@ -33,8 +33,8 @@ import torch
 import kernels.cpu as cpu_kernels
 from pd.engine.block_pool import Tier
 from pd.engine.tiers.block_store import NixlBlockStore
-from pd.engine.tiers.io import NixlRecords
 from pd.engine.tiers.host import HostTier
+from pd.engine.tiers.io import NixlRecords
 from pd.engine.tiers.store import StoreTier
 
 RUN_BLOCKS = 32

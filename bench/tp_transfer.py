@@ -27,9 +27,9 @@ import time
 
 import torch
 
-from bench.engine import cpu_name
 from bench.kv_transfer import BLOCK_SIZE, HEAD_DIM, NUM_BLOCKS, NUM_LAYERS, POOL_BLOCKS, allocator_block_ids, quiet_nixl
-from bench.stats import percentile
+from pd.workload.host import cpu_name
+from pd.workload.stats import percentile
 
 HEAD_BYTES = NUM_LAYERS * 2 * BLOCK_SIZE * HEAD_DIM * 4
 WAIT_S = 30.0

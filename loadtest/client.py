@@ -17,10 +17,8 @@ from dataclasses import dataclass, field
 
 import requests
 
-from loadtest.workloads import LoadRequest
-
-CHAT_PATH = "/v1/chat/completions"
-COMPLETIONS_PATH = "/v1/completions"
+# The routes are read as ``client.CHAT_PATH`` by the load test's callers.
+from pd.workload.workloads import CHAT_PATH, COMPLETIONS_PATH, LoadRequest  # noqa: F401
 
 
 @dataclass(frozen=True)

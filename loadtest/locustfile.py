@@ -45,7 +45,7 @@ from requests.adapters import HTTPAdapter
 from loadtest import client
 from loadtest.run import LoadRun
 from loadtest.settings import LoadSettings, add_arguments
-from loadtest.workloads import make_workload
+from pd.workload.workloads import make_workload
 
 logger = logging.getLogger(__name__)
 

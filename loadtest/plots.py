@@ -20,8 +20,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402 - after the backend is chosen
 import numpy as np  # noqa: E402
 
-from loadtest.records import Status  # noqa: E402
-from loadtest.report import ATTAINMENT_TARGET, RunData, itl_samples, operating_points, ttft_samples  # noqa: E402
+from pd.workload.records import Status  # noqa: E402
+from pd.workload.summary import ATTAINMENT_TARGET, RunData, itl_samples, operating_points, ttft_samples  # noqa: E402
 
 DPI = 90
 

@@ -27,9 +27,9 @@ import gevent
 from gevent import GreenletExit
 
 from loadtest import client
-from loadtest.records import META_SUFFIX, REQUESTS_SUFFIX, RequestLog, RequestRecord, RunMeta, Status
 from loadtest.settings import LoadSettings
-from loadtest.workloads import LoadRequest, TraceWorkload, Workload, arrivals, make_workload, trace_arrivals
+from pd.workload.records import META_SUFFIX, REQUESTS_SUFFIX, RequestLog, RequestRecord, RunMeta, Status
+from pd.workload.workloads import LoadRequest, TraceWorkload, Workload, arrivals, make_workload, trace_arrivals
 
 if TYPE_CHECKING:
     import requests

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from loadtest.workloads import WORKLOADS, parse_workload_args
+from pd.workload.workloads import WORKLOADS, parse_workload_args
 
 ENDPOINTS = ("auto", "chat", "completions")
 ARRIVAL_PROCESSES = ("poisson", "constant")
@@ -24,7 +24,7 @@ def add_arguments(parser) -> None:
     """
     group = parser
     group.add_argument("--workload", choices=WORKLOADS, default="mixed", env_var="LOADTEST_WORKLOAD",
-                       help="request mix (default: mixed; see loadtest/workloads.py)")
+                       help="request mix (default: mixed; see pd/workload/workloads.py)")
     group.add_argument("--workload-args", default="", env_var="LOADTEST_WORKLOAD_ARGS",
                        help="comma-separated key=value overrides of the workload's lengths and counts, "
                             "e.g. system_prompt_len=256,num_turns=2 (mixed: chat.num_turns=2)")

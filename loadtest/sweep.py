@@ -34,7 +34,7 @@ from pathlib import Path
 import yaml
 
 from bench.process import stop_process
-from loadtest.records import META_SUFFIX, REQUESTS_SUFFIX, RunMeta, read_requests
+from pd.workload.records import META_SUFFIX, REQUESTS_SUFFIX, RunMeta, read_requests
 
 LOCUSTFILE = Path(__file__).resolve().with_name("locustfile.py")
 WARMUP_PREFIX = "warmup-rate-"  # a config's recorded warm-up run (--warmup-duration)
@@ -129,7 +129,7 @@ def warm_up(url: str, api_key: str | None) -> None:
     import requests
 
     from loadtest import client
-    from loadtest.workloads import long_short, short_long
+    from pd.workload.workloads import long_short, short_long
 
     with requests.Session() as session:
         options = client.RequestOptions(model=client.fetch_model(session, url, client.RequestOptions(
@@ -160,7 +160,7 @@ def run_locust(url: str, prefix: Path, rate: float, duration_s: float, label: st
 
 
 def _one_line(prefix: Path, rate: float) -> str:
-    from loadtest.report import summarize
+    from pd.workload.summary import summarize
 
     records = read_requests(str(prefix) + REQUESTS_SUFFIX)
     meta = RunMeta.read(str(prefix) + META_SUFFIX)

@@ -13,7 +13,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from loadtest.records import RequestRecord, Status
+from pd.workload.records import RequestRecord, Status
 from sim.cluster import ClusterSpec
 from sim.cost import CostModel
 from sim.host import HostModel

@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 
 from pd.engine.outputs import RequestOutput
 from pd.sampling_params import SamplingParams
-from router.hashing import hash_block_tokens
 from router.decode_policy import DecodePolicy, DecodePolicyConfig
+from router.hashing import hash_block_tokens
 from router.policy import PolicyConfig, RoutingDecision
 from router.remote_prefill import RemotePrefillRule
 from router.shared import PoolRouting

@@ -1,6 +1,6 @@
 """A ``ClusterSpec`` from a serving app's args: the same YAML ``serve run`` takes, read by its own schema.
 
-The args are validated by ``pd.serve.args.AppArgs`` (the app's one schema,
+The args are validated by ``pd.config.app.AppArgs`` (the app's one schema,
 which needs no running Ray), so the simulator reads replica counts, engine
 limits, the remote-prefill rule and the routers' kwargs exactly as the app
 does. A replica computes on ``ceil(num_cpus)`` threads (as
@@ -17,7 +17,7 @@ import math
 from typing import Any, Callable
 
 from pd.config import EngineConfig
-from pd.serve.args import AppArgs, PoolArgs
+from pd.config.app import AppArgs, PoolArgs
 from sim.cluster import ClusterSpec, PoolSpec
 from sim.cost import CostModel
 from sim.transport import TransferModel

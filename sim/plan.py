@@ -27,9 +27,9 @@ import random
 from dataclasses import dataclass
 
 from autoscale.planner import Slo
-from bench.trace import MultiTenantTraceConfig, TraceRequest, generate_multi_tenant, load_trace
 from pd.config import EngineConfig
 from pd.model.config import load_model_config
+from pd.workload.trace import MultiTenantTraceConfig, TraceRequest, generate_multi_tenant, load_trace
 from router.remote_prefill import RemotePrefillRule
 from sim.clock import EventLoop
 from sim.cluster import ClusterSpec, PoolSpec, SimCluster
@@ -161,7 +161,7 @@ def fleet_yaml(layout: Layout, model: str, engine: EngineConfig, units: int) -> 
     prefill calls in flight, so the rule's load terms are scaled to keep its
     decisions at the same load per prefill replica.
     """
-    from pd.serve.args import AppArgs
+    from pd.config.app import AppArgs
 
     gpu_pool = {"ray_actor_options": {"num_gpus": 1, "num_cpus": 4}, "max_ongoing_requests": 256}
     ingresses = max(1, units // 4)

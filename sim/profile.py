@@ -19,7 +19,7 @@ import statistics
 import time
 from pathlib import Path
 
-from bench.engine import cpu_name
+from pd.workload.host import cpu_name
 from sim.cost import CostModel, StepShape
 
 BATCH_SIZES = (1, 4, 16)

@@ -2,7 +2,7 @@
 
 ``simulate_runs`` serves every request of some runs on one simulated
 deployment, each arriving when it did, and gives back the records the load
-test's client would have logged for them (``loadtest.records.RequestRecord``),
+test's client would have logged for them (``pd.workload.records.RequestRecord``),
 so that both sides are summarized by the same code.
 """
 
@@ -15,13 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from loadtest.client import CHAT_PATH
-from loadtest.records import META_SUFFIX, REQUESTS_SUFFIX, RequestRecord, RunMeta, Status, read_requests
-from loadtest.report import RunSummary, summarize
-from loadtest.workloads import LoadRequest, make_workload, parse_workload_args
 from pd.model.paths import resolve_model_path
 from pd.model.tokenizer import Tokenizer
 from pd.sampling_params import SamplingParams
+from pd.workload.records import META_SUFFIX, REQUESTS_SUFFIX, RequestRecord, RunMeta, Status, read_requests
+from pd.workload.summary import RunSummary, summarize
+from pd.workload.workloads import CHAT_PATH, LoadRequest, make_workload, parse_workload_args
 from sim.clock import EventLoop
 from sim.cluster import ClusterSpec, SimCluster
 from sim.replica import RequestRecord as SimRecord

@@ -13,14 +13,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from bench.stats import percentile
-from bench.trace import TraceRequest
 from pd.engine.engine import LLMEngine
 from pd.engine.outputs import RequestOutput
 from pd.sampling_params import SamplingParams
+from pd.workload.stats import percentile
+from pd.workload.token_prompts import scaled, trace_prompt_token_ids
+from pd.workload.trace import TraceRequest
 from sim.clock import EventLoop
 from sim.host import SharedHost
-from sim.workload import prompt_token_ids, scaled
 
 
 @dataclass
@@ -114,7 +114,7 @@ def replay(trace: Sequence[TraceRequest], engine: LLMEngine, block_tokens: int) 
 
     replica = SimReplica(loop, engine, on_outputs=land)
     for index, request in enumerate(trace):
-        prompt = prompt_token_ids(request, block_tokens, engine.model_config.vocab_size)
+        prompt = trace_prompt_token_ids(request, block_tokens, engine.model_config.vocab_size)
         max_tokens = scaled(request.output_length, block_tokens) if request.output_length else 1
 
         def arrive(request_id=f"r{index}", prompt=prompt, max_tokens=max_tokens):

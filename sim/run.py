@@ -3,7 +3,7 @@
 Options set the engine's limits (``--max-num-seqs``, ``--max-num-batched-tokens``,
 ``--num-blocks``, ``--block-size``), the model whose config and tokenizer it
 reads (``--model``), and how far the trace is scaled down
-(``--block-tokens``, see ``sim.workload``). Prints one JSON object: the
+(``--block-tokens``, see ``pd.workload.token_prompts``). Prints one JSON object: the
 latency percentiles and throughput (``sim.replica.summarize``) and the
 simulator's own speed.
 """
@@ -14,8 +14,8 @@ import argparse
 import json
 import time
 
-from bench.trace import load_trace
 from pd.config import EngineConfig
+from pd.workload.trace import load_trace
 from sim.cost import CostModel
 from sim.engine import sim_engine
 from sim.replica import replay, summarize

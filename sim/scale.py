@@ -5,7 +5,7 @@
 
 The fleet runs the analytic profile of ``--model`` on ``--hardware``
 (``sim.hardware``), disaggregated with ``--prefill-fraction`` of its
-replicas prefilling (0: colocated). The load is ``bench.trace``'s
+replicas prefilling (0: colocated). The load is ``pd.workload.trace``'s
 multi-tenant generator (Zipf tenants with long shared contexts, multi-turn
 conversations), at the rate that keeps the replicas about ``--utilization``
 busy: a pilot of 16 replicas finds the rate, and the fleet gets it times
@@ -19,9 +19,9 @@ import dataclasses
 import json
 import time
 
-from bench.trace import MultiTenantTraceConfig, generate_multi_tenant
 from pd.config import EngineConfig
 from pd.model.config import load_model_config
+from pd.workload.trace import MultiTenantTraceConfig, generate_multi_tenant
 from sim.clock import EventLoop
 from sim.cluster import ClusterSpec, PoolSpec, SimCluster
 from sim.hardware import HARDWARE, MODELS, Efficiency, analytic_cost, kv_cache_bytes, link, model_dir

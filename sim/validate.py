@@ -39,8 +39,8 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from loadtest.records import REQUESTS_SUFFIX
-from loadtest.report import RunSummary
+from pd.workload.records import REQUESTS_SUFFIX
+from pd.workload.summary import RunSummary
 from sim.calibration import DEFAULT_CPU_PER_TOKEN_S, Calibration, calibrate, calibrated_spec
 from sim.cluster import ClusterSpec
 from sim.cost import CostModel
@@ -86,7 +86,7 @@ def median_abs_errors(results: list[dict], key: str = "error") -> dict[str, floa
 
 
 def profile(model: str, threads: int, out: Path) -> CostModel:
-    from bench.engine import cpu_name
+    from pd.workload.host import cpu_name
     from sim.profile import measure, median_relative_error
 
     shapes, seconds = measure(model, threads)
@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> None:
 
     import yaml
 
-    from pd.serve.args import AppArgs
+    from pd.config.app import AppArgs
     from sim.deployment import pool_decode_threads, pool_threads
 
     apps = [AppArgs.parse(yaml.safe_load(path.read_text())["applications"][0]["args"]) for path in configs]

@@ -1,46 +1,18 @@
-"""Trace requests as token ids, so that the engine's own block hashes see the trace's shared prefixes.
+"""A trace handed to a simulated cluster as token-id requests.
 
-Each trace block id stands for a block and everything before it
-(``bench.trace``), so a block's tokens are drawn from a generator seeded by
-its id: equal ids give equal tokens, and equal prefixes hash equal in the
-engine. ``block_tokens`` scales a trace down (Mooncake's blocks are 512
-tokens; a CPU profile of a tiny model wants shorter prompts): every length is
-scaled by ``block_tokens / 512``.
+Prompts come from ``pd.workload.token_prompts.trace_prompt_token_ids``: equal
+trace block ids give equal tokens, so the engine's own block hashes see the
+trace's shared prefixes.
 """
 
 from __future__ import annotations
 
-import functools
 import math
-import random
 from typing import Sequence
 
-import numpy as np
-
-from bench.trace import TRACE_BLOCK_TOKENS, TraceRequest
 from pd.sampling_params import SamplingParams
-
-
-def scaled(length: int, block_tokens: int) -> int:
-    return max(1, round(length * block_tokens / TRACE_BLOCK_TOKENS))
-
-
-@functools.lru_cache(maxsize=1 << 16)
-def block_token_ids(block_id: int, block_tokens: int, vocab_size: int) -> tuple[int, ...]:
-    """One trace block's tokens: the same for the same id (cached: shared prefixes repeat their blocks)."""
-    return tuple(np.random.default_rng(block_id).integers(0, vocab_size, block_tokens).tolist())
-
-
-def prompt_token_ids(request: TraceRequest, block_tokens: int, vocab_size: int) -> list[int]:
-    """The request's prompt: its blocks' tokens, cut to its (scaled) length."""
-    tokens: list[int] = []
-    for block_id in request.hash_ids:
-        tokens += block_token_ids(block_id, block_tokens, vocab_size)
-    length = scaled(request.input_length, block_tokens)
-    if len(tokens) < length:  # a trace whose ids cover less than its length: the rest is its own
-        own = random.Random(f"{request.timestamp_ms}:{request.hash_ids}")
-        tokens += [own.randrange(vocab_size) for _ in range(length - len(tokens))]
-    return tokens[:length]
+from pd.workload.token_prompts import trace_prompt_token_ids
+from pd.workload.trace import TRACE_BLOCK_TOKENS, TraceRequest
 
 
 def submit_trace(cluster, trace: Sequence[TraceRequest], time_scale: float = 1.0, until_s: float = math.inf) -> int:
@@ -48,7 +20,7 @@ def submit_trace(cluster, trace: Sequence[TraceRequest], time_scale: float = 1.0
 
     Requests arriving after ``until_s`` are left out; returns how many are in.
     Outputs run to the trace's length (``ignore_eos``); prompts are the
-    trace's own 512-token blocks (``prompt_token_ids``).
+    trace's own 512-token blocks (``trace_prompt_token_ids``).
     """
     loop = cluster.loop
     vocab_size = next(iter(cluster.decode.replicas.values())).engine.model_config.vocab_size
@@ -61,7 +33,7 @@ def submit_trace(cluster, trace: Sequence[TraceRequest], time_scale: float = 1.0
 
         def arrive(index=index, request=request):
             params = SamplingParams(max_tokens=max(1, request.output_length), ignore_eos=True)
-            cluster.submit(f"r{index}", prompt_token_ids(request, TRACE_BLOCK_TOKENS, vocab_size), params)
+            cluster.submit(f"r{index}", trace_prompt_token_ids(request, TRACE_BLOCK_TOKENS, vocab_size), params)
 
         loop.at(arrival_s, arrive)
     return count

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pd.serve.args import AppArgs
+from pd.config.app import AppArgs
 
 
 def build_app(args: dict[str, Any] | None = None):

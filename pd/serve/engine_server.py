@@ -13,7 +13,7 @@ from ray import serve
 
 from autoscale.serve import LatencyWindow, replica_metrics
 from pd.engine.async_engine import AsyncLLMEngine
-from pd.serve.args import AppArgs
+from pd.config.app import AppArgs
 from pd.serve.metrics import ReplicaMetrics
 from transfer import KVTransport, create_transport
 

@@ -24,7 +24,7 @@ from pd.model.config import load_model_config
 from pd.model.paths import resolve_model_path
 from pd.model.tokenizer import Tokenizer
 from pd.sampling_params import SamplingParams, StructuredOutput
-from pd.serve.args import AppArgs
+from pd.config.app import AppArgs
 from pd.serve.body_limit import BodyLimit
 from pd.serve.choices import run_choices
 from pd.serve.generation import GenerationEvent, PoolClient, RequestFailedError

@@ -165,7 +165,7 @@ def test_policy_through_serves_own_wrapper_and_context():
     from ray.serve.autoscaling_policy import _apply_autoscaling_config
     from ray.serve.config import AutoscalingConfig, AutoscalingContext
 
-    from pd.serve.args import AppArgs
+    from pd.config.app import AppArgs
 
     args = AppArgs.parse({"prefill": {"autoscaling": {"min_replicas": 1, "max_replicas": 3, "slo_ttft_s": 1.0,
                                                       "period_s": 2.0, "forecast_periods": 0}}})

@@ -5,7 +5,7 @@ import pytest
 
 from bench import router as bench_router
 from bench.ray_prefix import RAY_BLOCK_CHARS, ray_block_text
-from bench.trace import (
+from pd.workload.trace import (
     TRACE_BLOCK_TOKENS,
     BurstyTraceConfig,
     MultiTenantTraceConfig,

@@ -22,9 +22,10 @@ import pytest
 import requests
 
 from loadtest import client
-from loadtest.records import RequestLog, RequestRecord, RunMeta, Status, read_requests
-from loadtest.report import load_runs, lost_before_cutoff, operating_points, summarize, write_report
-from loadtest.workloads import ChatWorkload, arrivals, make_workload, trace_arrivals
+from pd.workload.records import RequestLog, RequestRecord, RunMeta, Status, read_requests
+from loadtest.report import write_report
+from pd.workload.summary import load_runs, lost_before_cutoff, operating_points, summarize
+from pd.workload.workloads import ChatWorkload, arrivals, make_workload, trace_arrivals
 
 REPO = Path(__file__).resolve().parents[2]
 LOCUSTFILE = REPO / "loadtest" / "locustfile.py"

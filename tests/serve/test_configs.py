@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pd.serve.app import build_app
-from pd.serve.args import AppArgs
+from pd.config.app import AppArgs
 from tests.serve.conftest import CONFIG_DIR, config_args
 
 CONFIGS = sorted(p.name for p in CONFIG_DIR.glob("*.yaml"))
@@ -96,7 +96,7 @@ def test_engine_defaults_and_choices_have_one_source():
     import typing
 
     from pd.config import EngineConfig
-    from pd.serve.args import APP_LEVEL_ENGINE_FIELDS, POOL_LEVEL_ENGINE_FIELDS, EngineArgs, PoolArgs
+    from pd.config.app import APP_LEVEL_ENGINE_FIELDS, POOL_LEVEL_ENGINE_FIELDS, EngineArgs, PoolArgs
 
     elsewhere = APP_LEVEL_ENGINE_FIELDS + POOL_LEVEL_ENGINE_FIELDS
     engine_fields = {f.name: f for f in dataclasses.fields(EngineConfig) if f.name not in elsewhere}

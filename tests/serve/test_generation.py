@@ -112,7 +112,7 @@ def test_a_retry_is_made_only_after_the_failed_attempts_release_went_out():
     """Serve places calls of one HTTP request by one id: a release and a retry must not be in placement at once."""
     import asyncio
 
-    from pd.serve.args import AppArgs
+    from pd.config.app import AppArgs
     from pd.serve.generation import PoolClient
     from pd.serve.protocol import PoolRequest
     from router.protocol import RouteHints

@@ -49,7 +49,7 @@ def test_keys_are_compared_in_constant_time(ingress, monkeypatch):
 
 
 def test_keys_stay_out_of_errors_and_reprs(ingress):
-    from pd.serve.args import AppArgs
+    from pd.config.app import AppArgs
 
     ingress._api_keys = configured_api_keys(["s3cret-key"], "")
     with pytest.raises(OpenAIError) as info:
@@ -59,7 +59,7 @@ def test_keys_stay_out_of_errors_and_reprs(ingress):
 
 
 def test_bad_key_config_is_refused_without_echoing_the_key():
-    from pd.serve.args import AppArgs
+    from pd.config.app import AppArgs
 
     for args in ({"api_keys": "s3cret-key"}, {"api_keys": ["s3cret-key", 5]}):
         with pytest.raises(ValueError, match="api_keys") as info:

@@ -14,7 +14,7 @@ import threading
 
 import pytest
 
-from loadtest.records import Status, read_requests
+from pd.workload.records import Status, read_requests
 from tests.serve.conftest import pool_stats, wait_until
 from tests.serve.test_app_loadtest import _locust
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from autoscale.planner import Bounds, PlannerConfig, Slo
-from bench.trace import BurstyTraceConfig, generate_bursty
 from pd.sampling_params import SamplingParams
+from pd.workload.trace import BurstyTraceConfig, generate_bursty
 from sim.autoscale import PlannerAutoscaler, RayDefaultAutoscaler, StaticAutoscaler, capacity, run
 from sim.clock import EventLoop
 from sim.cluster import SimCluster

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from pd.config.app import AppArgs
 from pd.model.config import load_model_config
-from pd.serve.args import AppArgs
 from sim.cost import CostModel, StepShape
 from sim.deployment import cluster_spec
 from sim.hardware import HARDWARE, MODELS, analytic_cost, kv_cache_bytes, link, model_dir, num_params

@@ -7,11 +7,11 @@ import itertools
 
 import pytest
 
-from bench.trace import TraceRequest
 from pd.config import EngineConfig
 from pd.engine.outputs import ScheduledRequest
 from pd.engine.request import Request
 from pd.sampling_params import SamplingParams
+from pd.workload.trace import TraceRequest
 from sim.cost import CostModel, StepShape
 from sim.engine import sim_engine
 from sim.replica import replay, summarize

@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from loadtest.records import META_SUFFIX, REQUESTS_SUFFIX, RequestLog, RequestRecord, RunMeta, Status
 from loadtest.sweep import WARMUP_PREFIX
-from loadtest.workloads import make_workload, parse_workload_args
-from sim.cost import CostModel
-from sim.replica import RequestRecord as SimRecord
+from pd.workload.records import META_SUFFIX, REQUESTS_SUFFIX, RequestLog, RequestRecord, RunMeta, Status
+from pd.workload.workloads import make_workload, parse_workload_args
 from sim.calibration import Calibration, ItlLine, calibrate, calibrated_spec, itl_by_streams
+from sim.cost import CostModel
 from sim.replay import Run, _as_loadtest_record, simulate_runs
+from sim.replica import RequestRecord as SimRecord
 from sim.validate import main, served_runs
 
 REPO = Path(__file__).resolve().parents[2]

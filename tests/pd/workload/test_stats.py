@@ -2,7 +2,7 @@ import statistics
 
 import pytest
 
-from bench.stats import percentile, percentiles
+from pd.workload.stats import percentile, percentiles
 
 
 def test_percentiles_interpolate_between_ranks():

@@ -1,6 +1,6 @@
 """The pools' SLO planner settings (``prefill.autoscaling``, ``decode.autoscaling``) and the strict base model.
 
-``pd.serve.args`` builds the app's schema from these.
+``pd.config.app`` builds the app's schema from these.
 """
 
 from __future__ import annotations

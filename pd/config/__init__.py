@@ -2,7 +2,12 @@
 
 These are the one source of the engine's fields, defaults and choices: the
 serving layer's pydantic model for the YAML edge is generated from
-``EngineConfig`` (``pd.serve.args``).
+``EngineConfig`` (``pd.config.app``).
+
+The package is the config layer: ``pd.config.app`` is the serving app's
+schema (``AppArgs``, pydantic, the YAML edge) and ``pd.config.autoscaling``
+its planner settings. Neither imports Ray at module level, so the simulator
+reads the same schema the app validates.
 """
 
 from __future__ import annotations
@@ -40,10 +45,10 @@ class EngineConfig:
     block_size: int = 16
     num_blocks: int | None = None
     kv_cache_bytes: int = 2 * 1024**3
-    # A host-memory tier behind the KV pool (``pd.engine.host_tier``): evicted prefix blocks are
+    # A host-memory tier behind the KV pool (``pd.engine.tiers.host``): evicted prefix blocks are
     # copied there and loaded back on a hit. 0: none, an evicted block is gone.
     host_kv_cache_bytes: int = 0
-    # A disk tier under the host tier (``pd.engine.store_tier``): computed blocks are written through
+    # A disk tier under the host tier (``pd.engine.tiers.store``): computed blocks are written through
     # to block files under this path (NIXL POSIX) and read back on a hit, also after a restart. Writes
     # stop (a metric and a log line) when the filesystem's free space falls under the minimum.
     disk_kv_cache_path: str | None = None
@@ -81,7 +86,7 @@ class EngineConfig:
     cuda_graph_max_batch: int = 256
     seed: int = 0
     # Ranks the model is sharded over (Megatron-style, see pd.model.tp): this process is rank 0 and
-    # starts the others (pd.engine.tp_workers). Each rank's pool holds its KV heads for ``num_blocks``
+    # starts the others (pd.engine.tp.driver). Each rank's pool holds its KV heads for ``num_blocks``
     # blocks: ``kv_cache_bytes`` is per rank. A collective that takes longer than the timeout (a
     # rank died or hangs) fails the step.
     tensor_parallel_size: int = 1

@@ -14,12 +14,7 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError, create_model, model_validator
 
 from pd.config import EngineConfig
-from pd.serve.autoscaling_args import (
-    DecodeAutoscalingArgs,
-    PoolAutoscalingArgs,
-    PrefillAutoscalingArgs,
-    StrictModel,
-)
+from pd.config.autoscaling import DecodeAutoscalingArgs, PoolAutoscalingArgs, PrefillAutoscalingArgs, StrictModel
 from router.remote_prefill import RemotePrefillRule
 from router.shared import DECODE_SCOPE, PREFILL_SCOPE
 

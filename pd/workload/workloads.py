@@ -20,7 +20,7 @@ Kinds:
 - ``short-long``: short prompt, long output (decode-heavy).
 - ``mixed``: each request is one of the three above, drawn by weight.
 - ``trace``: replay of a Mooncake-format JSONL trace (``timestamp`` in ms,
-  ``input_length``, ``output_length``, ``hash_ids``), read by ``bench.trace``.
+  ``input_length``, ``output_length``, ``hash_ids``), read by ``pd.workload.trace``.
   Each hash id stands for one block of ``block_size`` tokens; equal hash ids
   give equal token ids, so the trace's prefix sharing is reproduced. Prompts
   are token ids, sent to ``/v1/completions``.
@@ -40,7 +40,12 @@ import random
 from dataclasses import dataclass
 from typing import Iterator, Protocol
 
-from bench.trace import TRACE_BLOCK_TOKENS, TraceRequest, read_trace
+from pd.workload.trace import TRACE_BLOCK_TOKENS, TraceRequest, read_trace
+
+# The OpenAI routes a request goes to: chat ``messages`` or a completion ``prompt``. The load-test
+# client sends to them and records which; the simulator's replay reads the record back.
+CHAT_PATH = "/v1/chat/completions"
+COMPLETIONS_PATH = "/v1/completions"
 
 # Each is one token, with its leading space, in builtin:tiny-llama's vocabulary.
 WORDS = (
