@@ -20,17 +20,16 @@ import functools
 import random
 from pathlib import Path
 
-
 from pd.config import EngineConfig
 from pd.engine.clock import SYSTEM_CLOCK, Clock
 from pd.engine.engine import LLMEngine
-from pd.engine.tiers.host import HostTierStats
+from pd.engine.kv_layout import kv_pool
 from pd.engine.model_runner import step_threads
 from pd.engine.outputs import ForwardOutput, SchedulerOutput
+from pd.engine.tiers.stats import HostTierStats
 from pd.model.config import ModelConfig
 from pd.model.loader import resolve_dtype
 from sim.clock import EventLoop
-from pd.engine.kv_layout import kv_pool
 from sim.cost import CostModel, StepShape
 from sim.tiers import ModelledStore, ModelledTierIO, TierModels
 from transfer.base import KVTransport
@@ -110,7 +109,6 @@ def sim_engine(config: EngineConfig, cost: CostModel, seed: int = 0, *, transpor
     engine = LLMEngine(config, transport, make_runner=functools.partial(ModelledRunner, cost=cost, seed=seed,
                                                                   decode_cost=decode_cost),
                        clock=clock, tier_io=tier_io)
-    if engine.tiers is not None:
-        engine.runner.host_tier_stats = engine.tiers.host.stats
-        engine.runner.tier_io = tier_io
+    engine.runner.host_tier_stats = engine.tiers.host_stats  # zeros that never change without a host tier
+    engine.runner.tier_io = tier_io
     return engine

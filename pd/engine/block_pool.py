@@ -81,8 +81,36 @@ class NoFreeBlocksError(RuntimeError):
     """Raised when an allocation asks for more blocks than are free."""
 
 
+# Called with (block id, hash, tokens) as a cached block is evicted, before the block is reused;
+# returns the lower tier that holds the block from then on, or None.
+OnEvict = Callable[[int, bytes, tuple[int, ...]], "Tier | None"]
+
+
+class Evictions:
+    """Where a pool's evicted cached blocks go: to the one lower tier bound to it, or nowhere.
+
+    A pool takes this at construction. The KV tiers bind to it after: they are
+    built from the pool (they look up, allocate and insert its blocks), so they
+    cannot exist when it does. Until then, and always in an engine without
+    tiers, an eviction goes nowhere.
+    """
+
+    def __init__(self) -> None:
+        self._on_evict: OnEvict | None = None
+
+    def bind(self, on_evict: OnEvict) -> None:
+        if self._on_evict is not None:
+            raise RuntimeError("a block pool's evictions already go to a lower tier")
+        self._on_evict = on_evict
+
+    def evicted(self, block_id: int, block_hash: bytes, token_ids: tuple[int, ...]) -> Tier | None:
+        """The lower tier holding the block from now on, or None."""
+        return None if self._on_evict is None else self._on_evict(block_id, block_hash, token_ids)
+
+
 class BlockPool:
-    def __init__(self, num_blocks: int, max_cache_events: int = MAX_CACHE_EVENTS):
+    def __init__(self, num_blocks: int, max_cache_events: int = MAX_CACHE_EVENTS, *,
+                 evictions: Evictions | None = None):
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -92,9 +120,7 @@ class BlockPool:
         self._block_hash: dict[int, bytes] = {}
         self._block_tokens: dict[int, tuple[int, ...]] = {}
         self.events = CacheEventLog(max_cache_events)
-        # Called with (block id, hash, tokens) as a cached block is evicted, before the block is reused;
-        # returns the lower tier that holds the block from then on, or None.
-        self.on_evict: Callable[[int, bytes, tuple[int, ...]], Tier | None] | None = None
+        self._evictions = evictions or Evictions()
 
     def cache_event_window(self, after_seq: int | None = None) -> tuple[int, list[CacheEvent]]:
         """See ``CacheEventLog.window``."""
@@ -189,7 +215,7 @@ class BlockPool:
         if block_hash is not None:
             del self._hash_to_block[block_hash]
             tokens = self._block_tokens.pop(block_id)
-            lower = self.on_evict(block_id, block_hash, tokens) if self.on_evict is not None else None
+            lower = self._evictions.evicted(block_id, block_hash, tokens)
             self.events.record(block_hash, stored=lower is not None, tier=Tier.DEVICE if lower is None else lower)
 
     def reset_prefix_cache(self) -> None:

@@ -9,15 +9,15 @@ import uuid
 from typing import Callable
 
 from pd.config import EngineConfig, SchedulerConfig
-from pd.engine.block_pool import CacheEvent
+from pd.engine.block_pool import BlockPool, CacheEvent, Evictions
 from pd.engine.clock import SYSTEM_CLOCK, Clock
 from pd.engine.derived import layout_fingerprint, num_pool_blocks, worker_transport
-from pd.engine.tiers.tiers import build_tiers, tier_stats
+from pd.engine.tiers.tiers import build_tiers
 from pd.engine.stats import EngineStats
 from pd.engine.disagg.connector import ConnectorTP, KVConnector
 from pd.engine.kv_layout import pool_heads
 from pd.engine.model_runner import ModelRunner, kv_block_bytes
-from pd.engine.outputs import RequestOutput
+from pd.engine.outputs import RequestOutput, SchedulerOutput
 from pd.engine.request import FinishReason, KVSource, Request, RequestStatus, finish_reason
 from pd.engine.scheduler import make_scheduler
 from pd.engine.step_times import StepTimes
@@ -71,17 +71,21 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs,
             max_model_len=self.max_model_len,
         )
-        self.scheduler = make_scheduler(self.scheduler_config)
-        self.kv_cache = self.scheduler.kv_cache
-        self.block_pool = self.kv_cache.pool
+        # The tiers are built from the pool and the runner's KV cache, so after both; the pool takes the
+        # forwarder of its evictions now, which the tiers bind to (``Evictions``).
+        evictions = Evictions()
+        self.block_pool = BlockPool(num_blocks, evictions=evictions)
         runner_options = {}
         if tp > 1 and transport is not None:  # each rank reads and serves its own heads
             runner_options["worker_transport"] = worker_transport(transport, self.engine_id)
         self.runner = make_runner(config, mc, self.model_dir, num_blocks, self.max_model_len, **runner_options)
         self.fingerprint = layout_fingerprint(config, mc, self.runner.dtype)
-        self.kv_cache.tiers = self.tiers = build_tiers(
-            config, self.block_pool, self.runner.kv_cache, kv_block_bytes(mc, config.block_size, self.runner.dtype),
-            self.fingerprint.encode(), self.engine_id, clock=clock, io=tier_io)
+        self.tiers = build_tiers(
+            config, self.block_pool, evictions, self.runner.kv_cache,
+            kv_block_bytes(mc, config.block_size, self.runner.dtype), self.fingerprint.encode(), self.engine_id,
+            clock=clock, io=tier_io)
+        self.scheduler = make_scheduler(self.scheduler_config, self.block_pool, self.tiers)
+        self.kv_cache = self.scheduler.kv_cache
         if transport is not None:
             transport.register(self.runner.kv_cache, num_heads=pool_heads(self.runner.kv_cache))
         self.step_times = StepTimes()
@@ -200,12 +204,12 @@ class LLMEngine:
         return request
 
     def _queue(self, request: Request) -> None:
-        """To the scheduler; or held while its blocks load from the lower tiers, until ``poll_transfers``."""
-        if self.tiers is not None and not request.num_prompt_logprobs_missing:  # one scoring its prompt computes it
-            self.kv_cache.update_hashes(request)
-            if self.tiers.begin(request):
-                return
-        self.scheduler.add(request)
+        """To the scheduler; or held while its blocks load from the lower tiers, until ``poll_transfers``.
+
+        A request scoring its prompt computes all of it: it loads nothing.
+        """
+        if request.num_prompt_logprobs_missing or not self.tiers.begin(request):
+            self.scheduler.add(request)
 
     def _first_token(self, remote_kv: KVHandle | None, first_token_id: int | None) -> int | None:
         """The request's first output token, sampled elsewhere: the handle's, checked against ``first_token_id``."""
@@ -235,7 +239,7 @@ class LLMEngine:
         """Finish a request wherever it is and free its blocks (and any lease); None if unknown."""
         self.connector.abort(request_id)
         request = self.scheduler.abort(request_id)
-        if self.tiers is not None and self.tiers.loads.cancel(request_id) and request is None:
+        if self.tiers.cancel(request_id) and request is None:
             request = self._requests.get(request_id)  # held for its tier loads: it never reached the scheduler
             request.status, request.finish_reason = RequestStatus.FINISHED, FinishReason.ABORT
         self._forget(request_id)
@@ -262,7 +266,7 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return (self.scheduler.has_unfinished or bool(self._finished_at_admission)
-                or (self.tiers is not None and self.tiers.loads.num_waiting > 0))
+                or self.tiers.num_waiting > 0)
 
     def has_runnable_requests(self) -> bool:
         """Requests the scheduler can run now (not only waiting for their KV to arrive)."""
@@ -270,14 +274,13 @@ class LLMEngine:
 
     def has_pending_transfers(self) -> bool:
         """Leases to expire, pulls or tier writes to poll: they need ``poll_transfers`` calls even when idle."""
-        return self.connector.has_pending_work or (self.tiers is not None and self.tiers.has_pending_work)
+        return self.connector.has_pending_work or self.tiers.has_pending_work
 
     def poll_transfers(self) -> None:
         """Leases, notifications and pulls, and the KV tiers' writes, between steps."""
         self.connector.poll()
-        if self.tiers is not None:
-            for request in self.tiers.poll():  # their tier loads are done
-                self.scheduler.add(request)
+        for request in self.tiers.poll():  # their tier loads are done
+            self.scheduler.add(request)
 
     def cache_events(self, after_seq: int | None = None) -> tuple[int, list[CacheEvent]]:
         """``(first_seq, events)`` of the prefix cache (see ``BlockPool.cache_event_window``)."""
@@ -301,25 +304,34 @@ class LLMEngine:
         )
 
     def step(self) -> list[RequestOutput]:
+        """Schedule, run the model, update. Requests that ended at admission come out first."""
         early, self._finished_at_admission = self._finished_at_admission, []
         self.poll_transfers()
         out = self.scheduler.schedule()
-        if self.tiers is not None:  # the blocks just reused hold demoted KV until its copies are issued
-            if out.remote_reads:
-                self.tiers.host.settle()  # NIXL writes into blocks outside any CUDA stream's order
-            else:
-                self.tiers.host.flush()
-        self.connector.start_pulls(out.remote_reads)
+        self._start_transfers(out)
         if out.is_empty:
-            if self.tiers is not None and not early and not self.has_runnable_requests():
+            if not early and not self.has_runnable_requests():
                 self.tiers.wait_for_loads(LOAD_WAIT_S)  # only tier loads to wait for: no spinning meanwhile
             return early
+        return early + self._finish(self._run(out))
+
+    def _start_transfers(self, out: SchedulerOutput) -> None:
+        """The tiers' copies into the blocks just reused, then the step's pulls, which write into blocks too."""
+        self.tiers.before_run(remote_writes=bool(out.remote_reads))
+        self.connector.start_pulls(out.remote_reads)
+
+    def _run(self, out: SchedulerOutput) -> list[RequestOutput]:
+        """Run the model on ``out`` and update the scheduler with what it sampled; time the step."""
         block_tables = [self.kv_cache.block_ids(s.request.request_id) for s in out.scheduled]
         started, computed = time.monotonic(), self.scheduler.num_computed_prompt_tokens
         forward = self.runner.execute(out, block_tables)
         results = self.scheduler.update(out, forward)
         self.step_times.record(time.monotonic() - started, self.scheduler.num_computed_prompt_tokens - computed,
                                len(out.scheduled))
+        return results
+
+    def _finish(self, results: list[RequestOutput]) -> list[RequestOutput]:
+        """Forget the finished requests; a prefill's (``pin_kv``) output carries its pinned KV's handle."""
         for index, result in enumerate(results):
             if not result.finished:
                 continue
@@ -327,7 +339,7 @@ class LLMEngine:
             if request is not None and request.pin_kv and result.finish_reason is not FinishReason.ERROR:
                 results[index] = dataclasses.replace(result, kv_handle=self.connector.pin(request))
             self._forget(result.request_id)
-        return early + results
+        return results
 
     def warm_up(self) -> None:
         """Run a prefill and a decode step outside any request (``ModelRunner.warm_up``), and log its time."""
@@ -342,8 +354,7 @@ class LLMEngine:
     def close(self) -> None:
         """Stop the KV tiers' writers once the writes queued are done (the disk keeps its blocks), and the
         tensor-parallel workers. The engine cannot step after this."""
-        if self.tiers is not None:
-            self.tiers.close()
+        self.tiers.close()
         self.runner.close()
 
     def _forget(self, request_id: str) -> None:
@@ -351,8 +362,7 @@ class LLMEngine:
         if request is not None:
             request.grammar = None  # its matcher's native memory goes now, not with the last reference
         self.runner.forget(request_id)
-        if self.tiers is not None:
-            self.tiers.loads.release(request_id)  # a request that never had a prefix match holds nothing either
+        self.tiers.release(request_id)  # a request that never had a prefix match holds nothing either
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -366,7 +376,7 @@ class LLMEngine:
             num_computed_prompt_tokens=self.scheduler.num_computed_prompt_tokens,
             num_prefix_hit_tokens=self.scheduler.num_prefix_hit_tokens,
             num_preemptions=self.scheduler.num_preemptions,
-            **tier_stats(self.tiers),
+            **self.tiers.counters(),
             **vars(self.step_times),
             **vars(self.connector.stats),  # flat scalars: asdict's deep copy cost more than the rest of stats()
         )

@@ -4,14 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from typing import TYPE_CHECKING
-
 from pd.engine.block_pool import BlockPool
 from pd.engine.request import Request
+from pd.engine.tiers.base import NO_TIERS, Tiers
 from router.hashing import ROOT_HASH, hash_block_tokens
-
-if TYPE_CHECKING:
-    from pd.engine.tiers.tiers import KVTiers
 
 
 @dataclass(frozen=True)
@@ -25,27 +21,33 @@ class PrefixMatch:
 NO_MATCH = PrefixMatch(block_ids=[], num_tokens=0)
 
 
+def update_block_hashes(request: Request, block_size: int) -> None:
+    """Extend ``request.block_hashes`` to every full block of its tokens."""
+    hashes = request.block_hashes
+    if len(hashes) < request.num_tokens // block_size:
+        parent = hashes[-1] if hashes else ROOT_HASH
+        hashes.extend(hash_block_tokens(request.token_ids, block_size, parent_hash=parent, start_block=len(hashes)))
+
+
 class KVCacheManager:
-    def __init__(self, block_pool: BlockPool, block_size: int, enable_prefix_caching: bool = True):
+    """``tiers``: host memory, disk, shared store below ``block_pool`` (``pd.engine.tiers``); none by default."""
+
+    def __init__(self, block_pool: BlockPool, block_size: int, enable_prefix_caching: bool = True, *,
+                 tiers: Tiers = NO_TIERS):
         self.pool = block_pool
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self._blocks: dict[str, list[int]] = {}
         # How many leading blocks of each request are in the prefix cache.
         self._num_cached_blocks: dict[str, int] = {}
-        self.tiers: KVTiers | None = None  # host memory, disk, shared store: attached by the engine
+        self.tiers = tiers
 
     def block_ids(self, request_id: str) -> list[int]:
         return self._blocks.get(request_id, [])
 
     def update_hashes(self, request: Request) -> None:
         """Extend ``request.block_hashes`` to every full block of its tokens."""
-        hashes = request.block_hashes
-        if len(hashes) < request.num_tokens // self.block_size:
-            parent = hashes[-1] if hashes else ROOT_HASH
-            hashes.extend(
-                hash_block_tokens(request.token_ids, self.block_size, parent_hash=parent, start_block=len(hashes))
-            )
+        update_block_hashes(request, self.block_size)
 
     def match_prefix(self, request: Request) -> PrefixMatch:
         """Cached blocks for the request's leading full blocks.
@@ -59,11 +61,9 @@ class KVCacheManager:
         max_blocks = (request.num_tokens - 1) // self.block_size
         hashes = request.block_hashes[:max_blocks]
         block_ids = self.pool.match(hashes, request.token_ids, self.block_size)
-        if self.tiers is not None:
-            if len(block_ids) < max_blocks and self.tiers.promote(hashes, request.token_ids, self.block_size,
-                                                                   block_ids):
-                block_ids = self.pool.match(hashes, request.token_ids, self.block_size)
-            self.tiers.loads.release(request.request_id)  # what its loads reserved has served its turn
+        if len(block_ids) < max_blocks and self.tiers.promote(hashes, request.token_ids, self.block_size, block_ids):
+            block_ids = self.pool.match(hashes, request.token_ids, self.block_size)
+        self.tiers.release(request.request_id)  # what its loads reserved has served its turn
         return PrefixMatch(block_ids=block_ids, num_tokens=len(block_ids) * self.block_size)
 
     def allocate_slots(self, request: Request, num_new_tokens: int, prefix: PrefixMatch = NO_MATCH) -> bool:
@@ -104,8 +104,7 @@ class KVCacheManager:
         for index in range(start, num_full):
             tokens = request.token_ids[index * bs : (index + 1) * bs]
             self.pool.insert(blocks[index], request.block_hashes[index], tokens)
-            if self.tiers is not None:
-                self.tiers.on_cached(request.block_hashes[index], tokens)
+            self.tiers.on_cached(request.block_hashes[index], tokens)
         self._num_cached_blocks[request.request_id] = num_full
 
     def touch_blocks(self, block_ids: list[int]) -> None:

@@ -25,6 +25,7 @@ from pd.engine.block_pool import BlockPool
 from pd.engine.kv_cache_manager import NO_MATCH, KVCacheManager
 from pd.engine.outputs import ForwardOutput, RequestOutput, ScheduledRequest, SchedulerOutput
 from pd.engine.request import FinishReason, KVSource, Request, RequestStatus, finish_reason
+from pd.engine.tiers.base import NO_TIERS, Tiers
 
 
 class Scheduler:
@@ -231,6 +232,6 @@ class Scheduler:
         return None
 
 
-def make_scheduler(config: SchedulerConfig) -> Scheduler:
-    """A scheduler over a fresh pool of ``config.num_blocks`` blocks, as an engine starts with."""
-    return Scheduler(config, KVCacheManager(BlockPool(config.num_blocks), config.block_size))
+def make_scheduler(config: SchedulerConfig, pool: BlockPool, tiers: Tiers = NO_TIERS) -> Scheduler:
+    """A scheduler over ``pool`` (``config.num_blocks`` blocks, fresh, as an engine starts with) and ``tiers``."""
+    return Scheduler(config, KVCacheManager(pool, config.block_size, tiers=tiers))

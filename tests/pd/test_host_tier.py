@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pd import LLM, SamplingParams
-from pd.engine.block_pool import BlockPool
+from pd.engine.block_pool import BlockPool, Evictions
 from pd.engine.tiers.host import HostTier
 from pd.engine.model_runner import kv_block_bytes
 
@@ -16,8 +16,9 @@ BLOCK = 4  # tokens per block in the pure-Python tests
 
 
 def test_the_pool_reports_each_eviction_before_reusing_the_block():
-    pool, evicted = BlockPool(3), []
-    pool.on_evict = lambda block_id, block_hash, tokens: evicted.append((block_id, block_hash, tokens))
+    evictions, evicted = Evictions(), []
+    pool = BlockPool(3, evictions=evictions)
+    evictions.bind(lambda block_id, block_hash, tokens: evicted.append((block_id, block_hash, tokens)))
     blocks = pool.allocate(3)
     for block_id in blocks:
         pool.insert(block_id, bytes([block_id]), (block_id,) * BLOCK)

@@ -30,24 +30,13 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
 
 import kernels.cpu as cpu_kernels
 from pd.engine.block_pool import Tier
-
-
-@dataclass
-class HostTierStats:
-    num_demoted_blocks: int = 0  # copied in from the device pool, cumulative
-    num_promoted_blocks: int = 0  # copied back to the device pool on a prefix hit, cumulative
-    num_host_cached_blocks: int = 0  # held now
-    host_capacity_blocks: int = 0
-    num_promoted_bytes: int = 0
-    promote_seconds: float = 0.0  # copying to the device, cumulative
-    demote_seconds: float = 0.0  # copying from the device, cumulative
+from pd.engine.tiers.stats import HostTierStats
 
 
 class HostTier:

@@ -41,7 +41,6 @@ import logging
 import threading
 import time
 from collections import OrderedDict, deque
-from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
@@ -50,6 +49,7 @@ from pd.engine.block_pool import Tier
 from pd.engine.tiers.block_store import StoreError
 from pd.engine.clock import SYSTEM_CLOCK, Clock
 from pd.engine.tiers.io import Records, ThreadWorker, Worker
+from pd.engine.tiers.stats import StoreTierStats
 
 logger = logging.getLogger(__name__)
 
@@ -60,23 +60,6 @@ MAX_REMEMBERED_MISSES = 4096
 MAX_WRITE_BATCH = 32
 # The most blocks one lookup asks the shared store about.
 MAX_QUERY_BLOCKS = 64
-
-
-@dataclass
-class StoreTierStats:
-    num_written_blocks: int = 0
-    num_dropped_writes: int = 0  # not written: gone from device and host, or past the backlog, before a write
-    num_pending_writes: int = 0  # in flight now
-    num_read_blocks: int = 0
-    num_read_bytes: int = 0
-    read_seconds: float = 0.0
-    num_rejected_reads: int = 0  # missing, short or not the block asked for: recomputed
-    num_store_queries: int = 0  # shared store: questions of which blocks it holds
-    num_deleted_blocks: int = 0  # this replica's own writes, past its capacity
-    num_collected_blocks: int = 0  # any writer's, past the store's total (``total_capacity_blocks``)
-    num_blocks: int = 0  # indexed now
-    capacity_blocks: int = 0
-    disabled: int = 0  # 1 once a write failed (a disk full): no more writes
 
 
 class StoreTier:

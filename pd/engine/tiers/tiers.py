@@ -25,25 +25,34 @@ from typing import Sequence
 import torch
 
 from pd.config import EngineConfig
-from pd.engine.block_pool import BlockPool, Tier
-from pd.engine.tiers.block_store import namespace_of
+from pd.engine.block_pool import BlockPool, Evictions, Tier
 from pd.engine.clock import SYSTEM_CLOCK, Clock
-from pd.engine.tiers.host import HostTier, HostTierStats
+from pd.engine.kv_cache_manager import update_block_hashes
 from pd.engine.request import Request
-from pd.engine.tiers.store import StoreTier, StoreTierStats
+from pd.engine.tiers.base import NO_TIERS, Tiers
+from pd.engine.tiers.block_store import namespace_of
+from pd.engine.tiers.host import HostTier
 from pd.engine.tiers.io import NixlTierIO, TierIO
 from pd.engine.tiers.loads import TierLoads
+from pd.engine.tiers.stats import HostTierStats, StoreTierStats, tier_counters
+from pd.engine.tiers.store import StoreTier
 
 
 class KVTiers:
-    def __init__(self, pool: BlockPool, host: HostTier, block_size: int, loaded: threading.Event | None = None):
+    """The ``Tiers`` of an engine with a host tier, and a disk tier and a shared store if configured.
+
+    ``evictions`` is the pool's (``BlockPool(evictions=...)``): its evicted cached blocks are demoted here.
+    """
+
+    def __init__(self, pool: BlockPool, evictions: Evictions, host: HostTier, block_size: int,
+                 loaded: threading.Event | None = None):
         self.pool, self.host, self.block_size = pool, host, block_size
         self.disk: StoreTier | None = None
         self.shared: StoreTier | None = None
         self.lower: list[StoreTier] = []  # disk, then the shared store: those configured
         self.loads = TierLoads(pool, host, self.lower, block_size)
         self._loaded = loaded or threading.Event()  # a lower tier's query or read finished
-        pool.on_evict = self._on_device_evict
+        evictions.bind(self._on_device_evict)
         host.on_drop = self._on_host_drop
 
     def attach(self, disk: StoreTier | None, shared: StoreTier | None) -> "KVTiers":
@@ -113,7 +122,36 @@ class KVTiers:
 
     def begin(self, request: Request) -> bool:
         """Whether ``request`` waits for blocks loaded from the disk or the shared store (``TierLoads.begin``)."""
+        update_block_hashes(request, self.block_size)
         return bool(self.lower) and self.loads.begin(request)
+
+    @property
+    def host_stats(self) -> HostTierStats:
+        return self.host.stats
+
+    @property
+    def num_waiting(self) -> int:
+        return self.loads.num_waiting
+
+    def cancel(self, request_id: str) -> bool:
+        return self.loads.cancel(request_id)
+
+    def release(self, request_id: str) -> None:
+        self.loads.release(request_id)
+
+    def before_run(self, remote_writes: bool) -> None:
+        """The blocks just reused hold demoted KV until its copies are issued (``HostTier.flush``); pulls
+        write into them outside any device stream's order, so with ``remote_writes`` the copies must have
+        landed (``settle``)."""
+        if remote_writes:
+            self.host.settle()
+        else:
+            self.host.flush()
+
+    def counters(self) -> dict[str, int | float]:
+        """The tiers' counters under ``EngineStats`` names (zeros for a lower tier not configured)."""
+        return tier_counters(self.host.stats, *(tier.stats if tier is not None else StoreTierStats()
+                                                for tier in (self.disk, self.shared)))
 
     def _announce(self, tier: StoreTier, stored: list[bytes], dropped: list[bytes]) -> None:
         """Cache events for what a lower tier's writes and garbage collection changed."""
@@ -178,31 +216,22 @@ class KVTiers:
             tier.close()
 
 
-def tier_stats(tiers: KVTiers | None) -> dict[str, int | float]:
-    """The tiers' counters under ``EngineStats`` names (zeros for a tier not configured)."""
-    host = tiers.host.stats if tiers is not None else HostTierStats()
-    values: dict[str, int | float] = dict(vars(host))
-    for prefix in ("disk", "shared"):
-        tier = getattr(tiers, prefix, None) if tiers is not None else None
-        for name, value in vars(tier.stats if tier is not None else StoreTierStats()).items():
-            values[f"{prefix}_{name.removeprefix('num_')}"] = value
-    return values
-
-
-def build_tiers(config: EngineConfig, pool: BlockPool, device_cache: torch.Tensor, block_bytes: int,
-                fingerprint: bytes, name: str, *, clock: Clock = SYSTEM_CLOCK, io: TierIO | None = None) -> KVTiers | None:
-    """The tiers ``config`` asks for, attached to ``pool``; None without a host tier.
+def build_tiers(config: EngineConfig, pool: BlockPool, evictions: Evictions, device_cache: torch.Tensor,
+                block_bytes: int, fingerprint: bytes, name: str, *, clock: Clock = SYSTEM_CLOCK,
+                io: TierIO | None = None) -> Tiers:
+    """The tiers ``config`` asks for, under ``pool`` (whose ``evictions`` they bind); ``NO_TIERS`` without a
+    host tier.
 
     ``io`` says what the disk tier's and the shared store's records are and
     what runs their I/O (``NixlTierIO`` unless given: the simulator's seam).
     """
     if not config.host_kv_cache_bytes:
-        return None
+        return NO_TIERS
     if config.host_kv_cache_bytes < block_bytes:
         raise ValueError(f"host_kv_cache_bytes {config.host_kv_cache_bytes} holds no block of {block_bytes} bytes")
     io = io or NixlTierIO()
     host = HostTier(device_cache, config.host_kv_cache_bytes // block_bytes)
-    tiers = KVTiers(pool, host, config.block_size, io.event())
+    tiers = KVTiers(pool, evictions, host, config.block_size, io.event())
     namespace = namespace_of(fingerprint)
 
     def lower(tier: Tier, capacity_bytes: int, total_bytes: int = 0) -> StoreTier:
