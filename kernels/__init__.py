@@ -10,7 +10,10 @@ arguments on the host, then dispatches to a backend:
 - ``"auto"``: Triton for CUDA tensors, ``cpu`` otherwise (``torch`` if the C++
   kernel cannot be built here, with a warning saying why).
 
-Backends import lazily, so ``import kernels`` works without Triton.
+Backends import lazily, so ``import kernels`` works without Triton. Each entry
+point's signature is spelled out here, one argument a line; every backend's
+twin takes the same arguments in the same order
+(``tests/kernels/test_signatures.py`` checks it).
 """
 
 from __future__ import annotations

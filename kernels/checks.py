@@ -33,26 +33,28 @@ def check_ndim(name: str, tensor: torch.Tensor, ndim: int) -> None:
         _fail(name, f"expected {ndim} dimensions, got shape {tuple(tensor.shape)}")
 
 
-def check_attention_args(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_table: torch.Tensor,
-    sliding_window: int | None,
-    softcap: float | None,
-    out: torch.Tensor | None,
-) -> None:
-    """Validate the unified attention call (see ``kernels.unified_attention``)."""
-    check_ndim("q", q, 3)
+def check_kv_pool(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """One layer's K and V views of the pool: ``[num_blocks, block_size, num_kv_heads, head_dim]``, one shape.
+
+    Dtypes are the caller's: attention ties them to q's, ``store_kv`` ties the rest to k_cache's.
+    """
     check_ndim("k_cache", k_cache, 4)
     check_ndim("v_cache", v_cache, 4)
+    if k_cache.shape != v_cache.shape:
+        _fail("v_cache", f"shape {tuple(v_cache.shape)} differs from k_cache {tuple(k_cache.shape)}")
+
+
+def check_attention_args(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
+    sliding_window: int | None, softcap: float | None, out: torch.Tensor | None,
+) -> None:
+    """Validate the unified attention call: the arguments of ``kernels.unified_attention`` but the scale."""
+    check_ndim("q", q, 3)
     check_dtype("q", q)
     check_dtype("k_cache", k_cache, q.dtype)
     check_dtype("v_cache", v_cache, q.dtype)
-    if k_cache.shape != v_cache.shape:
-        _fail("v_cache", f"shape {tuple(v_cache.shape)} differs from k_cache {tuple(k_cache.shape)}")
+    check_kv_pool(k_cache, v_cache)
     num_heads, head_dim = q.shape[1], q.shape[2]
     _, _, num_kv_heads, cache_head_dim = k_cache.shape
     if cache_head_dim != head_dim:
@@ -87,24 +89,16 @@ def check_attention_args(
         _fail("out", f"expected shape {tuple(q.shape)} and dtype {q.dtype}, got {tuple(out.shape)} {out.dtype}")
 
 
-def check_store_kv_args(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
+def check_store_kv_args(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        slot_mapping: torch.Tensor) -> None:
     """Validate ``kernels.store_kv``."""
     check_ndim("key", key, 3)
     check_ndim("value", value, 3)
-    check_ndim("k_cache", k_cache, 4)
-    check_ndim("v_cache", v_cache, 4)
+    check_kv_pool(k_cache, v_cache)
     if key.shape != value.shape:
         _fail("value", f"shape {tuple(value.shape)} differs from key {tuple(key.shape)}")
     if tuple(key.shape[1:]) != tuple(k_cache.shape[2:]):
         _fail("key", f"per-token shape {tuple(key.shape[1:])} does not match the cache's {tuple(k_cache.shape[2:])}")
-    if k_cache.shape != v_cache.shape:
-        _fail("v_cache", f"shape {tuple(v_cache.shape)} differs from k_cache {tuple(k_cache.shape)}")
     for name, tensor in (("key", key), ("value", value), ("v_cache", v_cache)):
         check_dtype(name, tensor, k_cache.dtype)
     if slot_mapping.dtype not in (torch.int32, torch.int64):
@@ -126,6 +120,16 @@ def check_triton_attention_args(q: torch.Tensor, block_table: torch.Tensor, out:
         check_last_dim_contiguous("out", out)
         if out.device != q.device:
             _fail("out", f"is on {out.device}, q is on {q.device}")
+
+
+def check_triton_store_kv_args(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                               v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """What the Triton KV store needs beyond ``check_store_kv_args``: contiguous last axes, one device."""
+    for name, tensor in (("key", key), ("value", value), ("k_cache", k_cache), ("v_cache", v_cache)):
+        check_last_dim_contiguous(name, tensor)
+    for name, tensor in (("value", value), ("k_cache", k_cache), ("v_cache", v_cache), ("slot_mapping", slot_mapping)):
+        if tensor.device != key.device:
+            _fail(name, f"is on {tensor.device}, key is on {key.device}")
 
 
 def check_rms_norm_args(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> None:

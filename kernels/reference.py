@@ -44,17 +44,9 @@ def _gather_pages(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
 
 
 def unified_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_table: torch.Tensor,
-    softmax_scale: float,
-    *,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-    out: torch.Tensor | None = None,
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor, softmax_scale: float,
+    *, sliding_window: int | None = None, softcap: float | None = None, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reference paged attention over a mixed batch; see ``kernels.unified_attention``."""
     if out is None:
@@ -158,13 +150,8 @@ def prefill_attention(q, k_cache, v_cache, cu, lens, block_table, softmax_scale,
         out[cu[i] : cu[i + 1]] = result.reshape(q_len, num_heads, head_dim).to(out.dtype)
 
 
-def store_kv(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
+def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
     """Write ``key``/``value`` ``[num_tokens, kv_heads, head_dim]`` into their slots.
 
     Slot ``s`` is offset ``s % block_size`` of block ``s // block_size``.
@@ -182,10 +169,7 @@ def store_kv(
 
 
 def rms_norm(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    residual: torch.Tensor | None = None,
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm computed in fp32, as HF Llama does.
 
@@ -201,10 +185,7 @@ def rms_norm(
 
 
 def rotary_embedding(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    positions: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate-half (NeoX-style) rotary embedding over the whole head_dim.
 

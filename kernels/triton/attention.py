@@ -15,21 +15,13 @@ import torch
 from kernels.checks import check_attention_args, check_triton_attention_args
 from kernels.triton.launch import check_launchable, device_sm_count
 from kernels.triton.paged_attention import choose_tiles, launch_paged_attention
-from kernels.triton.split_kv import choose_num_splits, split_kv_attention
+from kernels.triton.split_kv import choose_num_splits, launch_split_kv
 
 
 def unified_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_table: torch.Tensor,
-    softmax_scale: float,
-    *,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-    out: torch.Tensor | None = None,
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor, softmax_scale: float,
+    *, sliding_window: int | None = None, softcap: float | None = None, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton twin of ``kernels.reference.unified_attention`` (see ``kernels.unified_attention``).
 
@@ -43,13 +35,12 @@ def unified_attention(
     num_seqs = seq_lens.shape[0]
     max_kv_len = block_table.shape[1] * block_size  # host-known bound on every seq_len
     num_splits = choose_num_splits(num_tokens, num_seqs, num_kv_heads, max_kv_len, device_sm_count(q.device))
-    if num_splits > 1:
-        return split_kv_attention(
-            q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, softmax_scale,
-            num_splits=num_splits, sliding_window=sliding_window, softcap=softcap, out=out,
-        )
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if num_splits > 1:  # the arguments are checked above: launch without checking them again
+        launch_split_kv(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, softmax_scale,
+                        sliding_window, softcap, out, num_splits)
+        return out
     tiles = choose_tiles(q, num_heads // num_kv_heads, decode_only=num_tokens == num_seqs)
     launch_paged_attention(
         q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, softmax_scale,

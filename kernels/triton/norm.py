@@ -76,10 +76,7 @@ def norm_num_warps(hidden_pad: int, block_rows: int) -> int:
 
 
 def rms_norm(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    residual: torch.Tensor | None = None,
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Triton twin of ``kernels.reference.rms_norm``.
 

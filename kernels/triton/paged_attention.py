@@ -248,17 +248,9 @@ def num_q_blocks_bound(num_tokens: int, num_seqs: int, block_q: int) -> int:
 
 
 def launch_paged_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_table: torch.Tensor,
-    softmax_scale: float,
-    sliding_window: int | None,
-    softcap: float | None,
-    out: torch.Tensor,
-    tiles: TileConfig,
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor, softmax_scale: float,
+    sliding_window: int | None, softcap: float | None, out: torch.Tensor, tiles: TileConfig,
     partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Launch the kernel over arguments already checked by ``check_attention_args``.

@@ -86,10 +86,7 @@ def _rotary_kernel(
 
 
 def rotary_embedding(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    positions: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton twin of ``kernels.reference.rotary_embedding``; returns new contiguous (q, k).
 

@@ -97,17 +97,9 @@ def _merge_splits_kernel(
 
 
 def split_kv_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_table: torch.Tensor,
-    softmax_scale: float,
-    *,
-    num_splits: int,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor, softmax_scale: float,
+    *, num_splits: int, sliding_window: int | None = None, softcap: float | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``unified_attention`` with each q block's keys cut into ``num_splits`` runs.
@@ -123,9 +115,21 @@ def split_kv_attention(
         raise ValueError(f"num_splits: must be >= 1, got {num_splits}")
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    launch_split_kv(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, softmax_scale,
+                    sliding_window, softcap, out, num_splits)
+    return out
+
+
+def launch_split_kv(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor, softmax_scale: float,
+    sliding_window: int | None, softcap: float | None, out: torch.Tensor, num_splits: int,
+) -> None:
+    """The split-KV launch and merge into ``out``, over arguments ``split_kv_attention`` (or
+    ``unified_attention``) has already checked; ``num_splits >= 1``."""
     num_tokens, num_heads, head_dim = q.shape
     if num_tokens == 0 or seq_lens.shape[0] == 0:
-        return out
+        return
     head_dim_pad = padded_head_dim(head_dim)
     partial_out = torch.empty(num_tokens, num_heads, num_splits, head_dim_pad, dtype=torch.float32, device=q.device)
     partial_max = torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32, device=q.device)
@@ -146,5 +150,3 @@ def split_kv_attention(
         SPLITS_PAD=next_power_of_2(num_splits),
         BLOCK_H=block_h,
     )
-    return out
-

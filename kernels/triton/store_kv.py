@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.checks import PAD_SLOT_ID, check_last_dim_contiguous, check_store_kv_args
+from kernels.checks import PAD_SLOT_ID, check_store_kv_args, check_triton_store_kv_args
 from kernels.triton.launch import check_launchable, next_power_of_2, row_block
 
 # The kernel skips every negative slot, which covers the padding value.
@@ -62,13 +62,8 @@ def _store_kv_kernel(
     tl.store(v_cache_ptr + v_dst[:, None] + dims[None, :], value, mask=mask)
 
 
-def store_kv(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
+def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
     """Triton twin of ``kernels.reference.store_kv``; negative slots (``PAD_SLOT_ID``) are skipped.
 
     key, value: [num_tokens, num_kv_heads, head_dim]; k_cache, v_cache:
@@ -76,11 +71,7 @@ def store_kv(
     but a contiguous last axis; slot_mapping: int32 or int64 [num_tokens].
     """
     check_store_kv_args(key, value, k_cache, v_cache, slot_mapping)
-    for name, tensor in (("key", key), ("value", value), ("k_cache", k_cache), ("v_cache", v_cache)):
-        check_last_dim_contiguous(name, tensor)
-    for name, tensor in (("value", value), ("k_cache", k_cache), ("v_cache", v_cache), ("slot_mapping", slot_mapping)):
-        if tensor.device != key.device:
-            raise ValueError(f"{name}: is on {tensor.device}, key is on {key.device}")
+    check_triton_store_kv_args(key, value, k_cache, v_cache, slot_mapping)
     check_launchable(key.device)
     num_tokens, num_kv_heads, head_dim = key.shape
     num_rows = num_tokens * num_kv_heads
