@@ -168,6 +168,10 @@ class AsyncLLMEngine:
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
+    def tp_ranks(self) -> list[dict[str, int]]:
+        """See ``LLMEngine.tp_ranks``."""
+        return self.engine.tp_ranks()
+
     async def wait_for_leases(self, poll_s: float = 0.05) -> None:
         """Return once no lease pins KV: each is released by the decode that pulled it, or expires."""
         while self.engine.stats().num_pinned_leases:

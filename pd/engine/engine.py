@@ -351,6 +351,11 @@ class LLMEngine:
         """Raise if what runs beside the engine died (a tensor-parallel worker)."""
         self.runner.check_health()
 
+    def tp_ranks(self) -> list[dict[str, int]]:
+        """Each tensor-parallel rank's ``rank``, process ``pid`` and ``weight_bytes`` held, rank 0 first
+        (one entry without tensor parallelism)."""
+        return self.runner.ranks()
+
     def close(self) -> None:
         """Stop the KV tiers' writers once the writes queued are done (the disk keeps its blocks), and the
         tensor-parallel workers. The engine cannot step after this."""

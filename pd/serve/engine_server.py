@@ -147,7 +147,7 @@ class EngineServer:
             "node_id": ray.get_runtime_context().get_node_id(),
             "rss_bytes": resident_bytes(),
             "num_threads": torch.get_num_threads(),
-            "tp_ranks": self.engine.engine.runner.ranks(),
+            "tp_ranks": self.engine.tp_ranks(),
             **dataclasses.asdict(self.engine.stats()),
         }
 
