@@ -52,10 +52,10 @@ class RayPrefixRouter(PowerOfTwo):
     """
 
     def __init__(self, seed: int, imbalanced_threshold: float = math.inf, match_rate_threshold: float = 0.1) -> None:
-        from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_tree import PrefixTree
+        from autoscale.ray_internals import ray_prefix_tree
 
         super().__init__(seed)
-        self.tree = PrefixTree()
+        self.tree = ray_prefix_tree()
         self._tenants: set[str] = set()
         self._imbalanced_threshold = imbalanced_threshold
         self._match_rate_threshold = match_rate_threshold

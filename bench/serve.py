@@ -141,14 +141,11 @@ def summarise(mode: str, result: LoadResult, max_tokens: int) -> dict:
 
 def direct_ingress_port(timeout_s: float = 60.0) -> int:
     """The port the ingress replica serves HTTP on itself: the first of Serve's direct-ingress range that lists our model."""
-    from ray.serve._private.constants import (
-        RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT,
-        RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT,
-    )
+    from autoscale.ray_internals import direct_ingress_ports
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        for port in range(RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT, RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT):
+        for port in direct_ingress_ports():
             try:
                 models = requests.get(f"http://127.0.0.1:{port}/v1/models", timeout=0.5)
             except requests.RequestException:

@@ -155,44 +155,27 @@ class RayDefaultAutoscaler:
 
     def __init__(self, prefill_bounds: tuple[int, int], decode_bounds: tuple[int, int], period_s: float = 1.0,
                  **config_overrides) -> None:
-        from ray.serve.config import AutoscalingConfig
+        # sim's one door to Ray, imported here so that the simulator imports without it.
+        from autoscale.ray_internals import autoscaling_config
 
         self.period_s = period_s
         self.configs = {
-            "prefill": AutoscalingConfig(min_replicas=prefill_bounds[0], max_replicas=prefill_bounds[1],
-                                         **config_overrides),
-            "decode": AutoscalingConfig(min_replicas=decode_bounds[0], max_replicas=decode_bounds[1],
-                                        **config_overrides),
+            "prefill": autoscaling_config(*prefill_bounds, **config_overrides),
+            "decode": autoscaling_config(*decode_bounds, **config_overrides),
         }
         self._samples = {name: deque() for name in self.configs}
         self._state: dict[str, dict] = {name: {} for name in self.configs}
 
     def _decide_pool(self, name: str, pool: SimPool, now_s: float) -> int:
-        from ray.serve._private.common import DeploymentID
-        from ray.serve.autoscaling_policy import (
-            _apply_delay_logic,
-            _apply_scaling_factors,
-            replica_queue_length_autoscaling_policy,
-        )
-        from ray.serve.config import AutoscalingContext
+        from autoscale.ray_internals import ray_default_replicas
 
         config, samples = self.configs[name], self._samples[name]
         samples.append((now_s, sum(pool.in_flight(r) for r in pool.replica_ids)))
         while samples[0][0] < now_s - config.look_back_period_s:
             samples.popleft()
         ongoing = sum(value for _, value in samples) / len(samples)
-        serving = len(pool.replica_ids)
-        context = AutoscalingContext(
-            deployment_id=DeploymentID(name=name, app_name="pd"), deployment_name=name, app_name="pd",
-            current_num_replicas=serving, target_num_replicas=pool.num_target, running_replicas=[],
-            total_num_requests=ongoing, total_queued_requests=0.0, aggregated_metrics={}, raw_metrics={},
-            capacity_adjusted_min_replicas=config.min_replicas, capacity_adjusted_max_replicas=config.max_replicas,
-            policy_state=self._state[name], last_scale_up_time=None, last_scale_down_time=None,
-            current_time=now_s, config=config)
-        desired, _ = replica_queue_length_autoscaling_policy(context)
-        desired = _apply_scaling_factors(desired, serving, config)
-        decided, self._state[name] = _apply_delay_logic(max(0, desired), pool.num_target, config, self._state[name],
-                                                        _now=now_s)
+        decided, self._state[name] = ray_default_replicas(name, config, ongoing, len(pool.replica_ids),
+                                                          pool.num_target, self._state[name], now_s)
         return max(config.min_replicas, min(config.max_replicas, math.ceil(decided)))
 
     def decide(self, cluster: SimCluster) -> tuple[int, int]:

@@ -1,0 +1,155 @@
+"""The product's imports point one way: the tools (``bench``, ``loadtest``) import the product, never back.
+
+Every module under the product's folders is parsed (not imported, so nothing
+runs) and each import it makes, at module level or inside a function, is
+checked against the rules below. A failure names the module, the line and the
+import, so the fix is where the message points.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PRODUCT = ("pd", "router", "kernels", "transfer", "autoscale", "sim")
+TOOLS = ("bench", "loadtest")
+# The one module allowed to reach Ray's private API, and the only Ray that sim may import (lazily).
+RAY_ADAPTER = "autoscale.ray_internals"
+# The router's Ray glue; every other router module is policy, deciding from plain inputs.
+ROUTER_GLUE = "router.serve"
+
+
+@dataclass(frozen=True)
+class Import:
+    module: str  # the importing module, dotted
+    line: int
+    target: str  # the imported module, dotted (``from a import b`` gives ``a.b`` and ``a``)
+    in_function: bool
+
+    def __str__(self) -> str:
+        where = "inside a function" if self.in_function else "at module level"
+        return f"{self.module}:{self.line} imports {self.target} ({where})"
+
+
+def _module_name(path: Path, root: Path) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _resolve(module: str, is_package: bool, level: int, name: str | None) -> str:
+    """The absolute module of a relative ``from`` import."""
+    base = module.split(".") if is_package else module.split(".")[:-1]
+    base = base[: len(base) - (level - 1)] if level > 1 else base
+    return ".".join(base + ([name] if name else []))
+
+
+def imports_of(path: Path, root: Path = REPO) -> list[Import]:
+    """Every import in ``path`` (a module under ``root``), with whether it sits inside a function (a lazy import)."""
+    module = _module_name(path, root)
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found: list[Import] = []
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            lazy = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            if isinstance(child, ast.Import):
+                found.extend(Import(module, child.lineno, alias.name, in_function) for alias in child.names)
+            elif isinstance(child, ast.ImportFrom):
+                base = child.module or ""
+                if child.level:
+                    base = _resolve(module, path.name == "__init__.py", child.level, child.module)
+                found.append(Import(module, child.lineno, base, in_function))
+                found.extend(Import(module, child.lineno, f"{base}.{alias.name}", in_function)
+                             for alias in child.names)
+            visit(child, lazy)
+
+    visit(tree, False)
+    return found
+
+
+def _product_imports() -> list[Import]:
+    found = []
+    for top in PRODUCT:
+        for path in sorted((REPO / top).rglob("*.py")):
+            found.extend(imports_of(path))
+    return found
+
+
+ALL = _product_imports()
+
+
+def _under(name: str, *packages: str) -> bool:
+    return any(name == package or name.startswith(package + ".") for package in packages)
+
+
+def _violations(rule) -> list[str]:
+    return [str(imp) for imp in ALL if rule(imp)]
+
+
+def _check(rule, what: str) -> None:
+    bad = _violations(rule)
+    assert not bad, f"{what}:\n  " + "\n  ".join(bad)
+
+
+def test_the_scan_sees_the_product():
+    """A scan that found nothing would pass every rule: make sure it reads the modules it should."""
+    modules = {imp.module for imp in ALL}
+    for expected in ("pd.workload.summary", "sim.plan", "autoscale.serve", "kernels", "router.serve"):
+        assert expected in modules, f"{expected} was not scanned"
+    assert any(imp.in_function for imp in ALL), "no import inside a function was seen"
+
+
+def test_the_product_never_imports_the_tools():
+    _check(lambda imp: _under(imp.target, *TOOLS), "the product imports a tool (bench/loadtest are tools)")
+
+
+def test_kernels_stand_alone():
+    _check(lambda imp: _under(imp.module, "kernels") and _under(imp.target, "pd", "router", "transfer", "sim"),
+           "kernels imports a layer above it")
+
+
+def test_workload_is_a_leaf():
+    _check(lambda imp: _under(imp.module, "pd.workload") and _under(imp.target, "pd", "ray")
+           and not _under(imp.target, "pd.workload"),
+           "pd.workload imports something above it (stdlib, numpy and msgspec only)")
+
+
+def test_sim_stays_off_serve_and_ray():
+    _check(lambda imp: _under(imp.module, "sim") and _under(imp.target, "pd.serve"),
+           "sim imports pd.serve (it reads the config layer, pd.config)")
+    _check(lambda imp: _under(imp.module, "sim") and _under(imp.target, "ray")
+           and not (_under(imp.target, RAY_ADAPTER) and imp.in_function),
+           f"sim imports Ray (only {RAY_ADAPTER}, and lazily)")
+    _check(lambda imp: _under(imp.module, "sim") and _under(imp.target, RAY_ADAPTER) and not imp.in_function,
+           f"sim imports {RAY_ADAPTER} at module level (it must stay importable without Ray)")
+
+
+def test_ray_private_api_in_one_module():
+    _check(lambda imp: imp.module != RAY_ADAPTER and _under(imp.target, "ray")
+           and any(part.startswith("_") for part in imp.target.split(".")),
+           f"Ray's private API is used outside {RAY_ADAPTER}")
+
+
+def test_router_policies_do_not_import_the_engine():
+    _check(lambda imp: _under(imp.module, "router") and not _under(imp.module, ROUTER_GLUE)
+           and _under(imp.target, "pd.engine", "ray"),
+           f"a routing policy imports the engine or Ray (only {ROUTER_GLUE} talks to Ray)")
+
+
+@pytest.mark.parametrize("source, target, lazy", [
+    ("import bench.trace\n", "bench.trace", False),
+    ("def f():\n    from loadtest import client\n", "loadtest.client", True),
+    ("from .. import engine\n", "pd.engine", False),
+])
+def test_imports_of_sees_every_form(tmp_path, source, target, lazy):
+    """The scanner finds plain, lazy and relative imports (what the rules above rely on)."""
+    package = tmp_path / "pd" / "workload"
+    package.mkdir(parents=True)
+    path = package / "probe.py"
+    path.write_text(source)
+    found = imports_of(path, tmp_path)
+    assert any(imp.target == target and imp.in_function == lazy for imp in found), [str(imp) for imp in found]
