@@ -34,16 +34,20 @@ def doc_pages() -> list[Path]:
     return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 
 
-def prose_lines(text: str) -> list[tuple[int, str]]:
-    """(line number, line) outside fenced code blocks, with inline code blanked out."""
+def outside_fences(text: str) -> list[tuple[int, str]]:
+    """(line number, line) for every line outside fenced code blocks."""
     lines, in_fence = [], False
     for number, line in enumerate(text.splitlines(), start=1):
         if FENCE.match(line):
             in_fence = not in_fence
-            continue
-        if not in_fence:
-            lines.append((number, INLINE_CODE.sub("", line)))
+        elif not in_fence:
+            lines.append((number, line))
     return lines
+
+
+def prose_lines(text: str) -> list[tuple[int, str]]:
+    """Lines outside fenced code blocks with inline code blanked out: a link inside code is not a link."""
+    return [(number, INLINE_CODE.sub("", line)) for number, line in outside_fences(text)]
 
 
 def github_slug(heading: str) -> str:
@@ -65,7 +69,7 @@ def anchors(path: Path) -> set[str]:
     """Every anchor a heading of ``path`` defines, under either slug rule."""
     found: set[str] = set()
     seen: dict[str, int] = {}
-    for _, line in prose_lines_keeping_code(path.read_text(encoding="utf-8")):
+    for _, line in outside_fences(path.read_text(encoding="utf-8")):
         match = HEADING.match(line)
         if not match:
             continue
@@ -78,17 +82,6 @@ def anchors(path: Path) -> set[str]:
             found.add(f"{base}-{count}")
         seen[base] = count + 1
     return found
-
-
-def prose_lines_keeping_code(text: str) -> list[tuple[int, str]]:
-    """Lines outside fenced code blocks, inline code kept (a heading's code spans are part of its slug)."""
-    lines, in_fence = [], False
-    for number, line in enumerate(text.splitlines(), start=1):
-        if FENCE.match(line):
-            in_fence = not in_fence
-        elif not in_fence:
-            lines.append((number, line))
-    return lines
 
 
 def broken_links(page: Path, root: Path = ROOT) -> list[str]:
@@ -118,7 +111,8 @@ def test_relative_links_resolve(page: Path) -> None:
 
 def test_readme_is_short() -> None:
     num_lines = len((ROOT / "README.md").read_text(encoding="utf-8").splitlines())
-    assert num_lines <= README_MAX_LINES, f"README.md has {num_lines} lines, more than {README_MAX_LINES}: move depth to docs/"
+    assert num_lines <= README_MAX_LINES, (
+        f"README.md has {num_lines} lines, more than {README_MAX_LINES}: move depth to docs/")
 
 
 def nav_files(nav: list) -> list[str]:
