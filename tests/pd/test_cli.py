@@ -11,7 +11,6 @@ import ast
 import importlib
 import importlib.util
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
@@ -83,6 +82,7 @@ def test_a_command_runs_its_module_as_main_with_its_arguments(capsys):
 
 
 def test_the_console_script_is_cli_main():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11 on
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
     assert scripts["pd"] == "pd.cli:main"
     module, function = scripts["pd"].split(":")

@@ -19,8 +19,21 @@ from pathlib import Path
 import pytest
 
 from tests.serve.autoscaling_helpers import (
-    PHASES, PacedLoad, Timeline, all_clean, decode_from, going_away, leases_on_each, long_stream, planner_app,
-    planner_decisions, prefill_capacity, replicas, running, running_streams, step_trace,
+    PHASES,
+    PacedLoad,
+    Timeline,
+    all_clean,
+    decode_from,
+    going_away,
+    leases_on_each,
+    long_stream,
+    planner_app,
+    planner_decisions,
+    prefill_capacity,
+    replicas,
+    running,
+    running_streams,
+    step_trace,
 )
 from tests.serve.conftest import Client, config_args, ensure_app, fresh_app, pool_stats, wait_until
 from tests.serve.test_app_loadtest import _locust

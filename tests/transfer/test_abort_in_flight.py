@@ -15,7 +15,6 @@ import signal
 import time
 
 import pytest
-import torch
 
 from tests.transfer.test_engine_pairs import GREEDY, PROMPTS, PrefillProcess, decode_engine
 from transfer import KVHandle
