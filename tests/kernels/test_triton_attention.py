@@ -125,3 +125,22 @@ def test_split_heuristic():
     assert choose_num_splits(num_tokens=64, num_seqs=64, num_kv_heads=8, max_kv_len=4096, num_sms=132) == 1
     assert choose_num_splits(num_tokens=130, num_seqs=2, num_kv_heads=8, max_kv_len=32768, num_sms=132) == 1
     assert choose_num_splits(num_tokens=3, num_seqs=3, num_kv_heads=8, max_kv_len=32768, num_sms=0) == 1
+
+
+def test_unified_attention_splits_where_sms_would_idle(monkeypatch):
+    """The split-KV path of ``unified_attention`` itself, which a GPU takes for few long decodes.
+
+    The interpreter reports no SMs, so 132 are faked: the call must launch the
+    split kernels (without checking its arguments twice) and still match.
+    """
+    import kernels.triton.attention as attention
+
+    monkeypatch.setattr(attention, "device_sm_count", lambda device: 132)
+    launched = []
+    launch_split_kv = attention.launch_split_kv
+    monkeypatch.setattr(attention, "launch_split_kv", lambda *args: launched.append(args[-1]) or launch_split_kv(*args))
+    paged = make_batch(DECODE, 8, 2, 64, 16, torch.float32, seed=5)
+    expected = reference.unified_attention(*paged.args(), 0.125, softcap=50.0)
+    actual = kernels.unified_attention(*paged.args(paged.poisoned_pool()), 0.125, softcap=50.0, backend="triton")
+    assert launched and launched[0] > 1
+    assert_matches_reference(actual, expected)
