@@ -71,9 +71,9 @@ class Spec:
 
 
 def attention_specs(quick: bool) -> list[Spec]:
+    from kernels.triton.launch import next_power_of_2
     from kernels.triton.paged_attention import _paged_attention_kernel, gpu_tiles, padded_head_dim
     from kernels.triton.split_kv import _merge_splits_kernel
-    from kernels.triton.launch import next_power_of_2
 
     pointers = {"partial_out_ptr": "fp32", "partial_max_ptr": "fp32", "partial_sum_ptr": "fp32",
                 "cu_seqlens_q_ptr": "i32", "seq_lens_ptr": "i32", "block_table_ptr": "i32"}

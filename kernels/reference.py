@@ -12,7 +12,6 @@ import torch
 import torch.nn.functional as F
 
 
-
 def _key_mask(query_positions: torch.Tensor, key_positions: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
     """``[..., q, k]`` True where a query may see a key (causal, optional window)."""
     q = query_positions.unsqueeze(-1)

@@ -9,11 +9,11 @@ before anything imports triton). One module per kernel:
 - ``store_kv``, ``norm``, ``rotary``, ``activation``: the KV store and fused row-wise kernels.
 """
 
+from kernels.triton.activation import silu_and_mul
 from kernels.triton.attention import unified_attention
 from kernels.triton.norm import rms_norm
 from kernels.triton.rotary import rotary_embedding
 from kernels.triton.split_kv import choose_num_splits, split_kv_attention
 from kernels.triton.store_kv import store_kv
-from kernels.triton.activation import silu_and_mul
 
 __all__ = ["unified_attention", "split_kv_attention", "choose_num_splits", "store_kv", "rms_norm", "rotary_embedding", "silu_and_mul"]

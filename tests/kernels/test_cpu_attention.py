@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.kernels.paged_batch import make_batch
 
 import kernels
 from kernels import reference
+from tests.kernels.paged_batch import make_batch
 
 DECODE = [(1, 523), (1, 37), (1, 2011), (1, 1)]
 MIXED = [(1, 1328), (5, 18), (129, 463), (1, 16)]

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.kernels.paged_batch import make_batch
 
 import kernels
 from kernels import reference
 from kernels.triton import choose_num_splits, split_kv_attention
 from kernels.triton.paged_attention import TileConfig, launch_paged_attention
+from tests.kernels.paged_batch import make_batch
 
 MIXED = [(1, 1328), (5, 18), (129, 463)]  # decode, chunk after a prefix, chunk after a long prefix
 DECODE = [(1, 523), (1, 37), (1, 2011)]
