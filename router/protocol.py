@@ -11,16 +11,13 @@ the payload, so routing never depends on what the engines' messages hold.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Sequence
 
-import msgspec
-
+from router.events import CacheEvent
 from router.policy import ReplicaLoad
-from router.tiers import Tier
 from transfer.wire import NonNegativeInt, WireError, WireMessage
 
 ROUTING_STATS_KEY = "pd_routing_stats"
-_TIERS = {tier.value: tier for tier in Tier}  # a dict lookup: Tier(value) costs 5x building the event
 
 
 class RouteHints(WireMessage, frozen=True, kw_only=True):
@@ -39,31 +36,6 @@ class RouteHints(WireMessage, frozen=True, kw_only=True):
     # Where the call must or must not go.
     target_replica_id: str | None = None
     exclude_replica_ids: tuple[str, ...] = ()
-
-
-class CacheEvent(msgspec.Struct, frozen=True, array_like=True, gc=False, forbid_unknown_fields=True):
-    """A change to where a replica holds a block hash, numbered in order (the engine's ``CacheEvent``).
-
-    In ``Tier.DEVICE``, ``HOST`` or ``DISK``: ``stored``, the replica's fastest
-    copy is now in ``tier`` (a later event for the hash moves it); not
-    ``stored``, the replica holds it nowhere. In ``Tier.SHARED``: the block
-    entered (``stored``) or left the deployment's shared store, which every
-    replica reads; a hash has that state apart from the replica's own (``key``).
-    A tier this build does not know fails the decode, naming the field.
-
-    Only ever inside ``RoutingStats``, thousands at a time: packed as an array,
-    and untracked by the garbage collector (it holds no references).
-    """
-
-    seq: NonNegativeInt
-    block_hash: bytes
-    stored: bool
-    tier: Tier = Tier.DEVICE
-
-    @property
-    def key(self) -> tuple[bytes, bool]:
-        """What a later event replaces: the replica's own copy, or the shared store's."""
-        return self.block_hash, self.tier == Tier.SHARED
 
 
 class RoutingStats(WireMessage, frozen=True, kw_only=True):
@@ -91,17 +63,9 @@ class RoutingStats(WireMessage, frozen=True, kw_only=True):
             raise ValueError(f"kv_usage must be in [0, 1], got {self.kv_usage}")
 
     @classmethod
-    def of(cls, first_seq: int, events, **load: Any) -> "RoutingStats":
-        """Stats with ``load`` fields and an event window (objects with ``seq``, ``block_hash``, ``stored``, ``tier``).
-
-        ``ValueError`` for a tier this build does not know, as decoding gives.
-        """
-        try:
-            cache_events = tuple(CacheEvent(seq=e.seq, block_hash=e.block_hash, stored=e.stored, tier=_TIERS[e.tier])
-                                 for e in events)
-        except KeyError as exc:
-            raise ValueError(f"cache event tier {exc.args[0]!r} is not a router.tiers.Tier") from None
-        return cls(cache_events_from=first_seq, **load, cache_events=cache_events)
+    def of(cls, first_seq: int, events: Sequence[CacheEvent], **load: Any) -> "RoutingStats":
+        """Stats with ``load`` fields and a block pool's event window (``CacheEventLog.window``), carried as is."""
+        return cls(cache_events_from=first_seq, **load, cache_events=tuple(events))
 
     @property
     def last_seq(self) -> int | None:

@@ -48,7 +48,8 @@ from typing import Sequence
 
 
 class Tier(enum.IntEnum):
-    """Where a replica holds a cached block, fastest first; the values of the engine's ``Tier`` on the wire.
+    """Where a replica holds a cached block, fastest first: the one enum of the engine's tiers, its
+    block pool's cache events and the routers' index (the engine imports it; the router never imports the engine).
 
     ``SHARED`` is the deployment's shared store, which every replica can read.
     """

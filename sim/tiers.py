@@ -23,7 +23,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from pd.config import EngineConfig
-from pd.engine.block_pool import Tier
+from router.tiers import Tier
 from pd.engine.tiers.block_store import trailer_bytes
 from sim.clock import EventLoop
 

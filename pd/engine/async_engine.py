@@ -17,7 +17,6 @@ from typing import AsyncIterator
 import torch
 
 from pd.config import EngineConfig
-from pd.engine.block_pool import CacheEvent
 from pd.engine.engine import LLMEngine
 from pd.engine.model_runner import ModelRunner
 from pd.engine.tp.driver import Launcher, TPWorkerError
@@ -26,6 +25,7 @@ from pd.engine.memory import release_free_memory
 from pd.engine.outputs import RequestOutput
 from pd.engine.request import FinishReason
 from pd.sampling_params import SamplingParams
+from router.events import CacheEvent
 from router.protocol import RoutingStats
 from transfer.base import KVTransport
 from transfer.wire import KVHandle

@@ -11,53 +11,26 @@ until it is taken for a new allocation, which evicts it.
 
 from __future__ import annotations
 
-import enum
 from collections import OrderedDict, deque
-from typing import Callable, Iterable, NamedTuple, Sequence
+from typing import Callable, Iterable, Sequence
+
+from router.events import CacheEvent
+from router.tiers import Tier
 
 # How many prefix-cache events a pool keeps for routers to read.
 MAX_CACHE_EVENTS = 4096
 
 
-class Tier(enum.IntEnum):
-    """Where a replica holds a cached block, fastest first (``pd.engine.tiers.tiers``)."""
-
-    DEVICE = 0
-    HOST = 1
-    DISK = 2
-    SHARED = 3  # the deployment's shared store: readable by every replica
-
-
-class CacheEvent(NamedTuple):
-    """A change to where the replica holds a block hash, numbered in order.
-
-    ``stored`` with ``tier``: its fastest copy is now in that tier (device,
-    host or disk); not ``stored``: the replica holds it nowhere. Events of
-    ``Tier.SHARED`` are about the shared store and stand apart: stored there,
-    or gone from there. A tuple of atoms, so the garbage collector stops
-    tracking the thousands a pool keeps.
-    """
-
-    seq: int
-    block_hash: bytes
-    stored: bool
-    tier: int = Tier.DEVICE
-
-    @property
-    def key(self) -> tuple[bytes, bool]:
-        """What a later event replaces: the replica's own copy, or the shared store's."""
-        return self.block_hash, self.tier == Tier.SHARED
-
-
 class CacheEventLog:
-    """Numbered prefix-cache events, the newest ``max_events`` of them, for routers to read."""
+    """Numbered prefix-cache events (``router.events.CacheEvent``: what routers read, unconverted), the newest
+    ``max_events`` of them."""
 
     def __init__(self, max_events: int = MAX_CACHE_EVENTS):
         self._events: deque[CacheEvent] = deque(maxlen=max_events)
         self._next_seq = 0
 
-    def record(self, block_hash: bytes, stored: bool, tier: int = 0) -> None:
-        self._events.append(CacheEvent(self._next_seq, block_hash, stored, int(tier)))
+    def record(self, block_hash: bytes, stored: bool, tier: Tier = Tier.DEVICE) -> None:
+        self._events.append(CacheEvent(self._next_seq, block_hash, stored, tier))
         self._next_seq += 1
 
     def window(self, after_seq: int | None = None) -> tuple[int, list[CacheEvent]]:
@@ -83,7 +56,7 @@ class NoFreeBlocksError(RuntimeError):
 
 # Called with (block id, hash, tokens) as a cached block is evicted, before the block is reused;
 # returns the lower tier that holds the block from then on, or None.
-OnEvict = Callable[[int, bytes, tuple[int, ...]], "Tier | None"]
+OnEvict = Callable[[int, bytes, tuple[int, ...]], Tier | None]
 
 
 class Evictions:

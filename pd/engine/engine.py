@@ -9,7 +9,7 @@ import uuid
 from typing import Callable
 
 from pd.config import EngineConfig, SchedulerConfig
-from pd.engine.block_pool import BlockPool, CacheEvent, Evictions
+from pd.engine.block_pool import BlockPool, Evictions
 from pd.engine.clock import SYSTEM_CLOCK, Clock
 from pd.engine.derived import layout_fingerprint, num_pool_blocks, worker_transport
 from pd.engine.tiers.tiers import build_tiers
@@ -27,6 +27,7 @@ from pd.model.config import load_model_config
 from pd.model.paths import resolve_model_path
 from pd.model.tokenizer import Tokenizer
 from pd.sampling_params import SamplingParams
+from router.events import CacheEvent
 from router.protocol import RoutingStats
 from transfer.base import KVTransport
 from transfer.wire import KVHandle, WireError

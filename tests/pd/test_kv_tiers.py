@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from pd import LLM, SamplingParams
-from pd.engine.block_pool import Tier
+from router.tiers import Tier
 from tests.pd.tiers_common import CHURN, DEVICE_BLOCKS, FIRST, FIRST_HASHES, HOST_BLOCKS, PARAMS, served
 
 def tiered(block_bytes: int, **kwargs) -> LLM:

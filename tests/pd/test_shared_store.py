@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pd import LLM
-from pd.engine.block_pool import Tier
+from router.tiers import Tier
 from pd.engine.tiers.block_store import trailer_bytes
 from tests.pd.tiers_common import CHURN, DEVICE_BLOCKS, FIRST, FIRST_HASHES, HOST_BLOCKS, PARAMS, served
 from tests.s3_server import bucket_keys, create_bucket, s3_server

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 
 from pd.engine.block_pool import CacheEventLog
-from pd.engine.block_pool import Tier as EngineTier
 from router.protocol import CacheEvent, RoutingStats
 from router.tiers import Tier
 from tests.wire import sealed
@@ -32,19 +29,15 @@ def test_an_unknown_tier_is_refused_naming_the_field():
         RoutingStats.decode(data)
 
 
-def test_the_router_reads_the_engines_tiers():
-    assert {tier.name: tier.value for tier in EngineTier} == {tier.name: tier.value for tier in Tier}
-
-
-def test_stats_of_the_engines_events_copy_their_tier():
+def test_stats_carry_the_engines_events_as_recorded():
     log = CacheEventLog()
-    log.record(A, stored=True, tier=EngineTier.DEVICE)
-    log.record(A, stored=True, tier=EngineTier.HOST)  # demoted: replaces the device event
-    log.record(A, stored=True, tier=EngineTier.SHARED)  # the shared store's state stands apart
-    log.record(B, stored=False, tier=EngineTier.DISK)
-    stats = RoutingStats.of(*log.window(), num_running=1)
+    log.record(A, stored=True, tier=Tier.DEVICE)
+    log.record(A, stored=True, tier=Tier.HOST)  # demoted: replaces the device event
+    log.record(A, stored=True, tier=Tier.SHARED)  # the shared store's state stands apart
+    log.record(B, stored=False, tier=Tier.DISK)
+    first_seq, events = log.window()
+    stats = RoutingStats.of(first_seq, events, num_running=1)
     assert [(e.seq, e.block_hash, e.stored, e.tier) for e in stats.cache_events] == [
         (1, A, True, Tier.HOST), (2, A, True, Tier.SHARED), (3, B, False, Tier.DISK)]
+    assert all(sent is kept for sent, kept in zip(stats.cache_events, events, strict=True))  # one type: no copy
     assert RoutingStats.decode(stats.encode()) == stats
-    with pytest.raises(ValueError, match="tier 9"):
-        RoutingStats.of(0, [SimpleNamespace(seq=0, block_hash=A, stored=True, tier=9)])

@@ -107,7 +107,7 @@ def test_pools_must_share_a_block_size():
 def test_a_shared_store_lets_a_replica_hit_on_a_prefix_another_computed_and_the_router_sees_it():
     """Colocated, two replicas, one simulated shared store: the real tiers write through and query it, the real
     router's index counts what it holds as on every replica, and the same seed repeats."""
-    from pd.engine.block_pool import Tier
+    from router.tiers import Tier
     from router.hashing import hash_block_tokens
 
     block_bytes = 4 * 2 * CONFIG.block_size * 64 * 4  # more than a block of the built-in model

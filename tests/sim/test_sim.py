@@ -195,7 +195,7 @@ def test_a_disk_tier_runs_for_real_in_the_simulator_and_its_reads_take_their_mod
 
 
 def test_a_prefix_computed_on_one_replica_hits_on_another_through_the_simulated_shared_store():
-    from pd.engine.block_pool import Tier
+    from router.tiers import Tier
     from sim.clock import EventLoop
     from sim.replica import SimReplica
     from sim.tiers import ModelledStore

@@ -35,7 +35,7 @@ from typing import Callable, Sequence
 import torch
 
 import kernels.cpu as cpu_kernels
-from pd.engine.block_pool import Tier
+from router.tiers import Tier
 from pd.engine.tiers.stats import HostTierStats
 
 

@@ -21,7 +21,7 @@ from typing import Any, Callable, Protocol, Sequence
 import torch
 
 from pd.config import EngineConfig
-from pd.engine.block_pool import Tier
+from router.tiers import Tier
 from pd.engine.tiers.block_store import NixlBlockStore, ObjectStoreConfig, check_trailer, pack_trailer
 
 

@@ -45,7 +45,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from pd.engine.block_pool import Tier
+from router.tiers import Tier
 from pd.engine.tiers.block_store import StoreError
 from pd.engine.clock import SYSTEM_CLOCK, Clock
 from pd.engine.tiers.io import Records, ThreadWorker, Worker

@@ -11,7 +11,7 @@ found in host memory into free device blocks, cached there, so the scheduler
 sees device hits. A record that fails its check ends the chain: the rest is
 recomputed.
 
-The replica's cache events (``pd.engine.block_pool.CacheEvent``) say where
+The replica's cache events (``router.events.CacheEvent``) say where
 it holds each block: the fastest tier holding it, or nowhere. Blocks in the
 shared store are announced apart (``Tier.SHARED``): every replica can read them.
 A disk tier that finds blocks from an earlier run announces them at start.
@@ -25,7 +25,7 @@ from typing import Sequence
 import torch
 
 from pd.config import EngineConfig
-from pd.engine.block_pool import BlockPool, Evictions, Tier
+from pd.engine.block_pool import BlockPool, Evictions
 from pd.engine.clock import SYSTEM_CLOCK, Clock
 from pd.engine.kv_cache_manager import update_block_hashes
 from pd.engine.request import Request
@@ -36,6 +36,7 @@ from pd.engine.tiers.io import NixlTierIO, TierIO
 from pd.engine.tiers.loads import TierLoads
 from pd.engine.tiers.stats import HostTierStats, StoreTierStats, tier_counters
 from pd.engine.tiers.store import StoreTier
+from router.tiers import Tier
 
 
 class KVTiers:
