@@ -294,10 +294,12 @@ def test_overload_beyond_queue_bounds_is_refused_quickly(ray_cluster):
     with ThreadPoolExecutor(12) as pool:
         results = list(pool.map(one, range(12)))
     refused = [elapsed for status, elapsed in results if status == 503]
-    served = [status for status, _ in results if status == 200]
+    served = [elapsed for status, elapsed in results if status == 200]
     assert refused and served, results
     assert len(refused) + len(served) == len(results), results
-    assert max(refused) < 5.0, results  # refused at once, not after queueing
+    # Refused at once, not after queueing: a queued request waits at least as long as one served. Bounded by
+    # the fastest served request too, so that a host busy with other work, which slows both, fails neither.
+    assert max(refused) < max(5.0, min(served)), results
     wait_until(_all_clean, timeout=30)
 
 

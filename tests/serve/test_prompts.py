@@ -27,18 +27,21 @@ def test_a_huge_prompt_is_tokenized_while_the_loop_keeps_serving(tokenizer):
     prompts = encoder(tokenizer, max_model_len=10**8)  # no length bound: it must really tokenize 4 MB
     text = "word " * 800_000
 
-    async def run() -> tuple[int, float]:
+    async def run() -> tuple[int, float, float]:
         task = asyncio.create_task(prompts.encode(text))
-        longest, last = 0.0, time.monotonic()
+        started = last = time.monotonic()
+        longest = 0.0
         while not task.done():
             await asyncio.sleep(0.01)
             now = time.monotonic()
             longest, last = max(longest, now - last), now
-        return len(await task), longest
+        return len(await task), longest, last - started
 
-    num_tokens, longest_gap = asyncio.run(run())
+    num_tokens, longest_gap, encode_s = asyncio.run(run())
     assert num_tokens > 100_000
-    assert longest_gap < 0.5, longest_gap
+    # Tokenized on the loop, the encode would be one gap as long as itself. Compared with the encode's own
+    # time, not a fixed bound, so that a busy host, which slows both, does not fail it.
+    assert longest_gap < encode_s / 4, (longest_gap, encode_s)
 
 
 def test_a_prompt_too_long_in_characters_is_refused_before_tokenizing(tokenizer):

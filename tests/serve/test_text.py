@@ -61,9 +61,22 @@ def test_a_step_costs_the_new_text_not_the_stop_strings_lengths():
     about a million character copies per step here (seconds in all); feeding
     each new character to sixteen automata costs sixteen steps.
     """
-    stops = ["b" * 1022 + f"{i:02d}" for i in range(15)] + ["a" * 1023 + "X"]
-    stopper = StopStrings(stops)
-    started = time.perf_counter()
-    for _ in range(5_000):
-        assert not stopper.push("a").stopped
-    assert time.perf_counter() - started < 1.0
+    long_stops = ["b" * 1022 + f"{i:02d}" for i in range(15)] + ["a" * 1023 + "X"]
+    # The same sixteen stop strings cut to four characters, timed in the same run: on a shared machine an
+    # absolute bound fails whenever the host is busy, while a ratio measures what the design promises. Here the
+    # long ones cost 0.9x the short ones; trying every tail of the held text (the cost this test guards against)
+    # cost 24x after 500 characters, and grows with the held text.
+    short_stops = [stop[-4:] for stop in long_stops]
+    assert time_pushes(long_stops) < 8 * time_pushes(short_stops)
+
+
+def time_pushes(stops: list[str], num_chars: int = 5_000) -> float:
+    """The least of three timings of ``num_chars`` single characters, none of them completing a stop string."""
+    timings = []
+    for _ in range(3):
+        stopper = StopStrings(stops)
+        started = time.perf_counter()
+        for _ in range(num_chars):
+            assert not stopper.push("a").stopped
+        timings.append(time.perf_counter() - started)
+    return min(timings)
