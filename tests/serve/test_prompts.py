@@ -39,9 +39,9 @@ def test_a_huge_prompt_is_tokenized_while_the_loop_keeps_serving(tokenizer):
 
     num_tokens, longest_gap, encode_s = asyncio.run(run())
     assert num_tokens > 100_000
-    # Tokenized on the loop, the encode would be one gap as long as itself. Compared with the encode's own
-    # time, not a fixed bound, so that a busy host, which slows both, does not fail it.
-    assert longest_gap < encode_s / 4, (longest_gap, encode_s)
+    # Tokenized on the loop, the encode would be one gap as long as itself. Bounded by the encode's own time
+    # too, so that a busy host, which slows both, does not fail it (7 s here, under load).
+    assert longest_gap < max(0.5, encode_s / 4), (longest_gap, encode_s)
 
 
 def test_a_prompt_too_long_in_characters_is_refused_before_tokenizing(tokenizer):
