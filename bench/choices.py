@@ -1,7 +1,7 @@
 """``n`` choices against ``n`` separate requests: prompt tokens computed and latency.
 
 ``python -m bench.choices [--n 4] [--trials 5] [--max-tokens 16]`` starts
-``serve_configs/default.yaml`` on a local Ray. For each trial it takes a fresh
+``serve_configs/default.yaml`` on a private local Ray (``pd.serve.local``). For each trial it takes a fresh
 prompt (a unique first block, so nothing is cached), sends one completion
 with ``n`` choices, then the same prompt with another unique first block as
 ``n`` concurrent requests of one choice, and reads from the pools' stats how
@@ -27,6 +27,7 @@ from pathlib import Path
 import requests
 import yaml
 
+from pd.serve.local import deploy_args, local_serve
 from pd.workload.host import cpu_name
 
 CONFIG = Path(__file__).resolve().parents[1] / "serve_configs" / "default.yaml"
@@ -69,16 +70,15 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=16)
     args = parser.parse_args()
 
-    from ray import serve
-
-    from pd.serve.app import build_app
-
     config = yaml.safe_load(CONFIG.read_text())
     port = config["http_options"]["port"]
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app(config["applications"][0]["args"]), name="pd", route_prefix="/")
-    url = f"http://127.0.0.1:{port}/v1/completions"
+    with local_serve(http_port=port) as local:
+        deploy_args(local, config["applications"][0]["args"])
+        compare(f"http://127.0.0.1:{port}/v1/completions", args)
 
+
+def compare(url: str, args: argparse.Namespace) -> None:
+    """Each prompt path's trials, n choices against n separate requests; one JSON line per path."""
     prompt_lens = []
 
     def complete(prompt: str, n: int, seed: int) -> None:
@@ -113,7 +113,6 @@ def main() -> None:
             }), flush=True)
     finally:
         pool.shutdown()
-        serve.shutdown()
 
 
 if __name__ == "__main__":

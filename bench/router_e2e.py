@@ -26,6 +26,7 @@ from pathlib import Path
 
 import yaml
 
+from pd.serve.local import LocalServe, deploy_args, local_serve
 from pd.workload.stats import percentile
 from pd.workload.trace import MultiTenantTraceConfig, generate_multi_tenant
 from router.hashing import hash_block_tokens
@@ -69,24 +70,22 @@ async def replay(handle, token_lists: list[list[int]], concurrency: int) -> Coun
     return placed
 
 
-def run(router: str, token_lists: list[list[int]], args) -> dict:
+def run(router: str, local: LocalServe, token_lists: list[list[int]], args) -> dict:
     from ray import serve
-
-    from pd.serve.app import build_app
 
     app_args = yaml.safe_load(CONFIG.read_text())["applications"][0]["args"]
     app_args["engine"]["kv_cache_bytes"] = args.kv_cache_mib * 1024**2
     app_args["prefill"].update(num_replicas=args.replicas, ray_actor_options={"num_cpus": 0.25},
                                router={"request_router_class": ROUTERS[router],
                                        "request_router_kwargs": json.loads(args.pd_kwargs) if router == "pd" else {}})
-    serve.run(build_app(app_args), name="pd", route_prefix="/")
+    deploy_args(local, app_args)
     handle = serve.get_deployment_handle("PrefillServer", "pd")
     placed = asyncio.run(replay(handle, token_lists, args.concurrency))
     from router.protocol import RouteHints
 
     stats = [handle.stats_of.remote(RouteHints(request_id="", target_replica_id=r).encode()).result()
              for r in placed]
-    serve.delete("pd")
+    local.delete("pd")
     hits = sum(s["num_prefix_hit_tokens"] for s in stats)
     total = sum(s["num_prompt_tokens"] for s in stats)
     counts = [placed[r] for r in placed] + [0] * (args.replicas - len(placed))
@@ -136,18 +135,11 @@ def main() -> None:
                           "ratios": [round(r, 3) for r in ratios], "median": round(percentile(ratios, 50), 3)}))
         return
 
-    import ray
-    from ray import serve
-
     [seed] = seeds
     token_lists = prompts(args.requests, args.tokens_per_block, seed)
-    ray.init(address="local", include_dashboard=False, log_to_driver=False)
-    try:
-        print(json.dumps({"seed": seed, "kv_cache_mib": args.kv_cache_mib, **run(args.router, token_lists, args)}),
-              flush=True)
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    with local_serve() as local:
+        result = run(args.router, local, token_lists, args)
+    print(json.dumps({"seed": seed, "kv_cache_mib": args.kv_cache_mib, **result}), flush=True)
 
 
 if __name__ == "__main__":

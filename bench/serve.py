@@ -37,14 +37,16 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from queue import Empty, SimpleQueue
-from typing import Iterable, Iterator
 
 import requests
 import yaml
 
 from bench.peer import peer_python
 from bench.process import stop_process
+from loadtest import client
+from pd.serve.local import LocalServe, deploy_args, local_serve
 from pd.workload.stats import percentile
+from pd.workload.workloads import LoadRequest
 
 CONFIGS = {"disaggregated": "default.yaml", "colocated": "colocated.yaml", "colocated_direct": "colocated.yaml",
            "colocated_haproxy": "colocated.yaml", "colocated_haproxy_throughput": "colocated.yaml"}
@@ -58,40 +60,22 @@ DIRECT_MODES = {"colocated_direct"}
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "serve_configs"
 
 
-def sse_events(lines: Iterable[bytes]) -> Iterator[dict]:
-    """The JSON events of a server-sent event stream's lines, up to ``data: [DONE]``.
+# The request every mode and vLLM's server get: greedy, to the full length, streamed.
+OPTIONS = client.RequestOptions(model="builtin:tiny-llama", temperature=0.0)
 
-    Lines other than ``data:`` ones (blank separators, comments) are skipped;
-    an event carrying ``error`` raises ``RuntimeError``.
+
+def stream_one(session: requests.Session, base_url: str, prompt: str,
+               max_tokens: int) -> tuple[float, list[float], str]:
+    """(TTFT, inter-token gaps, text) of one streamed completion (``loadtest.client``, which stamps each chunk).
+
+    Raises ``RuntimeError`` with the client's error (an HTTP error, an error
+    event, an empty stream): a benchmark's figures are of complete answers only.
     """
-    for line in lines:
-        if not line.startswith(b"data:"):
-            continue
-        data = line.removeprefix(b"data:").strip()
-        if data == b"[DONE]":
-            return
-        event = json.loads(data)
-        if "error" in event:
-            raise RuntimeError(event["error"])
-        yield event
-
-
-def stream_one(session: requests.Session, url: str, prompt: str, max_tokens: int) -> tuple[float, list[float], str]:
-    """(TTFT, inter-token gaps, text) of one streamed completion, each event stamped as its line arrives."""
-    body = {"model": "builtin:tiny-llama", "prompt": prompt, "max_tokens": max_tokens,
-            "temperature": 0, "ignore_eos": True, "stream": True}
-    start = time.perf_counter()
-    stamps, pieces = [], []
-    # stream=True hands over each chunk as it arrives; iter_lines undoes the chunked framing.
-    with session.post(url, json=body, stream=True) as response:
-        if response.status_code != 200:
-            raise RuntimeError(f"HTTP {response.status_code}: {response.text[:500]}")
-        for event in sse_events(response.iter_lines()):
-            stamps.append(time.perf_counter())
-            pieces.extend(choice.get("text", "") for choice in event.get("choices", []))
-    if not stamps:
-        raise RuntimeError("empty stream")
-    return stamps[0] - start, [b - a for a, b in zip(stamps, stamps[1:])], "".join(pieces)
+    body = client.request_body(LoadRequest(0, "bench", max_tokens, prompt=prompt), chat=False, options=OPTIONS)
+    result = client.send(session, base_url, client.COMPLETIONS_PATH, body, OPTIONS)
+    if result.error is not None:
+        raise RuntimeError(result.error)
+    return result.ttft_s, result.itl_s, result.text
 
 
 @dataclass
@@ -102,8 +86,8 @@ class LoadResult:
     wall_s: float = 0.0
 
 
-def load(url: str, prompts: list[str], max_tokens: int, concurrency: int) -> LoadResult:
-    """Stream every prompt, ``concurrency`` at a time."""
+def load(base_url: str, prompts: list[str], max_tokens: int, concurrency: int) -> LoadResult:
+    """Stream every prompt to ``base_url``'s completions, ``concurrency`` at a time."""
     pending: SimpleQueue[int] = SimpleQueue()
     for index in range(len(prompts)):
         pending.put(index)
@@ -116,7 +100,7 @@ def load(url: str, prompts: list[str], max_tokens: int, concurrency: int) -> Loa
                     index = pending.get_nowait()
                 except Empty:
                     return
-                ttft, itl, text = stream_one(session, url, prompts[index], max_tokens)
+                ttft, itl, text = stream_one(session, base_url, prompts[index], max_tokens)
                 result.ttfts.append(ttft)
                 result.gaps.extend(itl)
                 result.texts[index] = text
@@ -156,21 +140,17 @@ def direct_ingress_port(timeout_s: float = 60.0) -> int:
     raise RuntimeError(f"no ingress replica answered on Serve's direct-ingress ports within {timeout_s} s")
 
 
-def run_mode(mode: str, prompts: list[str], args) -> dict:
-    from ray import serve
-
-    from pd.serve.app import build_app
-
+def run_mode(mode: str, local: LocalServe, prompts: list[str], args) -> LoadResult:
+    """One mode's app deployed on ``local``, a warm-up and the timed load; the app is deleted after."""
     config = yaml.safe_load((CONFIG_DIR / CONFIGS[mode]).read_text())
     port = config["http_options"]["port"]
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app(config["applications"][0]["args"]), name="pd", route_prefix="/")
+    deploy_args(local, config["applications"][0]["args"])
     if mode in DIRECT_MODES:
         port = direct_ingress_port()
-    url = f"http://127.0.0.1:{port}/v1/completions"
+    url = f"http://127.0.0.1:{port}"
     load(url, prompts[:4], args.max_tokens, args.concurrency)  # warm-up
     result = load(url, prompts[4:], args.max_tokens, args.concurrency)
-    serve.delete("pd")
+    local.delete("pd")
     return result
 
 
@@ -190,7 +170,7 @@ def run_vllm(python: Path, prompts: list[str], args) -> LoadResult:
     )
     try:
         wait_ready(f"http://127.0.0.1:{port}/health", server, timeout_s=300)
-        url = f"http://127.0.0.1:{port}/v1/completions"
+        url = f"http://127.0.0.1:{port}"
         load(url, prompts[:4], args.max_tokens, args.concurrency)  # warm-up
         return load(url, prompts[4:], args.max_tokens, args.concurrency)
     finally:
@@ -223,27 +203,18 @@ def wait_ready(url: str, server: subprocess.Popen, timeout_s: float) -> None:
 
 def serve_modes(modes: list[str], prompts: list[str], args, repeat: int) -> dict[str, LoadResult]:
     """Each of ``modes`` on a fresh app, under the same load; a line per mode as it finishes."""
-    import ray
-    from ray import serve
-
     loads = {}
     # Serve's proxy is a setting of the whole Ray cluster: each such mode gets a Ray of its own, started with it.
     groups = [[mode for mode in modes if mode not in MODE_ENV]] + [[mode] for mode in modes if mode in MODE_ENV]
     for group in groups:
         if not group:
             continue
-        env = MODE_ENV.get(group[0], ())
-        os.environ.update(dict.fromkeys(env, "1"))
-        ray.init(address="local", include_dashboard=False, log_to_driver=False)
-        try:
+        env = dict.fromkeys(MODE_ENV.get(group[0], ()), "1")
+        port = yaml.safe_load((CONFIG_DIR / CONFIGS[group[0]]).read_text())["http_options"]["port"]
+        with local_serve(http_port=port, env=env) as local:
             for mode in group:
-                loads[mode] = run_mode(mode, prompts, args)
+                loads[mode] = run_mode(mode, local, prompts, args)
                 print(json.dumps({**summarise(mode, loads[mode], args.max_tokens), "repeat": repeat}), flush=True)
-        finally:
-            serve.shutdown()
-            ray.shutdown()
-            for name in env:
-                os.environ.pop(name, None)
     return loads
 
 

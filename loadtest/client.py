@@ -28,6 +28,7 @@ class RequestOptions:
     ignore_eos: bool = True
     api_key: str | None = None
     timeout_s: float = 600.0
+    temperature: float | None = None  # None: the server's default
 
 
 @dataclass
@@ -42,6 +43,11 @@ class StreamResult:
     prompt_tokens: int = 0
     output_tokens: int = 0
     error: str | None = None
+    text_parts: list[str] = field(default_factory=list)  # the answer's pieces as they streamed (choice 0)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.text_parts)
 
     @property
     def tpot_s(self) -> float:
@@ -58,6 +64,8 @@ def request_body(request: LoadRequest, chat: bool, options: RequestOptions) -> d
         body["prompt"] = request.completion_prompt()
     if options.stream:
         body["stream_options"] = {"include_usage": True}
+    if options.temperature is not None:
+        body["temperature"] = options.temperature
     if options.ignore_eos:
         body["ignore_eos"] = True  # an extension (vLLM's): outputs run to max_tokens
     return body
@@ -118,6 +126,7 @@ def _read_stream(response: requests.Response, start: float, result: StreamResult
                 result.itl_s.append(now - last)
             last = now
             result.num_chunks += 1
+            result.text_parts.append(_piece(event["choices"][0]))
         if event.get("usage"):
             result.prompt_tokens = int(event["usage"].get("prompt_tokens", 0))
             result.output_tokens = int(event["usage"].get("completion_tokens", 0))
@@ -143,9 +152,15 @@ def _read_whole(response: requests.Response, start: float, result: StreamResult)
         return
     result.ttft_s = time.perf_counter() - start  # no stream: the whole answer is the first token
     result.num_chunks = 1
+    result.text_parts.append(choices[0].get("text") or (choices[0].get("message") or {}).get("content") or "")
     usage = payload.get("usage") or {}
     result.prompt_tokens = int(usage.get("prompt_tokens", 0))
     result.output_tokens = int(usage.get("completion_tokens", 0))
+
+
+def _piece(choice: dict) -> str:
+    """A streamed choice's new text: a completion's ``text`` or a chat ``delta``'s ``content``."""
+    return choice.get("text") or (choice.get("delta") or {}).get("content") or ""
 
 
 def _message(error: object) -> str:

@@ -9,7 +9,7 @@ open loop) at each rate for ``--duration`` seconds, writing
 ``OUT/<config>/rate-<r>_*.csv``. Then it writes ``OUT/report.md`` and the plots,
 one series per config. Options it does not know go to every locust run.
 
-By default it starts a private local Ray (``ray.init(address="local")``) and
+By default it starts a private local Ray (``pd.serve.local.local_serve``) and
 shuts Ray and Serve down at the end, also on Ctrl-C, SIGTERM or a failure.
 With ``--ray-address`` it uses that cluster (run it on the head node) and
 only deletes the applications it deployed.
@@ -18,22 +18,19 @@ only deletes the applications it deployed.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib
-import json
 import os
 import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
 from bench.process import stop_process
+from pd.serve.local import local_serve
 from pd.workload.records import META_SUFFIX, REQUESTS_SUFFIX, RunMeta, read_requests
 
 LOCUSTFILE = Path(__file__).resolve().with_name("locustfile.py")
@@ -71,57 +68,6 @@ class AppConfig:
     def build(self):
         module, _, attr = self.import_path.partition(":")
         return getattr(importlib.import_module(module), attr)(self.args)
-
-
-@contextlib.contextmanager
-def serve_instance(address: str, port: int, num_cpus: int | None):
-    """Ray and Serve for the sweep; everything it started is shut down on the way out."""
-    import ray
-    from ray import serve
-
-    private = address == "local"
-    ray.init(address=address, num_cpus=num_cpus if private else None, include_dashboard=False,
-             log_to_driver=False)
-    deployed: list[str] = []
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        yield deployed
-    finally:
-        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not skip the cleanup
-        print("shutting down Serve and Ray ...", flush=True)
-        try:
-            if private:
-                serve.shutdown()
-            else:
-                for name in deployed:
-                    serve.delete(name)
-            ray.shutdown()
-        finally:
-            signal.signal(signal.SIGINT, previous)
-
-
-def deploy(config: AppConfig, app, deployed: list[str], url: str, timeout_s: float = 300.0) -> None:
-    from ray import serve
-
-    serve.run(app, name=config.name, route_prefix=config.route_prefix, blocking=False)
-    deployed.append(config.name)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        status = serve.status().applications.get(config.name)
-        if status is not None and status.status in ("DEPLOY_FAILED", "UNHEALTHY"):
-            raise RuntimeError(f"{config.path}: the application failed: {status.message}")
-        if status is not None and status.status == "RUNNING" and _get(url + "/v1/models") is not None:
-            return
-        time.sleep(0.5)
-    raise TimeoutError(f"{config.path}: the application was not up after {timeout_s:.0f} s")
-
-
-def _get(url: str) -> dict | None:
-    try:
-        with urllib.request.urlopen(url, timeout=10) as response:
-            return json.loads(response.read())
-    except (urllib.error.URLError, OSError, ValueError):
-        return None
 
 
 def warm_up(url: str, api_key: str | None) -> None:
@@ -170,6 +116,28 @@ def _one_line(prefix: Path, rate: float) -> str:
             f"ITL p90 {s.itl_ms.p90:.1f} ms, attainment {100 * s.attainment:.0f}%")
 
 
+def sweep_config(local, config: AppConfig, app, rates: list[float], out: Path, url: str, api_key: str | None,
+                 args: argparse.Namespace, locust_extra: list[str]) -> None:
+    """Deploy ``config``'s app, warm it up, run locust at each rate into ``out``, and delete the app."""
+    print(f"{config.label}: deploying", flush=True)
+    try:
+        local.deploy(app, name=config.name, route_prefix=config.route_prefix, ready_url=url)
+    except (RuntimeError, TimeoutError) as exc:
+        raise type(exc)(f"{config.path}: {exc}") from None
+    warm_up(url, api_key)
+    runs = [(f"rate-{rate:g}", rate, args.duration, config.label) for rate in rates]
+    if args.warmup_duration > 0:
+        runs.insert(0, (f"{WARMUP_PREFIX}{rates[0]:g}", rates[0], args.warmup_duration, f"{config.label} (warm-up)"))
+    for name, rate, duration_s, label in runs:
+        prefix = out / name
+        code = run_locust(url, prefix, rate, duration_s, label, locust_extra)
+        if code not in LOCUST_REPORTABLE:
+            raise RuntimeError(f"locust exited {code}; see {prefix}.log")
+        print(_one_line(prefix, rate), flush=True)
+        time.sleep(args.cooldown)
+    local.delete(config.name)
+
+
 def _raise_keyboard_interrupt(*_args) -> None:
     raise KeyboardInterrupt
 
@@ -202,26 +170,12 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
 
     try:
-        with serve_instance(args.ray_address, port, args.num_cpus) as deployed:
-            from ray import serve
-
-            for config, app in zip(configs, apps):
-                print(f"{config.label}: deploying", flush=True)
-                deploy(config, app, deployed, url)
-                warm_up(url, api_key)
-                runs = [(f"rate-{rate:g}", rate, args.duration, config.label) for rate in rates]
-                if args.warmup_duration > 0:
-                    runs.insert(0, (f"{WARMUP_PREFIX}{rates[0]:g}", rates[0], args.warmup_duration,
-                                    f"{config.label} (warm-up)"))
-                for name, rate, duration_s, label in runs:
-                    prefix = out / config.path.stem / name
-                    code = run_locust(url, prefix, rate, duration_s, label, locust_extra)
-                    if code not in LOCUST_REPORTABLE:
-                        raise RuntimeError(f"locust exited {code}; see {prefix}.log")
-                    print(_one_line(prefix, rate), flush=True)
-                    time.sleep(args.cooldown)
-                serve.delete(config.name)
-                deployed.remove(config.name)
+        with local_serve(http_port=port, num_cpus=args.num_cpus, address=args.ray_address) as local:
+            try:
+                for config, app in zip(configs, apps):
+                    sweep_config(local, config, app, rates, out / config.path.stem, url, api_key, args, locust_extra)
+            finally:
+                print("shutting down Serve and Ray ...", flush=True)
     except KeyboardInterrupt:
         print("interrupted", flush=True)
         raise SystemExit(130) from None

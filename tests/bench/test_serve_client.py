@@ -1,4 +1,4 @@
-"""bench.serve's streaming client against a real local HTTP server that sends chunked SSE."""
+"""bench.serve's streaming load (over ``loadtest.client``) against a real local HTTP server that sends chunked SSE."""
 
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ class _SSEHandler(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def sse_server():
-    """``serve(chunks)`` -> (completions URL, request bodies received) of a server streaming ``chunks``."""
+    """``serve(chunks)`` -> (base URL, request bodies received) of a server streaming ``chunks``."""
     servers = []
 
     def serve(chunks: list[tuple[float, str]]) -> tuple[str, list[dict]]:
@@ -65,7 +65,7 @@ def sse_server():
         server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
         threading.Thread(target=server.serve_forever, daemon=True).start()
         servers.append(server)
-        return f"http://127.0.0.1:{server.server_port}/v1/completions", handler.bodies
+        return f"http://127.0.0.1:{server.server_port}", handler.bodies
 
     yield serve
     for server in servers:
@@ -78,7 +78,8 @@ def test_stream_one_stamps_each_event_through_chunked_framing(sse_server):
     with requests.Session() as session:
         ttft, gaps, text = stream_one(session, url, "hello", 4)
     assert text == "abcd"
-    assert [(body["prompt"], body["max_tokens"], body["stream"]) for body in bodies] == [("hello", 4, True)]
+    assert [(body["prompt"], body["max_tokens"], body["stream"], body["temperature"]) for body in bodies] == [
+        ("hello", 4, True, 0.0)]
     assert ttft >= GAP_S
     assert len(gaps) == 3  # four token events; the comment and [DONE] are not tokens
     # b's line arrived in two chunks, GAP_S apart: it counts once, when complete (about 2 gaps after a,

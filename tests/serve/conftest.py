@@ -148,20 +148,10 @@ def offline():
 
 
 def run_app(args: dict, name: str = "pd"):
-    from ray import serve
+    """Deploy the app on the shared cluster's Serve and wait until it runs (the cluster fixture tears it down)."""
+    from pd.serve.local import LocalServe, deploy_args
 
-    from pd.serve.app import build_app
-
-    serve.run(build_app(args), name=name, route_prefix="/", blocking=False)
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        status = serve.status().applications.get(name)
-        if status is not None and status.status == "RUNNING":
-            return
-        if status is not None and status.status in ("DEPLOY_FAILED", "UNHEALTHY"):
-            raise RuntimeError(f"app {name} failed: {status.message}")
-        time.sleep(0.25)
-    raise TimeoutError(f"app {name} did not start")
+    deploy_args(LocalServe(), args, name=name, timeout_s=180)
 
 
 def pool_stats(deployment: str, app: str = "pd") -> list[dict]:
