@@ -196,9 +196,7 @@ def _ints(text: str) -> list[int]:
     return [int(value) for value in text.split(",") if value.strip()]
 
 
-def main(argv: list[str] | None = None) -> None:
-    import yaml
-
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="llama-3-8b", help=f"a preset ({', '.join(MODELS)}) or a model directory")
     parser.add_argument("--hardware", choices=sorted(HARDWARE), default="h200")
@@ -222,6 +220,25 @@ def main(argv: list[str] | None = None) -> None:
                         help="bisections of the highest passing rate (each halves the gap to the first failing one)")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def _layouts(args: argparse.Namespace) -> list[Layout]:
+    """The layouts to try, chunk size outermost; colocated ones only with the first threshold and slope
+    (colocated has no remote-prefill rule, so the others would repeat it)."""
+    splits = _ints(args.splits) if args.splits else range(args.unit_gpus)
+    thresholds = _ints(args.thresholds)
+    slopes = [float(value) for value in args.slopes.split(",") if value.strip()]
+    layouts = [Layout(p, args.unit_gpus - p, t, c, slope) for c in _ints(args.chunks) for p in splits
+               for t in thresholds for slope in slopes]
+    return [layout for layout in layouts if layout.num_prefill
+            or (layout.threshold, layout.threshold_per_in_flight) == (thresholds[0], slopes[0])]
+
+
+def main(argv: list[str] | None = None) -> None:
+    import yaml
+
+    parser = _parser()
     args = parser.parse_args(argv)
     if args.gpus % args.unit_gpus:
         parser.error(f"--gpus {args.gpus} is not a multiple of --unit-gpus {args.unit_gpus}")
@@ -234,15 +251,8 @@ def main(argv: list[str] | None = None) -> None:
     trace = workload_trace(args.trace, args.workload, args.seed)
     slo = Slo(args.slo_ttft_ms / 1000, args.slo_itl_ms / 1000)
     units = args.gpus // args.unit_gpus
-    splits = _ints(args.splits) if args.splits else range(args.unit_gpus)
-    slopes = [float(value) for value in args.slopes.split(",") if value.strip()]
-    layouts = [Layout(p, args.unit_gpus - p, t, c, slope) for c in _ints(args.chunks) for p in splits
-               for t in _ints(args.thresholds) for slope in slopes]
     results = []
-    for layout in layouts:
-        if layout.num_prefill == 0 and (layout.threshold, layout.threshold_per_in_flight) != (
-                _ints(args.thresholds)[0], slopes[0]):
-            continue  # colocated has no remote-prefill rule
+    for layout in _layouts(args):
         rate, attained = max_goodput(unit_spec(layout, engine, cost, link(gpu, "rdma")), trace, slo, args.seconds,
                                      steps=args.bisection_steps)
         result = {"layout": layout.name, "remote_prefill_threshold": layout.threshold,
@@ -257,6 +267,7 @@ def main(argv: list[str] | None = None) -> None:
                       if colocated else None, "gpus": args.gpus, "hardware": args.hardware, "model": args.model,
                       "workload": args.trace or args.workload, "profile": cost.source}), flush=True)
     print(yaml.safe_dump(fleet_yaml(best_layout, args.model, engine, units), sort_keys=False))
+
 
 
 if __name__ == "__main__":
