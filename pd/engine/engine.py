@@ -311,10 +311,14 @@ class LLMEngine:
         out = self.scheduler.schedule()
         self._start_transfers(out)
         if out.is_empty:
-            if not early and not self.has_runnable_requests():
-                self.tiers.wait_for_loads(LOAD_WAIT_S)  # only tier loads to wait for: no spinning meanwhile
+            self._wait_if_idle(early)
             return early
         return early + self._finish(self._run(out))
+
+    def _wait_if_idle(self, early: list[RequestOutput]) -> None:
+        """With nothing to return or run, but tier loads in flight: wait for one a little, not spin."""
+        if not early and not self.has_runnable_requests():
+            self.tiers.wait_for_loads(LOAD_WAIT_S)
 
     def _start_transfers(self, out: SchedulerOutput) -> None:
         """The tiers' copies into the blocks just reused, then the step's pulls, which write into blocks too."""

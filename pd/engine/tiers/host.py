@@ -40,7 +40,9 @@ from pd.engine.tiers.stats import HostTierStats
 
 
 class HostTier:
-    def __init__(self, device_cache: torch.Tensor, num_blocks: int) -> None:
+    def __init__(self, device_cache: torch.Tensor, num_blocks: int,
+                 on_drop: Callable[[bytes], None] | None = None) -> None:
+        """``on_drop`` is called with a block hash as its entry leaves the tier (to make room)."""
         if num_blocks < 1:
             raise ValueError(f"a host tier needs at least one block, got {num_blocks}")
         self.device_cache = device_cache  # [num_device_blocks, *block]
@@ -60,8 +62,7 @@ class HostTier:
         self._pins = [0] * num_blocks
         self._num_pinned = 0
         self.stats = HostTierStats(host_capacity_blocks=num_blocks)
-        # Called with a block hash as its entry leaves the tier (to make room).
-        self.on_drop: Callable[[bytes], None] | None = None
+        self.on_drop = on_drop
         self._pending: list[tuple[int, int]] = []  # (device block, host slot): demoted, copy not yet issued
         # On a GPU: the stream demotions copy on, and the event of the last batch issued there.
         self._stream = torch.cuda.Stream(device_cache.device) if device_cache.is_cuda else None

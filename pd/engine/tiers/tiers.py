@@ -42,11 +42,13 @@ from router.tiers import Tier
 class KVTiers:
     """The ``Tiers`` of an engine with a host tier, and a disk tier and a shared store if configured.
 
-    ``evictions`` is the pool's (``BlockPool(evictions=...)``): its evicted cached blocks are demoted here.
+    ``evictions`` is the pool's (``BlockPool(evictions=...)``): its evicted cached blocks are demoted to a
+    host tier of ``num_host_blocks`` blocks of ``device_cache``'s shape.
     """
 
-    def __init__(self, pool: BlockPool, evictions: Evictions, host: HostTier, block_size: int,
-                 loaded: threading.Event | None = None):
+    def __init__(self, pool: BlockPool, evictions: Evictions, device_cache: torch.Tensor, num_host_blocks: int,
+                 block_size: int, loaded: threading.Event | None = None):
+        host = HostTier(device_cache, num_host_blocks, on_drop=self._on_host_drop)
         self.pool, self.host, self.block_size = pool, host, block_size
         self.disk: StoreTier | None = None
         self.shared: StoreTier | None = None
@@ -54,7 +56,6 @@ class KVTiers:
         self.loads = TierLoads(pool, host, self.lower, block_size)
         self._loaded = loaded or threading.Event()  # a lower tier's query or read finished
         evictions.bind(self._on_device_evict)
-        host.on_drop = self._on_host_drop
 
     def attach(self, disk: StoreTier | None, shared: StoreTier | None) -> "KVTiers":
         """Put the disk tier and the shared store under the host tier (either may be None)."""
@@ -231,12 +232,12 @@ def build_tiers(config: EngineConfig, pool: BlockPool, evictions: Evictions, dev
     if config.host_kv_cache_bytes < block_bytes:
         raise ValueError(f"host_kv_cache_bytes {config.host_kv_cache_bytes} holds no block of {block_bytes} bytes")
     io = io or NixlTierIO()
-    host = HostTier(device_cache, config.host_kv_cache_bytes // block_bytes)
-    tiers = KVTiers(pool, evictions, host, config.block_size, io.event())
+    tiers = KVTiers(pool, evictions, device_cache, config.host_kv_cache_bytes // block_bytes, config.block_size,
+                    io.event())
     namespace = namespace_of(fingerprint)
 
     def lower(tier: Tier, capacity_bytes: int, total_bytes: int = 0) -> StoreTier:
-        records = io.records(tier, config, name, namespace, block_bytes, host.cache)
+        records = io.records(tier, config, name, namespace, block_bytes, tiers.host.cache)
         return StoreTier(tier, records, max(1, capacity_bytes // records.record_bytes), tiers.locate,
                          total_capacity_blocks=total_bytes // records.record_bytes, clock=clock,
                          writer=io.worker(tier, "writer"), reader=io.worker(tier, "reader"))
