@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
-from pd.engine.block_pool import BlockPool, NoFreeBlocksError
+from pd.engine.block_pool import BlockPool, Evictions, NoFreeBlocksError
 from pd.engine.kv_cache_manager import KVCacheManager
 from pd.engine.request import Request
 from pd.sampling_params import SamplingParams
 from router.hashing import hash_block_tokens
+from router.tiers import Tier
 
 
 def test_allocate_takes_lowest_ids_first_and_free_appends_in_order():
@@ -125,3 +130,40 @@ def test_cache_event_window_keeps_each_hashs_latest_event_and_says_where_it_star
     assert small.cache_event_window(after_seq=3) == (4, [events[1]])  # what a reader has not applied yet
     assert small.cache_event_window(after_seq=4) == (5, [])
     assert small.cache_event_window(after_seq=1) == (3, events)  # older than the window: the whole window
+
+
+def test_an_eviction_goes_to_the_tier_bound_to_the_pool_and_its_event_names_that_tier():
+    evictions = Evictions()
+    pool = BlockPool(1, evictions=evictions)
+    [block] = pool.allocate(1)
+    pool.insert(block, b"a", (1,))
+    pool.free([block])
+    pool.allocate(1)  # unbound: the block goes nowhere
+    evictions.bind(lambda block_id, block_hash, tokens: Tier.HOST)
+    with pytest.raises(RuntimeError, match="already"):
+        evictions.bind(lambda block_id, block_hash, tokens: None)
+    pool.insert(block, b"b", (2,))
+    pool.free([block])
+    pool.allocate(1)
+    _, events = pool.cache_event_window()
+    assert [(e.block_hash, e.stored, e.tier) for e in events] == [(b"a", False, Tier.DEVICE), (b"b", True, Tier.HOST)]
+
+
+# Loads block_pool.py alone (not through ``pd``, whose package imports the engine) with torch unimportable.
+PURE = """
+import importlib.util, sys
+sys.modules["torch"] = None
+spec = importlib.util.spec_from_file_location("block_pool", sys.argv[1])
+pool_module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(pool_module)
+pool = pool_module.BlockPool(2)
+pool.insert(pool.allocate(1)[0], b"h", (1,))
+print(pool.cache_event_window()[1][0].tier.name)
+"""
+
+
+def test_the_block_pool_and_its_events_never_import_torch():
+    path = Path(__file__).parents[2] / "pd" / "engine" / "block_pool.py"
+    done = subprocess.run([sys.executable, "-c", PURE, str(path)], capture_output=True, text=True, timeout=60,
+                          cwd=path.parents[2])
+    assert done.returncode == 0 and done.stdout.strip() == "DEVICE", done.stderr[-2000:]
