@@ -31,11 +31,11 @@ from pathlib import Path
 import torch
 
 import kernels.cpu as cpu_kernels
-from router.tiers import Tier
 from pd.engine.tiers.block_store import NixlBlockStore
 from pd.engine.tiers.host import HostTier
 from pd.engine.tiers.io import NixlRecords
 from pd.engine.tiers.store import StoreTier
+from router.tiers import Tier
 
 RUN_BLOCKS = 32
 

@@ -23,8 +23,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from pd.config import EngineConfig
-from router.tiers import Tier
 from pd.engine.tiers.block_store import trailer_bytes
+from router.tiers import Tier
 from sim.clock import EventLoop
 
 

@@ -18,12 +18,12 @@ import torch
 
 from pd.config import EngineConfig
 from pd.engine.engine import LLMEngine
-from pd.engine.model_runner import ModelRunner
-from pd.engine.tp.driver import Launcher, TPWorkerError
-from pd.engine.stats import EngineStats
 from pd.engine.memory import release_free_memory
+from pd.engine.model_runner import ModelRunner
 from pd.engine.outputs import RequestOutput
 from pd.engine.request import FinishReason
+from pd.engine.stats import EngineStats
+from pd.engine.tp.driver import Launcher, TPWorkerError
 from pd.sampling_params import SamplingParams
 from router.events import CacheEvent
 from router.protocol import RoutingStats

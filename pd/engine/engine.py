@@ -12,17 +12,17 @@ from pd.config import EngineConfig, SchedulerConfig
 from pd.engine.block_pool import BlockPool, Evictions
 from pd.engine.clock import SYSTEM_CLOCK, Clock
 from pd.engine.derived import layout_fingerprint, num_pool_blocks, worker_transport
-from pd.engine.tiers.tiers import build_tiers
-from pd.engine.stats import EngineStats
 from pd.engine.disagg.connector import ConnectorTP, KVConnector
 from pd.engine.kv_layout import pool_heads
 from pd.engine.model_runner import ModelRunner, kv_block_bytes
 from pd.engine.outputs import RequestOutput, SchedulerOutput
 from pd.engine.request import FinishReason, KVSource, Request, RequestStatus, finish_reason
 from pd.engine.scheduler import make_scheduler
+from pd.engine.stats import EngineStats
 from pd.engine.step_times import StepTimes
-from pd.engine.tiers.io import TierIO
 from pd.engine.structured import GrammarCompiler, RequestGrammar
+from pd.engine.tiers.io import TierIO
+from pd.engine.tiers.tiers import build_tiers
 from pd.model.config import load_model_config
 from pd.model.paths import resolve_model_path
 from pd.model.tokenizer import Tokenizer

@@ -16,13 +16,15 @@ import torch
 
 import kernels
 from pd.config import EngineConfig
+from pd.engine.cuda_graphs import DecodeGraphs
+from pd.engine.kv_layout import kv_pool, layer_views
 from pd.engine.logprobs import PromptLogprob, TopLogprobs, prompt_logprobs
 from pd.engine.outputs import ForwardInput, ForwardOutput, SchedulerOutput
 from pd.engine.request import Request
 from pd.engine.sampler import Sampler
 from pd.engine.structured import GrammarMask
-from pd.engine.cuda_graphs import DecodeGraphs
-from pd.engine.kv_layout import kv_pool, layer_views
+from pd.engine.tp.driver import Launcher, StepLists, TPWorkers, start_driver
+from pd.engine.tp.group import TPGroup
 from pd.model.attention import PAD_BLOCK_ID, AttentionMetadata
 from pd.model.config import ModelConfig
 from pd.model.linear import choose_form
@@ -30,8 +32,6 @@ from pd.model.llama import CausalLM
 from pd.model.loader import load_weights, resolve_dtype
 from pd.model.rope import cos_sin_cache
 from pd.model.tp import SINGLE, TPShard
-from pd.engine.tp.group import TPGroup
-from pd.engine.tp.driver import Launcher, StepLists, TPWorkers, start_driver
 
 logger = logging.getLogger(__name__)
 

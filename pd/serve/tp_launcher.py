@@ -24,8 +24,8 @@ class TPWorker:
     """Rank ``spec.rank``: ``run`` serves it until its driver stops it or goes away."""
 
     def run(self, spec_json: bytes) -> None:
-        from pd.engine.tp.worker import serve_rank
         from pd.engine.tp.driver import read_worker_spec
+        from pd.engine.tp.worker import serve_rank
 
         serve_rank(read_worker_spec(spec_json))
 

@@ -11,6 +11,7 @@ from pd import LLM, SamplingParams
 from router.tiers import Tier
 from tests.pd.tiers_common import CHURN, DEVICE_BLOCKS, FIRST, FIRST_HASHES, HOST_BLOCKS, PARAMS, served
 
+
 def tiered(block_bytes: int, **kwargs) -> LLM:
     return LLM("builtin:tiny-llama", num_blocks=DEVICE_BLOCKS, host_kv_cache_bytes=HOST_BLOCKS * block_bytes, **kwargs)
 

@@ -107,8 +107,8 @@ def test_pools_must_share_a_block_size():
 def test_a_shared_store_lets_a_replica_hit_on_a_prefix_another_computed_and_the_router_sees_it():
     """Colocated, two replicas, one simulated shared store: the real tiers write through and query it, the real
     router's index counts what it holds as on every replica, and the same seed repeats."""
-    from router.tiers import Tier
     from router.hashing import hash_block_tokens
+    from router.tiers import Tier
 
     block_bytes = 4 * 2 * CONFIG.block_size * 64 * 4  # more than a block of the built-in model
     config = dataclasses.replace(CONFIG, host_kv_cache_bytes=64 * block_bytes, shared_kv_bucket="unused-by-the-sim",

@@ -28,11 +28,11 @@ from dataclasses import dataclass
 from typing import Callable
 
 from pd.engine.clock import SYSTEM_CLOCK, Clock
-from pd.engine.kv_cache_manager import KVCacheManager
 from pd.engine.disagg.lease import LeaseTable
+from pd.engine.disagg.pulls import start_split_pull
+from pd.engine.kv_cache_manager import KVCacheManager
 from pd.engine.request import Request
 from pd.engine.scheduler import Scheduler
-from pd.engine.disagg.pulls import start_split_pull
 from pd.engine.tp.driver import TPWorkers
 from pd.model.config import ModelConfig
 from transfer.base import KVTransport, TransferHandle, TransferState

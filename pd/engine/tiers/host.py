@@ -35,8 +35,8 @@ from typing import Callable, Sequence
 import torch
 
 import kernels.cpu as cpu_kernels
-from router.tiers import Tier
 from pd.engine.tiers.stats import HostTierStats
+from router.tiers import Tier
 
 
 class HostTier:

@@ -21,8 +21,8 @@ from typing import Any, Callable, Protocol, Sequence
 import torch
 
 from pd.config import EngineConfig
-from router.tiers import Tier
 from pd.engine.tiers.block_store import NixlBlockStore, ObjectStoreConfig, check_trailer, pack_trailer
+from router.tiers import Tier
 
 
 class Records(Protocol):

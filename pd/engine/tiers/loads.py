@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from pd.engine.block_pool import BlockPool
-from pd.engine.tiers.host import HostTier
 from pd.engine.request import Request
+from pd.engine.tiers.host import HostTier
 from pd.engine.tiers.store import StoreTier
 
 

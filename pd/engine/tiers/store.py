@@ -45,11 +45,11 @@ from typing import Callable, Sequence
 
 import torch
 
-from router.tiers import Tier
-from pd.engine.tiers.block_store import StoreError
 from pd.engine.clock import SYSTEM_CLOCK, Clock
+from pd.engine.tiers.block_store import StoreError
 from pd.engine.tiers.io import Records, ThreadWorker, Worker
 from pd.engine.tiers.stats import StoreTierStats
+from router.tiers import Tier
 
 logger = logging.getLogger(__name__)
 
