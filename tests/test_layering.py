@@ -9,6 +9,8 @@ import, so the fix is where the message points.
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -153,3 +155,14 @@ def test_imports_of_sees_every_form(tmp_path, source, target, lazy):
     path.write_text(source)
     found = imports_of(path, tmp_path)
     assert any(imp.target == target and imp.in_function == lazy for imp in found), [str(imp) for imp in found]
+
+
+def test_the_leaf_and_the_autoscaling_policy_import_without_torch_or_ray():
+    """Serve's controller imports ``autoscale.serve``; it and ``pd.workload`` must not drag in torch or Ray."""
+    leaf = [f"pd.workload.{path.stem}" for path in sorted((REPO / "pd" / "workload").glob("*.py"))
+            if path.stem != "__init__"]
+    code = (f"import sys, {', '.join(leaf)}, autoscale.serve; "
+            "print(sorted(name for name in ('torch', 'ray') if name in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]", f"importing {leaf} and autoscale.serve loaded {done.stdout.strip()}"
