@@ -68,10 +68,11 @@ demo: venv
 test: venv
 	$(BIN)/python -m pytest -q
 
-# The fast tier: no Ray, no server, no process started (tests/tiers.py), under 2 minutes on 2 cores.
-# PD_TEST_TIER=unit makes a test that starts one anyway fail, naming the marker it lacks.
+# The fast tier: no Ray, no server, no process started (tests/tiers.py), and none of the heavy in-process
+# end-to-end checks (slow); under 2 minutes on 2 cores. PD_TEST_TIER=unit makes a test that starts a
+# process anyway fail, naming the marker it lacks.
 test-unit: venv
-	PD_TEST_TIER=unit $(BIN)/python -m pytest -q -m "not integration and not soak"
+	PD_TEST_TIER=unit $(BIN)/python -m pytest -q -m "not integration and not slow and not soak"
 
 # Ruff with the rule set stated in pyproject.toml ([tool.ruff]); no formatter.
 lint: venv

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 # Nothing in the suite reaches the network: hub ids resolve from local caches only. Read by huggingface_hub
@@ -12,6 +13,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from tests.checkpoints import make_checkpoint  # noqa: E402
+from tests.tiers import INTEGRATION, INTEGRATION_FIXTURES, refuse_processes, unit_tier  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -41,16 +43,40 @@ def hf_model():
     return get
 
 
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by marker
 def pytest_collection_modifyitems(config, items):
-    """Destructive tests (replica kills) run after everything else."""
+    """Tests on a Ray cluster are integration tests; destructive tests (replica kills) run after everything else."""
+    for item in items:
+        if INTEGRATION_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(INTEGRATION)
     items.sort(key=lambda item: item.get_closest_marker("destructive") is not None)
 
 
-def pytest_runtest_setup(item):
-    import os
+def _guarded(item):
+    """In the unit tier, a test not marked integration may start no process (``tests/tiers.py``)."""
+    if unit_tier() and item.get_closest_marker(INTEGRATION) is None:
+        return refuse_processes(item.nodeid)
+    return contextlib.nullcontext()
 
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
     if item.get_closest_marker("soak") is not None and os.environ.get("PD_SOAK") != "1":
         pytest.skip("soak test: set PD_SOAK=1 to run it")
+    with _guarded(item):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    with _guarded(item):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    with _guarded(item):
+        return (yield)
 
 
 # Chat prompts for the checks on a trained model, SmolLM2-135M-Instruct.

@@ -159,6 +159,7 @@ def test_slo_and_capacity_reject_non_positive_values():
         Capacity(prefill_tokens_per_s=0, decode_step_s=0.01, decode_step_per_seq_s=0.001)
 
 
+@pytest.mark.integration  # a child Python checks a fresh import
 def test_planner_does_not_import_ray():
     code = "import sys, autoscale.planner; sys.exit('ray' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from bench import dense_rows
 from pd.model.config import load_model_config
 from pd.model.paths import resolve_model_path
@@ -17,6 +19,7 @@ def test_the_step_has_the_models_layers_and_the_lm_head():
     assert shapes[-1] == (config.vocab_size, config.hidden_size)
 
 
+@pytest.mark.slow  # the benchmark itself, timed over a step's real weight shapes
 def test_each_row_count_reports_both_forms_and_the_copy_bandwidth(capsys):
     dense_rows.main(["--threads", "1", "--rows", "1,3", "--repeats", "2"])
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]

@@ -5,7 +5,11 @@ from __future__ import annotations
 import json
 import sys
 
+import pytest
+
 from bench import tensor_parallel
+
+pytestmark = pytest.mark.integration  # tensor-parallel engines start a worker process per rank
 
 
 def test_each_size_reports_its_ranks_weights_and_its_speed_against_one_rank(monkeypatch, capsys):

@@ -11,6 +11,8 @@ pytest.importorskip("transfer.nixl_api")
 
 from bench import tp_transfer  # noqa: E402
 
+pytestmark = pytest.mark.integration  # peer processes of different tensor-parallel splits
+
 
 def test_each_direction_reads_its_heads_with_one_descriptor_per_block_and_source(monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["bench.tp_transfer", "--rounds", "1", "--warmup", "0"])

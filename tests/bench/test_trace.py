@@ -146,6 +146,7 @@ def replay_all(requests, num_replicas, cache_blocks=256):
     return {policy: bench_router.replay(policy, requests, config, pd_config) for policy in bench_router.POLICIES}
 
 
+@pytest.mark.slow  # a few hundred requests through every router policy on simulated engines
 def test_replay_system_prompt_pins_ray_but_not_pd_and_the_hotspot_queues():
     results = replay_all(generate_system_prompt(SMALL_SYSTEM_PROMPT), num_replicas=4)
     assert results["ray_prefix"].routed_per_replica == [200, 0, 0, 0]
@@ -160,6 +161,7 @@ def test_replay_system_prompt_pins_ray_but_not_pd_and_the_hotspot_queues():
         assert 0.0 < result.ttft_p50_s <= result.ttft_p99_s
 
 
+@pytest.mark.slow  # a few hundred requests through every router policy on simulated engines
 def test_replay_multi_tenant_pd_beats_round_robin():
     # The tenants' contexts fit in the pool's caches together, not in any one of them.
     results = replay_all(generate_multi_tenant(SMALL_MULTI_TENANT), num_replicas=4, cache_blocks=96)
@@ -169,6 +171,7 @@ def test_replay_multi_tenant_pd_beats_round_robin():
     assert sum(results["pd"].extra["reasons"].values()) == 300
 
 
+@pytest.mark.slow  # a few hundred requests through every router policy on simulated engines
 def test_replay_with_several_ingress_routers_still_finds_prefixes_and_balances():
     """Each ingress replica's router learns from its own decisions and the shared reports."""
     trace = generate_multi_tenant(SMALL_MULTI_TENANT)

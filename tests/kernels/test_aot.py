@@ -11,6 +11,10 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.integration  # each test runs `python -m kernels.aot` in a child process
+
 
 def _aot(*args: str) -> tuple[int, list[dict]]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -14,6 +14,7 @@ from pd import LLM, SamplingParams
 PROMPTS = [list(range(3, 8)), list(range(100, 140)), list(range(200, 290)), list(range(100, 140)) + [7, 8]]
 
 
+@pytest.mark.slow  # the whole model in the Triton interpreter, a minute of CPU (each kernel: test_triton_attention)
 def test_builtin_model_same_greedy_tokens_with_triton_and_torch(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("PD_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "pd-cache"))
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)

@@ -159,6 +159,7 @@ engine.close()
 """
 
 
+@pytest.mark.integration  # runs in a child Python
 def test_the_step_thread_computes_on_the_engines_threads(model_dir):
     """Ray starts a worker with ``OMP_NUM_THREADS`` at the floor of its CPUs (1 for 1.5). OpenMP gives each new
     thread that count, and oneDNN's GEMMs read it on the thread that calls them: the step thread must be set

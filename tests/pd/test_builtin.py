@@ -185,6 +185,7 @@ def _resolve_after_barrier(barrier, results):
     results.put(str(resolve_model_path(MODEL)))
 
 
+@pytest.mark.integration  # spawns processes
 def test_concurrent_processes_share_one_generation(model_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("PD_CACHE_DIR", str(tmp_path))
     context = multiprocessing.get_context("spawn")

@@ -90,6 +90,7 @@ def test_llama_3_1_rope_scaling_is_read_back_from_its_rope_freqs(kind, original,
     assert_greedy_matches(out.token_ids, hf_model(hf_dirs(kind)), PROMPT)  # HF from the original checkpoint
 
 
+@pytest.mark.integration  # a worker process per rank
 def test_the_same_file_loads_unchanged_on_two_tensor_parallel_ranks(gguf_file):
     path = gguf_file("llama", "Q4_K")
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)

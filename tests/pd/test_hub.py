@@ -46,6 +46,7 @@ def resolve_offline(hf_home: Path, cases: list[tuple[str, str | None]], cache: P
     return json.loads(child.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.integration  # a child Python with its own HF_HOME
 def test_hub_ids_resolve_offline_at_a_branch_a_tag_or_a_commit_and_a_missing_one_is_named(tmp_path):
     tiny = ensure_builtin_model(BUILTIN_MODELS["tiny-llama"])
     hf_home = tmp_path / "hf"

@@ -5,6 +5,10 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.integration  # a child Python, so that the import state is a fresh process's
+
 SCRIPT = """
 import sys
 for missing in ("ray", "nixl", "nixl_cu12", "nixl_cu13"):

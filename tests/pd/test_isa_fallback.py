@@ -68,6 +68,7 @@ def test_the_child_runs_the_avx2_path():
     assert make_linear(torch.randn(8, 4).bfloat16(), None, "onednn").output_dtype == torch.bfloat16
 
 
+@pytest.mark.integration  # a child pytest
 @pytest.mark.skipif(EXPECTED_ISA in os.environ, reason="this is the child")
 def test_the_avx2_path_passes_the_dense_layer_kernel_and_half_precision_tests():
     capability = torch.backends.cpu.get_cpu_capability()

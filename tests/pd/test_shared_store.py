@@ -5,10 +5,12 @@ from __future__ import annotations
 import pytest
 
 from pd import LLM
-from router.tiers import Tier
 from pd.engine.tiers.block_store import trailer_bytes
+from router.tiers import Tier
 from tests.pd.tiers_common import CHURN, DEVICE_BLOCKS, FIRST, FIRST_HASHES, HOST_BLOCKS, PARAMS, served
 from tests.s3_server import bucket_keys, create_bucket, s3_server
+
+pytestmark = pytest.mark.integration  # an S3 server (moto) in a subprocess
 
 BUCKET = "pd-kv-test"
 

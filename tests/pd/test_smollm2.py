@@ -8,6 +8,9 @@ from pd import LLM, SamplingParams
 from tests.conftest import SMOLLM2, SMOLLM2_PROMPTS
 from tests.reference import teacher_forced_divergence
 
+# A trained 135M model against HF's own GGUF reader: HF dequantizing the file alone takes half a minute here.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def llm():

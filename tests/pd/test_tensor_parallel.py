@@ -29,6 +29,7 @@ def prompts(vocab: int = 509, seed: int = 1):
     return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in PROMPT_LENS]
 
 
+@pytest.mark.integration  # a worker process per rank
 @pytest.mark.parametrize("kind", ARCHITECTURES)
 def test_two_ranks_match_the_reference(kind, checkpoint, hf_model):
     """TP=2 equals HF (and so TP=1) under the near-tie rule: split heads, replicated KV heads (qwen3 has
@@ -85,6 +86,7 @@ def test_sizes_that_cannot_split_the_model_are_refused(checkpoint):
         EngineConfig(tensor_parallel_size=2, host_kv_cache_bytes=1 << 20)
 
 
+@pytest.mark.integration  # a worker process per rank
 def test_a_dead_worker_fails_the_engine_at_once_and_never_hangs(checkpoint):
     """A worker killed between steps: the next step raises naming the rank (its group sockets close),
     well inside the collective timeout; closing reaps everything."""

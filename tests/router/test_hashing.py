@@ -3,6 +3,7 @@ import subprocess
 import sys
 
 import msgpack
+import pytest
 
 from router.hashing import HASH_NUM_BYTES, ROOT_HASH, hash_block, hash_block_tokens
 
@@ -25,6 +26,7 @@ def test_hashes_chain_only_full_blocks_and_extend_incrementally():
     assert hash_block_tokens([99] + tokens[1:], 4)[1] != hashes[1]
 
 
+@pytest.mark.integration  # a child Python
 def test_hashes_are_identical_in_another_process():
     code = "from router.hashing import hash_block_tokens; print(hash_block_tokens(list(range(64)), 16)[-1].hex())"
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()

@@ -295,6 +295,7 @@ def test_decode_ties_break_at_random():
     assert set(chosen) == {"a", "b"} and min(chosen.values()) > 60
 
 
+@pytest.mark.integration  # a child Python checks a fresh import
 def test_policy_module_does_not_import_ray():
     import subprocess
     import sys

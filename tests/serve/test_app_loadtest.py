@@ -218,6 +218,7 @@ def test_client_judges_streams_on_content(scripted_server, script, error):
         assert result.tpot_s == pytest.approx((result.e2e_s - result.ttft_s) / 2)
 
 
+@pytest.mark.integration  # locust in a subprocess
 @pytest.mark.parametrize("scripted_server, exit_code, status", [("slow", 0, Status.CUTOFF),
                                                                 ("error-chunk", 1, Status.FAILED)],
                          indirect=["scripted_server"], ids=["cut-off-at-the-end", "error-chunks"])
@@ -236,6 +237,7 @@ def test_locust_counts_content_failures_but_not_requests_cut_off(scripted_server
     assert meta.model == MODEL and meta.end_time > meta.start_time
 
 
+@pytest.mark.integration  # locust in a subprocess
 def test_trace_replay_keeps_arrival_times_and_ends_the_run(scripted_server, tmp_path):
     trace = tmp_path / "trace.jsonl"
     trace.write_text("".join(json.dumps({"timestamp": 500 * i, "input_length": 20, "output_length": 3,

@@ -19,6 +19,8 @@ import pytest
 from tests.transfer.test_engine_pairs import GREEDY, PROMPTS, PrefillProcess, decode_engine
 from transfer import KVHandle
 
+pytestmark = pytest.mark.integration  # the prefill engine runs in a spawned process
+
 SENTINEL = 12345.0
 WAIT_S = 30.0
 

@@ -19,6 +19,8 @@ from router.hashing import hash_block_tokens
 from tests.transfer.engine_worker import prefill_worker
 from transfer import KVHandle, WireError, create_transport
 
+pytestmark = pytest.mark.integration  # the prefill engine runs in a spawned process
+
 ENGINE_KWARGS = {"num_blocks": 96, "block_size": 16, "kv_lease_s": 3.0}
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 PROMPTS = {

@@ -8,6 +8,8 @@ import pytest
 
 from tests.transfer.peers import NUM_BLOCKS, Peer, PeerError, block_pattern, stop_all
 
+pytestmark = pytest.mark.integration  # a peer process on each side of a transport
+
 BACKENDS = ["nixl", "torch"]
 PREFILL_SEED = 1
 TIMEOUT_S = 3.0
