@@ -157,6 +157,7 @@ def test_imports_of_sees_every_form(tmp_path, source, target, lazy):
     assert any(imp.target == target and imp.in_function == lazy for imp in found), [str(imp) for imp in found]
 
 
+@pytest.mark.integration  # a child Python, so that the import state is a fresh process's
 def test_the_leaf_and_the_autoscaling_policy_import_without_torch_or_ray():
     """Serve's controller imports ``autoscale.serve``; it and ``pd.workload`` must not drag in torch or Ray."""
     leaf = [f"pd.workload.{path.stem}" for path in sorted((REPO / "pd" / "workload").glob("*.py"))

@@ -1,6 +1,6 @@
 """Test tiers: what may run in ``make test-unit``, and the guard that makes a mislabelled test fail.
 
-Two tiers:
+Two tiers, and a marker for what neither fast nor an integration test is:
 
 - ``integration`` (a registered marker): a test that starts Ray, a Serve app or
   another process (worker subprocesses, a child pytest or Python, an S3 server,
@@ -14,8 +14,9 @@ Two tiers:
   cores, with no ports to share between concurrent runs.
 
 With ``PD_TEST_TIER=unit`` (``make test-unit`` sets it) a test not marked
-``integration`` that starts a process, or Ray, fails at once with an error that
-names it: ``refuse_processes`` wraps its setup, call and teardown (session
+``integration`` that starts a Python process (a subprocess or a multiprocessing
+one) or Ray fails at once with an error that names it; build tools such as
+``ninja`` may run. ``refuse_processes`` wraps its setup, call and teardown (session
 fixtures such as the Ray cluster are set up inside the first test that uses
 them, so they are caught too). Without the variable nothing is patched.
 """

@@ -162,6 +162,7 @@ print(pool.cache_event_window()[1][0].tier.name)
 """
 
 
+@pytest.mark.integration  # a child Python, so that the import state is a fresh process's
 def test_the_block_pool_and_its_events_never_import_torch():
     path = Path(__file__).parents[2] / "pd" / "engine" / "block_pool.py"
     done = subprocess.run([sys.executable, "-c", PURE, str(path)], capture_output=True, text=True, timeout=60,
