@@ -36,7 +36,6 @@ import torch
 
 from transfer.wire import PoolMetadata, TransportKind
 
-
 logger = logging.getLogger(__name__)
 
 # (remote_start, local_start, num_blocks): a run of consecutive block ids on both sides.

@@ -34,9 +34,8 @@ import numpy as np
 import torch
 
 from transfer.base import HeadSlice, KVTransport, Run, TransferError, TransferHandle, TransferState
-from transfer.wire import NonNegativeInt, PoolMetadata, PositiveInt, TransportKind
-
 from transfer.nixl_api import make_agent
+from transfer.wire import NonNegativeInt, PoolMetadata, PositiveInt, TransportKind
 
 logger = logging.getLogger(__name__)
 

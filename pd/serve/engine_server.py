@@ -12,8 +12,8 @@ import torch
 from ray import serve
 
 from autoscale.serve import LatencyWindow, replica_metrics
-from pd.engine.async_engine import AsyncLLMEngine
 from pd.config.app import AppArgs
+from pd.engine.async_engine import AsyncLLMEngine
 from pd.serve.metrics import ReplicaMetrics
 from transfer import KVTransport, create_transport
 

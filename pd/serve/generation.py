@@ -25,10 +25,10 @@ from typing import AsyncIterator
 
 from ray.exceptions import RayActorError
 
+from pd.config.app import AppArgs
 from pd.engine.logprobs import PromptLogprob, TopLogprobs
 from pd.engine.request import FinishReason, KVSource, finish_reason
 from pd.sampling_params import SamplingParams
-from pd.config.app import AppArgs
 from pd.serve.metrics import RequestMetrics
 from pd.serve.protocol import DecodeChunk, PoolControl, PoolRequest, PrefillResult, RequestFailed
 from pd.serve.text import TextStream

@@ -17,21 +17,18 @@ from typing import Any, AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from ray import serve
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pd.config.app import AppArgs
 from pd.model.config import load_model_config
 from pd.model.paths import resolve_model_path
 from pd.model.tokenizer import Tokenizer
 from pd.sampling_params import SamplingParams, StructuredOutput
-from pd.config.app import AppArgs
 from pd.serve.body_limit import BodyLimit
 from pd.serve.choices import run_choices
 from pd.serve.generation import GenerationEvent, PoolClient, RequestFailedError
 from pd.serve.handle_api import GenerateChunk, GenerateRequest
-from pd.serve.openai_render import ChatRenderer, ChoiceOutput, CompletionRenderer
-from pd.serve.prompts import PromptEncoder
-from pd.serve.tools import tool_call_mode
 from pd.serve.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -40,6 +37,9 @@ from pd.serve.openai_protocol import (
     now,
     usage,
 )
+from pd.serve.openai_render import ChatRenderer, ChoiceOutput, CompletionRenderer
+from pd.serve.prompts import PromptEncoder
+from pd.serve.tools import tool_call_mode
 from router.shared import RoutingScopes
 
 logger = logging.getLogger(__name__)

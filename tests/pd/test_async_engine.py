@@ -6,10 +6,10 @@ import asyncio
 
 import pytest
 
+from pd import LLM, SamplingParams
 from pd.config import EngineConfig
 from pd.engine.async_engine import AsyncLLMEngine
 from pd.engine.request import FinishReason
-from pd import LLM, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 

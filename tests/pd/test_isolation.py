@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from pd import LLM, SamplingParams
-from pd.engine.engine import LLMEngine
 from pd.config import EngineConfig
+from pd.engine.engine import LLMEngine
 from pd.engine.request import FinishReason
 from tests.checkpoints import make_poisoned_checkpoint
 

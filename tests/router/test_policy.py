@@ -4,8 +4,8 @@ from collections import Counter
 
 import pytest
 
-from router.hashing import hash_block_tokens
 from router.decode_policy import DecodePolicy, DecodePolicyConfig
+from router.hashing import hash_block_tokens
 from router.policy import (
     PolicyConfig,
     PrefixAffinityPolicy,

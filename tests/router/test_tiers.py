@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from router.hashing import hash_block_tokens
 from router.decode_policy import DecodePolicy, DecodePolicyConfig
+from router.hashing import hash_block_tokens
 from router.policy import PolicyConfig, PrefixAffinityPolicy, ReplicaLoad, RoutingReason
 from router.prefix_index import SHARED_STORE, PrefixIndex
 from router.tiers import BLOCK_BYTES, DEFAULT_HIT_VALUES, RECOMPUTE_S, Tier, hit_value, valued_tokens

@@ -22,8 +22,8 @@ import pytest
 import requests
 
 from loadtest import client
-from pd.workload.records import RequestLog, RequestRecord, RunMeta, Status, read_requests
 from loadtest.report import write_report
+from pd.workload.records import RequestLog, RequestRecord, RunMeta, Status, read_requests
 from pd.workload.summary import load_runs, lost_before_cutoff, operating_points, summarize
 from pd.workload.workloads import ChatWorkload, arrivals, make_workload, trace_arrivals
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pd.serve.app import build_app
 from pd.config.app import AppArgs
+from pd.serve.app import build_app
 from tests.serve.conftest import CONFIG_DIR, config_args
 
 CONFIGS = sorted(p.name for p in CONFIG_DIR.glob("*.yaml"))

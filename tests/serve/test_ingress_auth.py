@@ -68,8 +68,9 @@ def test_bad_key_config_is_refused_without_echoing_the_key():
 
 
 def _log_files() -> list:
-    import ray
     from pathlib import Path
+
+    import ray
 
     logs = Path(ray._private.worker.global_worker.node.get_logs_dir_path())
     return [p for p in logs.rglob("*") if p.is_file()]

@@ -11,8 +11,8 @@ import torch
 
 pytest.importorskip("transfer.nixl_api")
 
-from transfer import TransferError, TransferState, WireError, create_transport  # noqa: E402
 from tests.wire import body_of, sealed  # noqa: E402
+from transfer import TransferError, TransferState, WireError, create_transport  # noqa: E402
 from transfer.nixl_backend import NixlPeer, NixlTransport  # noqa: E402
 
 BLOCK_SHAPE = (2, 2, 4, 2, 16)
