@@ -43,7 +43,7 @@ def timed_run(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[floa
 
 def weight_bytes(path: Path, size: int) -> list[int]:
     with LLM(str(path), num_blocks=16, tensor_parallel_size=size, num_threads=1) as llm:
-        return [rank["weight_bytes"] for rank in llm.engine.runner.ranks()]
+        return [rank["weight_bytes"] for rank in llm.engine.tp_ranks()]
 
 
 def main() -> None:
