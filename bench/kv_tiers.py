@@ -155,6 +155,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--serve-then-wait", metavar="DIR", help=argparse.SUPPRESS)
     parser.add_argument("--host-bytes", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if 16 * args.groups * args.turns <= RESTART_REQUESTS:
+        parser.error(f"--groups {args.groups} --turns {args.turns} give {16 * args.groups * args.turns} prompts; the "
+                     f"warm restart replays the last {RESTART_REQUESTS} after the others, so it needs more")
     torch.set_num_threads(1)
     if args.serve_then_wait:
         serve_then_wait(args.serve_then_wait, args.groups, args.turns, args.device_blocks, args.host_bytes)
