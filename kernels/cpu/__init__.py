@@ -29,13 +29,17 @@ folder named for this checkout and that level: two checkouts sharing one
 folder would each rewrite the other's build file (it names its sources by
 path) and recompile on every start. ``make venv`` builds it (``python -m
 kernels.cpu``), so an engine start loads it; one that finds it missing
-compiles it there (tens of seconds), never on a request's path.
+compiles it there (tens of seconds), never on a request's path. It is built
+with the ninja the project installs (``project_ninja``), whatever ``PATH``
+finds first.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
+import os
 import threading
 import time
 from pathlib import Path
@@ -105,14 +109,37 @@ def build():
 
             level = isa()
             started = time.monotonic()
-            _extension = load(
-                name=f"pd_cpu_kernels_{level.lower()}", sources=_SOURCES, build_directory=str(_build_directory(level)),
-                extra_cflags=["-O3", "-fopenmp", "-fopenmp-simd", *capability_flags(level),
-                              f"-DPD_HEADERS={_headers_digest()}"],
-                extra_ldflags=["-fopenmp"], verbose=False,
-            )
+            with project_ninja():
+                _extension = load(
+                    name=f"pd_cpu_kernels_{level.lower()}", sources=_SOURCES,
+                    build_directory=str(_build_directory(level)),
+                    extra_cflags=["-O3", "-fopenmp", "-fopenmp-simd", *capability_flags(level),
+                                  f"-DPD_HEADERS={_headers_digest()}"],
+                    extra_ldflags=["-fopenmp"], verbose=False,
+                )
             logger.info("cpu kernels (%s) ready in %.1f s", level, time.monotonic() - started)
         return _extension
+
+
+@contextlib.contextmanager
+def project_ninja():
+    """``PATH`` led by the ``ninja`` package's (a dependency of ours) while torch runs ``ninja`` by name.
+
+    Ninja versions keep build logs of different versions, and one that finds another's starts over,
+    recompiling everything: without this, a venv used activated (its own ninja first on ``PATH``) and
+    unactivated (a system ninja first) rebuilt the extension, minutes on 2 cores, at each switch.
+    """
+    try:
+        import ninja
+    except ImportError:  # a system ninja only: the one torch finds
+        yield
+        return
+    saved = os.environ.get("PATH", "")
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + saved
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = saved
 
 
 def _headers_digest() -> str:

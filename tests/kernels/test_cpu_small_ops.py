@@ -139,3 +139,22 @@ def test_copy_blocks_refuses_a_bad_id_or_pool():
         cpu.copy_blocks(src, [0], torch.zeros(4, 16), [0])
     with pytest.raises(RuntimeError, match="dtypes differ"):
         cpu.copy_blocks(src, [0], torch.zeros(4, 8, dtype=torch.float64), [0])
+
+
+def test_the_build_runs_the_ninja_this_project_installs(monkeypatch, tmp_path):
+    """Whatever ninja PATH finds first (a system one, older), the build runs the ``ninja`` package's: two
+    versions keep build logs of different versions, and each starts over on the other's, recompiling the
+    whole extension whenever the venv is used activated after ``make venv`` ran it unactivated."""
+    import os
+    import shutil
+    from pathlib import Path
+
+    ninja = pytest.importorskip("ninja")
+    other = tmp_path / "ninja"
+    other.write_text("#!/bin/sh\necho 1.0.0\n")
+    other.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    assert shutil.which("ninja") == str(other)
+    with cpu.project_ninja():
+        assert Path(shutil.which("ninja")).resolve() == (Path(ninja.BIN_DIR) / "ninja").resolve()
+    assert shutil.which("ninja") == str(other)
