@@ -22,15 +22,13 @@ import statistics
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import requests
-import yaml
 
+from bench.configs import BENCH_MODEL, bench_app_args, load_config
 from pd.serve.local import deploy_args, local_serve
 from pd.workload.host import cpu_name
 
-CONFIG = Path(__file__).resolve().parents[1] / "serve_configs" / "default.yaml"
 PROMPTS = {"local": "Tell me about the sea and the sky.", "remote": " ".join(f"word{i}" for i in range(150))}
 
 
@@ -70,10 +68,10 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=16)
     args = parser.parse_args()
 
-    config = yaml.safe_load(CONFIG.read_text())
+    config = load_config("default.yaml")
     port = config["http_options"]["port"]
     with local_serve(http_port=port) as local:
-        deploy_args(local, config["applications"][0]["args"])
+        deploy_args(local, bench_app_args(config))
         compare(f"http://127.0.0.1:{port}/v1/completions", args)
 
 
@@ -82,7 +80,7 @@ def compare(url: str, args: argparse.Namespace) -> None:
     prompt_lens = []
 
     def complete(prompt: str, n: int, seed: int) -> None:
-        body = {"model": "builtin:tiny-llama", "prompt": prompt, "n": n, "max_tokens": args.max_tokens,
+        body = {"model": BENCH_MODEL, "prompt": prompt, "n": n, "max_tokens": args.max_tokens,
                 "temperature": 1.0, "seed": seed, "ignore_eos": True}
         response = requests.post(url, json=body, timeout=300)
         response.raise_for_status()

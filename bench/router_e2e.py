@@ -22,17 +22,14 @@ import asyncio
 import json
 import random
 from collections import Counter
-from pathlib import Path
 
-import yaml
-
+from bench.configs import bench_app_args, load_config
 from pd.serve.local import LocalServe, deploy_args, local_serve
 from pd.workload.stats import percentile
 from pd.workload.trace import MultiTenantTraceConfig, generate_multi_tenant
 from router.hashing import hash_block_tokens
 
 ROUTERS = {"pd": "router.serve:PrefixAffinityRouter", "pow2": "router.serve:PinnedRequestRouter"}
-CONFIG = Path(__file__).resolve().parents[1] / "serve_configs" / "default.yaml"
 
 
 def block_tokens(block_id: int, tokens_per_block: int, vocab: int = 1000) -> list[int]:
@@ -73,7 +70,7 @@ async def replay(handle, token_lists: list[list[int]], concurrency: int) -> Coun
 def run(router: str, local: LocalServe, token_lists: list[list[int]], args) -> dict:
     from ray import serve
 
-    app_args = yaml.safe_load(CONFIG.read_text())["applications"][0]["args"]
+    app_args = bench_app_args(load_config("default.yaml"))
     app_args["engine"]["kv_cache_bytes"] = args.kv_cache_mib * 1024**2
     app_args["prefill"].update(num_replicas=args.replicas, ray_actor_options={"num_cpus": 0.25},
                                router={"request_router_class": ROUTERS[router],

@@ -39,8 +39,8 @@ from pathlib import Path
 from queue import Empty, SimpleQueue
 
 import requests
-import yaml
 
+from bench.configs import BENCH_MODEL, bench_app_args, load_config
 from bench.peer import peer_python
 from bench.process import stop_process
 from loadtest import client
@@ -57,11 +57,10 @@ MODE_ENV = {"colocated_direct": ("RAY_SERVE_ENABLE_DIRECT_INGRESS",),
             "colocated_haproxy": ("RAY_SERVE_ENABLE_HA_PROXY",),
             "colocated_haproxy_throughput": ("RAY_SERVE_ENABLE_HA_PROXY", "RAY_SERVE_THROUGHPUT_OPTIMIZED")}
 DIRECT_MODES = {"colocated_direct"}
-CONFIG_DIR = Path(__file__).resolve().parents[1] / "serve_configs"
 
 
 # The request every mode and vLLM's server get: greedy, to the full length, streamed.
-OPTIONS = client.RequestOptions(model="builtin:tiny-llama", temperature=0.0)
+OPTIONS = client.RequestOptions(model=BENCH_MODEL, temperature=0.0)
 
 
 def stream_one(session: requests.Session, base_url: str, prompt: str,
@@ -134,7 +133,7 @@ def direct_ingress_port(timeout_s: float = 60.0) -> int:
                 models = requests.get(f"http://127.0.0.1:{port}/v1/models", timeout=0.5)
             except requests.RequestException:
                 continue
-            if models.status_code == 200 and "builtin:tiny-llama" in models.text:
+            if models.status_code == 200 and BENCH_MODEL in models.text:
                 return port
         time.sleep(1)  # polling ports that open when the replica's server is up: nothing to wait on
     raise RuntimeError(f"no ingress replica answered on Serve's direct-ingress ports within {timeout_s} s")
@@ -142,9 +141,9 @@ def direct_ingress_port(timeout_s: float = 60.0) -> int:
 
 def run_mode(mode: str, local: LocalServe, prompts: list[str], args) -> LoadResult:
     """One mode's app deployed on ``local``, a warm-up and the timed load; the app is deleted after."""
-    config = yaml.safe_load((CONFIG_DIR / CONFIGS[mode]).read_text())
+    config = load_config(CONFIGS[mode])
     port = config["http_options"]["port"]
-    deploy_args(local, config["applications"][0]["args"])
+    deploy_args(local, bench_app_args(config))
     if mode in DIRECT_MODES:
         port = direct_ingress_port()
     url = f"http://127.0.0.1:{port}"
@@ -163,8 +162,8 @@ def run_vllm(python: Path, prompts: list[str], args) -> LoadResult:
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=cpu_list(2), VLLM_CPU_KVCACHE_SPACE="1")
     env.pop("PYTHONPATH", None)
     server = subprocess.Popen(
-        [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(resolve_model_path("builtin:tiny-llama")),
-         "--served-model-name", "builtin:tiny-llama", "--dtype", "float32", "--enable-prefix-caching",
+        [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(resolve_model_path(BENCH_MODEL)),
+         "--served-model-name", BENCH_MODEL, "--dtype", "float32", "--enable-prefix-caching",
          "--host", "127.0.0.1", "--port", str(port), "--disable-log-stats"],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
@@ -210,7 +209,7 @@ def serve_modes(modes: list[str], prompts: list[str], args, repeat: int) -> dict
         if not group:
             continue
         env = dict.fromkeys(MODE_ENV.get(group[0], ()), "1")
-        port = yaml.safe_load((CONFIG_DIR / CONFIGS[group[0]]).read_text())["http_options"]["port"]
+        port = load_config(CONFIGS[group[0]])["http_options"]["port"]
         with local_serve(http_port=port, env=env) as local:
             for mode in group:
                 loads[mode] = run_mode(mode, local, prompts, args)

@@ -1,6 +1,6 @@
 """Validate the simulator against the real app: the same arrivals, served for real and simulated.
 
-``python -m sim.validate [--workload mixed|chat] [--rates 0.5,1,2] [--configs A.yaml B.yaml] [--duration 60]``
+``python -m sim.validate [--workload mixed|chat] [--rates 0.5,1,2] [--configs A.yaml B.yaml] [--model M] [--duration 60]``
 
 1. Profiles the real engine on this machine (``sim.profile``), for each
    thread count a replica of the configs computes on, while nothing else runs.
@@ -19,7 +19,7 @@
    calibrates what a quiet-machine profile cannot see (``sim.calibration``).
    They are replayed, not validated.
 4. Summarizes both sides with the load-test report's own code
-   (``loadtest.report.summarize``: the same percentiles, SLOs, cut-off rule)
+   (``pd.workload.summary``: the same percentiles, SLOs, cut-off rule)
    and prints one JSON object per config, rate and metric with the relative
    error ``(simulated - measured) / measured``, then a last line with the
    median absolute error of each metric across configs and rates. Writes
@@ -193,11 +193,34 @@ def validate(configs: list[Path], rates: list[float], calibration_rates: Sequenc
     return results
 
 
-def main(argv: list[str] | None = None) -> None:
+DEFAULT_CONFIGS = ("serve_configs/default.yaml", "serve_configs/colocated.yaml")
+# What the default configs serve here: default.yaml's SmolLM2 is for `make serve`, colocated.yaml's the tiny model.
+DEFAULT_MODEL = "builtin:tiny-llama"
+
+
+def with_model(configs: list[Path], model: str, directory: Path) -> list[Path]:
+    """Copies of ``configs`` in ``directory`` (same file names) whose one app serves ``model``."""
+    import yaml
+
+    if len({path.name for path in configs}) != len(configs):
+        raise SystemExit(f"--model writes each config under its file name, and two share one: {configs}")
+    directory.mkdir(parents=True, exist_ok=True)
+    written = []
+    for path in configs:
+        config = yaml.safe_load(path.read_text())
+        config["applications"][0]["args"]["engine"]["model"] = model
+        written.append(directory / path.name)
+        written[-1].write_text(yaml.safe_dump(config, sort_keys=False))
+    return written
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workload", choices=("mixed", "chat"), default="mixed")
     parser.add_argument("--rates", default="0.5,1,2", help="offered loads in requests/s, comma-separated")
-    parser.add_argument("--configs", nargs="+", default=["serve_configs/default.yaml", "serve_configs/colocated.yaml"])
+    parser.add_argument("--configs", nargs="+", help=f"default: {' '.join(DEFAULT_CONFIGS)}")
+    parser.add_argument("--model", help="serve this model in every config (copies under OUT/configs/); default: "
+                                        f"{DEFAULT_MODEL} with the default configs, else each config's own")
     parser.add_argument("--duration", type=float, default=60.0, help="seconds of load per rate")
     parser.add_argument("--out", help="output directory (default sim-validate-<time>)")
     parser.add_argument("--call-ms", type=float, default=DEFAULT_CALL_S * 1000,
@@ -214,6 +237,11 @@ def main(argv: list[str] | None = None) -> None:
                         help="CPU the HTTP proxy, the ingress and the client spend on each streamed token, on the "
                              "cores the engines compute on (sim.host; 0: none)")
     parser.add_argument("--reuse", action="store_true", help="compare the runs already under OUT/real")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = _parser()
     args, sweep_extra = parser.parse_known_args(argv)
     rates = [float(rate) for rate in args.rates.split(",") if rate.strip()]
     calibration_rates = [rate for rate in (float(text) for text in args.calibration_rate.split(",") if text.strip())
@@ -221,9 +249,12 @@ def main(argv: list[str] | None = None) -> None:
     for rate in calibration_rates:
         if rate in rates:
             parser.error(f"--calibration-rate {rate:g} is also in --rates: a run calibrated on is not validated")
-    configs = [Path(path).resolve() for path in args.configs]
     out = Path(args.out or f"sim-validate-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     out.mkdir(parents=True, exist_ok=True)
+    configs = [Path(path).resolve() for path in args.configs or DEFAULT_CONFIGS]
+    model = args.model or (None if args.configs else DEFAULT_MODEL)
+    if model:
+        configs = with_model(configs, model, out / "configs")
 
     import yaml
 
@@ -236,7 +267,7 @@ def main(argv: list[str] | None = None) -> None:
                                     pool_decode_threads(pool, app.engine_config()))})
     models = {app.engine.model for app in apps}
     if len(models) != 1:
-        raise SystemExit(f"the configs serve different models: {sorted(models)}")
+        raise SystemExit(f"the configs serve different models: {sorted(models)}; --model M serves M in all")
     costs = {}
     for count in threads:  # before any load runs: the profile owns the machine
         path = out / f"profile-{count}-threads.json"
