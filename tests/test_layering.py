@@ -136,6 +136,11 @@ def test_ray_private_api_in_one_module():
            f"Ray's private API is used outside {RAY_ADAPTER}")
 
 
+def test_the_engine_stays_off_serve_and_ray():
+    _check(lambda imp: _under(imp.module, "pd.engine", "pd.model") and _under(imp.target, "pd.serve", "ray"),
+           "the engine or the model imports pd.serve or Ray (pd.serve runs the engine in Ray, never the reverse)")
+
+
 def test_router_policies_do_not_import_the_engine():
     _check(lambda imp: _under(imp.module, "router") and not _under(imp.module, ROUTER_GLUE)
            and _under(imp.target, "pd.engine", "ray"),
