@@ -203,3 +203,48 @@ def check_linear_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
             _fail("bias", f"expected shape ({weight.shape[0]},), got {tuple(bias.shape)}")
         if bias.device != x.device:
             _fail("bias", f"is on {bias.device}, x is on {x.device}")
+
+
+def check_fused_moe_args(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
+                         topk_weights: torch.Tensor) -> None:
+    """Validate a fused-MoE launch: hidden [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_ids and topk_weights [T, k].
+
+    Expert ids are checked against ``E`` on CPU tensors only: on a GPU that check would wait for the device.
+    """
+    check_ndim("hidden", hidden, 2)
+    check_ndim("w13", w13, 3)
+    check_ndim("w2", w2, 3)
+    check_ndim("topk_ids", topk_ids, 2)
+    check_ndim("topk_weights", topk_weights, 2)
+    check_dtype("hidden", hidden)
+    check_dtype("w13", w13, hidden.dtype)
+    check_dtype("w2", w2, hidden.dtype)
+    num_experts, two_i, size = w13.shape
+    if size != hidden.shape[1]:
+        _fail("w13", f"has {size} input features, hidden has {hidden.shape[1]}")
+    if two_i % 2:
+        _fail("w13", f"must stack gate and up projections ([E, 2 * I, H]), got {two_i} rows")
+    if tuple(w2.shape) != (num_experts, size, two_i // 2):
+        _fail("w2", f"expected [E, H, I] = {(num_experts, size, two_i // 2)}, got {tuple(w2.shape)}")
+    if topk_ids.dtype not in (torch.int32, torch.int64):
+        _fail("topk_ids", f"expected an integer dtype (int32 or int64), got {topk_ids.dtype}")
+    if not topk_weights.dtype.is_floating_point:
+        _fail("topk_weights", f"expected a floating dtype, got {topk_weights.dtype}")
+    if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != hidden.shape[0]:
+        _fail("topk_ids", f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} must "
+                          f"both be [T, k] with T = {hidden.shape[0]} tokens")
+    for name, tensor in (("w13", w13), ("w2", w2), ("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+        if tensor.device != hidden.device:
+            _fail(name, f"is on {tensor.device}, hidden is on {hidden.device}")
+    if hidden.device.type == "cpu" and topk_ids.numel():
+        low, high = int(topk_ids.min()), int(topk_ids.max())
+        if low < 0 or high >= num_experts:
+            _fail("topk_ids", f"expert ids must be in [0, {num_experts}), got [{low}, {high}]")
+
+
+def check_select_experts_args(router_logits: torch.Tensor, top_k: int) -> None:
+    """router_logits [T, E] and 1 <= top_k <= E."""
+    check_ndim("router_logits", router_logits, 2)
+    check_dtype("router_logits", router_logits)
+    if not 1 <= top_k <= router_logits.shape[1]:
+        _fail("top_k", f"must be in [1, {router_logits.shape[1]}] (the number of experts), got {top_k}")

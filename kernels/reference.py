@@ -211,3 +211,43 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight^T + bias`` for ``x [rows, in]`` and ``weight [out, in]``, as checkpoints hold it."""
     return F.linear(x, weight, bias)
+
+
+def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top ``top_k`` experts of each token and their weights, as HF's MoE blocks route.
+
+    Softmax in fp32 over all experts, then ``torch.topk`` (HF's: the same
+    ties broken the same way), then, with ``renormalize``, the chosen
+    weights divided by their sum (Mixtral always; Qwen-MoE if
+    ``norm_topk_prob``). Returns ``(topk_weights fp32 [T, k], topk_ids int64
+    [T, k])``; the model casts the weights to its dtype, as HF does.
+    """
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def fused_moe(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+) -> torch.Tensor:
+    """Each token's routed experts' SwiGLU MLPs, weighted and summed: HF's eager expert loop.
+
+    For token ``t`` and slot ``j`` with expert ``e = topk_ids[t, j]``:
+    ``out[t] += topk_weights[t, j] * (silu(x W_gate^T) * (x W_up^T)) W_down^T``, where
+    ``w13[e] = [W_gate; W_up]`` (``[2I, H]``) and ``w2[e] = W_down`` (``[H, I]``).
+    The weights are cast to ``hidden``'s dtype and the sum runs in it, in
+    expert order, as ``transformers`` does.
+    """
+    out = torch.zeros_like(hidden)
+    weights = topk_weights.to(hidden.dtype)
+    for expert in torch.unique(topk_ids).tolist():
+        tokens, slots = torch.where(topk_ids == expert)
+        y = F.linear(silu_and_mul(F.linear(hidden[tokens], w13[expert])), w2[expert])
+        out.index_add_(0, tokens, y * weights[tokens, slots, None])
+    return out

@@ -48,6 +48,7 @@ import torch
 
 from kernels import reference
 from kernels.checks import check_linear_args
+from kernels.cpu.moe import fused_moe  # noqa: F401 - the backend's fused MoE
 
 logger = logging.getLogger(__name__)
 

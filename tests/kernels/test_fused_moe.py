@@ -1,0 +1,142 @@
+"""The fused-MoE op and its routing: the reference against a per-token definition and against HF's
+Qwen3-MoE block, the CPU backend against the reference, and the launch checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kernels.cpu.moe as cpu_moe
+from kernels import reference
+from kernels.checks import check_fused_moe_args, check_select_experts_args
+
+
+def _weights(num_experts: int, hidden: int, inter: int, dtype=torch.float32, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=gen) / hidden ** 0.5
+    w2 = torch.randn(num_experts, hidden, inter, generator=gen) / inter ** 0.5
+    return w13.to(dtype), w2.to(dtype)
+
+
+def _routed(tokens: int, num_experts: int, top_k: int, hidden: int, dtype=torch.float32, seed: int = 1):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    logits = torch.randn(tokens, num_experts, generator=gen) * 4
+    weights, ids = reference.select_experts(logits, top_k, renormalize=True)
+    return x, ids, weights
+
+
+def _per_token(hidden, w13, w2, ids, weights):
+    """The definition, one token and slot at a time."""
+    out = torch.zeros(hidden.shape, dtype=torch.float64)
+    for t in range(hidden.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            gate, up = (hidden[t].double() @ w13[e].double().t()).chunk(2)
+            out[t] += float(weights[t, j]) * ((F.silu(gate) * up) @ w2[e].double().t())
+    return out
+
+
+@pytest.mark.parametrize("tokens, num_experts, top_k", [(1, 4, 1), (7, 8, 2), (33, 16, 4), (5, 4, 4)])
+def test_reference_is_the_per_token_definition(tokens, num_experts, top_k):
+    w13, w2 = _weights(num_experts, 64, 32)
+    x, ids, weights = _routed(tokens, num_experts, top_k, 64)
+    torch.testing.assert_close(reference.fused_moe(x, w13, w2, ids, weights).double(),
+                               _per_token(x, w13, w2, ids, weights), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens, num_experts, top_k", [(1, 4, 1), (16, 8, 2), (64, 16, 4), (130, 8, 2)])
+def test_cpu_backend_equals_the_reference(tokens, num_experts, top_k, dtype):
+    w13, w2 = _weights(num_experts, 64, 48, dtype)
+    x, ids, weights = _routed(tokens, num_experts, top_k, 64, dtype)
+    tolerance = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    torch.testing.assert_close(cpu_moe.fused_moe(x, w13, w2, ids, weights),
+                               reference.fused_moe(x, w13, w2, ids, weights), **tolerance)
+
+
+def test_experts_without_tokens_and_an_empty_batch():
+    w13, w2 = _weights(8, 64, 32)
+    x = torch.randn(3, 64)
+    ids = torch.tensor([[5, 2], [2, 5], [5, 2]])  # six experts get nothing
+    weights = torch.full((3, 2), 0.5)
+    torch.testing.assert_close(cpu_moe.fused_moe(x, w13, w2, ids, weights), reference.fused_moe(x, w13, w2, ids, weights))
+    empty = cpu_moe.fused_moe(x[:0], w13, w2, ids[:0], weights[:0])
+    assert empty.shape == (0, 64)
+
+
+def test_the_reference_equals_hf_qwen3_moe_block():
+    """HF's own sparse block, eager experts, with our routing and the fused layout of its weights."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.qwen3_moe import modeling_qwen3_moe as qwen3_moe
+
+    config = transformers.Qwen3MoeConfig(hidden_size=64, moe_intermediate_size=48, num_experts=8,
+                                         num_experts_per_tok=2, norm_topk_prob=True, experts_implementation="eager")
+    assert config._experts_implementation == "eager"
+    torch.manual_seed(0)
+    block = qwen3_moe.Qwen3MoeSparseMoeBlock(config).eval()
+    with torch.no_grad():
+        for parameter in block.parameters():
+            parameter.normal_(0, 0.2)
+    state = block.state_dict()
+    w13, w2 = _fused_weights(state, 8)
+    x = torch.randn(1, 9, 64)
+    with torch.no_grad():
+        expected = block(x)
+        expected = expected[0] if isinstance(expected, tuple) else expected
+        gate_weight = state.get("gate.weight")
+        weights, ids = reference.select_experts(F.linear(x[0], gate_weight), 2, renormalize=True)
+        ours = reference.fused_moe(x[0], w13, w2, ids, weights)
+    torch.testing.assert_close(ours, expected[0], rtol=1e-5, atol=1e-6)
+
+
+def _fused_weights(state: dict, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF's block weights in the fused layout, whether its version holds experts fused or one module each."""
+    if "experts.gate_up_proj" in state:  # transformers 5 holds them fused: [E, 2I, H] and [E, H, I], as we do
+        gate_up, down = state["experts.gate_up_proj"], state["experts.down_proj"]
+        assert gate_up.shape == (num_experts, 96, 64) and down.shape == (num_experts, 64, 48)
+        return gate_up, down
+    w13 = torch.stack([torch.cat([state[f"experts.{e}.gate_proj.weight"], state[f"experts.{e}.up_proj.weight"]])
+                       for e in range(num_experts)])
+    w2 = torch.stack([state[f"experts.{e}.down_proj.weight"] for e in range(num_experts)])
+    return w13, w2
+
+
+def test_select_experts_renormalises_only_when_asked():
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0]])
+    probs = torch.softmax(logits, -1)
+    weights, ids = reference.select_experts(logits, 2, renormalize=False)
+    assert ids.tolist() == [[0, 1]]
+    torch.testing.assert_close(weights, probs[:, :2])
+    weights, _ = reference.select_experts(logits, 2, renormalize=True)
+    torch.testing.assert_close(weights, probs[:, :2] / probs[:, :2].sum())
+
+
+def test_select_experts_routes_in_fp32_and_breaks_ties_as_torch_topk():
+    logits = torch.tensor([[1.0, 3.0, 3.0, 3.0]], dtype=torch.bfloat16)
+    weights, ids = reference.select_experts(logits, 2, renormalize=False)
+    assert weights.dtype == torch.float32
+    assert ids.tolist() == torch.topk(torch.softmax(logits.float(), -1), 2).indices.tolist()
+
+
+@pytest.mark.parametrize("change, named", [
+    (lambda a: {**a, "hidden": a["hidden"][None]}, "hidden"),
+    (lambda a: {**a, "w13": a["w13"][:, :-1]}, "w13"),
+    (lambda a: {**a, "w2": a["w2"][:1]}, "w2"),
+    (lambda a: {**a, "topk_ids": a["topk_ids"].float()}, "topk_ids"),
+    (lambda a: {**a, "topk_ids": a["topk_ids"] + 8}, "topk_ids"),
+    (lambda a: {**a, "topk_weights": a["topk_weights"][:1]}, "topk_ids"),
+    (lambda a: {**a, "w13": a["w13"].double()}, "w13"),
+])
+def test_bad_launches_name_the_argument(change, named):
+    w13, w2 = _weights(8, 64, 32)
+    x, ids, weights = _routed(4, 8, 2, 64)
+    args = change({"hidden": x, "w13": w13, "w2": w2, "topk_ids": ids, "topk_weights": weights})
+    with pytest.raises(ValueError, match=f"^{named}"):
+        check_fused_moe_args(**args)
+
+
+def test_top_k_beyond_the_experts_is_refused():
+    with pytest.raises(ValueError, match="top_k"):
+        check_select_experts_args(torch.zeros(2, 4), 5)
