@@ -33,7 +33,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 KERNEL_TESTS = ["tests/kernels/test_triton_attention.py", "tests/kernels/test_triton_rowwise.py",
-                "tests/kernels/test_reference_attention.py"]
+                "tests/kernels/test_reference_attention.py", "tests/kernels/test_fused_moe.py"]
 PARTS = [
     ("kernels", [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *KERNEL_TESTS], 150),
     ("bench_kernels", [sys.executable, "-m", "bench.kernels"], 90),

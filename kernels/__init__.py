@@ -24,13 +24,20 @@ import logging
 import torch
 
 from kernels import reference
-from kernels.checks import PAD_SLOT_ID, check_attention_args, check_store_kv_args
+from kernels.checks import (
+    PAD_SLOT_ID,
+    check_attention_args,
+    check_fused_moe_args,
+    check_select_experts_args,
+    check_store_kv_args,
+)
 
 logger = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "torch", "cpu", "triton")
 
-__all__ = ["BACKENDS", "PAD_SLOT_ID", "resolve_backend", "unified_attention", "store_kv", "rms_norm", "rotary_embedding", "silu_and_mul"]
+__all__ = ["BACKENDS", "PAD_SLOT_ID", "resolve_backend", "unified_attention", "store_kv", "rms_norm", "rotary_embedding",
+           "silu_and_mul", "select_experts", "fused_moe"]
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
@@ -132,3 +139,29 @@ def silu_and_mul(gate_up, *, backend: str = "auto"):
     if gate_up.dim() != 2 or gate_up.shape[-1] % 2:
         raise ValueError(f"gate_up must be [num_tokens, 2 * n], got {tuple(gate_up.shape)}")
     return _impl(backend, gate_up.device).silu_and_mul(gate_up)
+
+
+def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's ``top_k`` experts and weights from ``router_logits [T, E]``, once per layer for the batch:
+    fp32 softmax, top-k, renormalised if asked. Returns ``(topk_weights fp32, topk_ids int64)``, ``[T, k]``."""
+    check_select_experts_args(router_logits, top_k)
+    return reference.select_experts(router_logits, top_k, renormalize)
+
+
+def fused_moe(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    *,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """The routed experts' SwiGLU MLPs of each token, weighted by ``topk_weights`` and summed: ``[T, H]``.
+
+    hidden: [T, H]; w13: [E, 2I, H], each expert's gate rows then up rows;
+    w2: [E, H, I]; topk_ids (int32/int64) and topk_weights: [T, k], as
+    ``select_experts`` gives them.
+    """
+    check_fused_moe_args(hidden, w13, w2, topk_ids, topk_weights)
+    return _impl(backend, hidden.device).fused_moe(hidden, w13, w2, topk_ids, topk_weights)

@@ -12,7 +12,7 @@ The specialisations are the host launchers' own choices (``gpu_tiles``,
 ``row_block``, ``norm_num_warps``), over fp16 and bf16, the head dims of the
 supported architectures (64, 80, 96 and 128; Qwen3's is 128), block sizes 16
 and 32, GQA groups 1, 4, 7 and 8, decode-only, split-KV and mixed batches,
-with and without a sliding window.
+with and without a sliding window; and the fused MoE's two GEMMs at its decode and prefill tiles.
 """
 
 from __future__ import annotations
@@ -136,6 +136,22 @@ def row_specs(quick: bool) -> list[Spec]:
     return specs
 
 
+def moe_specs(quick: bool) -> list[Spec]:
+    """The fused MoE's two grouped GEMMs, at each tile ``moe_tiles`` picks on a GPU (decode, prefill)."""
+    from kernels.triton.moe import DECODE_TILES, PREFILL_TILES, _moe_down_kernel, _moe_gate_up_kernel
+
+    pointers = {"sorted_slots_ptr": "i32", "block_experts_ptr": "i32", "topk_weights_ptr": "fp32"}
+    specs = []
+    for dtype, tiles in itertools.product(DTYPES, (DECODE_TILES, PREFILL_TILES)):
+        if quick and (dtype, tiles.block_m) not in (("bf16", 16), ("fp16", 64)):
+            continue
+        for name, fn in (("moe_gate_up", _moe_gate_up_kernel), ("moe_down", _moe_down_kernel)):
+            specs.append(Spec(name, fn, dtype, None, None, pointers,
+                              {"BLOCK_M": tiles.block_m, "BLOCK_N": tiles.block_n, "BLOCK_K": tiles.block_k},
+                              tiles.num_warps, tiles.num_stages, {"block_m": tiles.block_m}))
+    return specs
+
+
 def compile_spec(spec: Spec, arch: int, shared_limit: int) -> dict:
     """Compile one spec for ``arch``; the JSON record."""
     import triton
@@ -189,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"--arch {unknown}: this check knows {sorted(SHARED_LIMIT_BYTES)}")
     ok = True
-    for spec in attention_specs(args.quick) + row_specs(args.quick):
+    for spec in attention_specs(args.quick) + row_specs(args.quick) + moe_specs(args.quick):
         for arch in arches:
             record = compile_spec(spec, arch, args.shared_limit or SHARED_LIMIT_BYTES[arch])
             ok &= record["ok"]

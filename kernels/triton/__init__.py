@@ -6,14 +6,17 @@ before anything imports triton). One module per kernel:
 - ``paged_attention``: the paged attention kernel and its tile choice;
 - ``split_kv``: split-KV (flash-decoding) launch, merge kernel and heuristic;
 - ``attention``: ``unified_attention``, which picks between the two;
-- ``store_kv``, ``norm``, ``rotary``, ``activation``: the KV store and fused row-wise kernels.
+- ``store_kv``, ``norm``, ``rotary``, ``activation``: the KV store and fused row-wise kernels;
+- ``moe``: the fused MoE (slots sorted by expert, two grouped GEMMs).
 """
 
 from kernels.triton.activation import silu_and_mul
 from kernels.triton.attention import unified_attention
+from kernels.triton.moe import fused_moe
 from kernels.triton.norm import rms_norm
 from kernels.triton.rotary import rotary_embedding
 from kernels.triton.split_kv import choose_num_splits, split_kv_attention
 from kernels.triton.store_kv import store_kv
 
-__all__ = ["unified_attention", "split_kv_attention", "choose_num_splits", "store_kv", "rms_norm", "rotary_embedding", "silu_and_mul"]
+__all__ = ["unified_attention", "split_kv_attention", "choose_num_splits", "store_kv", "rms_norm", "rotary_embedding", "silu_and_mul",
+           "fused_moe"]

@@ -16,7 +16,7 @@ import kernels.cpu
 import kernels.triton
 from kernels import reference
 
-OPS = ["unified_attention", "store_kv", "rms_norm", "rotary_embedding", "silu_and_mul"]
+OPS = ["unified_attention", "store_kv", "rms_norm", "rotary_embedding", "silu_and_mul", "fused_moe"]
 BACKENDS = {"reference": reference, "triton": kernels.triton, "cpu": kernels.cpu}
 
 
