@@ -23,11 +23,12 @@ def fused_moe(
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
 ) -> torch.Tensor:
-    num_tokens, top_k = topk_ids.shape
+    top_k = topk_ids.shape[1]
     flat = topk_ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # slots grouped by expert, in token order within each
     counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
-    rows = hidden[order // top_k]
+    tokens = order // top_k  # each sorted slot's token
+    rows = hidden[tokens]
     down = torch.empty_like(rows)
     start = 0
     for expert, count in enumerate(counts):
@@ -38,4 +39,4 @@ def fused_moe(
             start += count
     down.mul_(topk_weights.reshape(-1)[order].to(hidden.dtype)[:, None])
     out = torch.zeros_like(hidden)
-    return out.index_add_(0, order // top_k, down)
+    return out.index_add_(0, tokens, down)
