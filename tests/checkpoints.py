@@ -27,6 +27,32 @@ LLAMA3_ROPE = {
 }
 
 
+# Tiny MoE models: hidden 64, 4-8 experts. Qwen3-MoE renormalises its top-k, Qwen2-MoE does not (Mixtral
+# always does); Qwen3-MoE's layer 0 is dense (``mlp_only_layers``), Qwen2-MoE's too (``decoder_sparse_step`` 2).
+MOE_COMMON = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.1)
+MOE_KINDS = ("qwen3_moe", "mixtral", "qwen2_moe")
+# Random routers are near-flat, so top-k ties are common; scaled gates make them rare (issue's rule).
+GATE_SCALE = 8.0
+
+
+def _moe_model(kind: str):
+    import transformers
+
+    if kind == "qwen3_moe":
+        config = transformers.Qwen3MoeConfig(**MOE_COMMON, num_experts=8, num_experts_per_tok=2,
+                                             moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[0])
+        return transformers.Qwen3MoeForCausalLM(config)
+    if kind == "mixtral":
+        config = transformers.MixtralConfig(**{**MOE_COMMON, "intermediate_size": 48}, num_local_experts=4,
+                                            num_experts_per_tok=2)
+        return transformers.MixtralForCausalLM(config)
+    config = transformers.Qwen2MoeConfig(**MOE_COMMON, num_experts=8, num_experts_per_tok=4, moe_intermediate_size=32,
+                                         shared_expert_intermediate_size=64, decoder_sparse_step=2,
+                                         norm_topk_prob=False)
+    return transformers.Qwen2MoeForCausalLM(config)
+
+
 def make_checkpoint(kind: str, path: Path) -> Path:
     """Write a small random checkpoint of ``kind`` to ``path`` and return it."""
     import transformers
@@ -47,12 +73,16 @@ def make_checkpoint(kind: str, path: Path) -> Path:
     elif kind == "qwen3":
         config = transformers.Qwen3Config(**{**COMMON, "num_attention_heads": 4, "num_key_value_heads": 1}, head_dim=48)
         model = transformers.Qwen3ForCausalLM(config)
+    elif kind in MOE_KINDS:
+        model = _moe_model(kind)
     else:
         raise ValueError(kind)
     with torch.no_grad():  # HF starts biases at zero, where a bias added twice or never would go unseen
         for name, param in model.named_parameters():
             if name.endswith(".bias"):
                 param.normal_(std=0.1)
+            if name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")):
+                param.mul_(GATE_SCALE)
     model.eval().save_pretrained(path)
     return path
 

@@ -37,7 +37,9 @@ def hf_model():
 
     def get(path):
         if path not in loaded:
-            loaded[path] = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+            # MoE models run HF's eager expert loop, the reference our fused MoE answers to.
+            loaded[path] = transformers.AutoModelForCausalLM.from_pretrained(
+                path, dtype=torch.float32, experts_implementation="eager").eval()
         return loaded[path]
 
     return get

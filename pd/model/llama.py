@@ -1,4 +1,4 @@
-"""The Llama-family decoder: Llama 2/3, Mistral, Qwen2 and Qwen3.
+"""The Llama-family decoder: Llama 2/3, Mistral, Qwen2 and Qwen3, and their MoE kin Mixtral, Qwen2-MoE and Qwen3-MoE.
 
 Dense layers are ``Linear`` objects (QKV and gate/up fused at load time), in
 the fastest form for the device (see ``pd.model.linear``). Each phase is a
@@ -18,6 +18,7 @@ import kernels
 from pd.model.attention import AttentionMetadata
 from pd.model.config import ModelConfig
 from pd.model.linear import Linear, padded_rows
+from pd.model.moe import MoeWeights, moe_block
 
 
 @dataclass
@@ -29,9 +30,10 @@ class LayerWeights:
     o_proj: Linear  # q_size -> hidden (row-parallel: without its bias, added after the all-reduce)
     o_bias: torch.Tensor | None  # [hidden]
     post_attention_norm: torch.Tensor  # [hidden]
-    gate_up_proj: Linear  # hidden -> 2 * intermediate
-    down_proj: Linear  # intermediate -> hidden (row-parallel, as o_proj)
+    gate_up_proj: Linear | None  # hidden -> 2 * intermediate; None in an MoE layer
+    down_proj: Linear | None  # intermediate -> hidden (row-parallel, as o_proj)
     down_bias: torch.Tensor | None  # [hidden]
+    moe: MoeWeights | None = None  # the MoE block, in place of the dense MLP
 
 
 @dataclass
@@ -102,8 +104,7 @@ class CausalLM:
             hidden, residual = kernels.rms_norm(
                 hidden, weights.post_attention_norm, self.config.rms_norm_eps, residual, backend=attn.backend
             )
-            hidden = self._reduced(weights.down_proj(kernels.silu_and_mul(weights.gate_up_proj(hidden),
-                                                                          backend=attn.backend)), weights.down_bias)
+            hidden = self._mlp(weights, hidden, num_tokens, attn.backend)
         hidden = (hidden + residual)[logits_indices]
         hidden = kernels.rms_norm(hidden, self.weights.norm, self.config.rms_norm_eps, backend=attn.backend)
         logits = self.weights.lm_head(hidden).float()
@@ -124,6 +125,13 @@ class CausalLM:
         hidden = F.embedding(local.masked_fill(outside, 0), self.weights.embed_tokens)
         hidden.masked_fill_(outside.unsqueeze(-1), 0.0)
         return self.collectives.all_reduce(hidden)
+
+    def _mlp(self, weights: LayerWeights, hidden: torch.Tensor, num_tokens: int, backend: str) -> torch.Tensor:
+        """The layer's dense MLP or MoE block, its ranks' partial sums reduced."""
+        if weights.moe is not None:
+            return self._reduced(moe_block(weights.moe, self.config.moe, hidden, num_tokens, backend), None)
+        return self._reduced(weights.down_proj(kernels.silu_and_mul(weights.gate_up_proj(hidden), backend=backend)),
+                             weights.down_bias)
 
     def _reduced(self, partial: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """A row-parallel layer's output: the ranks' partial sums added up, then its bias."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -10,8 +11,9 @@ from safetensors import SafetensorError, safe_open
 
 from pd.config import DTYPE_NAMES
 from pd.model.config import ModelConfig
-from pd.model.linear import make_linear
+from pd.model.linear import compute_dtype, make_linear
 from pd.model.llama import LayerWeights, ModelWeights
+from pd.model.moe import MoeWeights
 from pd.model.tp import SINGLE, TPShard
 
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
@@ -84,16 +86,23 @@ class Checkpoint:
         _, handle = self._where[name]
         return tuple(handle.get_slice(name).get_shape())
 
-    def read(self, name: str, rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None) -> torch.Tensor:
-        """The tensor, or rows ``[start, stop)`` of dim 0, or columns of dim 1."""
+    def read(self, name: str, rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None,
+             expert: int | None = None) -> torch.Tensor:
+        """The tensor, or rows ``[start, stop)`` of dim 0, or columns of dim 1.
+
+        With ``expert``, the tensor is a stack of experts' matrices (``[E, rows, cols]``): only that one is
+        read, and ``rows`` and ``cols`` slice it.
+        """
         path, handle = self._where[name]
         try:
-            if rows is None and cols is None:
+            if rows is None and cols is None and expert is None:
                 return handle.get_tensor(name)
             part = handle.get_slice(name)
-            if cols is None:
-                return part[rows[0]:rows[1]]
-            return part[:, cols[0]:cols[1]]
+            lead = () if expert is None else (slice(expert, expert + 1),)
+            rows_index = slice(None) if rows is None else slice(*rows)
+            cols_index = slice(None) if cols is None else slice(*cols)
+            tensor = part[lead + (rows_index,)] if cols is None else part[lead + (rows_index, cols_index)]
+            return tensor if expert is None else tensor[0]
         except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
             raise ValueError(f"cannot read {name!r} from safetensors file {path}: it is corrupt or truncated "
                              f"({exc})") from exc
@@ -112,14 +121,17 @@ class _Weights:
         return name in self.checkpoint
 
     def get(self, name: str, shape: tuple[int, ...], rows: tuple[int, int] | None = None,
-            cols: tuple[int, int] | None = None) -> torch.Tensor:
-        """The weight of full ``shape`` (checked), or its ``rows`` or ``cols`` slice."""
+            cols: tuple[int, int] | None = None, expert: int | None = None,
+            dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The weight of full ``shape`` (checked), or its ``rows`` or ``cols`` slice (of one ``expert``'s
+        matrix in a stack of them), in ``dtype`` (the model's unless given)."""
         if name not in self.checkpoint:
             raise ValueError(f"checkpoint is missing the weight {name!r}")
         found = self.checkpoint.shape(name)
         if found != shape:
             raise ValueError(f"weight {name!r} has shape {found}, config implies {shape}")
-        tensor = self.checkpoint.read(name, rows, cols).to(device=self.device, dtype=self.dtype).contiguous()
+        tensor = self.checkpoint.read(name, rows, cols, expert).to(device=self.device, dtype=dtype or self.dtype)
+        tensor = tensor.contiguous()
         self.num_bytes += tensor.numel() * tensor.element_size()
         return tensor
 
@@ -158,15 +170,19 @@ def _row_parallel(name: str, weight: torch.Tensor, bias: torch.Tensor | None, wh
 
 def _layer(w: _Weights, config: ModelConfig, shard: TPShard, i: int, form: str, few_rows: bool) -> LayerWeights:
     """Layer ``i``'s weights as rank ``shard`` holds them (see ``pd.model.tp``)."""
-    h, inter, hd = config.hidden_size, config.intermediate_size, config.head_dim
+    h, hd = config.hidden_size, config.head_dim
     q, kv = config.q_size, config.kv_size
     whole = shard.size == 1
-    heads, kv_heads, mlp_cols = shard.heads(config), shard.kv_heads(config), shard.intermediate(config)
+    heads, kv_heads = shard.heads(config), shard.kv_heads(config)
     q_rows = None if whole else (heads[0] * hd, heads[1] * hd)
     kv_rows = None if whole else (kv_heads[0] * hd, kv_heads[1] * hd)
-    mlp_rows = None if whole else mlp_cols
     p = f"model.layers.{i}."
     attn, mlp = p + "self_attn.", p + "mlp."
+    if config.is_moe_layer(i):
+        mlp_fields = {"gate_up_proj": None, "down_proj": None, "down_bias": None,
+                      "moe": load_moe(w, config, shard, i, form, few_rows)}
+    else:
+        mlp_fields = _dense_mlp(w, config, shard, mlp, form, few_rows)
     return LayerWeights(
         input_norm=w.get(p + "input_layernorm.weight", (h,)),
         qkv_proj=make_linear(
@@ -180,15 +196,74 @@ def _layer(w: _Weights, config: ModelConfig, shard: TPShard, i: int, form: str, 
         **_row_parallel("o", w.get(attn + "o_proj.weight", (h, q), cols=q_rows), w.optional(attn + "o_proj.bias", (h,)),
                         whole, form, few_rows),
         post_attention_norm=w.get(p + "post_attention_layernorm.weight", (h,)),
-        gate_up_proj=make_linear(
+        **mlp_fields,
+    )
+
+
+def _dense_mlp(w: _Weights, config: ModelConfig, shard: TPShard, mlp: str, form: str, few_rows: bool) -> dict:
+    """A dense MLP's fields (``mlp``: its names' prefix), rank ``shard``'s slice of its intermediate features."""
+    h, inter = config.hidden_size, config.intermediate_size
+    mlp_rows = None if shard.size == 1 else shard.intermediate(config)
+    return {
+        "gate_up_proj": make_linear(
             w.fused([mlp + "gate_proj.weight", mlp + "up_proj.weight"], [(inter, h), (inter, h)], [mlp_rows, mlp_rows]),
             w.fused([mlp + "gate_proj.bias", mlp + "up_proj.bias"], [(inter,), (inter,)], [mlp_rows, mlp_rows],
                     required=False),
             form, few_rows,
         ),
         **_row_parallel("down", w.get(mlp + "down_proj.weight", (h, inter), cols=mlp_rows),
-                        w.optional(mlp + "down_proj.bias", (h,)), whole, form, few_rows),
-    )
+                        w.optional(mlp + "down_proj.bias", (h,)), shard.size == 1, form, few_rows),
+    }
+
+
+# Where each architecture keeps a layer's experts, and its names for their gate, up and down projections.
+_EXPERT_NAMES = {
+    "MixtralForCausalLM": ("block_sparse_moe.", ("w1", "w3", "w2")),
+    "Qwen2MoeForCausalLM": ("mlp.", ("gate_proj", "up_proj", "down_proj")),
+    "Qwen3MoeForCausalLM": ("mlp.", ("gate_proj", "up_proj", "down_proj")),
+}
+
+
+def load_moe(w: _Weights, config: ModelConfig, shard: TPShard, i: int, form: str, few_rows: bool) -> MoeWeights:
+    """Layer ``i``'s MoE block, its experts fused into ``[E, 2I, H]`` and ``[E, H, I]`` one slice at a time.
+
+    The experts are per-expert tensors on disk (``experts.{e}.gate_proj``, Mixtral's ``w1``/``w3``/``w2``),
+    or already stacked (``experts.gate_up_proj`` ``[E, 2I, H]``, ``experts.down_proj`` ``[E, H, I]``, as
+    recent ``transformers`` holds them). Either way each expert's rank slice is read into its place, so
+    loading never holds more than one expert's matrix beside the fused weights.
+    """
+    moe, h = config.moe, config.hidden_size
+    num_experts, inter = moe.num_experts, moe.intermediate_size
+    prefix, (gate_name, up_name, down_name) = _EXPERT_NAMES[config.architecture]
+    p = f"model.layers.{i}.{prefix}"
+    start, stop = (0, inter) if shard.size == 1 else shard.expert_intermediate(config)
+    local = stop - start
+    dtype = compute_dtype(w.device, w.dtype)  # where bf16 has no native GEMM here, the experts hold fp32
+    w13 = torch.empty(num_experts, 2 * local, h, dtype=dtype, device=w.device)
+    w2 = torch.empty(num_experts, h, local, dtype=dtype, device=w.device)
+    stacked = p + "experts.gate_up_proj" in w
+    for e in range(num_experts):
+        if stacked:
+            stack_shape = (num_experts, 2 * inter, h)
+            w13[e, :local] = w.get(p + "experts.gate_up_proj", stack_shape, (start, stop), expert=e, dtype=dtype)
+            w13[e, local:] = w.get(p + "experts.gate_up_proj", stack_shape, (inter + start, inter + stop), expert=e,
+                                   dtype=dtype)
+            w2[e] = w.get(p + "experts.down_proj", (num_experts, h, inter), cols=(start, stop), expert=e, dtype=dtype)
+            continue
+        expert = f"{p}experts.{e}."
+        w13[e, :local] = w.get(f"{expert}{gate_name}.weight", (inter, h), (start, stop), dtype=dtype)
+        w13[e, local:] = w.get(f"{expert}{up_name}.weight", (inter, h), (start, stop), dtype=dtype)
+        w2[e] = w.get(f"{expert}{down_name}.weight", (h, inter), cols=(start, stop), dtype=dtype)
+    weights = MoeWeights(gate=make_linear(w.get(p + "gate.weight", (num_experts, h)), None, form, few_rows),
+                         w13=w13, w2=w2)
+    if moe.shared_expert_intermediate_size:
+        shared_config = dataclasses.replace(config, intermediate_size=moe.shared_expert_intermediate_size)
+        fields = _dense_mlp(w, shared_config, shard, p + "shared_expert.", form, few_rows)
+        weights.shared_gate_up, weights.shared_down = fields["gate_up_proj"], fields["down_proj"]
+        if fields["down_bias"] is not None:
+            raise ValueError(f"layer {i}'s shared expert has a down_proj bias, which Qwen2-MoE does not")
+        weights.shared_expert_gate = make_linear(w.get(p + "shared_expert_gate.weight", (1, h)), None, form, few_rows)
+    return weights
 
 
 def load_weights(model_dir: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device,

@@ -8,7 +8,10 @@ With ``size`` ranks, rank ``r`` holds:
 - its KV heads: ``kv/size`` of them when ``size`` divides ``kv``, else the one
   KV head its query heads read (``size`` a multiple of ``kv``: replicated);
 - a slice ``[r * I/size, (r+1) * I/size)`` of the MLP's intermediate features
-  (gate/up column-parallel, down row-parallel);
+  (gate/up column-parallel, down row-parallel); in an MoE layer, the same
+  slice of every expert's intermediate features (and of the shared
+  expert's), so each rank's experts give a partial sum, all-reduced once
+  with the shared expert's; the router is replicated;
 - a slice of the vocabulary, ``ceil(V/size)`` rows (the last rank's shorter),
   for the embedding (looked up where a token falls in it, zeros elsewhere,
   all-reduced) and the LM head (each rank's logits gathered to rank 0).
@@ -38,6 +41,13 @@ def check_tp(config: ModelConfig, size: int) -> None:
     if config.intermediate_size % size:
         raise ValueError(f"tensor_parallel_size {size} does not divide the model's intermediate size "
                          f"{config.intermediate_size}")
+    moe = config.moe
+    if moe is not None and moe.intermediate_size % size:
+        raise ValueError(f"tensor_parallel_size {size} does not divide the model's expert intermediate size "
+                         f"{moe.intermediate_size}")
+    if moe is not None and moe.shared_expert_intermediate_size % size:
+        raise ValueError(f"tensor_parallel_size {size} does not divide the model's shared expert intermediate size "
+                         f"{moe.shared_expert_intermediate_size}")
 
 
 @dataclass(frozen=True)
@@ -67,6 +77,14 @@ class TPShard:
         per = config.intermediate_size // self.size
         return self.rank * per, (self.rank + 1) * per
 
+    def expert_intermediate(self, config: ModelConfig) -> tuple[int, int]:
+        per = config.moe.intermediate_size // self.size
+        return self.rank * per, (self.rank + 1) * per
+
+    def shared_expert_intermediate(self, config: ModelConfig) -> tuple[int, int]:
+        per = config.moe.shared_expert_intermediate_size // self.size
+        return self.rank * per, (self.rank + 1) * per
+
     def vocab(self, config: ModelConfig) -> tuple[int, int]:
         per = -(-config.vocab_size // self.size)
         return min(self.rank * per, config.vocab_size), min((self.rank + 1) * per, config.vocab_size)
@@ -76,12 +94,16 @@ class TPShard:
         return -(-config.vocab_size // self.size)
 
     def local_config(self, config: ModelConfig) -> ModelConfig:
-        """The model as this rank runs it: its heads and MLP slice (the vocabulary stays whole)."""
+        """The model as this rank runs it: its heads and MLP slices (the vocabulary stays whole)."""
         check_tp(config, self.size)
         kv_start, kv_stop = self.kv_heads(config)
+        moe = config.moe
+        if moe is not None:
+            moe = dataclasses.replace(moe, intermediate_size=moe.intermediate_size // self.size,
+                                      shared_expert_intermediate_size=moe.shared_expert_intermediate_size // self.size)
         return dataclasses.replace(
             config, num_heads=config.num_heads // self.size, num_kv_heads=kv_stop - kv_start,
-            intermediate_size=config.intermediate_size // self.size)
+            intermediate_size=config.intermediate_size // self.size, moe=moe)
 
 
 SINGLE = TPShard(0, 1)

@@ -9,6 +9,7 @@ import torch
 
 from pd import LLM, SamplingParams
 from pd.model.config import model_config_from_dict
+from tests.checkpoints import MOE_KINDS
 
 BASE = {
     "architectures": ["LlamaForCausalLM"],
@@ -76,7 +77,7 @@ def test_tied_checkpoint_without_lm_head_weight(checkpoint):
     assert len(LLM(str(path), num_blocks=16).generate([[1, 2, 3]], SamplingParams(max_tokens=4))[0].token_ids) == 4
 
 
-@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "qwen3", "llama_bias"])
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "qwen3", "llama_bias", *MOE_KINDS])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_half_precision_dtypes_track_fp32(dtype, kind, checkpoint, hf_model):
     """Half-precision logits stay close to HF's fp32 logits, teacher-forced on the same prompt, on every
