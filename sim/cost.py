@@ -17,6 +17,14 @@ Dense layers scale with tokens, attention with pairs (decode reads the
 whole context once per new token: n = 1, c = context), the rest with
 sequences. ``fit`` finds the coefficients from measured steps (least squares,
 none negative); ``python -m sim.profile`` measures them on the real engine.
+
+A mixture of experts adds one term that is not linear (``ExpertReads``):
+each MoE layer reads the weights of every expert the step's tokens were
+routed to, once, and T tokens touch E * (1 - (1 - k/E)^T) of its E experts
+(top-k routing, uniform): k for a one-token decode, all E for a long
+prefill. Its price is analytic (``sim.hardware``); ``fit`` fits the linear
+terms only, so a profile measured on an MoE model folds its expert reads
+into them at the batch sizes it measured.
 """
 
 from __future__ import annotations
@@ -56,6 +64,37 @@ class StepShape:
 
 
 @dataclass(frozen=True)
+class ExpertReads:
+    """An MoE model's expert weights a step reads: every expert its tokens were routed to, once per MoE layer.
+
+    Each token picks ``top_k`` distinct experts of ``num_experts``; with
+    uniform, independent routing an expert escapes one token with
+    probability 1 - k/E, so T tokens touch E * (1 - (1 - k/E)^T) experts
+    of a layer on average: exactly k at T = 1, approaching E (never above)
+    as T grows. Real routing is skewed, which touches fewer; uniform is the
+    bound a deployment plans for.
+    """
+
+    num_layers: int  # the MoE layers (a dense layer's MLP weights are in ``CostModel.base_s``)
+    num_experts: int
+    top_k: int
+    per_expert_s: float  # reading one expert's weights of one layer
+
+    def __post_init__(self) -> None:
+        if self.num_layers < 0 or self.num_experts < 1 or not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"an MoE needs num_layers >= 0 and 1 <= top_k <= num_experts, got {self}")
+        if self.per_expert_s < 0:
+            raise ValueError(f"per_expert_s must be >= 0, got {self.per_expert_s}")
+
+    def distinct_experts(self, num_tokens: int) -> float:
+        """The experts of one layer that ``num_tokens`` tokens touch, in expectation."""
+        return self.num_experts * (1.0 - (1.0 - self.top_k / self.num_experts) ** num_tokens)
+
+    def seconds(self, num_tokens: int) -> float:
+        return self.num_layers * self.distinct_experts(num_tokens) * self.per_expert_s
+
+
+@dataclass(frozen=True)
 class CostModel:
     """Seconds per step; ``source`` says whether it was measured (and on what) or is analytic."""
 
@@ -68,20 +107,29 @@ class CostModel:
     # Seconds per byte copied between the device pool and its host tier (promotions, demotions), added
     # to the step that copies them; 0 in profiles measured on CPU, where the two are the same memory.
     per_host_byte_s: float = 0.0
+    # An MoE model's expert weights read per step (not linear in the tokens); None for a dense model.
+    experts: ExpertReads | None = None
 
     def __post_init__(self) -> None:
-        negative = [name for name, value in asdict(self).items() if name != "source" and value < 0]
+        negative = [name for name, value in asdict(self).items()
+                    if name not in ("source", "experts") and value < 0]
         if negative:
             raise ValueError(f"cost coefficients must be >= 0: {', '.join(negative)}")
 
     def step_seconds(self, shape: StepShape) -> float:
         # ``vector()``'s terms summed in its order, written out: it runs once per simulated step.
-        return (0.0 + self.base_s + self.per_token_s * shape.num_tokens + self.per_pair_s * shape.attn_pairs
-                + self.per_seq_s * shape.num_seqs + self.per_sample_s * shape.num_samples)
+        seconds = (0.0 + self.base_s + self.per_token_s * shape.num_tokens + self.per_pair_s * shape.attn_pairs
+                   + self.per_seq_s * shape.num_seqs + self.per_sample_s * shape.num_samples)
+        if self.experts is not None:
+            seconds += self.experts.seconds(shape.num_tokens)
+        return seconds
 
     @classmethod
     def fit(cls, shapes: Sequence[StepShape], seconds: Sequence[float], source: str) -> CostModel:
-        """Least squares over measured steps, with no coefficient negative (a negative one is dropped, and refit)."""
+        """Least squares over measured steps, with no coefficient negative (a negative one is dropped, and refit).
+
+        The linear terms only: the result has no ``experts`` term.
+        """
         if len(shapes) != len(seconds) or not shapes:
             raise ValueError(f"need as many step times as shapes, and some: got {len(shapes)} and {len(seconds)}")
         x = np.array([shape.vector() for shape in shapes])
@@ -108,4 +156,7 @@ class CostModel:
 
     @classmethod
     def load(cls, path: str | Path) -> CostModel:
-        return cls(**json.loads(Path(path).read_text()))
+        """A profile ``to_json`` wrote; one written before MoE pricing (no ``experts``) is a dense one."""
+        fields = json.loads(Path(path).read_text())
+        experts = fields.pop("experts", None)
+        return cls(**fields, experts=ExpertReads(**experts) if experts is not None else None)

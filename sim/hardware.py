@@ -15,6 +15,15 @@ that is both memory- and compute-heavy is charged for both, which
 overstates mid-sized batches by at most 2x. Every such profile says
 ``analytic`` in its ``source``, with the efficiencies it assumed.
 
+A mixture of experts differs in two places. ``P`` in ``per_token_s`` is
+its *active* parameters (``num_active_params``: attention, dense layers'
+MLPs, and per MoE layer the router, ``top_k`` experts and any shared
+expert); ``base_s`` reads every weight but the routed experts, and
+``CostModel.experts`` reads, per MoE layer, the experts the step's tokens
+touch (``ExpertReads``: k of E at one token, all E for a long prefill), at
+the same bandwidth. Memory holds every expert (``weight_bytes``), so the
+KV pool is what the whole checkpoint leaves.
+
 Datasheet figures (dense bf16 tensor-core FLOP/s without sparsity, HBM
 bandwidth, NVLink per GPU both directions, the NIC each GPU usually gets):
 """
@@ -27,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pd.model.config import ModelConfig
-from sim.cost import CostModel
+from sim.cost import CostModel, ExpertReads
 from sim.transport import TransferModel
 
 
@@ -70,6 +79,14 @@ MODELS = {
                    "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
                    "num_key_value_heads": 4, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
                    "rope_theta": 1000000.0, "torch_dtype": "bfloat16", "eos_token_id": 151643},
+    # 128 experts, 8 a token: 30.5B parameters, 3.3B active (both with the embeddings).
+    "qwen3-30b-a3b": {"architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 151936, "hidden_size": 2048,
+                      "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 48,
+                      "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
+                      "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1,
+                      "mlp_only_layers": [], "max_position_embeddings": 40960, "rms_norm_eps": 1e-6,
+                      "rope_theta": 1000000.0, "torch_dtype": "bfloat16", "tie_word_embeddings": False,
+                      "eos_token_id": 151645},
 }
 
 
@@ -85,12 +102,48 @@ def model_dir(model: str) -> str:
     return str(path)
 
 
-def num_params(model: ModelConfig) -> int:
-    """Non-embedding parameters: attention and MLP of every layer."""
+def _attention_params(model: ModelConfig) -> int:
     hidden = model.hidden_size
-    attention = hidden * (model.q_size + 2 * model.num_kv_heads * model.head_dim) + model.q_size * hidden
-    mlp = 3 * hidden * model.intermediate_size
-    return model.num_layers * (attention + mlp)
+    return hidden * (model.q_size + 2 * model.num_kv_heads * model.head_dim) + model.q_size * hidden
+
+
+def _mlp_params(model: ModelConfig, layer: int, experts_per_token: bool) -> int:
+    """Layer ``layer``'s MLP: a dense one, or the MoE block with every expert or only the ``top_k`` a token uses.
+
+    The MoE block is its router (hidden x experts), its experts (gate, up
+    and down each) and, in Qwen2-MoE, a shared expert with its one-row gate.
+    """
+    hidden = model.hidden_size
+    moe = model.moe
+    if moe is None or not moe.layers[layer]:
+        return 3 * hidden * model.intermediate_size
+    experts = moe.top_k if experts_per_token else moe.num_experts
+    shared = moe.shared_expert_intermediate_size
+    return (hidden * moe.num_experts + experts * 3 * hidden * moe.intermediate_size
+            + (3 * hidden * shared + hidden if shared else 0))
+
+
+def num_params(model: ModelConfig) -> int:
+    """Non-embedding parameters: attention and MLP of every layer, every expert of an MoE's."""
+    return sum(_attention_params(model) + _mlp_params(model, layer, False) for layer in range(model.num_layers))
+
+
+def num_active_params(model: ModelConfig) -> int:
+    """Non-embedding parameters one token computes with: an MoE layer's router, ``top_k`` and shared experts."""
+    return sum(_attention_params(model) + _mlp_params(model, layer, True) for layer in range(model.num_layers))
+
+
+def weight_bytes(model: ModelConfig, dtype_bytes: int = 2) -> int:
+    """Every weight a replica holds: ``num_params`` and the embeddings and LM head (counted untied)."""
+    return dtype_bytes * (num_params(model) + 2 * model.hidden_size * model.vocab_size)
+
+
+def expert_bytes(model: ModelConfig, dtype_bytes: int = 2) -> int:
+    """The routed experts' weights of every MoE layer (a step reads only those its tokens touch); 0 if dense."""
+    moe = model.moe
+    if moe is None:
+        return 0
+    return dtype_bytes * moe.num_moe_layers * moe.num_experts * 3 * model.hidden_size * moe.intermediate_size
 
 
 def kv_bytes_per_token(model: ModelConfig, dtype_bytes: int = 2) -> int:
@@ -98,11 +151,17 @@ def kv_bytes_per_token(model: ModelConfig, dtype_bytes: int = 2) -> int:
 
 
 def analytic_cost(model: ModelConfig, hardware: Hardware, efficiency: Efficiency = Efficiency()) -> CostModel:
-    weights = 2 * (num_params(model) + 2 * model.hidden_size * model.vocab_size)
+    weight_read_bytes_per_s = hardware.hbm_bytes_per_s * efficiency.mem_efficiency
     dense_flops = hardware.bf16_flops * efficiency.mfu
+    moe = model.moe
+    experts = None
+    if moe is not None and moe.num_moe_layers:
+        one_expert = 2 * 3 * model.hidden_size * moe.intermediate_size
+        experts = ExpertReads(num_layers=moe.num_moe_layers, num_experts=moe.num_experts, top_k=moe.top_k,
+                              per_expert_s=one_expert / weight_read_bytes_per_s)
     return CostModel(
-        base_s=weights / (hardware.hbm_bytes_per_s * efficiency.mem_efficiency) + efficiency.step_overhead_s,
-        per_token_s=2 * num_params(model) / dense_flops,
+        base_s=(weight_bytes(model) - expert_bytes(model)) / weight_read_bytes_per_s + efficiency.step_overhead_s,
+        per_token_s=2 * num_active_params(model) / dense_flops,
         per_pair_s=4 * model.num_layers * model.num_heads * model.head_dim
         / (hardware.bf16_flops * efficiency.attn_efficiency),
         per_seq_s=efficiency.per_seq_s,
@@ -110,13 +169,13 @@ def analytic_cost(model: ModelConfig, hardware: Hardware, efficiency: Efficiency
         per_host_byte_s=1 / hardware.host_link_bytes_per_s,
         source=f"analytic: {hardware.name} roofline, mfu {efficiency.mfu}, attention {efficiency.attn_efficiency}, "
                f"HBM {efficiency.mem_efficiency}",
+        experts=experts,
     )
 
 
 def kv_cache_bytes(model: ModelConfig, hardware: Hardware, efficiency: Efficiency = Efficiency()) -> int:
-    """The KV pool one GPU holds after its weights."""
-    weights = 2 * (num_params(model) + 2 * model.hidden_size * model.vocab_size)
-    return int((hardware.hbm_bytes - weights) * efficiency.kv_fraction)
+    """The KV pool one GPU holds after its weights (every expert's, for an MoE)."""
+    return int((hardware.hbm_bytes - weight_bytes(model)) * efficiency.kv_fraction)
 
 
 def link(hardware: Hardware, kind: str) -> TransferModel:
