@@ -3,7 +3,8 @@
 ``python -m bench.engine [--models small,0.5b,smollm2] [--dtypes float32,bfloat16]
 [--cases single,uniform,mixed,structured] [--vllm auto|off|PYTHON]`` prints one JSON line per
 (case, model, dtype): our tokens/s, HF's tokens/s, their ratio, and ``roofline_frac``, the
-lower-bound time over our measured time.
+lower-bound time over our measured time. ``moe`` is a small Qwen3-MoE (16 experts, 4 per token): its
+bound counts the top-k experts' FLOPs per token and, per decode step, the experts the batch touches.
 The ``structured`` case is ours alone (``bench_structured``): the decode step
 with a JSON-schema grammar on every row over the same step without one.
 With the peer venv (``make peer-venv``), vLLM's CPU engine runs in the same
@@ -58,6 +59,13 @@ MODELS = {
         arch="qwen2", hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
         intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True,
     ),
+    # A small Qwen3-MoE: 16 experts, 4 per token (Qwen3-30B-A3B routes 8 of 128), about 2/5 of its MLP
+    # weights active per token.
+    "moe": dict(
+        arch="qwen3_moe", hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
+        intermediate_size=1408, moe_intermediate_size=384, num_experts=16, num_experts_per_tok=4,
+        norm_topk_prob=True, vocab_size=32000, tie_word_embeddings=False,
+    ),
 }
 CASES = ("single", "uniform", "mixed", "structured")
 # The structured case: a record no row completes within its tokens, so every timed step is a full batch.
@@ -85,6 +93,8 @@ def make_checkpoint(name: str, root: Path) -> Path:
     common = dict(max_position_embeddings=4096, initializer_range=0.1, **spec)
     if arch == "llama":
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+    elif arch == "qwen3_moe":
+        model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(head_dim=64, **common))
     else:
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
     path = root / name
@@ -156,14 +166,27 @@ def measure_peaks(repeats: int = 5) -> tuple[float, float]:
     return flops, copy_bw
 
 
+def params_per_layer(cfg: dict, batch: int | None = None) -> float:
+    """The parameters of a layer each token multiplies; with ``batch``, those a decode step of ``batch``
+    sequences reads. They differ for an MoE: a token multiplies its top-k experts, a step reads every
+    expert its tokens touch (expected under uniform routing)."""
+    h, heads, kv_heads = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    attention = h * (h // heads) * (2 * heads + 2 * kv_heads)
+    if "num_experts" not in cfg:
+        return attention + 3 * h * cfg["intermediate_size"]
+    experts, top_k, expert = cfg["num_experts"], cfg["num_experts_per_tok"], 3 * h * cfg["moe_intermediate_size"]
+    active = top_k if batch is None else experts * (1 - (1 - top_k / experts) ** batch)
+    return attention + h * experts + active * expert
+
+
 def lower_bound_s(cfg: dict, w: TokenBatch, flops_peak: float, copy_bw: float, itemsize: int = 4) -> float:
     """Minimum time for ``w`` on a model of shape ``cfg`` with ``itemsize``-byte weights and KV, continuously
     batched (the matmul peak is fp32's: a bf16 bound is the copy's, or an fp32-rate one that is too low)."""
     h, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     head_dim = h // heads
-    inter, vocab = cfg["intermediate_size"], cfg["vocab_size"]
-    layer_params = h * head_dim * (2 * heads + 2 * kv_heads) + 3 * h * inter
+    vocab = cfg["vocab_size"]
+    layer_params = params_per_layer(cfg)
     flops = 0.0
     kv_bytes = 0.0
     for prompt, new in zip(w.prompts, w.max_tokens):
@@ -176,9 +199,9 @@ def lower_bound_s(cfg: dict, w: TokenBatch, flops_peak: float, copy_bw: float, i
         kv_per_token = layers * 2 * kv_heads * head_dim * itemsize
         kv_bytes += kv_per_token * sum(range(n_prompt, total))
     # Weights are read once per forward step; with everything batched, the steps are
-    # the longest request's decode steps plus one prefill.
-    steps = max(w.max_tokens)
-    weight_bytes = (layer_params * layers + h * vocab) * itemsize * steps
+    # the longest request's decode steps plus one prefill, step s decoding the requests still running.
+    running = [sum(new > step for new in w.max_tokens) for step in range(max(w.max_tokens))]
+    weight_bytes = sum(params_per_layer(cfg, batch) * layers + h * vocab for batch in running) * itemsize
     return max(flops / flops_peak, (weight_bytes + kv_bytes) / copy_bw)
 
 
