@@ -12,6 +12,9 @@
   step's), reading the weight once from panels of its own layout
   (``pack_rows_weight``); oneDNN's packed GEMM, tuned for many rows, took
   1.4-2.2x as long at one to eight rows.
+- ``moe.cpp``: the fused MoE in one call for up to ``moe.MAX_SLOTS_PER_EXPERT`` slots per expert
+  (``kernels.cpu.moe`` chooses): each touched expert's weights read once per group of slots, SiLU-and-mul
+  and the routed weight fused, each token's sum owned by one thread per column range.
 - ``block_copy.cpp``: whole KV blocks between pools, one memcpy each (the
   host tier's promotions).
 - ``small_ops.cpp``: residual add with RMSNorm, rotary, SiLU-and-mul and the KV
@@ -53,7 +56,8 @@ from kernels.cpu.moe import fused_moe  # noqa: F401 - the backend's fused MoE
 logger = logging.getLogger(__name__)
 
 _SOURCES = [str(Path(__file__).with_name(name)) for name in ("bindings.cpp", "paged_decode.cpp", "paged_prefill.cpp",
-                                                                 "small_ops.cpp", "block_copy.cpp", "dense_rows.cpp")]
+                                                                 "small_ops.cpp", "block_copy.cpp", "dense_rows.cpp",
+                                                                 "moe.cpp")]
 _build_lock = threading.Lock()
 # Prefill chunks whose context (keys) is at most this long run in paged_prefill.cpp; longer ones on the
 # reference's SDPA, whose matrix products win there. Ours against SDPA, one sequence, 2 threads (AMD EPYC),

@@ -23,6 +23,8 @@ void store_kv(const torch::Tensor& key, const torch::Tensor& value, torch::Tenso
 torch::Tensor pack_rows_weight(const torch::Tensor& weight);
 torch::Tensor linear_rows(const torch::Tensor& x, const torch::Tensor& panels, const c10::optional<torch::Tensor>& bias,
                           int64_t out_features);
+torch::Tensor fused_moe_rows(const torch::Tensor& hidden, const torch::Tensor& w13, const torch::Tensor& w2,
+                             const torch::Tensor& topk_ids, const torch::Tensor& topk_weights);
 void copy_blocks(const torch::Tensor& src, const std::vector<int64_t>& src_ids, torch::Tensor& dst,
                  const std::vector<int64_t>& dst_ids);
 
@@ -36,6 +38,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up over [gate | up] (fp32)");
   m.def("pack_rows_weight", &pack_rows_weight, "a weight [out, in] as linear_rows's panels (fp32)");
   m.def("linear_rows", &linear_rows, "x @ weight^T + bias for a few rows of x, from pack_rows_weight's panels (fp32)");
+  m.def("fused_moe_rows", &fused_moe_rows,
+        "the fused MoE in one call for few tokens per expert: sorted slots, gate/up with SiLU-and-mul, "
+        "down with the routed weight summed into each token (fp32)");
   m.def("copy_blocks", &copy_blocks, "dst[dst_ids[i]] = src[src_ids[i]], whole blocks, any dtype");
   m.def("store_kv", &store_kv, "write K/V rows into their pool slots, skipping negative slots (fp32)");
 }

@@ -4,6 +4,11 @@ the reference, the slot alignment, and the launch checks."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -166,3 +171,82 @@ def test_bad_launches_name_the_argument(change, named):
 def test_top_k_beyond_the_experts_is_refused():
     with pytest.raises(ValueError, match="top_k"):
         check_select_experts_args(torch.zeros(2, 4), 5)
+
+
+# The one-call C++ path (kernels/cpu/moe.cpp) and the GEMM path of the cpu backend, each forced: slot groups
+# of 1 to 4 rows and more than one group per expert, odd intermediate sizes (a lone last gate/up pair), hidden
+# sizes that are no multiple of a vector (partial loads) nor of the 4 output features of a group.
+ROWS_SHAPES = [(1, 8, 2, 64, 32), (3, 4, 4, 33, 17), (16, 8, 2, 1024, 48), (37, 16, 4, 70, 31), (130, 4, 2, 96, 40)]
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the cpu backend's paths")
+@pytest.mark.parametrize("path", ["rows", "grouped"])
+@pytest.mark.parametrize("tokens, num_experts, top_k, hidden, inter", ROWS_SHAPES)
+def test_each_cpu_path_equals_the_reference(monkeypatch, path, tokens, num_experts, top_k, hidden, inter):
+    from kernels.cpu import moe
+
+    monkeypatch.setattr(moe, "MAX_SLOTS_PER_EXPERT", 10**9 if path == "rows" else 0)
+    w13, w2 = _weights(num_experts, hidden, inter)
+    x, ids, weights = _routed(tokens, num_experts, top_k, hidden)
+    assert moe.use_rows_kernel(x, w13, w2, ids) == (path == "rows")
+    got = moe.fused_moe(x, w13, w2, ids, weights)
+    torch.testing.assert_close(got, reference.fused_moe(x, w13, w2, ids, weights), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got.double(), _per_token(x, w13, w2, ids, weights), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the cpu backend's paths")
+def test_the_cpp_path_takes_int32_ids_and_half_precision_weights_of_the_routing():
+    from kernels.cpu import moe
+
+    w13, w2 = _weights(8, 64, 32)
+    x, ids, weights = _routed(5, 8, 2, 64)
+    assert moe.use_rows_kernel(x, w13, w2, ids)
+    expected = reference.fused_moe(x, w13, w2, ids, weights)
+    torch.testing.assert_close(moe.fused_moe(x, w13, w2, ids.int(), weights.bfloat16().float()),
+                               reference.fused_moe(x, w13, w2, ids, weights.bfloat16().float()), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(moe.fused_moe(x, w13, w2, ids, weights), expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the cpu backend's paths")
+def test_the_cpp_path_keeps_a_nan_in_its_token_and_refuses_bad_ids():
+    import kernels.cpu
+
+    w13, w2 = _weights(4, 64, 32)
+    x, ids, weights = _routed(3, 4, 2, 64)
+    x[1, 7] = float("nan")
+    got = kernels.cpu.moe.fused_moe(x, w13, w2, ids, weights)
+    assert got[1].isnan().all() and not got[[0, 2]].isnan().any()
+    with pytest.raises(RuntimeError, match="expert id 4 out of"):
+        kernels.cpu.build().fused_moe_rows(x, w13, w2, torch.full((3, 2), 4), weights)
+
+
+def test_strided_weights_and_other_dtypes_take_the_grouped_path():
+    from kernels.cpu import moe
+
+    w13, w2 = _weights(4, 64, 32)
+    x, ids, _ = _routed(3, 4, 2, 64)
+    assert not moe.use_rows_kernel(x, w13.transpose(1, 2).contiguous().transpose(1, 2), w2, ids)
+    assert not moe.use_rows_kernel(x.bfloat16(), w13.bfloat16(), w2.bfloat16(), ids)
+
+
+@pytest.mark.integration  # a child pytest
+@pytest.mark.skipif(DEVICE != "cpu" or "PD_TEST_MOE_ISA" in os.environ, reason="the parent, on CPU")
+def test_the_avx2_build_passes_the_moe_kernel_tests():
+    """An AVX-512 host runs the AVX2 build (2 rows per slot group, 8 lanes) under ``ATEN_CPU_CAPABILITY=avx2``,
+    read at start, so in a child pytest; an AVX2 host runs its own build there."""
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX512", "AVX2"):
+        pytest.skip("no AVX2 path on this host")
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "PD_TEST_MOE_ISA": "AVX2"}
+    child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
+                            "-k", "cpu_path or cpp_path or child_runs"], cwd=Path(__file__).resolve().parents[2],
+                           env=env, capture_output=True, text=True, timeout=900)
+    assert child.returncode == 0, child.stdout[-6000:] + child.stderr[-2000:]
+    assert " passed" in child.stdout and "skipped" not in child.stdout.splitlines()[-1], child.stdout[-2000:]
+
+
+@pytest.mark.skipif("PD_TEST_MOE_ISA" not in os.environ, reason="runs in the AVX2 child only")
+def test_the_child_runs_the_avx2_build():
+    import kernels.cpu
+
+    assert kernels.cpu.isa() == os.environ["PD_TEST_MOE_ISA"]
+    assert kernels.cpu.build().__name__ == f"pd_cpu_kernels_{os.environ['PD_TEST_MOE_ISA'].lower()}"
