@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import torch
 
 import kernels.cpu
+from kernels.rows import BUCKETS_PER_OCTAVE, EXACT_ROWS, padded_rows  # noqa: F401 (the names dense layers use)
 
 logger = logging.getLogger(__name__)
 
@@ -79,28 +80,6 @@ def compute_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
 def bf16_supported() -> bool:
     """Whether oneDNN has a native bf16 path on this host (fixed for the process: read once)."""
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-
-
-# Row counts up to this many run as they are; above it they are rounded up.
-EXACT_ROWS = 64
-# Rounded row counts per doubling: at most 1/8 of the rows are padding.
-BUCKETS_PER_OCTAVE = 8
-
-
-def padded_rows(num_rows: int) -> int:
-    """The row count a oneDNN GEMM runs with.
-
-    oneDNN builds and keeps a kernel per input shape, so prefill chunks of
-    every length made a replica's resident memory grow without bound (72% in
-    five minutes of a soak). Rounding up to one of 8 sizes per doubling bounds
-    the distinct shapes to ``EXACT_ROWS + 8 * log2(rows / EXACT_ROWS)``:
-
-        65..72 -> 72,  129..144 -> 144,  2049..2304 -> 2304
-    """
-    if num_rows <= EXACT_ROWS:
-        return num_rows
-    step = 1 << (num_rows.bit_length() - 1 - BUCKETS_PER_OCTAVE.bit_length() + 1)
-    return -(-num_rows // step) * step
 
 
 # Batches of at most this many rows run in the few-row kernel where a layer has one (see the module's doc).

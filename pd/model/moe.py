@@ -35,24 +35,27 @@ class MoeWeights:
 
 def moe_block(weights: MoeWeights, config: MoeConfig, hidden: torch.Tensor, num_tokens: int,
               backend: str) -> torch.Tensor:
-    """The block's output for ``hidden``'s first ``num_tokens`` rows; the padding rows after them are zeros.
+    """The block's output for ``hidden``'s first ``num_tokens`` rows; the padding rows after them
+    (``CausalLM._rows``) are never routed, so they take no expert's time.
 
-    Padding rows (``CausalLM._rows``) are never routed, so they take no expert's time.
+    The router and the shared expert are dense layers, so they run on all of ``hidden``'s rows (the
+    bucketed counts oneDNN's GEMMs take); their padding rows are computed and never read.
     """
     rows = hidden.shape[0]
-    tokens = hidden[:num_tokens]
-    router_logits = weights.gate(tokens)
+    router_logits = weights.gate(hidden)[:num_tokens]
     topk_weights, topk_ids = kernels.select_experts(router_logits, config.top_k, config.renormalize)
     # HF casts the routing weights to the activations' dtype before weighting the experts' outputs.
     topk_weights = topk_weights.to(hidden.dtype)
     compute = weights.compute_dtype
-    out = kernels.fused_moe(tokens.to(compute), weights.w13, weights.w2, topk_ids, topk_weights,
-                            backend=backend).to(hidden.dtype)
+    experts = kernels.fused_moe(hidden[:num_tokens].to(compute), weights.w13, weights.w2, topk_ids, topk_weights,
+                                backend=backend).to(hidden.dtype)
     if weights.shared_gate_up is not None:
-        shared = weights.shared_down(kernels.silu_and_mul(weights.shared_gate_up(tokens), backend=backend))
-        out += torch.sigmoid(weights.shared_expert_gate(tokens)) * shared
-    if rows == num_tokens:
+        shared = weights.shared_down(kernels.silu_and_mul(weights.shared_gate_up(hidden), backend=backend))
+        out = shared.mul_(torch.sigmoid(weights.shared_expert_gate(hidden)))
+        out[:num_tokens] += experts
         return out
-    padded = out.new_zeros(rows, out.shape[1])
-    padded[:num_tokens] = out
-    return padded
+    if rows == num_tokens:
+        return experts
+    out = experts.new_zeros(rows, experts.shape[1])
+    out[:num_tokens] = experts
+    return out

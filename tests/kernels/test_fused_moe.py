@@ -220,6 +220,27 @@ def test_the_cpp_path_keeps_a_nan_in_its_token_and_refuses_bad_ids():
         kernels.cpu.build().fused_moe_rows(x, w13, w2, torch.full((3, 2), 4), weights)
 
 
+@pytest.mark.skipif(DEVICE != "cpu", reason="the cpu backend's paths")
+def test_the_grouped_path_runs_oneDNN_on_bucketed_row_counts(monkeypatch):
+    """Every expert's GEMMs see ``padded_rows`` counts (oneDNN keeps a kernel per shape), and the padding
+    rows change nothing."""
+    from kernels.cpu import moe
+    from kernels.rows import padded_rows
+
+    if moe._linear_pointwise is None:
+        pytest.skip("no oneDNN in this torch")
+    seen = []
+    gemm = moe._onednn_gemm
+    monkeypatch.setattr(moe, "_onednn_gemm", lambda x, w: seen.append(x.shape[0]) or gemm(x, w))
+    w13, w2 = _weights(3, 64, 32)
+    x, ids, weights = _routed(300, 3, 2, 64)  # about 200 slots an expert
+    got = moe.fused_moe_grouped(x, w13, w2, ids, weights)
+    torch.testing.assert_close(got, reference.fused_moe(x, w13, w2, ids, weights), rtol=1e-4, atol=1e-5)
+    counts = torch.bincount(ids.reshape(-1), minlength=3).tolist()
+    assert sorted(seen) == sorted(2 * [padded_rows(c) for c in counts if c])
+    assert any(padded_rows(c) != c for c in counts)
+
+
 def test_strided_weights_and_other_dtypes_take_the_grouped_path():
     from kernels.cpu import moe
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import random
 
+import pytest
 import torch.utils.cpp_extension
 
 from pd import LLM, SamplingParams
@@ -21,9 +22,15 @@ from pd.model import linear
 from pd.model.linear import BUCKETS_PER_OCTAVE, EXACT_ROWS
 
 
-def test_a_varied_run_builds_nothing_and_reaches_few_gemm_shapes(monkeypatch):
-    llm = LLM("builtin:tiny-llama", max_num_batched_tokens=256)
+@pytest.mark.parametrize("model", ["builtin:tiny-llama", "qwen2_moe"])
+def test_a_varied_run_builds_nothing_and_reaches_few_gemm_shapes(monkeypatch, model, checkpoint):
+    """Also an MoE model: its router and shared expert are dense layers, and each expert's GEMMs (the
+    fused MoE's GEMM path, past its one-call kernel's slots) take bucketed row counts too."""
+    from kernels.cpu import moe
+
+    llm = LLM(model if model.startswith("builtin:") else str(checkpoint(model)), max_num_batched_tokens=256)
     assert llm.engine.runner.backend == "cpu"
+    vocab = llm.engine.model_config.vocab_size
     builds = []
     monkeypatch.setattr(torch.utils.cpp_extension, "load", lambda *a, **k: builds.append(a) or None)
     rows, inputs = set(), set()
@@ -35,9 +42,13 @@ def test_a_varied_run_builds_nothing_and_reaches_few_gemm_shapes(monkeypatch):
         return call(self, x)
 
     monkeypatch.setattr(linear.Linear, "__call__", recording)
+    experts = []
+    gemm = moe._onednn_gemm
+    monkeypatch.setattr(moe, "_onednn_gemm", lambda x, w: experts.append(x.shape[0]) or gemm(x, w))
+    monkeypatch.setattr(moe, "MAX_SLOTS_PER_EXPERT", 8)  # the GEMM path from 8 slots an expert
     rng = random.Random(0)
     for _ in range(3):
-        prompts = [[rng.randrange(3, 1000) for _ in range(rng.randint(1, 300))] for _ in range(rng.randint(1, 24))]
+        prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(1, 300))] for _ in range(rng.randint(1, 24))]
         params = [SamplingParams(max_tokens=rng.randint(1, 24), temperature=0, ignore_eos=True) for _ in prompts]
         llm.generate(prompts, params)
 
@@ -47,3 +58,5 @@ def test_a_varied_run_builds_nothing_and_reaches_few_gemm_shapes(monkeypatch):
     assert len(rows) <= bound
     assert largest <= 256 * 9 // 8  # the step budget, padded
     assert max(inputs) > EXACT_ROWS and inputs <= rows  # batches past 64 rows came already padded
+    assert all(linear.padded_rows(n) == n for n in experts)
+    assert bool(experts) == (llm.engine.model_config.moe is not None)
