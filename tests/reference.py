@@ -20,6 +20,19 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int):
     return tokens, gaps
 
 
+def greedy_references(checkpoint, hf_model, prompts: list[list[int]], max_new_tokens: int):
+    """``get(kind)``: HF's greedy tokens and top-2 gaps for each of ``prompts`` on checkpoint ``kind``, cached."""
+    cache = {}
+
+    def get(kind: str):
+        if kind not in cache:
+            model = hf_model(checkpoint(kind))
+            cache[kind] = [hf_greedy(model, prompt, max_new_tokens) for prompt in prompts]
+        return cache[kind]
+
+    return get
+
+
 def assert_greedy_match(ours: list[int], reference: list[int], gaps: list[float]) -> None:
     """Equal, or first diverging only where the reference's top-2 gap is a near-tie."""
     assert len(ours) == len(reference), (ours, reference)

@@ -55,12 +55,16 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
     """``(sorted_slots, block_experts)``: the slots in expert order, each expert's run padded to ``block_m``
     with the sentinel ``T * k``; and each tile's expert, -1 past the last run.
 
-    Sized for the worst case (every expert padded), so nothing waits for the device to learn the total.
+    Sized for the worst case (every expert padded), so nothing waits for the device to learn the total, and
+    no op reads the device back: decode steps replay it in CUDA graphs (``pd.engine.cuda_graphs``).
     """
     flat = topk_ids.reshape(-1).to(torch.int64)
     num_slots = flat.numel()
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
+    # Not bincount: on CUDA it reads the largest id back to size its output, a host sync a CUDA graph
+    # cannot capture.
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     ends = torch.cumsum(padded, 0)
     sorted_experts = flat[order]
@@ -70,7 +74,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
     sorted_slots[(ends - padded)[sorted_experts] + rank] = order.to(torch.int32)
     tile_starts = torch.arange(0, capacity, block_m, device=flat.device)
     block_experts = torch.searchsorted(ends, tile_starts, right=True).to(torch.int32)
-    block_experts[block_experts >= num_experts] = -1
+    block_experts.masked_fill_(block_experts >= num_experts, -1)  # not a boolean index: that syncs
     return sorted_slots, block_experts
 
 

@@ -97,6 +97,25 @@ def test_alignment_pads_each_expert_to_the_tile_and_names_each_tiles_expert():
     assert block_experts.tolist()[:3] == [0, 1, 3] and set(block_experts.tolist()[3:]) <= {-1}
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs")
+def test_the_triton_moe_replays_in_a_cuda_graph():
+    """Routing, alignment and both kernels capture (no op reads the device back) and replay with new inputs."""
+    w13, w2 = (t.to(DEVICE, torch.bfloat16) for t in _weights(8, 128, 64))
+    x, ids, weights = (t.to(DEVICE) for t in _routed(16, 8, 2, 128))
+    x = x.bfloat16()
+    kernels.fused_moe(x, w13, w2, ids, weights, backend="triton")  # compiles outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = kernels.fused_moe(x, w13, w2, ids, weights, backend="triton")
+    fresh_x, fresh_ids, fresh_weights = (t.to(DEVICE) for t in _routed(16, 8, 2, 128, seed=7))
+    x.copy_(fresh_x.bfloat16())
+    ids.copy_(fresh_ids)
+    weights.copy_(fresh_weights)
+    graph.replay()
+    torch.testing.assert_close(out, reference.fused_moe(x, w13, w2, ids, weights), rtol=2e-2, atol=3e-2)
+
+
 def test_the_reference_equals_hf_qwen3_moe_block():
     """HF's own sparse block, eager experts, with our routing and the fused layout of its weights."""
     transformers = pytest.importorskip("transformers")

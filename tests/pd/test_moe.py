@@ -17,7 +17,7 @@ from pd.model.config import model_config_from_dict
 from pd.model.loader import load_weights, read_tensors
 from pd.model.tp import TPShard, check_tp
 from tests.checkpoints import MOE_KINDS
-from tests.reference import assert_greedy_match, hf_greedy
+from tests.reference import assert_greedy_match, greedy_references, hf_greedy
 
 PROMPT_LENS = (3, 29, 70, 131)
 MAX_NEW = 32
@@ -79,15 +79,7 @@ def test_tensor_parallel_splits_the_experts_intermediate_features():
 
 @pytest.fixture(scope="module")
 def references(checkpoint, hf_model):
-    cache = {}
-
-    def get(kind):
-        if kind not in cache:
-            model = hf_model(checkpoint(kind))
-            cache[kind] = [hf_greedy(model, p, MAX_NEW) for p in prompts()]
-        return cache[kind]
-
-    return get
+    return greedy_references(checkpoint, hf_model, prompts(), MAX_NEW)
 
 
 @pytest.mark.parametrize("kind", MOE_KINDS)

@@ -7,7 +7,7 @@ import torch
 
 from pd import LLM, SamplingParams
 from pd.model.attention import AttentionMetadata
-from tests.reference import assert_greedy_match, hf_greedy
+from tests.reference import assert_greedy_match, greedy_references
 
 ARCHITECTURES = ["llama", "qwen2", "mistral", "qwen3"]
 PROMPT_LENS = (3, 29, 70, 131)
@@ -21,15 +21,7 @@ def prompts(seed: int = 1):
 
 @pytest.fixture(scope="module")
 def references(checkpoint, hf_model):
-    cache = {}
-
-    def get(kind):
-        if kind not in cache:
-            model = hf_model(checkpoint(kind))
-            cache[kind] = [hf_greedy(model, p, MAX_NEW) for p in prompts()]
-        return cache[kind]
-
-    return get
+    return greedy_references(checkpoint, hf_model, prompts(), MAX_NEW)
 
 
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True)
