@@ -5,7 +5,7 @@ NIXL and no package index. ``make gpu-deps`` (run where there is an index)
 unpacks the one other package the engine imports, ``msgspec``, for that
 machine's Python into ``.gpu-deps``; carry that folder along.
 
-Runs three parts, each in its own process with its own time limit (eight
+Runs four parts, each in its own process with its own time limit (ten
 minutes in all), so that one failing part still leaves the others' figures:
 
 1. ``kernels``: the Triton kernel tests compiled on the GPU
@@ -14,7 +14,9 @@ minutes in all), so that one failing part still leaves the others' figures:
 2. ``bench.kernels``: decode attention against copy bandwidth, prefill
    against SDPA flash, the fused row-wise kernels against torch;
 3. ``bench.gpu_engine``: a Llama-3-8B-shaped random model in bf16, our
-   engine with and without CUDA graphs against HF ``generate`` at batch 32.
+   engine with and without CUDA graphs against HF ``generate`` at batch 32;
+4. the same for 8 layers of a Qwen3-30B-A3B-shaped MoE (the fused MoE's
+   Triton kernels inside the engine, captured in CUDA graphs).
 
 Writes ``gpu_check.jsonl`` (one object per part: its exit code, seconds and
 the JSON lines it printed) and each part's full log into ``--out``
@@ -38,6 +40,8 @@ PARTS = [
     ("kernels", [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *KERNEL_TESTS], 150),
     ("bench_kernels", [sys.executable, "-m", "bench.kernels"], 90),
     ("gpu_engine", [sys.executable, "-m", "bench.gpu_engine"], 240),
+    ("gpu_engine_moe", [sys.executable, "-m", "bench.gpu_engine", "--model", "qwen3-30b-a3b", "--layers", "8",
+                        "--repeats", "2"], 120),
 ]
 
 

@@ -1,7 +1,8 @@
 """Engine decode throughput on a GPU: ours (eager and CUDA graphs) against HF ``generate``.
 
-``python -m bench.gpu_engine [--layers 32] [--batch 32]`` builds a random
-Llama-3-8B-shaped checkpoint in bf16 on the GPU, saves it, loads it into our
+``python -m bench.gpu_engine [--model llama3-8b|qwen3-30b-a3b] [--layers 32] [--batch 32]`` builds a
+random Llama-3-8B-shaped (or Qwen3-30B-A3B-shaped: 128 experts, 8 a token, the fused MoE's Triton
+kernels) checkpoint in bf16 on the GPU, saves it, loads it into our
 engine, and times the same greedy workload (``--batch`` prompts of 128 tokens,
 128 new tokens each) in three ways, alternating, medians of ``--repeats``:
 
@@ -32,17 +33,28 @@ LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=
                  vocab_size=128256, rope_theta=500000.0, max_position_embeddings=8192, rms_norm_eps=1e-5)
 
 
-def build_checkpoint(root: Path, layers: int):
-    """A random bf16 Llama-3-8B-shaped model on the GPU, saved to ``root``; returns (HF model, path)."""
+QWEN3_30B_A3B = dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
+                     num_experts_per_tok=8, norm_topk_prob=True, num_attention_heads=32, num_key_value_heads=4,
+                     head_dim=128, vocab_size=151936, rope_theta=1000000.0, max_position_embeddings=8192,
+                     rms_norm_eps=1e-6)
+
+
+def build_checkpoint(root: Path, layers: int, model: str = "llama3-8b"):
+    """A random bf16 model of ``model``'s shape on the GPU, saved to ``root``; returns (HF model, path)."""
     import transformers
 
-    config = transformers.LlamaConfig(num_hidden_layers=layers, initializer_range=0.02, **LLAMA3_8B)
+    if model == "qwen3-30b-a3b":
+        config = transformers.Qwen3MoeConfig(num_hidden_layers=layers, initializer_range=0.02, **QWEN3_30B_A3B)
+        build = transformers.Qwen3MoeForCausalLM
+    else:
+        config = transformers.LlamaConfig(num_hidden_layers=layers, initializer_range=0.02, **LLAMA3_8B)
+        build = transformers.LlamaForCausalLM
     torch.manual_seed(0)
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
         with torch.device("cuda"):
-            model = transformers.LlamaForCausalLM(config).eval()
+            model = build(config).eval()
     finally:
         torch.set_default_dtype(default_dtype)
     model.save_pretrained(root)
@@ -78,6 +90,7 @@ def agree(a: list[list[int]], b: list[list[int]]) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=("llama3-8b", "qwen3-30b-a3b"), default="llama3-8b")
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=128)
@@ -92,7 +105,7 @@ def main() -> None:
     rng = random.Random(0)
     with tempfile.TemporaryDirectory() as root:
         started = time.monotonic()
-        hf, path = build_checkpoint(Path(root), args.layers)
+        hf, path = build_checkpoint(Path(root), args.layers, args.model)
         llm = LLM(str(path), dtype="bfloat16", device="cuda", kv_cache_bytes=16 * 1024**3,
                   cuda_graph_max_batch=max(args.batch, 8))
         graphs = llm.engine.runner.graphs
@@ -112,7 +125,7 @@ def main() -> None:
                 tok_s[key].append(args.batch * args.new_tokens / elapsed)
         median = {key: percentile(values, 50) for key, values in tok_s.items()}
         print(json.dumps({
-            "case": "gpu_engine", "gpu": torch.cuda.get_device_name(), "layers": args.layers, "batch": args.batch,
+            "case": "gpu_engine", "model": args.model, "gpu": torch.cuda.get_device_name(), "layers": args.layers, "batch": args.batch,
             "hf_tok_s": round(median["hf"], 1), "graphs_tok_s": round(median["graphs"], 1),
             "eager_tok_s": round(median["eager"], 1),
             "graphs_vs_hf": round(median["graphs"] / median["hf"], 3),
