@@ -1,0 +1,1 @@
+"""Expert parallelism: which rank holds which experts (placement), and, to come, dispatch and combine."""
