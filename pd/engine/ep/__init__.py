@@ -1,1 +1,2 @@
-"""Expert parallelism: which rank holds which experts (placement), and, to come, dispatch and combine."""
+"""Expert parallelism: which rank holds which expert replicas (placement) and the load it places by
+(load); dispatch and combine are to come."""
