@@ -6,10 +6,10 @@ Two paths, chosen by the batch's average slots (token-expert pairs) per expert:
   a counting sort of the slots by expert, then each touched expert's gate/up rows read once per group
   of 4 slots with SiLU-and-mul in registers, then its down rows with the routed weight, summed into each
   token's row by the thread that owns those output columns. No gather, no per-expert ops.
-- above it, or in another dtype: one stable sort of the ``T * k`` slots by expert lays every expert's
-  rows out contiguously, one gather builds them, each active expert runs its gate/up and down
-  projections (oneDNN's GEMM) on its own slice, and one ``index_add_`` weights and sums the slots back
-  into their tokens. The only Python loop is over the experts that received tokens.
+- above it, or in another dtype: one stable sort of the ``T * k`` slots by expert, then for each
+  expert that received tokens (the only Python loop) a gather of its rows, its gate/up and down
+  projections (oneDNN's GEMMs, rows padded to ``padded_rows``) and an ``index_add_`` of the weighted
+  results into their tokens.
 
 Threshold, from ``python -m bench.moe``-shaped runs (H = 1024, I = 512, 2 threads, AMD EPYC, AVX-512):
 the C++ call over the GEMM path took 1/3.3 of the time at 4 slots per expert, 1/2.2 at 16, 1/1.5 at 64,
