@@ -9,8 +9,10 @@ with the same routing (``kernels.select_experts`` on random router logits):
 - ``ours``: ``kernels.fused_moe(..., backend="cpu")``;
 - ``hf``: transformers' ``Qwen3MoeExperts`` with ``experts_implementation="eager"``
   (HF's loop over the experts hit), on the same weights;
-- ``dense``: a dense SwiGLU MLP of one expert's shape on ``T * k`` rows (two
-  ``F.linear`` and a SiLU-and-mul): the same active FLOPs, one expert's weights;
+- ``dense``: a dense SwiGLU MLP of one expert's shape on ``T * k`` rows, as the
+  engine's dense layers run one (``pd.model.linear.make_linear``: oneDNN's GEMM
+  on prepacked weights, the fastest dense form on this host): the same active
+  FLOPs, one expert's weights;
 - ``bound``: the time to read the distinct experts' weights that the routing
   touches at the stream bandwidth measured in the same run (the faster of a
   512 MiB sum and a 512 MiB copy, read plus write): no kernel that reads each
@@ -33,11 +35,11 @@ import json
 import time
 
 import torch
-import torch.nn.functional as F
 
 import kernels
 import kernels.cpu
 from kernels import reference
+from pd.model.linear import make_linear
 from pd.workload.host import cpu_flags, cpu_name
 from pd.workload.stats import percentile
 
@@ -104,8 +106,9 @@ def bench_config(num_experts: int, top_k: int, tokens_list: list[int], hidden: i
     moe_weights = [(e.gate_up_proj.detach(), e.down_proj.detach()) for e in hf_copies]
     dense_copies = max(1, -(-CYCLE_BYTES // expert_bytes))
     generator = torch.Generator().manual_seed(1)
-    dense_weights = [(torch.randn(2 * inter, hidden, generator=generator).to(dtype) * 0.02,
-                      torch.randn(hidden, inter, generator=generator).to(dtype) * 0.02) for _ in range(dense_copies)]
+    dense_weights = [(make_linear((torch.randn(2 * inter, hidden, generator=generator) * 0.02).to(dtype), None),
+                      make_linear((torch.randn(hidden, inter, generator=generator) * 0.02).to(dtype), None))
+                     for _ in range(dense_copies)]
     results = []
     for tokens in tokens_list:
         x = torch.randn(tokens, hidden, generator=generator).to(dtype)
@@ -120,8 +123,7 @@ def bench_config(num_experts: int, top_k: int, tokens_list: list[int], hidden: i
                 "ours": [lambda a=a, b=b: kernels.fused_moe(x, a, b, ids, weights, backend="cpu")
                          for a, b in moe_weights],
                 "hf": [lambda e=e: e(x, ids, weights) for e in hf_copies],
-                "dense": [lambda a=a, b=b: F.linear(reference.silu_and_mul(F.linear(dense_x, a)), b)
-                          for a, b in dense_weights],
+                "dense": [lambda a=a, b=b: b(reference.silu_and_mul(a(dense_x))) for a, b in dense_weights],
             }, repeats)
         touched = int(torch.unique(ids).numel())
         bound = touched * expert_bytes / bandwidth

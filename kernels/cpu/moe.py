@@ -18,12 +18,10 @@ about 1/1.05 at 128 and 1.03x at 256 (on one thread the two met at about 64).
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 import torch.nn.functional as F
 
-from kernels.rows import padded_rows
+from kernels.onednn import bf16_supported, linear_pointwise, padded_rows
 
 # Batches with at most this many slots per expert on average (``T * k / E``) run in one C++ call.
 MAX_SLOTS_PER_EXPERT = 128
@@ -67,49 +65,35 @@ def fused_moe_grouped(
     top_k, num_experts = topk_ids.shape[1], w13.shape[0]
     flat = topk_ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # slots grouped by expert, in token order within each
-    counts = torch.bincount(flat, minlength=num_experts)
     tokens = order // top_k  # each sorted slot's token
     weights = topk_weights.reshape(-1)[order].to(hidden.dtype)[:, None]
-    gemm = _onednn_gemm if _onednn_runs(hidden, w13) else F.linear
-    sizes = counts.tolist()
-    padded = [padded_rows(count) for count in sizes] if gemm is _onednn_gemm else sizes
-    if padded == sizes:
-        gather = tokens
-    else:  # each expert's rows from its padded offset, the padding rows token 0's (finite; never read back)
-        starts = torch.cumsum(counts, 0) - counts
-        padded_starts = torch.tensor([0, *itertools.accumulate(padded)][:-1], dtype=counts.dtype)
-        expert = flat[order]
-        gather = tokens.new_zeros(sum(padded))
-        gather[torch.arange(flat.numel()) - starts[expert] + padded_starts[expert]] = tokens
+    onednn = _onednn_runs(hidden, w13)
+    gemm = _onednn_gemm if onednn else F.linear
     # One expert at a time, so every temporary is one expert's rows (no large buffer faulted in per call).
     out = torch.zeros_like(hidden)
-    start = padded_start = 0
-    for expert, (size, rows) in enumerate(zip(sizes, padded)):
+    start = 0
+    for expert, size in enumerate(torch.bincount(flat, minlength=num_experts).tolist()):
         if size:
-            x = hidden.index_select(0, gather[padded_start:padded_start + rows])
-            down = gemm(silu_and_mul(gemm(x, w13[expert])), w2[expert])[:size]
+            index = tokens[start:start + size]
+            rows = padded_rows(size) if onednn else size
+            if rows != size:  # padding rows are token 0's (finite; never read back)
+                index = F.pad(index, (0, rows - size))
+            down = gemm(silu_and_mul(gemm(hidden.index_select(0, index), w13[expert])), w2[expert])[:size]
             out.index_add_(0, tokens[start:start + size], down.mul_(weights[start:start + size]))
             start += size
-            padded_start += rows
     return out
-
-
-# The op's overload itself, as pd.model.linear holds it (resolving the packet costs about 8 us a call).
-_linear_pointwise = torch.ops.mkldnn._linear_pointwise.default if torch.backends.mkldnn.is_available() else None
 
 
 def _onednn_runs(hidden: torch.Tensor, w13: torch.Tensor) -> bool:
     """Whether oneDNN multiplies these natively here: fp32, or bf16 where the CPU has a bf16 path."""
-    if _linear_pointwise is None or not hidden.is_cpu or hidden.dtype != w13.dtype:
+    if linear_pointwise is None or not hidden.is_cpu or hidden.dtype != w13.dtype:
         return False
-    if hidden.dtype == torch.bfloat16:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    return hidden.dtype == torch.float32
+    return hidden.dtype == torch.float32 or (hidden.dtype == torch.bfloat16 and bf16_supported())
 
 
 def _onednn_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x @ weight^T`` by oneDNN, ``weight [out, in]`` as stored (not prepacked)."""
-    return _linear_pointwise(x, weight, None, "none", [], "")
+    return linear_pointwise(x, weight, None, "none", [], "")
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -29,7 +29,6 @@ AVX-NE-CONVERT) holds fp32 weights and takes fp32's forms (``compute_dtype``).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import statistics
 import time
@@ -39,13 +38,12 @@ from dataclasses import dataclass
 import torch
 
 import kernels.cpu
-from kernels.rows import BUCKETS_PER_OCTAVE, EXACT_ROWS, padded_rows  # noqa: F401 (the names dense layers use)
+from kernels.onednn import BUCKETS_PER_OCTAVE, EXACT_ROWS, bf16_supported, padded_rows  # noqa: F401 (dense layers')
+from kernels.onednn import linear_pointwise as _linear_pointwise
 
 logger = logging.getLogger(__name__)
 
 ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
-# The op's overload itself: calling the packet resolves among its overloads on every call (about 8 us).
-_linear_pointwise = torch.ops.mkldnn._linear_pointwise.default if torch.backends.mkldnn.is_available() else None
 
 
 def onednn_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -74,12 +72,6 @@ def compute_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
     if device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) and not onednn_available(device, dtype):
         return torch.float32
     return dtype
-
-
-@functools.cache
-def bf16_supported() -> bool:
-    """Whether oneDNN has a native bf16 path on this host (fixed for the process: read once)."""
-    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 # Batches of at most this many rows run in the few-row kernel where a layer has one (see the module's doc).

@@ -244,9 +244,9 @@ def test_the_grouped_path_runs_oneDNN_on_bucketed_row_counts(monkeypatch):
     """Every expert's GEMMs see ``padded_rows`` counts (oneDNN keeps a kernel per shape), and the padding
     rows change nothing."""
     from kernels.cpu import moe
-    from kernels.rows import padded_rows
+    from kernels.onednn import padded_rows
 
-    if moe._linear_pointwise is None:
+    if moe.linear_pointwise is None:
         pytest.skip("no oneDNN in this torch")
     seen = []
     gemm = moe._onednn_gemm

@@ -1,10 +1,23 @@
-"""The row counts oneDNN's GEMMs run with: bucketed, so the kernels oneDNN builds and keeps stay few.
-
-The model's dense layers (``pd.model.linear``) and the CPU fused MoE's expert
-GEMMs (``kernels.cpu.moe``) both pad their rows to ``padded_rows``.
+"""oneDNN's GEMM as the model's dense layers (``pd.model.linear``) and the CPU fused MoE's expert GEMMs
+(``kernels.cpu.moe``) both call it: the op, whether it runs bf16 here, and the row counts it runs with
+(bucketed, so the kernels oneDNN builds and keeps stay few).
 """
 
 from __future__ import annotations
+
+import functools
+
+import torch
+
+# The op's overload itself: calling the packet resolves among its overloads on every call (about 8 us).
+linear_pointwise = torch.ops.mkldnn._linear_pointwise.default if torch.backends.mkldnn.is_available() else None
+
+
+@functools.cache
+def bf16_supported() -> bool:
+    """Whether oneDNN has a native bf16 path on this host (fixed for the process: read once)."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
 
 # Row counts up to this many run as they are; above it they are rounded up.
 EXACT_ROWS = 64
