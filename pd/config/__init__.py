@@ -24,6 +24,8 @@ Dtype = Literal[DTYPES]
 AttentionBackend = Literal[ATTENTION_BACKENDS]
 # How a CPU engine stores its dense layers (pd.model.linear): "auto" measures both forms at start.
 LINEAR_FORMS = ("auto", "onednn", "dense")
+# The sliding window of expert loads is a ring of this many partial sums (pd.engine.ep.load).
+EPLB_WINDOW_BUCKETS = 8
 LinearForm = Literal[LINEAR_FORMS]
 
 
@@ -91,6 +93,17 @@ class EngineConfig:
     # rank died or hangs) fails the step.
     tensor_parallel_size: int = 1
     tensor_parallel_timeout_s: float = 60.0
+    # Ranks a mixture-of-experts model's experts are spread over (expert parallelism, pd.engine.ep):
+    # each rank holds (num_experts + num_redundant_experts) / expert_parallel_size of them, and a
+    # token reaches its experts through an all-to-all. Attention runs on the same ranks, split over
+    # them (tensor_parallel_size equal to it) or whole on each (tensor_parallel_size 1).
+    expert_parallel_size: int = 1
+    # Replicas beyond one per expert, given to the busiest experts by EPLB (pd.engine.ep.placement).
+    num_redundant_experts: int = 0
+    # Steps between rebalances of the expert placement, from each expert's load over the last
+    # eplb_window_steps steps; 0: only on demand (LLMEngine.rebalance_experts).
+    eplb_interval_steps: int = 0
+    eplb_window_steps: int = 1024
     # Prefill role: how long a finished prompt's blocks stay pinned for a decode replica.
     kv_lease_s: float = 30.0
     # Decode role: how long a pull may take before the prompt is recomputed locally.
@@ -112,6 +125,30 @@ class EngineConfig:
         if self.kv_tier_write_slots < 1:
             raise ValueError(f"kv_tier_write_slots must be >= 1, got {self.kv_tier_write_slots}")
 
+    @property
+    def num_ranks(self) -> int:
+        """The replica's ranks: its tensor-parallel or expert-parallel size, whichever is larger."""
+        return max(self.tensor_parallel_size, self.expert_parallel_size)
+
+    def _check_expert_parallel(self) -> None:
+        ep, tp = self.expert_parallel_size, self.tensor_parallel_size
+        if ep < 1:
+            raise ValueError(f"expert_parallel_size must be >= 1, got {ep}")
+        if ep > 1 and tp not in (1, ep):
+            raise ValueError(f"expert_parallel_size {ep} with tensor_parallel_size {tp}: attention runs on the "
+                             f"expert-parallel ranks, split over all of them (tensor_parallel_size {ep}) or whole on "
+                             "each (tensor_parallel_size 1)")
+        if self.num_redundant_experts < 0:
+            raise ValueError(f"num_redundant_experts must be >= 0, got {self.num_redundant_experts}")
+        if self.num_redundant_experts and ep == 1:
+            raise ValueError(f"num_redundant_experts {self.num_redundant_experts} needs expert_parallel_size > 1: "
+                             "redundant replicas balance load between ranks")
+        if self.eplb_interval_steps < 0:
+            raise ValueError(f"eplb_interval_steps must be >= 0 (0: on demand only), got {self.eplb_interval_steps}")
+        if self.eplb_window_steps < EPLB_WINDOW_BUCKETS or self.eplb_window_steps % EPLB_WINDOW_BUCKETS:
+            raise ValueError(f"eplb_window_steps must be a positive multiple of {EPLB_WINDOW_BUCKETS}, "
+                             f"got {self.eplb_window_steps}")
+
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
@@ -129,9 +166,10 @@ class EngineConfig:
         self._check_lower_tiers()
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-        if self.tensor_parallel_size > 1 and self.host_kv_cache_bytes:
-            raise ValueError("the KV tiers (host_kv_cache_bytes and below) do not run with tensor_parallel_size > 1 "
-                             "yet: set one or the other")
+        self._check_expert_parallel()
+        if self.num_ranks > 1 and self.host_kv_cache_bytes:
+            raise ValueError("the KV tiers (host_kv_cache_bytes and below) do not run with tensor_parallel_size or "
+                             "expert_parallel_size > 1 yet: set one or the other")
         for name in ("kv_lease_s", "kv_read_timeout_s", "tensor_parallel_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")

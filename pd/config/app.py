@@ -23,7 +23,7 @@ DECODE_ROUTER = "router.serve:DecodeLoadRouter"
 # EngineConfig fields set once for the whole app, not under ``engine:``.
 APP_LEVEL_ENGINE_FIELDS = ("kv_lease_s", "kv_read_timeout_s")
 # EngineConfig fields set per pool (``prefill:``, ``decode:``), not under ``engine:``.
-POOL_LEVEL_ENGINE_FIELDS = ("tensor_parallel_size",)
+POOL_LEVEL_ENGINE_FIELDS = ("tensor_parallel_size", "expert_parallel_size", "num_redundant_experts")
 # Router kwargs the app sets itself: the engines' block size and the pool's routing scope.
 APP_ROUTER_KWARGS = ("block_size", "routing_scope")
 # Serve's own graceful_shutdown_timeout_s, which the pools keep where nothing asks for more.
@@ -36,9 +36,10 @@ class _EngineArgsBase(StrictModel):
         EngineConfig(**self.model_dump())  # the engine's own checks, with its messages
         return self
 
-    def engine_config(self, kv_lease_s: float, kv_read_timeout_s: float, tensor_parallel_size: int = 1) -> EngineConfig:
+    def engine_config(self, kv_lease_s: float, kv_read_timeout_s: float, **pool_fields: int) -> EngineConfig:
+        """The engine with the app's lease fields and a pool's own (``POOL_LEVEL_ENGINE_FIELDS``)."""
         return EngineConfig(**self.model_dump(), kv_lease_s=kv_lease_s, kv_read_timeout_s=kv_read_timeout_s,
-                            tensor_parallel_size=tensor_parallel_size)
+                            **pool_fields)
 
 
 def _engine_args_model() -> type[_EngineArgsBase]:
@@ -126,6 +127,20 @@ class PoolArgs(StrictModel):
     # 1..N-1 as Ray actors in its placement group (STRICT_PACK, one bundle of ray_actor_options'
     # CPUs and GPUs per rank).
     tensor_parallel_size: int = Field(1, ge=1)
+    # Ranks each replica spreads a mixture-of-experts model's experts over (expert parallelism);
+    # attention runs on the same ranks, split (tensor_parallel_size equal to it) or whole on each
+    # (tensor_parallel_size 1). The replica has max(tensor_parallel_size, expert_parallel_size) ranks.
+    expert_parallel_size: int = Field(1, ge=1)
+    # Replicas beyond one per expert, which EPLB gives to this pool's busiest experts.
+    num_redundant_experts: int = Field(0, ge=0)
+
+    @property
+    def num_ranks(self) -> int:
+        return max(self.tensor_parallel_size, self.expert_parallel_size)
+
+    def engine_fields(self) -> dict[str, int]:
+        """This pool's own ``EngineConfig`` fields (``POOL_LEVEL_ENGINE_FIELDS``)."""
+        return {name: getattr(self, name) for name in POOL_LEVEL_ENGINE_FIELDS}
 
     @model_validator(mode="after")
     def _one_scaling_mode(self) -> "PoolArgs":
@@ -154,8 +169,8 @@ class PoolArgs(StrictModel):
             options["graceful_shutdown_timeout_s"] = graceful_shutdown_timeout_s
         options.update({name: value for name in ("health_check_period_s", "health_check_timeout_s")
                         if (value := getattr(self, name)) is not None})
-        if self.tensor_parallel_size > 1:
-            options["placement_group_bundles"] = [self.rank_bundle()] * self.tensor_parallel_size
+        if self.num_ranks > 1:
+            options["placement_group_bundles"] = [self.rank_bundle()] * self.num_ranks
             options["placement_group_strategy"] = "STRICT_PACK"
         if self.autoscaling is not None:
             options["autoscaling_config"] = self.autoscaling.serve_config()
@@ -255,12 +270,15 @@ class AppArgs(StrictModel):
                              f"kv_lease_s ({self.prefill_drain_s}): a prefill replica going away serves its leased "
                              "KV until the last lease ends")
         for name, pool in (("prefill", self.prefill), ("decode", self.decode)):
-            if pool.tensor_parallel_size > 1 and self.mode == "disaggregated" and self.transfer_backend != "nixl":
-                raise ValueError(f"{name}.tensor_parallel_size {pool.tensor_parallel_size}: the "
-                                 f"{self.transfer_backend} transfer backend moves whole blocks only; pools of "
-                                 "tensor-parallel engines need transfer_backend: nixl")
-            if pool.tensor_parallel_size > 1:
-                EngineConfig(**self.engine.model_dump(), tensor_parallel_size=pool.tensor_parallel_size)
+            if pool.num_ranks > 1 and self.mode == "disaggregated" and self.transfer_backend != "nixl":
+                field = "tensor_parallel_size" if pool.tensor_parallel_size > 1 else "expert_parallel_size"
+                raise ValueError(f"{name}.{field} {getattr(pool, field)}: the {self.transfer_backend} transfer "
+                                 "backend moves whole blocks to one rank only; pools of engines of several ranks need "
+                                 "transfer_backend: nixl")
+            try:
+                EngineConfig(**self.engine.model_dump(), **pool.engine_fields())
+            except ValueError as exc:
+                raise ValueError(f"{name}: {exc}") from None
         if self.decode.autoscaling is not None and self.max_migrations < 1:
             raise ValueError("decode.autoscaling needs max_migrations >= 1: a stream still running when its replica's "
                              "graceful_shutdown_timeout_s ends moves to another decode replica")
@@ -302,7 +320,7 @@ class AppArgs(StrictModel):
     def engine_config(self, pool: str = "decode") -> EngineConfig:
         """The engine of a ``pool`` replica: ``engine:``, the app's lease fields, the pool's own."""
         return self.engine.engine_config(self.kv_lease_s, self.kv_read_timeout_s,
-                                         getattr(self, pool).tensor_parallel_size)
+                                         **getattr(self, pool).engine_fields())
 
     def remote_prefill_rule(self) -> RemotePrefillRule:
         return RemotePrefillRule(threshold=self.remote_prefill_threshold, queue_bound=self.prefill_queue_bound,

@@ -82,7 +82,7 @@ def test_sizes_that_cannot_split_the_model_are_refused(checkpoint):
         LLM(str(checkpoint("llama")), num_blocks=16, tensor_parallel_size=3)  # before any worker starts
     with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1"):
         EngineConfig(tensor_parallel_size=0)
-    with pytest.raises(ValueError, match="KV tiers .* tensor_parallel_size > 1"):
+    with pytest.raises(ValueError, match="KV tiers .* tensor_parallel_size or expert_parallel_size > 1"):
         EngineConfig(tensor_parallel_size=2, host_kv_cache_bytes=1 << 20)
 
 

@@ -191,7 +191,7 @@ def test_tensor_parallel_size_is_per_pool_and_asks_serve_for_one_bundle_per_rank
     with pytest.raises(ValueError, match="decode.tensor_parallel_size 2: the torch transfer backend moves whole"):
         AppArgs.model_validate({**config_args("default.yaml"), "transfer_backend": "torch",
                                 "decode": {"tensor_parallel_size": 2}})
-    with pytest.raises(ValueError, match="KV tiers .* tensor_parallel_size > 1"):
+    with pytest.raises(ValueError, match="KV tiers .* tensor_parallel_size or expert_parallel_size > 1"):
         AppArgs.model_validate({**config_args("colocated.yaml"), "engine": {"host_kv_cache_bytes": 1 << 20},
                                 "decode": {"tensor_parallel_size": 2}})
 
