@@ -17,13 +17,14 @@ import torch
 import kernels
 from pd.config import EngineConfig
 from pd.engine.cuda_graphs import DecodeGraphs
+from pd.engine.ep.dispatch import EplbSchedule, ExpertParallel, check_ep
 from pd.engine.kv_layout import kv_pool, layer_views
 from pd.engine.logprobs import PromptLogprob, TopLogprobs, prompt_logprobs
 from pd.engine.outputs import ForwardInput, ForwardOutput, SchedulerOutput
 from pd.engine.request import Request
 from pd.engine.sampler import Sampler
 from pd.engine.structured import GrammarMask
-from pd.engine.tp.driver import Launcher, StepLists, TPWorkers, start_driver
+from pd.engine.tp.driver import ExpertsOp, Launcher, StepLists, TPWorkers, start_driver
 from pd.engine.tp.group import TPGroup
 from pd.model.attention import PAD_BLOCK_ID, AttentionMetadata
 from pd.model.config import ModelConfig
@@ -120,20 +121,32 @@ class ModelRunner:
         if config.linear_form == "auto":  # resolved here, so every rank takes the driver's choice
             config = self.config = dataclasses.replace(config, linear_form=self._choose_linear_form(config, model_config))
         self.linear_form = config.linear_form
+        check_ep(model_config, config.expert_parallel_size, config.num_redundant_experts)
         self.workers: TPWorkers | None = None
-        if config.tensor_parallel_size > 1 and group is None:
+        if config.num_ranks > 1 and group is None:
             group, self.workers = start_driver(config, model_dir, num_blocks, max_model_len, launcher, self.device,
                                                worker_transport)
         self.group = group
-        shard = TPShard(group.rank, group.size) if group is not None else SINGLE
+        tp = config.tensor_parallel_size
+        # Attention (and the dense layers) split over the ranks, or whole on each expert-parallel rank.
+        shard = TPShard(group.rank, tp) if tp > 1 else SINGLE
+        self.experts: ExpertParallel | None = None
+        self.eplb: EplbSchedule | None = None  # the driver's: when the ranks rebalance
         try:
             self.local_config = shard.local_config(model_config)
+            held = None
+            if config.expert_parallel_size > 1:
+                self.experts = ExpertParallel.for_model(group, model_config, config, self.device)
+                self.local_config = dataclasses.replace(self.local_config, moe=model_config.moe)  # experts whole
+                held = self.experts.held(self.experts.moe_layers[0])
+                if self.workers is not None:
+                    self.eplb = EplbSchedule(self.experts.moe_layers, config.eplb_interval_steps)
             # The cpu backend's few-row kernel takes decode steps' dense layers (pd.model.linear).
             weights = load_weights(model_dir, model_config, self.dtype, self.device, shard, self.linear_form,
-                                   few_rows=self.backend == "cpu")
+                                   few_rows=self.backend == "cpu", experts=held)
             self.weight_bytes = weights.num_bytes
             rope = cos_sin_cache(model_config.rope, model_config.head_dim, max_model_len).to(self.device)
-            self.model = CausalLM(self.local_config, weights, rope, group)
+            self.model = CausalLM(self.local_config, weights, rope, group if tp > 1 else None, self.experts)
             # Block-major, heads outermost in a block (pd.engine.kv_layout). A tensor-parallel rank's pool
             # holds its own KV heads; block ids are the same on every rank.
             self.kv_cache = kv_pool(num_blocks, model_config.num_layers, config.block_size,
@@ -273,11 +286,48 @@ class ModelRunner:
     def forward(self, step: StepLists) -> torch.Tensor:
         """A worker rank's part of a step: the forward pass, its collectives and its KV writes."""
         batch = self.to_device(step, _DriverRows())
-        return self.model.forward(batch.token_ids, batch.positions, batch.attn, self.kv_views, batch.logits_indices)
+        logits = self.model.forward(batch.token_ids, batch.positions, batch.attn, self.kv_views,
+                                    batch.logits_indices)
+        if self.experts is not None:
+            self.experts.end_step()
+        return logits
+
+    @torch.inference_mode()
+    def run_experts_op(self, op: ExpertsOp) -> None:
+        """Every rank's part of an expert-parallel sync or move, at the same step boundary."""
+        if op.sync_load:
+            self.experts.sync_load()
+        if op.move_layer >= 0:
+            self.experts.move_layer(op.move_layer, self.model.weights.layers[op.move_layer].moe)
+
+    def _experts_op(self) -> None:
+        """The driver's: what EPLB's schedule asks before this step, on every rank."""
+        sync_load, layer = self.eplb.next_op()
+        if not sync_load and layer is None:
+            return
+        op = ExpertsOp(sync_load, -1 if layer is None else layer)
+        for rank in self.workers.connections:
+            self.workers.send_to(rank, op)
+        try:
+            self.run_experts_op(op)
+        except RuntimeError as exc:
+            raise self.workers.failure(exc) from exc
+
+    def rebalance_experts(self) -> None:
+        """Rebalance every MoE layer's experts from the next step on, one layer a step."""
+        if self.eplb is None:
+            raise ValueError("rebalancing experts needs expert_parallel_size > 1")
+        self.eplb.request()
+
+    def expert_stats(self) -> dict:
+        """Expert parallelism's balancedness and loads as of the ranks' last sync (empty without it)."""
+        return self.experts.stats() if self.experts is not None else {}
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, block_tables: list[list[int]]) -> ForwardOutput:
         step, rows = self.flatten(out, block_tables)
+        if self.eplb is not None:
+            self._experts_op()
         if self.workers is not None:
             self.workers.send(step)
         batch = self.to_device(step, rows)
@@ -319,10 +369,13 @@ class ModelRunner:
             return self.model.forward(batch.token_ids, batch.positions, batch.attn, self.kv_views,
                                       batch.logits_indices)
         try:
-            return self.model.forward(batch.token_ids, batch.positions, batch.attn, self.kv_views,
-                                      batch.logits_indices)
+            logits = self.model.forward(batch.token_ids, batch.positions, batch.attn, self.kv_views,
+                                        batch.logits_indices)
         except RuntimeError as exc:
             raise self.workers.failure(exc) from exc
+        if self.experts is not None:
+            self.experts.end_step()
+        return logits
 
     @staticmethod
     def _prompt_logprobs(logits: torch.Tensor, batch: ForwardInput) -> dict[str, list[PromptLogprob]]:

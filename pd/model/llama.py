@@ -54,20 +54,30 @@ class Collectives(Protocol):
     def gather_logits(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor: ...
 
 
+class ExpertBlocks(Protocol):
+    """An expert-parallel rank's MoE blocks (``pd.engine.ep.dispatch.ExpertParallel``): each returns the
+    block's whole output, already reduced over the ranks."""
+
+    def moe_block(self, layer: int, weights: MoeWeights, config, hidden: torch.Tensor, num_tokens: int,
+                  backend: str) -> torch.Tensor: ...
+
+
 class CausalLM:
     """A decoder-only transformer over a paged, block-major KV pool.
 
     With ``collectives``, one tensor-parallel rank of it: ``config`` is the
     rank's (``TPShard.local_config``), ``weights`` its shard, and the
     row-parallel outputs and the embedding are all-reduced; the logits are
-    gathered (whole on rank 0, see ``Collectives.gather_logits``).
+    gathered (whole on rank 0, see ``Collectives.gather_logits``). With
+    ``experts``, an expert-parallel rank: its MoE blocks run there.
     """
 
     def __init__(self, config: ModelConfig, weights: ModelWeights, cos_sin_cache: torch.Tensor,
-                 collectives: Collectives | None = None):
+                 collectives: Collectives | None = None, experts: ExpertBlocks | None = None):
         self.config = config
         self.weights = weights
         self.collectives = collectives
+        self.experts = experts
         self.cos_sin_cache = cos_sin_cache  # [max_positions, head_dim] fp32
         self.softmax_scale = config.head_dim**-0.5
 
@@ -104,7 +114,7 @@ class CausalLM:
             hidden, residual = kernels.rms_norm(
                 hidden, weights.post_attention_norm, self.config.rms_norm_eps, residual, backend=attn.backend
             )
-            hidden = self._mlp(weights, hidden, num_tokens, attn.backend)
+            hidden = self._mlp(layer, weights, hidden, num_tokens, attn.backend)
         hidden = (hidden + residual)[logits_indices]
         hidden = kernels.rms_norm(hidden, self.weights.norm, self.config.rms_norm_eps, backend=attn.backend)
         logits = self.weights.lm_head(hidden).float()
@@ -126,8 +136,11 @@ class CausalLM:
         hidden.masked_fill_(outside.unsqueeze(-1), 0.0)
         return self.collectives.all_reduce(hidden)
 
-    def _mlp(self, weights: LayerWeights, hidden: torch.Tensor, num_tokens: int, backend: str) -> torch.Tensor:
+    def _mlp(self, layer: int, weights: LayerWeights, hidden: torch.Tensor, num_tokens: int,
+             backend: str) -> torch.Tensor:
         """The layer's dense MLP or MoE block, its ranks' partial sums reduced."""
+        if weights.moe is not None and self.experts is not None:
+            return self.experts.moe_block(layer, weights.moe, self.config.moe, hidden, num_tokens, backend)
         if weights.moe is not None:
             return self._reduced(moe_block(weights.moe, self.config.moe, hidden, num_tokens, backend), None)
         return self._reduced(weights.down_proj(kernels.silu_and_mul(weights.gate_up_proj(hidden), backend=backend)),

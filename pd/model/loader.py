@@ -168,8 +168,10 @@ def _row_parallel(name: str, weight: torch.Tensor, bias: torch.Tensor | None, wh
     return {f"{name}_proj": make_linear(weight, None, form, few_rows), f"{name}_bias": bias}
 
 
-def _layer(w: _Weights, config: ModelConfig, shard: TPShard, i: int, form: str, few_rows: bool) -> LayerWeights:
-    """Layer ``i``'s weights as rank ``shard`` holds them (see ``pd.model.tp``)."""
+def _layer(w: _Weights, config: ModelConfig, shard: TPShard, i: int, form: str, few_rows: bool,
+           experts: tuple[int, ...] | None) -> LayerWeights:
+    """Layer ``i``'s weights as rank ``shard`` holds them (see ``pd.model.tp``); an MoE layer's ``experts``
+    as ``load_moe`` takes them."""
     h, hd = config.hidden_size, config.head_dim
     q, kv = config.q_size, config.kv_size
     whole = shard.size == 1
@@ -180,7 +182,7 @@ def _layer(w: _Weights, config: ModelConfig, shard: TPShard, i: int, form: str, 
     attn, mlp = p + "self_attn.", p + "mlp."
     if config.is_moe_layer(i):
         mlp_fields = {"gate_up_proj": None, "down_proj": None, "down_bias": None,
-                      "moe": load_moe(w, config, shard, i, form, few_rows)}
+                      "moe": load_moe(w, config, shard, i, form, few_rows, experts)}
     else:
         mlp_fields = _dense_mlp(w, config, shard, mlp, form, few_rows)
     return LayerWeights(
@@ -224,8 +226,12 @@ _EXPERT_NAMES = {
 }
 
 
-def load_moe(w: _Weights, config: ModelConfig, shard: TPShard, i: int, form: str, few_rows: bool) -> MoeWeights:
+def load_moe(w: _Weights, config: ModelConfig, shard: TPShard, i: int, form: str, few_rows: bool,
+             experts: tuple[int, ...] | None = None) -> MoeWeights:
     """Layer ``i``'s MoE block, its experts fused into ``[E, 2I, H]`` and ``[E, H, I]`` one slice at a time.
+
+    ``experts`` (expert parallelism, ``pd.engine.ep``): the logical ids of the experts this rank holds, in
+    its slot order, each whole, and the shared expert whole; None: every expert, ``shard``'s slice of each.
 
     The experts are per-expert tensors on disk (``experts.{e}.gate_proj``, Mixtral's ``w1``/``w3``/``w2``),
     or already stacked (``experts.gate_up_proj`` ``[E, 2I, H]``, ``experts.down_proj`` ``[E, H, I]``, as
@@ -236,24 +242,30 @@ def load_moe(w: _Weights, config: ModelConfig, shard: TPShard, i: int, form: str
     num_experts, inter = moe.num_experts, moe.intermediate_size
     prefix, (gate_name, up_name, down_name) = _EXPERT_NAMES[config.architecture]
     p = f"model.layers.{i}.{prefix}"
+    if experts is not None:
+        shard = SINGLE
     start, stop = (0, inter) if shard.size == 1 else shard.expert_intermediate(config)
     local = stop - start
+    held = range(num_experts) if experts is None else experts
     dtype = compute_dtype(w.device, w.dtype)  # where bf16 has no native GEMM here, the experts hold fp32
-    w13 = torch.empty(num_experts, 2 * local, h, dtype=dtype, device=w.device)
-    w2 = torch.empty(num_experts, h, local, dtype=dtype, device=w.device)
+    w13 = torch.empty(len(held), 2 * local, h, dtype=dtype, device=w.device)
+    w2 = torch.empty(len(held), h, local, dtype=dtype, device=w.device)
     stacked = p + "experts.gate_up_proj" in w
-    for e in range(num_experts):
+    for slot, e in enumerate(held):
+        if not 0 <= e < num_experts:
+            raise ValueError(f"layer {i}: expert {e} is not one of the model's {num_experts}")
         if stacked:
             stack_shape = (num_experts, 2 * inter, h)
-            w13[e, :local] = w.get(p + "experts.gate_up_proj", stack_shape, (start, stop), expert=e, dtype=dtype)
-            w13[e, local:] = w.get(p + "experts.gate_up_proj", stack_shape, (inter + start, inter + stop), expert=e,
-                                   dtype=dtype)
-            w2[e] = w.get(p + "experts.down_proj", (num_experts, h, inter), cols=(start, stop), expert=e, dtype=dtype)
+            w13[slot, :local] = w.get(p + "experts.gate_up_proj", stack_shape, (start, stop), expert=e, dtype=dtype)
+            w13[slot, local:] = w.get(p + "experts.gate_up_proj", stack_shape, (inter + start, inter + stop),
+                                      expert=e, dtype=dtype)
+            w2[slot] = w.get(p + "experts.down_proj", (num_experts, h, inter), cols=(start, stop), expert=e,
+                             dtype=dtype)
             continue
         expert = f"{p}experts.{e}."
-        w13[e, :local] = w.get(f"{expert}{gate_name}.weight", (inter, h), (start, stop), dtype=dtype)
-        w13[e, local:] = w.get(f"{expert}{up_name}.weight", (inter, h), (start, stop), dtype=dtype)
-        w2[e] = w.get(f"{expert}{down_name}.weight", (h, inter), cols=(start, stop), dtype=dtype)
+        w13[slot, :local] = w.get(f"{expert}{gate_name}.weight", (inter, h), (start, stop), dtype=dtype)
+        w13[slot, local:] = w.get(f"{expert}{up_name}.weight", (inter, h), (start, stop), dtype=dtype)
+        w2[slot] = w.get(f"{expert}{down_name}.weight", (h, inter), cols=(start, stop), dtype=dtype)
     weights = MoeWeights(gate=make_linear(w.get(p + "gate.weight", (num_experts, h)), None, form, few_rows),
                          w13=w13, w2=w2)
     if moe.shared_expert_intermediate_size:
@@ -267,14 +279,16 @@ def load_moe(w: _Weights, config: ModelConfig, shard: TPShard, i: int, form: str
 
 
 def load_weights(model_dir: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device,
-                 shard: TPShard = SINGLE, linear_form: str = "onednn", few_rows: bool = False) -> ModelWeights:
+                 shard: TPShard = SINGLE, linear_form: str = "onednn", few_rows: bool = False,
+                 experts: tuple[int, ...] | None = None) -> ModelWeights:
     """The weights rank ``shard`` runs (all of them at ``SINGLE``), read from the files slice by slice.
 
-    ``linear_form``: the dense layers' form (``pd.model.linear.FORMS``); ``few_rows``: see ``make_linear``.
+    ``linear_form``: the dense layers' form (``pd.model.linear.FORMS``); ``few_rows``: see ``make_linear``;
+    ``experts``: the experts an expert-parallel rank holds in every MoE layer (see ``load_moe``).
     """
     with Checkpoint(model_dir) as checkpoint:
         w = _Weights(checkpoint, dtype, device)
-        layers = [_layer(w, config, shard, i, linear_form, few_rows) for i in range(config.num_layers)]
+        layers = [_layer(w, config, shard, i, linear_form, few_rows, experts) for i in range(config.num_layers)]
         embed = _vocab_shard(w, "model.embed_tokens.weight", config, shard)
         if config.tie_word_embeddings:
             lm_head = make_linear(embed, None, linear_form, few_rows)

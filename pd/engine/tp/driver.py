@@ -84,6 +84,14 @@ class Stop(msgspec.Struct, tag="stop", frozen=True):
     pass
 
 
+class ExpertsOp(msgspec.Struct, tag="experts", frozen=True):
+    """Before the next step (expert parallelism, ``pd.engine.ep.dispatch``): add up the ranks' expert loads
+    (``sync_load``), then move layer ``move_layer``'s experts to their new placement (-1: none)."""
+
+    sync_load: bool
+    move_layer: int = -1
+
+
 class Pull(msgspec.Struct, tag="pull", frozen=True):
     """Read KV heads into this rank's pool: from each source ``(peer metadata, remote head, local head, count)``,
     blocks ``remote_block_ids`` into ``local_block_ids``. Answered with ``PullDone`` once no byte can land."""
@@ -119,7 +127,7 @@ class Failed(msgspec.Struct, tag="failed", frozen=True):
     error: str
 
 
-ToWorker = StepLists | Stop | Pull | Release
+ToWorker = StepLists | Stop | Pull | Release | ExpertsOp
 FromWorker = Ready | Failed | PullDone
 _to_worker = msgspec.msgpack.Decoder(ToWorker)
 _from_worker = msgspec.msgpack.Decoder(FromWorker)
@@ -279,7 +287,7 @@ class TPWorkers:
         for rank in self.connections:
             self.send_to(rank, data)
 
-    def send_to(self, rank: int, data: bytes | Pull | Release) -> None:
+    def send_to(self, rank: int, data: bytes | Pull | Release | ExpertsOp) -> None:
         if not isinstance(data, bytes):
             data = encode(data)
         try:
@@ -345,7 +353,7 @@ def default_worker_threads(size: int) -> int:
 def start_driver(config, model_dir, num_blocks: int, max_model_len: int, launcher: Launcher | None,
                  device, worker_transport: dict | None = None) -> tuple[TPGroup, TPWorkers]:
     """Rank 0's group, with ranks 1..N-1 launched and joined (they load their shards meanwhile)."""
-    size = config.tensor_parallel_size
+    size = config.num_ranks
     launcher = launcher or LocalLauncher()
     launcher.check(size, device)
     group = TPGroup(0, size, _node_address(), 0, device, config.tensor_parallel_timeout_s)

@@ -43,6 +43,14 @@ class TPGroup:
         self._pg.allreduce([tensor]).wait()
         return tensor
 
+    def all_to_all(self, output: torch.Tensor, tensor: torch.Tensor, output_splits: list[int],
+                   input_splits: list[int]) -> torch.Tensor:
+        """Rows ``input_splits[r]`` of ``tensor`` (in rank order) to rank ``r``; ``output`` takes
+        ``output_splits[r]`` rows from each rank ``r``, in rank order. Any split may be 0."""
+        self._pg.alltoall_base(output, tensor.contiguous(), output_splits, input_splits,
+                               dist.AllToAllOptions()).wait()
+        return output
+
     def gather_logits(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
         """Every rank's vocabulary slice side by side on rank 0, ``[rows, vocab_size]``; elsewhere ``logits``."""
         logits = logits.contiguous()

@@ -19,6 +19,7 @@ import torch
 from pd.config import EngineConfig
 from pd.engine.tp.driver import (
     TP_WIRE_VERSION,
+    ExpertsOp,
     Failed,
     Pull,
     PullDone,
@@ -75,6 +76,8 @@ def serve_rank(spec: WorkerSpec) -> None:
                     return
                 if isinstance(message, (Pull, Release)):
                     pulls.handle(message)
+                elif isinstance(message, ExpertsOp):
+                    runner.run_experts_op(message)
                 else:
                     runner.forward(message)
                 pulls.poll()

@@ -1,0 +1,284 @@
+"""Expert parallelism inside a replica: each rank holds some experts, and tokens reach them by all-to-all.
+
+Every rank holds the whole batch's hidden states when an MoE block starts
+(attention is split over the ranks and all-reduced, or whole on each), so rank
+``r`` takes the ``r``-th even, contiguous slice of the batch's tokens
+(``token_slice``). For its slice it:
+
+1. routes (the router is replicated: ``kernels.select_experts``) and counts
+   each expert's tokens (``ExpertLoad``, what EPLB places by);
+2. picks one replica of each (token, expert) pair's expert: replica
+   ``token % replicas``, by the token's index in the batch, so the choice is
+   deterministic and a hot expert's tokens spread over its replicas;
+3. **dispatch**: sends each pair's hidden row to its replica's rank, in one
+   all-to-all whose split sizes an all-to-all of counts gave first (a rank may
+   send or receive nothing);
+4. runs the rows it received through its own experts (``kernels.fused_moe``,
+   one expert a row);
+5. **combine**: the reverse all-to-all brings each pair's output back, in the
+   order it left;
+6. weights and sums each token's pairs in routing order, adds the shared
+   expert (held whole by every rank) for its slice, and writes its slice of a
+   block output that is zero elsewhere.
+
+One all-reduce of that output, the block's as under tensor parallelism, gives
+every rank every token's output. Per MoE layer a rank sends ``k * H``
+activations per token of its slice to dispatch, and receives as many back.
+
+**Rebalancing** (``sync_load``, ``move_layer``) is collective too: the driver
+asks for it between steps (``EplbSchedule``) and every rank runs it at the same
+point. The ranks all-reduce their load counts, so each computes the same new
+placement, then move one layer's expert weights in one all-to-all per weight.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+import kernels
+from pd.config import EPLB_WINDOW_BUCKETS
+from pd.engine.ep.load import ExpertLoad
+from pd.engine.ep.moves import plan_moves, receives, sends
+from pd.engine.ep.placement import Placement, balancedness, check_placement_args, rebalance, static_placement
+from pd.model.config import ModelConfig, MoeConfig
+from pd.model.moe import MoeWeights
+
+# Every this many steps the driver has the ranks add up their expert loads, for the metrics.
+LOAD_SYNC_STEPS = 64
+
+
+class ExpertGroup(Protocol):
+    """The collectives expert parallelism makes (``pd.engine.tp.group.TPGroup``)."""
+
+    rank: int
+    size: int
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor: ...
+
+    def all_to_all(self, output: torch.Tensor, tensor: torch.Tensor, output_splits: list[int],
+                   input_splits: list[int]) -> torch.Tensor: ...
+
+
+def check_ep(model: ModelConfig, size: int, num_redundant: int) -> None:
+    """Raise ``ValueError`` naming why ``size`` expert-parallel ranks cannot hold ``model``'s experts."""
+    if size == 1:
+        return
+    if model.moe is None:
+        raise ValueError(f"expert_parallel_size {size}: the model ({model.architecture}) has no experts; expert "
+                         "parallelism is for mixture-of-experts models")
+    check_placement_args(model.moe.num_experts, size, num_redundant, 1, 1)
+
+
+def token_slice(num_tokens: int, rank: int, size: int) -> tuple[int, int]:
+    """Rank ``rank``'s tokens of a batch: ``ceil(num_tokens / size)`` a rank, the last ones fewer or none."""
+    per = -(-num_tokens // size)
+    return min(rank * per, num_tokens), min((rank + 1) * per, num_tokens)
+
+
+def initial_placement(num_experts: int, num_ranks: int, num_redundant: int) -> Placement:
+    """The placement before any load is known: contiguous experts, or EPLB's on a uniform load when there
+    are redundant slots to fill."""
+    if num_redundant == 0:
+        return static_placement(num_experts, num_ranks)
+    return rebalance([1.0] * num_experts, num_ranks, num_redundant)
+
+
+@dataclass
+class _Table:
+    """A placement as the dispatch reads it: each expert's replicas as physical ids (rank * slots + slot)."""
+
+    placement: Placement
+    replicas: torch.Tensor  # int64 [E, max replicas], padded with the first replica
+    counts: torch.Tensor  # int64 [E]
+
+    @classmethod
+    def of(cls, placement: Placement, device: torch.device) -> "_Table":
+        slots = len(placement.slots[0])
+        ids = [[rank * slots + slot for rank, slot in placement.replicas(e)] for e in range(placement.num_experts)]
+        width = max(len(r) for r in ids)
+        padded = [r + [r[0]] * (width - len(r)) for r in ids]
+        return cls(placement, torch.tensor(padded, dtype=torch.int64, device=device),
+                   torch.tensor([len(r) for r in ids], dtype=torch.int64, device=device))
+
+
+class ExpertParallel:
+    """One rank's side of expert parallelism: the placements, the load window, the MoE block's all-to-alls."""
+
+    def __init__(self, group: ExpertGroup, num_layers: int, moe_layers: list[int], num_experts: int,
+                 num_redundant: int, window_steps: int, window_buckets: int, device: torch.device):
+        self.group = group
+        self.num_experts = num_experts
+        self.num_redundant = num_redundant
+        self.moe_layers = moe_layers
+        self.device = device
+        first = initial_placement(num_experts, group.size, num_redundant)
+        self.tables = {layer: _Table.of(first, device) for layer in moe_layers}
+        self.load = ExpertLoad(num_layers, num_experts, window_steps, window_buckets, device)
+        self.global_load: torch.Tensor | None = None  # the ranks' loads added up, as of the last sync
+        self.move_seconds: list[float] = []  # each layer move's time on this rank, the latest last
+
+    @classmethod
+    def for_model(cls, group: ExpertGroup, model: ModelConfig, config, device: torch.device) -> "ExpertParallel":
+        """Rank ``group.rank`` of an engine's expert parallelism (``config``: its ``EngineConfig``)."""
+        check_ep(model, group.size, config.num_redundant_experts)
+        moe_layers = [i for i in range(model.num_layers) if model.is_moe_layer(i)]
+        return cls(group, model.num_layers, moe_layers, model.moe.num_experts, config.num_redundant_experts,
+                   config.eplb_window_steps, EPLB_WINDOW_BUCKETS, device)
+
+    @property
+    def slots_per_rank(self) -> int:
+        return (self.num_experts + self.num_redundant) // self.group.size
+
+    def held(self, layer: int) -> tuple[int, ...]:
+        """The logical experts this rank holds in ``layer``, in slot order."""
+        return self.tables[layer].placement.slots[self.group.rank]
+
+    def placement(self, layer: int) -> Placement:
+        return self.tables[layer].placement
+
+    # The MoE block.
+
+    def moe_block(self, layer: int, weights: MoeWeights, config: MoeConfig, hidden: torch.Tensor,
+                  num_tokens: int, backend: str) -> torch.Tensor:
+        """The block's output for every row of ``hidden`` (all-reduced over the ranks; padding rows zero)."""
+        start, stop = token_slice(num_tokens, self.group.rank, self.group.size)
+        x = hidden[start:stop]
+        if stop > start:
+            topk_weights, topk_ids = kernels.select_experts(weights.gate(x), config.top_k, config.renormalize)
+            self.load.add(layer, topk_ids)
+        else:  # no tokens here; the all-to-alls still bring this rank's experts their rows
+            topk_weights = torch.empty(0, config.top_k, device=x.device)
+            topk_ids = torch.empty(0, config.top_k, dtype=torch.int64, device=x.device)
+        routed = self._exchange(layer, weights, x, topk_ids, topk_weights.to(hidden.dtype), start, backend)
+        out = hidden.new_zeros(hidden.shape)
+        if weights.shared_gate_up is not None and stop > start:
+            shared = weights.shared_down(kernels.silu_and_mul(weights.shared_gate_up(x), backend=backend))
+            routed = routed + shared.mul_(torch.sigmoid(weights.shared_expert_gate(x)))
+        out[start:stop] = routed
+        return self.group.all_reduce(out)
+
+    def _exchange(self, layer: int, weights: MoeWeights, x: torch.Tensor, topk_ids: torch.Tensor,
+                  topk_weights: torch.Tensor, start: int, backend: str) -> torch.Tensor:
+        """Dispatch, the local experts, combine: each of ``x``'s tokens' weighted sum of its experts' outputs."""
+        table, size, hidden = self.tables[layer], self.group.size, x.shape[1]
+        num_tokens, top_k = topk_ids.shape
+        experts = topk_ids.reshape(-1)
+        token = torch.arange(start, start + num_tokens, device=x.device).repeat_interleave(top_k)
+        physical = table.replicas[experts, token % table.counts[experts]]
+        dest = torch.div(physical, self.slots_per_rank, rounding_mode="floor")
+        order = torch.argsort(dest, stable=True)
+        send_counts = torch.bincount(dest, minlength=size)
+        recv_counts = torch.empty_like(send_counts)
+        self.group.all_to_all(recv_counts, send_counts, [], [])
+        send_splits, recv_splits = send_counts.tolist(), recv_counts.tolist()
+        received = x.new_empty(sum(recv_splits), hidden)
+        self.group.all_to_all(received, x[order // top_k], recv_splits, send_splits)
+        local_ids = torch.empty(sum(recv_splits), dtype=torch.int64, device=x.device)
+        self.group.all_to_all(local_ids, (physical % self.slots_per_rank)[order], recv_splits, send_splits)
+        outputs = x.new_empty(sum(recv_splits), hidden)
+        if outputs.shape[0]:
+            compute = weights.compute_dtype
+            ones = torch.ones(outputs.shape[0], 1, dtype=compute, device=x.device)
+            outputs = kernels.fused_moe(received.to(compute), weights.w13, weights.w2, local_ids[:, None], ones,
+                                        backend=backend).to(x.dtype)
+        back = x.new_empty(order.shape[0], hidden)
+        self.group.all_to_all(back, outputs, send_splits, recv_splits)
+        pairs = torch.empty_like(back)
+        pairs[order] = back
+        return (pairs.view(num_tokens, top_k, hidden) * topk_weights.unsqueeze(-1)).sum(dim=1)
+
+    def end_step(self) -> None:
+        self.load.end_step()
+
+    # Statistics and rebalancing: collective, every rank at the same step boundary.
+
+    def sync_load(self) -> None:
+        """Add up the ranks' load windows (every rank then holds the same ``global_load``)."""
+        self.global_load = self.group.all_reduce(self.load.counts().clone())
+
+    def move_layer(self, layer: int, weights: MoeWeights) -> bool:
+        """Place ``layer``'s experts by the last synced load and move the weights that change rank; False if
+        the placement stays."""
+        if self.global_load is None:
+            self.sync_load()
+        load = [float(v) for v in self.global_load[layer].tolist()]
+        old = self.tables[layer].placement
+        new = rebalance(load, self.group.size, self.num_redundant)
+        if new == old:
+            return False
+        started = time.perf_counter()
+        weights.w13, weights.w2 = (self._moved(old, new, w) for w in (weights.w13, weights.w2))
+        self.tables[layer] = _Table.of(new, self.device)
+        self.move_seconds.append(time.perf_counter() - started)
+        return True
+
+    def _moved(self, old: Placement, new: Placement, weight: torch.Tensor) -> torch.Tensor:
+        """``weight`` ([slots, ...], this rank's experts under ``old``) as this rank holds it under ``new``."""
+        rank, size = self.group.rank, self.group.size
+        moves = plan_moves(old, new)
+        out_parts, in_parts = sends(moves, rank, size), receives(moves, rank, size)
+        row = weight[0].numel()
+        outgoing = [weight[m.src_slot].reshape(-1) for part in out_parts for m in part]
+        send = torch.stack(outgoing) if outgoing else weight.new_empty(0, row)
+        received = weight.new_empty(sum(map(len, in_parts)), row)
+        self.group.all_to_all(received, send, [len(p) for p in in_parts], [len(p) for p in out_parts])
+        moved = torch.empty_like(weight)
+        for m in moves:
+            if m.dst_rank == rank and m.src_rank == rank:
+                moved[m.dst_slot] = weight[m.src_slot]
+        for i, m in enumerate(m for part in in_parts for m in part):
+            moved[m.dst_slot] = received[i].view(weight.shape[1:])
+        return moved
+
+    def stats(self) -> dict:
+        """Balancedness (mean over max load per rank) per MoE layer, and each expert's load, as of the last
+        sync; empty before the first."""
+        if self.global_load is None:
+            return {}
+        loads = self.global_load.tolist()
+        per_layer = {layer: balancedness(self.tables[layer].placement.rank_loads([float(v) for v in loads[layer]]))
+                     for layer in self.moe_layers}
+        return {"balancedness": per_layer, "expert_load": {layer: loads[layer] for layer in self.moe_layers},
+                "move_seconds": list(self.move_seconds)}
+
+
+class EplbSchedule:
+    """The driver's side: when the ranks sync their loads and which layer moves before each step.
+
+    A round (every ``interval_steps`` steps, or when ``request`` asks) syncs the loads once, then moves
+    one MoE layer per step, so no step waits for more than one layer's move.
+    """
+
+    def __init__(self, moe_layers: list[int], interval_steps: int, load_sync_steps: int = LOAD_SYNC_STEPS):
+        self.moe_layers = moe_layers
+        self.interval_steps = interval_steps
+        self.load_sync_steps = load_sync_steps
+        self.steps = 0
+        self._since_round = 0
+        self._pending: list[int] = []
+        self._requested = False
+
+    def request(self) -> None:
+        """Rebalance at the next step (every layer, one a step)."""
+        self._requested = True
+
+    @property
+    def in_round(self) -> bool:
+        return bool(self._pending)
+
+    def next_op(self) -> tuple[bool, int | None]:
+        """``(sync the loads, the layer to move)`` before this step; ``(False, None)`` for nothing."""
+        self.steps += 1
+        self._since_round += 1
+        if not self._pending and (self._requested or 0 < self.interval_steps <= self._since_round):
+            self._requested = False
+            self._since_round = 0
+            self._pending = list(self.moe_layers)
+            return True, self._pending.pop(0)
+        if self._pending:
+            return False, self._pending.pop(0)
+        return self.steps % self.load_sync_steps == 0, None

@@ -1,0 +1,62 @@
+"""Which expert weights move where when one layer's placement changes (a pure plan every rank computes alike).
+
+For each rank's new slots: an expert the rank already holds is copied from its
+own old slot; any other comes from a rank that held it, chosen by the
+destination's rank among the old replicas (so several ranks fetching one hot
+expert spread their reads). ``sends`` and ``receives`` order a rank's moves the
+same way on both ends (by peer, then destination slot), which is the order one
+all-to-all carries them in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pd.engine.ep.placement import Placement
+
+
+@dataclass(frozen=True)
+class Move:
+    expert: int
+    src_rank: int
+    src_slot: int
+    dst_rank: int
+    dst_slot: int
+
+
+def plan_moves(old: Placement, new: Placement) -> list[Move]:
+    """Every new slot's source, in (destination rank, slot) order."""
+    if old.num_ranks != new.num_ranks or old.num_experts != new.num_experts:
+        raise ValueError(f"placements of {old.num_ranks} ranks x {old.num_experts} experts and "
+                         f"{new.num_ranks} x {new.num_experts} are not one layer's")
+    moves = []
+    for rank, held in enumerate(new.slots):
+        own = old.slots[rank]
+        for slot, expert in enumerate(held):
+            if expert in own:
+                moves.append(Move(expert, rank, own.index(expert), rank, slot))
+                continue
+            replicas = old.replicas(expert)
+            if not replicas:
+                raise ValueError(f"expert {expert} has no replica in the old placement")
+            src_rank, src_slot = replicas[rank % len(replicas)]
+            moves.append(Move(expert, src_rank, src_slot, rank, slot))
+    return moves
+
+
+def sends(moves: list[Move], rank: int, num_ranks: int) -> list[list[Move]]:
+    """What ``rank`` sends each other rank, in the order that rank receives it."""
+    out: list[list[Move]] = [[] for _ in range(num_ranks)]
+    for move in moves:
+        if move.src_rank == rank and move.dst_rank != rank:
+            out[move.dst_rank].append(move)
+    return [sorted(part, key=lambda m: m.dst_slot) for part in out]
+
+
+def receives(moves: list[Move], rank: int, num_ranks: int) -> list[list[Move]]:
+    """What ``rank`` receives from each other rank, in the order that rank sends it."""
+    out: list[list[Move]] = [[] for _ in range(num_ranks)]
+    for move in moves:
+        if move.dst_rank == rank and move.src_rank != rank:
+            out[move.src_rank].append(move)
+    return [sorted(part, key=lambda m: m.dst_slot) for part in out]
