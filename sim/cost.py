@@ -25,6 +25,12 @@ routed to, once, and T tokens touch E * (1 - (1 - k/E)^T) of its E experts
 prefill. Its price is analytic (``sim.hardware``); ``fit`` fits the linear
 terms only, so a profile measured on an MoE model folds its expert reads
 into them at the batch sizes it measured.
+
+A replica over several GPUs (expert parallelism, ``sim.expert_parallel``) is
+priced on its slowest rank: ``ExpertReads`` counts the experts of that rank,
+and ``Collectives`` adds the traffic between the ranks (all-to-alls and
+all-reduces), linear in the step's tokens and sampled rows plus a latency
+per collective.
 """
 
 from __future__ import annotations
@@ -79,19 +85,61 @@ class ExpertReads:
     num_experts: int
     top_k: int
     per_expert_s: float  # reading one expert's weights of one layer
+    # Expert parallelism: the ranks the experts are spread over (E / num_ranks logical experts each), and
+    # the placement's balancedness, mean over max tokens per rank (pd.engine.ep.placement.balancedness):
+    # the busiest rank's expert work is the mean rank's over it. 1.0 is perfectly balanced, as uniform
+    # routing is in expectation; a caller with a measured placement gives its figure.
+    num_ranks: int = 1
+    balancedness: float = 1.0
 
     def __post_init__(self) -> None:
         if self.num_layers < 0 or self.num_experts < 1 or not 1 <= self.top_k <= self.num_experts:
             raise ValueError(f"an MoE needs num_layers >= 0 and 1 <= top_k <= num_experts, got {self}")
         if self.per_expert_s < 0:
             raise ValueError(f"per_expert_s must be >= 0, got {self.per_expert_s}")
+        if self.num_ranks < 1 or not 0 < self.balancedness <= 1:
+            raise ValueError(f"num_ranks must be >= 1 and balancedness in (0, 1], got {self.num_ranks} and "
+                             f"{self.balancedness}")
 
     def distinct_experts(self, num_tokens: int) -> float:
         """The experts of one layer that ``num_tokens`` tokens touch, in expectation."""
         return self.num_experts * (1.0 - (1.0 - self.top_k / self.num_experts) ** num_tokens)
 
+    def rank_experts(self, num_tokens: int) -> float:
+        """The experts of one layer that ``num_tokens`` tokens touch on one rank: (E / ranks)(1 - (1 - k/E)^T)."""
+        return self.num_experts / self.num_ranks * (1.0 - (1.0 - self.top_k / self.num_experts) ** num_tokens)
+
     def seconds(self, num_tokens: int) -> float:
-        return self.num_layers * self.distinct_experts(num_tokens) * self.per_expert_s
+        """The busiest rank's expert reads (the whole replica's with one rank)."""
+        return self.num_layers * self.rank_experts(num_tokens) * self.per_expert_s / self.balancedness
+
+
+@dataclass(frozen=True)
+class Collectives:
+    """What a replica's ranks exchange in one step, on the rank that waits longest: bytes over its link
+    plus a fixed latency per collective (``sim.expert_parallel`` counts them for a layout).
+
+    Every collective of a step is linear in its tokens (each token's activations, all-to-all or
+    all-reduced) or its sampled rows (the logits gathered to rank 0), so a step of T tokens and S
+    sampled rows takes
+
+        num_collectives * latency_s + (T * bytes_per_token + S * bytes_per_sample) / link_bytes_per_s
+    """
+
+    num_collectives: int  # per step, every layer's together
+    bytes_per_token: float  # a rank sends, per token of the step
+    bytes_per_sample: float  # rank 0 receives, per sampled row
+    link_bytes_per_s: float  # one GPU's link, one direction
+    latency_s: float  # per collective
+
+    def __post_init__(self) -> None:
+        if (self.num_collectives < 0 or self.bytes_per_token < 0 or self.bytes_per_sample < 0
+                or self.link_bytes_per_s <= 0 or self.latency_s < 0):
+            raise ValueError(f"collectives need counts, bytes and latency >= 0 and a link > 0: {self}")
+
+    def seconds(self, num_tokens: int, num_samples: int) -> float:
+        return (self.num_collectives * self.latency_s
+                + (num_tokens * self.bytes_per_token + num_samples * self.bytes_per_sample) / self.link_bytes_per_s)
 
 
 @dataclass(frozen=True)
@@ -109,10 +157,12 @@ class CostModel:
     per_host_byte_s: float = 0.0
     # An MoE model's expert weights read per step (not linear in the tokens); None for a dense model.
     experts: ExpertReads | None = None
+    # A replica over several GPUs: what its ranks exchange each step; None for one GPU.
+    collectives: Collectives | None = None
 
     def __post_init__(self) -> None:
         negative = [name for name, value in asdict(self).items()
-                    if name not in ("source", "experts") and value < 0]
+                    if name not in ("source", "experts", "collectives") and value < 0]
         if negative:
             raise ValueError(f"cost coefficients must be >= 0: {', '.join(negative)}")
 
@@ -122,13 +172,15 @@ class CostModel:
                    + self.per_seq_s * shape.num_seqs + self.per_sample_s * shape.num_samples)
         if self.experts is not None:
             seconds += self.experts.seconds(shape.num_tokens)
+        if self.collectives is not None:
+            seconds += self.collectives.seconds(shape.num_tokens, shape.num_samples)
         return seconds
 
     @classmethod
     def fit(cls, shapes: Sequence[StepShape], seconds: Sequence[float], source: str) -> CostModel:
         """Least squares over measured steps, with no coefficient negative (a negative one is dropped, and refit).
 
-        The linear terms only: the result has no ``experts`` term.
+        The linear terms only: the result has no ``experts`` or ``collectives`` term.
         """
         if len(shapes) != len(seconds) or not shapes:
             raise ValueError(f"need as many step times as shapes, and some: got {len(shapes)} and {len(seconds)}")
@@ -159,4 +211,6 @@ class CostModel:
         """A profile ``to_json`` wrote; one written before MoE pricing (no ``experts``) is a dense one."""
         fields = json.loads(Path(path).read_text())
         experts = fields.pop("experts", None)
-        return cls(**fields, experts=ExpertReads(**experts) if experts is not None else None)
+        collectives = fields.pop("collectives", None)
+        return cls(**fields, experts=ExpertReads(**experts) if experts is not None else None,
+                   collectives=Collectives(**collectives) if collectives is not None else None)

@@ -168,6 +168,14 @@ class AsyncLLMEngine:
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
+    def rebalance_experts(self) -> None:
+        """See ``LLMEngine.rebalance_experts`` (taken up by the loop's next step)."""
+        self.engine.rebalance_experts()
+
+    def expert_stats(self) -> dict:
+        """See ``LLMEngine.expert_stats``."""
+        return self.engine.expert_stats()
+
     def tp_ranks(self) -> list[dict[str, int]]:
         """See ``LLMEngine.tp_ranks``."""
         return self.engine.tp_ranks()

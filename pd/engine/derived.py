@@ -8,6 +8,7 @@ import os
 import torch
 
 from pd.config import EngineConfig
+from pd.engine.ep.dispatch import check_ep
 from pd.engine.kv_layout import BLOCK_LAYOUT
 from pd.engine.model_runner import kv_block_bytes
 from pd.model.config import ModelConfig
@@ -18,11 +19,13 @@ from transfer.wire import LayoutFingerprint, TransportKind
 
 
 def num_pool_blocks(config: EngineConfig, model: ModelConfig, transport: KVTransport | None) -> int:
-    """The pool's blocks (per rank: each holds its heads), after the checks a tensor-parallel split needs."""
+    """The pool's blocks (per rank: each holds its heads), after the checks a tensor- or expert-parallel
+    split needs."""
     check_tp(model, config.tensor_parallel_size)
-    if config.tensor_parallel_size > 1 and transport is not None and transport.kind is not TransportKind.NIXL:
-        raise ValueError(f"the {transport.kind.value} transport moves whole blocks only; "
-                         "tensor_parallel_size > 1 needs the nixl transport")
+    check_ep(model, config.expert_parallel_size, config.num_redundant_experts)
+    if config.num_ranks > 1 and transport is not None and transport.kind is not TransportKind.NIXL:
+        raise ValueError(f"the {transport.kind.value} transport moves whole blocks to one rank only; "
+                         "tensor_parallel_size or expert_parallel_size > 1 needs the nixl transport")
     if config.num_blocks is not None:
         return config.num_blocks
     block_bytes = kv_block_bytes(model, config.block_size, resolve_dtype(config.dtype, model),

@@ -63,7 +63,7 @@ class LLMEngine:
                 f"{mc.max_position_embeddings}"
             )
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
-        tp = config.tensor_parallel_size
+        tp, ranks = config.tensor_parallel_size, config.num_ranks
         num_blocks = num_pool_blocks(config, mc, transport)
         self.scheduler_config = SchedulerConfig(
             block_size=config.block_size,
@@ -77,7 +77,7 @@ class LLMEngine:
         evictions = Evictions()
         self.block_pool = BlockPool(num_blocks, evictions=evictions)
         runner_options = {}
-        if tp > 1 and transport is not None:  # each rank reads and serves its own heads
+        if ranks > 1 and transport is not None:  # each rank reads and serves its own heads
             runner_options["worker_transport"] = worker_transport(transport, self.engine_id)
         self.runner = make_runner(config, mc, self.model_dir, num_blocks, self.max_model_len, **runner_options)
         self.fingerprint = layout_fingerprint(config, mc, self.runner.dtype)
@@ -94,8 +94,8 @@ class LLMEngine:
             self.engine_id, transport, self.fingerprint, self.kv_cache, self.scheduler,
             config.kv_lease_s, config.kv_read_timeout_s,
             block_bytes=kv_block_bytes(mc, config.block_size, self.runner.dtype, tp), clock=clock,
-            tp=(ConnectorTP(tp, mc, self.runner.workers, self.runner.rank_transport_metadata) if tp > 1
-                else ConnectorTP(1, mc, None, list)),
+            tp=(ConnectorTP(ranks, mc, self.runner.workers, lambda: self.runner.rank_transport_metadata()[:tp - 1],
+                            attention_size=tp) if ranks > 1 else ConnectorTP(1, mc, None, list)),
         )
         self.eos_token_ids = mc.eos_token_ids or (
             (self.tokenizer.eos_token_id,) if self.tokenizer and self.tokenizer.eos_token_id is not None else ()
@@ -361,6 +361,16 @@ class LLMEngine:
         (one entry without tensor parallelism)."""
         return self.runner.ranks()
 
+    def rebalance_experts(self) -> None:
+        """Place every MoE layer's experts anew from the load window (EPLB), one layer before each of the
+        next steps; ``ValueError`` without expert parallelism."""
+        self.runner.rebalance_experts()
+
+    def expert_stats(self) -> dict:
+        """Per MoE layer: its balancedness and each expert's load over the window as of the ranks' last
+        sync, and each weight move's seconds (``ExpertParallel.stats``); empty without expert parallelism."""
+        return self.runner.expert_stats()
+
     def close(self) -> None:
         """Stop the KV tiers' writers once the writes queued are done (the disk keeps its blocks), and the
         tensor-parallel workers. The engine cannot step after this."""
@@ -388,5 +398,6 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             **self.tiers.counters(),
             **vars(self.step_times),
+            **self.runner.expert_counters(),
             **vars(self.connector.stats),  # flat scalars: asdict's deep copy cost more than the rest of stats()
         )

@@ -319,6 +319,14 @@ class ModelRunner:
             raise ValueError("rebalancing experts needs expert_parallel_size > 1")
         self.eplb.request()
 
+    def expert_counters(self) -> dict[str, float]:
+        """``EngineStats``' expert-parallel fields (their defaults without expert parallelism)."""
+        stats = self.expert_stats()
+        if not stats:
+            return {}
+        return {"expert_balancedness": min(stats["balancedness"].values()), "expert_moves": len(stats["move_seconds"]),
+                "expert_move_seconds": sum(stats["move_seconds"])}
+
     def expert_stats(self) -> dict:
         """Expert parallelism's balancedness and loads as of the ranks' last sync (empty without it)."""
         return self.experts.stats() if self.experts is not None else {}

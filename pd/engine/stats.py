@@ -40,6 +40,11 @@ class EngineStats:
     decode_seqs: int
     decode_seqs_sq: int
     decode_seq_seconds: float
+    # Expert parallelism (``pd.engine.ep``): the least balanced MoE layer's balancedness (mean over max
+    # tokens per rank) over the load window as of the ranks' last sync, and the expert moves so far.
+    expert_balancedness: float = 1.0
+    expert_moves: int = 0
+    expert_move_seconds: float = 0.0
     # The disk tier and the shared store (``pd.engine.tiers.store``); zeros without them.
     disk_written_blocks: int = 0
     disk_dropped_writes: int = 0

@@ -111,7 +111,7 @@ class EngineServer:
         logger.info("%s replica computes on %s threads (%s for steps of few tokens)", self.role,
                     config.num_threads or "the default", config.decode_threads or "as many")
         launcher = None
-        if config.tensor_parallel_size > 1:
+        if config.num_ranks > 1:
             from pd.serve.tp_launcher import RayLauncher
 
             launcher = RayLauncher()
@@ -129,6 +129,7 @@ class EngineServer:
     def record_routing_stats(self) -> dict[str, bytes]:
         """Reaches this deployment's request routers as ``replica.routing_stats`` (``RoutingStats``)."""
         self.metrics.record_state(self.engine.stats())
+        self.metrics.record_experts(self.engine.expert_stats())
         return self.engine.routing_stats().publish()
 
     def record_autoscaling_stats(self) -> dict[str, float]:
@@ -154,6 +155,14 @@ class EngineServer:
     async def stats_of(self, hints: bytes) -> dict[str, Any]:
         """``stats`` of the replica encoded ``RouteHints`` target (the router pins it)."""
         return await self.stats()
+
+    async def rebalance_experts(self) -> None:
+        """Rebalance this replica's expert placement now (EPLB), one MoE layer per step from the next."""
+        self.engine.rebalance_experts()
+
+    async def expert_stats(self) -> dict[str, Any]:
+        """Balancedness and loads per MoE layer, and the weight moves' times (``LLMEngine.expert_stats``)."""
+        return self.engine.expert_stats()
 
     async def check_health(self) -> None:
         self.engine.check_health()

@@ -20,6 +20,9 @@ REPLICA_GAUGES = (
     ("kv_pulled_blocks", "KV blocks pulled from prefill replicas, cumulative"),
     ("kv_pulled_bytes", "KV bytes pulled from prefill replicas, cumulative"),
     ("kv_pull_seconds", "time spent in KV pulls, cumulative"),
+    ("expert_balancedness", "expert parallelism: the least balanced MoE layer's mean over max tokens per rank"),
+    ("expert_moves", "expert parallelism: MoE layers whose experts moved between ranks (EPLB), cumulative"),
+    ("expert_move_seconds", "expert parallelism: time spent moving expert weights, cumulative"),
 )
 # Per KV tier below the device pool, tagged tier=host|disk|shared.
 TIER_GAUGES = (
@@ -56,6 +59,10 @@ class ReplicaMetrics:
             boundaries=LATENCY_BOUNDARIES, tag_keys=keys,
         )
         self.queue.set_default_tags(tags)
+        self._expert_load = metrics.Gauge("pd_expert_load", description="tokens routed to each expert over the "
+                                          "load window, all MoE layers (expert parallelism)",
+                                          tag_keys=(*keys, "expert"))
+        self._expert_load.set_default_tags(tags)
 
     def record_state(self, stats) -> None:
         values = {
@@ -70,11 +77,22 @@ class ReplicaMetrics:
             "kv_pulled_blocks": stats.num_pulled_blocks,
             "kv_pulled_bytes": stats.num_pulled_bytes,
             "kv_pull_seconds": stats.pull_seconds_total,
+            "expert_balancedness": stats.expert_balancedness,
+            "expert_moves": stats.expert_moves,
+            "expert_move_seconds": stats.expert_move_seconds,
         }
         for name, value in values.items():
             self._gauges[name].set(value)
         for (name, tier), value in tier_values(stats).items():
             self._tier_gauges[name].set(value, tags={"tier": tier})
+
+
+    def record_experts(self, expert_stats: dict) -> None:
+        """Each expert's tokens over the window, summed over the MoE layers (``LLMEngine.expert_stats``)."""
+        loads = expert_stats.get("expert_load")
+        if loads:
+            for expert, tokens in enumerate(map(sum, zip(*loads.values()))):
+                self._expert_load.set(tokens, tags={"expert": str(expert)})
 
 
 def tier_values(stats) -> dict[tuple[str, str], float]:

@@ -41,12 +41,12 @@ class RayLauncher:
     def check(self, size: int, device: torch.device) -> None:
         bundles = len(self.placement_group.bundle_specs) if self.placement_group is not None else 0
         if bundles < size:
-            raise ValueError(f"tensor_parallel_size {size} needs a placement group of {size} bundles, one per rank; "
+            raise ValueError(f"a replica of {size} ranks (tensor_parallel_size, expert_parallel_size) needs a placement group of {size} bundles, one per rank; "
                              f"this replica's has {bundles}")
         if device.type == "cuda":
             short = [i for i, bundle in enumerate(self.placement_group.bundle_specs[:size]) if not bundle.get("GPU")]
             if short:
-                raise ValueError(f"tensor_parallel_size {size} on CUDA needs a GPU in every rank's bundle; "
+                raise ValueError(f"{size} ranks on CUDA need a GPU in every rank's bundle; "
                                  f"bundles {short} have none")
 
     def device_of(self, rank: int, device: torch.device) -> str:

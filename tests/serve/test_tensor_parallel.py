@@ -82,7 +82,7 @@ def test_more_ranks_than_the_placement_group_has_bundles_are_refused(ray_cluster
     try:
         with pytest.raises(ValueError, match="needs a placement group of 2 bundles, one per rank; this replica's has 1"):
             RayLauncher(group).check(2, torch.device("cpu"))
-        with pytest.raises(ValueError, match="needs a GPU in every rank's bundle; bundles \\[0\\] have none"):
+        with pytest.raises(ValueError, match="need a GPU in every rank's bundle; bundles \\[0\\] have none"):
             RayLauncher(group).check(1, torch.device("cuda"))
         with pytest.raises(ValueError, match="has 0"):
             RayLauncher().check(2, torch.device("cpu"))  # outside any placement group

@@ -57,10 +57,13 @@ class _Pull:
 class ConnectorTP:
     """What the connector of a tensor-parallel engine needs beyond its rank 0's transport."""
 
-    size: int
+    size: int  # the engine's ranks: each reads the KV heads its attention runs on
     model_config: ModelConfig
     workers: TPWorkers | None  # the driver's ranks 1..N-1
-    rank_metadata: Callable[[], list[bytes]]  # their transports' metadata, for the handles it hands out
+    # The transports' metadata of ranks 1..attention_size-1, for the handles it hands out.
+    rank_metadata: Callable[[], list[bytes]]
+    # The ranks attention is split over: ``size``, or 1 where every (expert-parallel) rank holds it whole.
+    attention_size: int = 1
 
 
 @dataclass
@@ -206,7 +209,7 @@ class KVConnector:
             transfer = transport.read_blocks(peer, remote, local, notify=handle.request_id)  # the prefill's lease
         else:  # every rank reads its heads from the prefill ranks that hold them
             transfer = start_split_pull(handle, self.tp.model_config, transport, self.tp.workers, local_size,
-                                        self._peer_of, list(remote), list(local))
+                                        self._peer_of, list(remote), list(local), self.tp.attention_size)
         self.kv_cache.touch_blocks(local)
         self._pulls[request.request_id] = _Pull(request, transfer, started, deadline, list(local))
         self.stats.num_remote_pulls += 1

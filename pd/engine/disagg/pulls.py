@@ -22,7 +22,7 @@ from typing import Callable
 
 from pd.engine.tp.driver import Pull, Release, TPWorkers
 from pd.model.config import ModelConfig
-from pd.model.tp import TPShard, kv_head_sources
+from pd.model.tp import SINGLE, TPShard, kv_head_sources
 from transfer.base import HeadSlice, KVTransport, TransferHandle, TransferState
 from transfer.wire import KVHandle
 
@@ -112,15 +112,21 @@ class SplitPull(TransferHandle):
 
 def start_split_pull(handle: KVHandle, model_config: ModelConfig, transport: KVTransport,
                      workers: TPWorkers | None, local_size: int, peer_of: Callable[[bytes], str],
-                     remote_ids: list[int], local_ids: list[int]) -> SplitPull:
-    """Start every rank's reads of ``handle``'s blocks ``remote_ids`` into ``local_ids``."""
+                     remote_ids: list[int], local_ids: list[int], attention_size: int | None = None) -> SplitPull:
+    """Start every rank's reads of ``handle``'s blocks ``remote_ids`` into ``local_ids``.
+
+    ``attention_size``: the local ranks attention is split over (``local_size`` unless given); with 1,
+    every rank holds every KV head (expert parallelism with attention whole on each rank), and reads all.
+    """
+    attention_size = local_size if attention_size is None else attention_size
     sources = [handle.peer_metadata, *handle.rank_metadata]
     source_size = handle.fingerprint.tensor_parallel_size
     pull_id = next(_pull_ids)
     parts: list[TransferHandle] = []
     try:
         for rank in range(local_size):
-            runs = kv_head_sources(model_config, source_size, TPShard(rank, local_size))
+            runs = kv_head_sources(model_config, source_size,
+                                   TPShard(rank, attention_size) if attention_size > 1 else SINGLE)
             if rank == 0:
                 for source, remote_head, local_head, count in runs:
                     parts.append(transport.read_blocks(peer_of(sources[source]), remote_ids, local_ids, notify="",

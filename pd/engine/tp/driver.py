@@ -160,7 +160,7 @@ class LocalLauncher:
 
     def check(self, size: int, device: torch.device) -> None:
         if device.type == "cuda" and torch.cuda.device_count() < size:
-            raise ValueError(f"tensor_parallel_size {size} needs {size} devices, and this machine has "
+            raise ValueError(f"{size} ranks (tensor_parallel_size, expert_parallel_size) need {size} devices, and this machine has "
                              f"{torch.cuda.device_count()} CUDA devices")
 
     def device_of(self, rank: int, device: torch.device) -> str:
