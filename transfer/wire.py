@@ -105,7 +105,9 @@ class LayoutFingerprint(WireMessage, frozen=True, kw_only=True):
     block_size: PositiveInt
     block_layout: str  # the order of a block's dimensions (pd.engine.kv_layout.BLOCK_LAYOUT)
     # The ranks the model's KV heads are split over (pd.model.tp); pools of different splits are
-    # bridged head range by head range (pd.model.tp.kv_head_sources), so it need not match.
+    # bridged head range by head range (pd.model.tp.kv_head_sources), so it need not match. Expert
+    # parallelism is not here: the KV belongs to attention, so pools of any expert-parallel sizes
+    # read each other's blocks as their attention splits say.
     tensor_parallel_size: PositiveInt = 1
 
     BRIDGED: ClassVar[tuple[str, ...]] = ("tensor_parallel_size",)

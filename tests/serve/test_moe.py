@@ -50,3 +50,26 @@ def _generate(prompt: list[int]) -> list[int]:
     request = GenerateRequest(prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
     chunks = serve.get_app_handle("pd").options(stream=True).generate.remote(request)
     return [token for chunk in chunks for token in chunk.token_ids]
+
+
+@pytest.mark.parametrize("prefill_ep, decode_ep", [(2, 1), (1, 2)])
+def test_pools_of_different_expert_parallel_sizes_give_the_colocated_tokens(ray_cluster, moe_model, prefill_ep,
+                                                                             decode_ep):
+    """Prefill EP=2 to decode EP=1 and back: the KV belongs to attention (whole on each expert-parallel rank
+    here), so every decode rank pulls every head over NIXL, and the tokens are one engine's."""
+    from pd import LLM, SamplingParams
+
+    def pool(size: int) -> dict:
+        return {"num_replicas": 1, "ray_actor_options": {"num_cpus": 0.5}, "expert_parallel_size": size}
+
+    ensure_app("default.yaml", model_name="qwen3-moe", engine={"model": moe_model, "kv_cache_bytes": 16 * 1024**2},
+               prefill=pool(prefill_ep), decode=pool(decode_ep))
+    prompt = PROMPTS[1]  # past the remote-prefill threshold
+    with LLM(moe_model, num_blocks=64) as llm:
+        [expected] = llm.generate([prompt], SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))
+    [before] = pool_stats("DecodeServer")
+    assert _generate(prompt) == expected.token_ids
+    [after] = pool_stats("DecodeServer")
+    assert after["num_remote_pulls"] == before["num_remote_pulls"] + 1
+    assert after["num_recompute_fallbacks"] == before["num_recompute_fallbacks"]
+    assert len(after["tp_ranks"]) == decode_ep and len(pool_stats("PrefillServer")[0]["tp_ranks"]) == prefill_ep
