@@ -104,6 +104,9 @@ class EngineConfig:
     # eplb_window_steps steps; 0: only on demand (LLMEngine.rebalance_experts).
     eplb_interval_steps: int = 0
     eplb_window_steps: int = 1024
+    # The most experts a rebalance moves between ranks before one step (0: a whole layer), so that a
+    # step waits for at most that many experts' bytes; a layer runs on its old placement until done.
+    eplb_moves_per_step: int = 1
     # Prefill role: how long a finished prompt's blocks stay pinned for a decode replica.
     kv_lease_s: float = 30.0
     # Decode role: how long a pull may take before the prompt is recomputed locally.
@@ -145,6 +148,8 @@ class EngineConfig:
                              "redundant replicas balance load between ranks")
         if self.eplb_interval_steps < 0:
             raise ValueError(f"eplb_interval_steps must be >= 0 (0: on demand only), got {self.eplb_interval_steps}")
+        if self.eplb_moves_per_step < 0:
+            raise ValueError(f"eplb_moves_per_step must be >= 0 (0: a whole layer), got {self.eplb_moves_per_step}")
         if self.eplb_window_steps < EPLB_WINDOW_BUCKETS or self.eplb_window_steps % EPLB_WINDOW_BUCKETS:
             raise ValueError(f"eplb_window_steps must be a positive multiple of {EPLB_WINDOW_BUCKETS}, "
                              f"got {self.eplb_window_steps}")

@@ -366,6 +366,11 @@ class LLMEngine:
         next steps; ``ValueError`` without expert parallelism."""
         self.runner.rebalance_experts()
 
+    def sync_expert_stats(self) -> None:
+        """Fresh ``expert_stats`` from the next step on (they are otherwise synced every
+        ``pd.engine.ep.dispatch.LOAD_SYNC_STEPS`` steps and at each rebalance)."""
+        self.runner.sync_expert_stats()
+
     def expert_stats(self) -> dict:
         """Per MoE layer: its balancedness and each expert's load over the window as of the ranks' last
         sync, and each weight move's seconds (``ExpertParallel.stats``); empty without expert parallelism."""

@@ -293,12 +293,15 @@ class ModelRunner:
         return logits
 
     @torch.inference_mode()
-    def run_experts_op(self, op: ExpertsOp) -> None:
-        """Every rank's part of an expert-parallel sync or move, at the same step boundary."""
+    def run_experts_op(self, op: ExpertsOp) -> bool:
+        """Every rank's part of an expert-parallel sync or move, at the same step boundary; False while a
+        layer's move is under way (it goes on before the next step)."""
         if op.sync_load:
             self.experts.sync_load()
         if op.move_layer >= 0:
-            self.experts.move_layer(op.move_layer, self.model.weights.layers[op.move_layer].moe)
+            return self.experts.move_layer(op.move_layer, self.model.weights.layers[op.move_layer].moe,
+                                           self.config.eplb_moves_per_step)
+        return True
 
     def _experts_op(self) -> None:
         """The driver's: what EPLB's schedule asks before this step, on every rank."""
@@ -309,15 +312,23 @@ class ModelRunner:
         for rank in self.workers.connections:
             self.workers.send_to(rank, op)
         try:
-            self.run_experts_op(op)
+            done = self.run_experts_op(op)
         except RuntimeError as exc:
             raise self.workers.failure(exc) from exc
+        if not done:
+            self.eplb.again(layer)
 
     def rebalance_experts(self) -> None:
         """Rebalance every MoE layer's experts from the next step on, one layer a step."""
         if self.eplb is None:
             raise ValueError("rebalancing experts needs expert_parallel_size > 1")
         self.eplb.request()
+
+    def sync_expert_stats(self) -> None:
+        """Have the ranks add up their expert loads and work at the next step (``expert_stats`` after it)."""
+        if self.eplb is None:
+            raise ValueError("expert statistics need expert_parallel_size > 1")
+        self.eplb.request_sync()
 
     def expert_counters(self) -> dict[str, float]:
         """``EngineStats``' expert-parallel fields (their defaults without expert parallelism)."""

@@ -14,7 +14,7 @@ import torch
 from pd import LLM, SamplingParams
 from pd.config import EngineConfig
 from pd.engine.ep.dispatch import EplbSchedule, ExpertParallel, initial_placement, token_slice
-from pd.engine.ep.moves import Move, plan_moves, receives, sends
+from pd.engine.ep.moves import Move, align, plan_moves, receives, sends
 from pd.engine.ep.placement import Placement, rebalance
 from pd.engine.tp.driver import TPWorkerError
 from pd.engine.tp.group import TPGroup
@@ -139,6 +139,15 @@ def test_moves_are_planned_from_own_slots_first_and_ordered_alike_on_both_ends()
         plan_moves(old, Placement(((0, 1), (2, 3)), 4))
 
 
+def test_aligned_placements_keep_a_kept_expert_in_its_slot():
+    old = Placement(((0, 1, 2), (3, 4, 5)), 6)
+    assert align(old, Placement(((1, 2, 5), (0, 3, 4)), 6)).slots == ((5, 1, 2), (3, 4, 0))
+    assert align(old, Placement(((0, 0, 1), (2, 3, 4)), 6)).slots == ((0, 1, 0), (3, 4, 2))
+    moves = plan_moves(old, align(old, Placement(((1, 2, 5), (0, 3, 4)), 6)))
+    assert [m for m in moves if m.src_rank != m.dst_rank or m.src_slot != m.dst_slot] == [
+        Move(5, 1, 2, 0, 0), Move(0, 0, 0, 1, 2)]
+
+
 def test_a_layer_moves_to_its_rebalanced_placement_and_computes_the_same():
     """Skewed routing, two redundant slots: after the move each rank holds exactly the weights of its new
     placement's experts, the placement is EPLB's on the ranks' summed loads, and outputs are unchanged."""
@@ -160,13 +169,38 @@ def test_a_layer_moves_to_its_rebalanced_placement_and_computes_the_same():
     load = [0.0] * EXPERTS
     for e, n in ((0, 13), (1, 13), (2, 2), (5, 2)):
         load[e] = n
-    assert results[0][1] == results[1][1] == rebalance(load, 2, 2)
+    assert results[0][1] == results[1][1]
+    assert [sorted(held) for held in results[0][1].slots] == [sorted(held) for held in rebalance(load, 2, 2).slots]
     for moved, _, held, weights, out, stats in results:
         assert moved
         ids = torch.tensor(held)
         assert torch.equal(weights.w13, full.w13[ids]) and torch.equal(weights.w2, full.w2[ids])
         torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
         assert stats["balancedness"][0] > 0.9 and len(stats["move_seconds"]) == 1
+
+
+def test_a_move_in_parts_runs_on_the_old_placement_until_its_last_part():
+    """One expert between ranks per call: the layer keeps its old placement (and outputs) until the last
+    part, then holds exactly its new experts; every rank takes the same number of calls."""
+    full = full_weights(seed=5)
+    hidden = torch.randn(9, HIDDEN, generator=torch.Generator().manual_seed(6))
+    expected = moe_block(full, CONFIG, hidden, 9, "cpu")
+
+    def body(group):
+        ep = ExpertParallel(group, 1, [0], EXPERTS, 0, 8, 8, CPU)
+        weights = rank_weights(full, ep.held(0))
+        ep.load.add(0, torch.tensor([[0, 1], [2, 3], [0, 2]] * (1 + group.rank)))
+        ep.sync_load()
+        old, calls = ep.placement(0), []
+        while not ep.move_layer(0, weights, max_moves=1):
+            calls.append(ep.placement(0) == old)
+            torch.testing.assert_close(ep.moe_block(0, weights, CONFIG, hidden, 9, "cpu"), expected)
+        return calls, ep.placement(0) != old, ep.held(0), weights
+
+    results = run_ranks(2, body)
+    assert results[0][0] == results[1][0] and len(results[0][0]) >= 1 and all(results[0][0])
+    for _, changed, held, weights in results:
+        assert changed and torch.equal(weights.w13, full.w13[torch.tensor(held)])
 
 
 def test_eplb_schedule_syncs_once_then_moves_a_layer_a_step():
@@ -178,6 +212,8 @@ def test_eplb_schedule_syncs_once_then_moves_a_layer_a_step():
     assert [schedule.next_op() for _ in range(3)] == [(False, None), (True, None), (False, None)]
     schedule.request()
     assert schedule.next_op() == (True, 0)
+    schedule.again(0)  # its move went part of the way
+    assert [schedule.next_op() for _ in range(2)] == [(False, 0), (True, None)]  # then the periodic sync
 
 
 def test_initial_placement_is_contiguous_and_fills_redundant_slots_evenly():

@@ -42,7 +42,7 @@ import torch
 import kernels
 from pd.config import EPLB_WINDOW_BUCKETS
 from pd.engine.ep.load import ExpertLoad
-from pd.engine.ep.moves import plan_moves, receives, sends
+from pd.engine.ep.moves import Move, align, plan_moves, receives, sends
 from pd.engine.ep.placement import Placement, balancedness, check_placement_args, rebalance, static_placement
 from pd.model.config import ModelConfig, MoeConfig
 from pd.model.moe import MoeWeights
@@ -105,6 +105,42 @@ class _Table:
                    torch.tensor([len(r) for r in ids], dtype=torch.int64, device=device))
 
 
+@dataclass
+class _StagedMove:
+    """A layer's move under way: its new placement, the moves between ranks, and the experts this rank has
+    received so far (only those: the layer keeps running on its weights as they are until the last part)."""
+
+    layer: int
+    new: Placement
+    moves: list[Move]
+    cross: list[Move]  # between ranks, in (destination rank, slot) order: the same list on every rank
+    rows: dict[tuple[int, int], int]  # (source rank, destination slot) of each move into this rank -> row
+    w13: torch.Tensor  # [moves into this rank, 2I, H]
+    w2: torch.Tensor
+    done: int = 0  # of ``cross``, carried out
+    seconds: float = 0.0
+
+    @classmethod
+    def start(cls, layer: int, old: Placement, new: Placement, weights: MoeWeights, rank: int) -> "_StagedMove":
+        moves = plan_moves(old, new)
+        cross = [m for m in moves if m.src_rank != m.dst_rank]
+        into = [m for m in cross if m.dst_rank == rank]
+        shape = (len(into),)
+        return cls(layer, new, moves, cross, {(m.src_rank, m.dst_slot): i for i, m in enumerate(into)},
+                   weights.w13.new_empty(shape + weights.w13.shape[1:]), weights.w2.new_empty(shape + weights.w2.shape[1:]))
+
+    def install(self, weights: MoeWeights, rank: int) -> None:
+        """Write the new placement's experts into this rank's slots whose expert changes (every part done)."""
+        local = [(m.dst_slot, m.src_slot) for m in self.moves
+                 if m.src_rank == m.dst_rank == rank and m.src_slot != m.dst_slot]
+        for weight, staged in ((weights.w13, self.w13), (weights.w2, self.w2)):
+            copies = [(slot, weight[src].clone()) for slot, src in local]  # a kept expert's second replica
+            for (_, slot), row in self.rows.items():
+                weight[slot] = staged[row]
+            for slot, value in copies:
+                weight[slot] = value
+
+
 class ExpertParallel:
     """One rank's side of expert parallelism: the placements, the load window, the MoE block's all-to-alls."""
 
@@ -120,6 +156,14 @@ class ExpertParallel:
         self.load = ExpertLoad(num_layers, num_experts, window_steps, window_buckets, device)
         self.global_load: torch.Tensor | None = None  # the ranks' loads added up, as of the last sync
         self.move_seconds: list[float] = []  # each layer move's time on this rank, the latest last
+        self._staged: _StagedMove | None = None  # a layer's move under way
+        self.move_part_max_s = 0.0  # the longest any one step waited for a part of a move
+        # This rank's own experts' work, cumulative: the rows they ran and (on CPU, where it is the
+        # compute's) the seconds; every rank's as of the last sync, for finding the slowest.
+        self.expert_rows = 0
+        self.expert_seconds = 0.0
+        self.rank_expert_rows: list[int] = []
+        self.rank_expert_seconds: list[float] = []
 
     @classmethod
     def for_model(cls, group: ExpertGroup, model: ModelConfig, config, device: torch.device) -> "ExpertParallel":
@@ -181,10 +225,13 @@ class ExpertParallel:
         self.group.all_to_all(local_ids, (physical % self.slots_per_rank)[order], recv_splits, send_splits)
         outputs = x.new_empty(sum(recv_splits), hidden)
         if outputs.shape[0]:
+            started = time.perf_counter()
             compute = weights.compute_dtype
             ones = torch.ones(outputs.shape[0], 1, dtype=compute, device=x.device)
             outputs = kernels.fused_moe(received.to(compute), weights.w13, weights.w2, local_ids[:, None], ones,
                                         backend=backend).to(x.dtype)
+            self.expert_rows += outputs.shape[0]
+            self.expert_seconds += time.perf_counter() - started
         back = x.new_empty(order.shape[0], hidden)
         self.group.all_to_all(back, outputs, send_splits, recv_splits)
         pairs = torch.empty_like(back)
@@ -197,42 +244,63 @@ class ExpertParallel:
     # Statistics and rebalancing: collective, every rank at the same step boundary.
 
     def sync_load(self) -> None:
-        """Add up the ranks' load windows (every rank then holds the same ``global_load``)."""
+        """Add up the ranks' load windows (every rank then holds the same ``global_load``), and gather each
+        rank's expert work so far."""
         self.global_load = self.group.all_reduce(self.load.counts().clone())
+        work = torch.zeros(2, self.group.size, dtype=torch.float64, device=self.device)
+        work[0, self.group.rank], work[1, self.group.rank] = self.expert_rows, self.expert_seconds
+        rows, seconds = self.group.all_reduce(work).tolist()
+        self.rank_expert_rows, self.rank_expert_seconds = [int(r) for r in rows], seconds
 
-    def move_layer(self, layer: int, weights: MoeWeights) -> bool:
-        """Place ``layer``'s experts by the last synced load and move the weights that change rank; False if
-        the placement stays."""
-        if self.global_load is None:
-            self.sync_load()
-        load = [float(v) for v in self.global_load[layer].tolist()]
-        old = self.tables[layer].placement
-        new = rebalance(load, self.group.size, self.num_redundant)
-        if new == old:
-            return False
+    def move_layer(self, layer: int, weights: MoeWeights, max_moves: int = 0) -> bool:
+        """Move ``layer``'s experts toward their placement by the last synced load: at most ``max_moves``
+        experts between ranks this call (0: all). True once the layer runs on its new placement (at once
+        when it stays); until then it runs on the old one, and the next call goes on where this one stopped.
+
+        The new weights are staged beside the old: a rank's own experts are copied at the first call, and
+        each call's share of the others arrives in one all-to-all per weight, so a step waits for at most
+        ``max_moves`` experts' bytes.
+        """
         started = time.perf_counter()
-        weights.w13, weights.w2 = (self._moved(old, new, w) for w in (weights.w13, weights.w2))
-        self.tables[layer] = _Table.of(new, self.device)
-        self.move_seconds.append(time.perf_counter() - started)
+        staged = self._staged
+        if staged is None or staged.layer != layer:
+            if self.global_load is None:
+                self.sync_load()
+            load = [float(v) for v in self.global_load[layer].tolist()]
+            old = self.tables[layer].placement
+            new = align(old, rebalance(load, self.group.size, self.num_redundant))
+            if new == old:
+                return True
+            staged = self._staged = _StagedMove.start(layer, old, new, weights, self.group.rank)
+        chunk = staged.cross[staged.done:staged.done + max_moves] if max_moves else staged.cross[staged.done:]
+        for weight, into in ((weights.w13, staged.w13), (weights.w2, staged.w2)):
+            self._exchange_weights(chunk, weight, into, staged.rows)
+        staged.done += len(chunk)
+        if staged.done == len(staged.cross):
+            staged.install(weights, self.group.rank)
+            self.tables[layer] = _Table.of(staged.new, self.device)
+            self._staged = None
+        part = time.perf_counter() - started
+        staged.seconds += part
+        self.move_part_max_s = max(self.move_part_max_s, part)
+        if self._staged is not None:
+            return False
+        self.move_seconds.append(staged.seconds)
         return True
 
-    def _moved(self, old: Placement, new: Placement, weight: torch.Tensor) -> torch.Tensor:
-        """``weight`` ([slots, ...], this rank's experts under ``old``) as this rank holds it under ``new``."""
+    def _exchange_weights(self, moves: list[Move], weight: torch.Tensor, into: torch.Tensor,
+                          rows: dict[tuple[int, int], int]) -> None:
+        """Carry out ``moves`` (between ranks) of one weight ``[slots, ...]``: this rank's sends from
+        ``weight``, its receives into their ``rows`` of ``into``."""
         rank, size = self.group.rank, self.group.size
-        moves = plan_moves(old, new)
         out_parts, in_parts = sends(moves, rank, size), receives(moves, rank, size)
         row = weight[0].numel()
         outgoing = [weight[m.src_slot].reshape(-1) for part in out_parts for m in part]
         send = torch.stack(outgoing) if outgoing else weight.new_empty(0, row)
         received = weight.new_empty(sum(map(len, in_parts)), row)
         self.group.all_to_all(received, send, [len(p) for p in in_parts], [len(p) for p in out_parts])
-        moved = torch.empty_like(weight)
-        for m in moves:
-            if m.dst_rank == rank and m.src_rank == rank:
-                moved[m.dst_slot] = weight[m.src_slot]
         for i, m in enumerate(m for part in in_parts for m in part):
-            moved[m.dst_slot] = received[i].view(weight.shape[1:])
-        return moved
+            into[rows[(m.src_rank, m.dst_slot)]] = received[i].view(weight.shape[1:])
 
     def stats(self) -> dict:
         """Balancedness (mean over max load per rank) per MoE layer, and each expert's load, as of the last
@@ -243,14 +311,17 @@ class ExpertParallel:
         per_layer = {layer: balancedness(self.tables[layer].placement.rank_loads([float(v) for v in loads[layer]]))
                      for layer in self.moe_layers}
         return {"balancedness": per_layer, "expert_load": {layer: loads[layer] for layer in self.moe_layers},
-                "move_seconds": list(self.move_seconds)}
+                "move_seconds": list(self.move_seconds), "move_part_max_s": self.move_part_max_s,
+                "rank_expert_rows": list(self.rank_expert_rows),
+                "rank_expert_seconds": list(self.rank_expert_seconds)}
 
 
 class EplbSchedule:
     """The driver's side: when the ranks sync their loads and which layer moves before each step.
 
     A round (every ``interval_steps`` steps, or when ``request`` asks) syncs the loads once, then moves
-    one MoE layer per step, so no step waits for more than one layer's move.
+    the MoE layers one after another, a part of one layer before each step (``again`` keeps a layer whose
+    move is not done), so no step waits for more than one part of one layer's move.
     """
 
     def __init__(self, moe_layers: list[int], interval_steps: int, load_sync_steps: int = LOAD_SYNC_STEPS):
@@ -261,14 +332,23 @@ class EplbSchedule:
         self._since_round = 0
         self._pending: list[int] = []
         self._requested = False
+        self._sync_requested = False
 
     def request(self) -> None:
         """Rebalance at the next step (every layer, one a step)."""
         self._requested = True
 
+    def request_sync(self) -> None:
+        """Sync the loads at the next step (fresh statistics)."""
+        self._sync_requested = True
+
     @property
     def in_round(self) -> bool:
         return bool(self._pending)
+
+    def again(self, layer: int) -> None:
+        """``layer``'s move went only part of the way: it goes on before the next step."""
+        self._pending.insert(0, layer)
 
     def next_op(self) -> tuple[bool, int | None]:
         """``(sync the loads, the layer to move)`` before this step; ``(False, None)`` for nothing."""
@@ -281,4 +361,5 @@ class EplbSchedule:
             return True, self._pending.pop(0)
         if self._pending:
             return False, self._pending.pop(0)
-        return self.steps % self.load_sync_steps == 0, None
+        sync, self._sync_requested = self._sync_requested or self.steps % self.load_sync_steps == 0, False
+        return sync, None

@@ -24,6 +24,24 @@ class Move:
     dst_slot: int
 
 
+def align(old: Placement, new: Placement) -> Placement:
+    """``new`` with each rank's slots reordered so that an expert the rank keeps stays in its old slot
+    (a placement's slot order is free): a move then writes only the slots whose expert changes."""
+    slots = []
+    for held, wanted in zip(old.slots, new.slots):
+        arriving = list(wanted)
+        kept: list[int | None] = []
+        for expert in held:
+            if expert in arriving:
+                arriving.remove(expert)
+                kept.append(expert)
+            else:
+                kept.append(None)
+        incoming = iter(arriving)
+        slots.append(tuple(expert if expert is not None else next(incoming) for expert in kept))
+    return Placement(tuple(slots), new.num_experts)
+
+
 def plan_moves(old: Placement, new: Placement) -> list[Move]:
     """Every new slot's source, in (destination rank, slot) order."""
     if old.num_ranks != new.num_ranks or old.num_experts != new.num_experts:
