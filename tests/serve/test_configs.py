@@ -196,6 +196,24 @@ def test_tensor_parallel_size_is_per_pool_and_asks_serve_for_one_bundle_per_rank
                                 "decode": {"tensor_parallel_size": 2}})
 
 
+def test_expert_parallel_pools_ask_for_a_bundle_per_rank_and_name_what_they_cannot_run():
+    args = AppArgs.model_validate(config_args("gpu_qwen3_30b_a3b_ep.yaml"))
+    assert [len(args.deployment_options(pool)["placement_group_bundles"]) for pool in ("prefill", "decode")] == [2, 4]
+    decode = args.engine_config("decode")
+    assert (decode.expert_parallel_size, decode.tensor_parallel_size, decode.num_redundant_experts) == (4, 4, 8)
+    assert args.engine_config("prefill").expert_parallel_size == 2
+    replicated = AppArgs.model_validate({**config_args("default.yaml"), "decode": {"expert_parallel_size": 2}})
+    assert len(replicated.deployment_options("decode")["placement_group_bundles"]) == 2  # attention whole on each
+    with pytest.raises(ValueError, match="decode.expert_parallel_size 2: the torch transfer backend moves whole"):
+        AppArgs.model_validate({**config_args("default.yaml"), "transfer_backend": "torch",
+                                "decode": {"expert_parallel_size": 2}})
+    with pytest.raises(ValueError, match="prefill: expert_parallel_size 2 with tensor_parallel_size 4"):
+        AppArgs.model_validate({**config_args("default.yaml"),
+                                "prefill": {"expert_parallel_size": 2, "tensor_parallel_size": 4}})
+    with pytest.raises(ValueError, match="decode: num_redundant_experts 2 needs expert_parallel_size > 1"):
+        AppArgs.model_validate({**config_args("default.yaml"), "decode": {"num_redundant_experts": 2}})
+
+
 def test_the_70b_config_shards_prefill_over_4_gpus_and_decode_over_2():
     args = AppArgs.model_validate(config_args("gpu_llama3_70b.yaml"))
     assert (args.prefill.tensor_parallel_size, args.decode.tensor_parallel_size) == (4, 2)
