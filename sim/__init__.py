@@ -4,7 +4,8 @@ What decides runs unmodified: real ``LLMEngine``s (their ``Scheduler``,
 ``KVCacheManager``, ``BlockPool`` and ``KVConnector``), the ingress's
 remote-prefill rule and both pools' routing policies (``sim.cluster``).
 What is modelled: the forward pass (``sim.cost``, fitted to the real engine
-by ``sim.profile`` or from a datasheet by ``sim.hardware``), KV transfers
+by ``sim.profile`` or from a datasheet by ``sim.hardware``; a replica over
+several GPUs by ``sim.expert_parallel``), KV transfers
 (``sim.transport``), Ray (``sim.clock``, a call's overhead) and, on a small
 host, the cores shared with the rest of the serving path (``sim.host``).
 It runs in one process, without Ray. Where a prompt is computed is a seam

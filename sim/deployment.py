@@ -56,9 +56,9 @@ def cluster_spec(args: dict | AppArgs, cost_for_threads: Callable[[int], CostMod
     app = args if isinstance(args, AppArgs) else AppArgs.parse(args)
     if app.decode.num_replicas is None or (app.mode == "disaggregated" and app.prefill.num_replicas is None):
         raise ValueError("the simulator needs fixed num_replicas in each pool (autoscaling is not simulated yet)")
-    engine = app.engine_config()
 
-    def pool(args: PoolArgs) -> PoolSpec:
+    def pool(name: str, args: PoolArgs) -> PoolSpec:
+        engine = app.engine_config(name)  # with the pool's own ranks (an expert-parallel pool needs its cost)
         threads = pool_threads(args, engine)
         if engine.device != "cpu":
             return PoolSpec(args.num_replicas, engine, cost_for_threads(threads), threads)
@@ -69,8 +69,8 @@ def cluster_spec(args: dict | AppArgs, cost_for_threads: Callable[[int], CostMod
 
     disaggregated = app.mode == "disaggregated"
     return ClusterSpec(
-        decode=pool(app.decode),
-        prefill=pool(app.prefill) if disaggregated else None,
+        decode=pool("decode", app.decode),
+        prefill=pool("prefill", app.prefill) if disaggregated else None,
         rule=app.remote_prefill_rule(),
         prefill_policy=_policy_kwargs("prefill", app.prefill) if disaggregated else {},
         decode_policy=_policy_kwargs("decode", app.decode),

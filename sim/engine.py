@@ -12,22 +12,34 @@ and a disk tier and a shared store (``disk_kv_cache_path``,
 ``shared_kv_bucket``: neither is touched) whose records and I/O are modelled
 by ``sim.tiers`` in the event loop's time. Requests end at their
 ``max_tokens`` (``ignore_eos``), as a trace's output lengths say.
+
+A replica over several GPUs by expert parallelism (``expert_parallel_size``
+n, attention split over the same ranks: ``tensor_parallel_size`` n) is one
+engine too, as in a deployment, where rank 0 schedules for all of them: its
+pool has the blocks each rank's ``kv_cache_bytes`` holds of its KV heads
+(``num_pool_blocks``), and its ``CostModel`` must be priced for its ranks
+(``sim.hardware.analytic_cost`` with ``ExpertParallel(n)``: the busiest
+rank's step, the all-to-alls included). Its ranks are not simulated one by
+one, and its KV moves between pools as one replica's (one link's bytes, not
+n links in parallel).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import random
 from pathlib import Path
 
 from pd.config import EngineConfig
 from pd.engine.clock import SYSTEM_CLOCK, Clock
+from pd.engine.derived import num_pool_blocks
 from pd.engine.engine import LLMEngine
 from pd.engine.kv_layout import kv_pool
 from pd.engine.model_runner import step_threads
 from pd.engine.outputs import ForwardOutput, SchedulerOutput
 from pd.engine.tiers.stats import HostTierStats
-from pd.model.config import ModelConfig
+from pd.model.config import ModelConfig, load_model_config
 from pd.model.loader import resolve_dtype
 from sim.clock import EventLoop
 from sim.cost import CostModel, StepShape
@@ -78,6 +90,14 @@ class ModelledRunner:
     def forget(self, request_id: str) -> None:
         """Nothing is kept per request."""
 
+    def expert_counters(self) -> dict[str, float]:
+        """No expert placement runs: ``EngineStats``' expert-parallel fields keep their defaults."""
+        return {}
+
+    def expert_stats(self) -> dict:
+        """No expert placement runs (an expert-parallel replica's balance is its cost's ``balancedness``)."""
+        return {}
+
     def check_health(self) -> None:
         """Nothing runs beside it."""
 
@@ -97,9 +117,7 @@ def sim_engine(config: EngineConfig, cost: CostModel, seed: int = 0, *, transpor
     ``shared_store`` is the deployment's, one for every replica (a new one
     if None). The runner's ``tier_io.on_event`` is then for the replica's wake.
     """
-    if config.tensor_parallel_size != 1:
-        raise ValueError("the simulator models a replica as one engine on one device: set tensor_parallel_size "
-                         "to 1 and give the cost model the sharded replica's step times")
+    config = one_engine(config, cost)
     tier_io = None
     if config.disk_kv_cache_path or config.shared_kv_bucket:
         if loop is None:
@@ -112,3 +130,22 @@ def sim_engine(config: EngineConfig, cost: CostModel, seed: int = 0, *, transpor
     engine.runner.host_tier_stats = engine.tiers.host_stats  # zeros that never change without a host tier
     engine.runner.tier_io = tier_io
     return engine
+
+
+def one_engine(config: EngineConfig, cost: CostModel) -> EngineConfig:
+    """The one engine that simulates a replica of ``config``: itself on one device; an expert-parallel
+    replica's rank 0 with the blocks every rank's pool holds (each its heads), its cost priced for its ranks."""
+    ranks = config.num_ranks
+    if ranks == 1:
+        return config
+    if config.tensor_parallel_size != ranks or config.expert_parallel_size != ranks:
+        raise ValueError(f"the simulator prices a replica over several devices only as expert parallelism with "
+                         f"attention split over the same ranks: tensor_parallel_size {config.tensor_parallel_size} "
+                         f"and expert_parallel_size {config.expert_parallel_size} must be equal")
+    priced = cost.experts.num_ranks if cost.experts is not None else 1
+    if priced != ranks or cost.collectives is None:
+        raise ValueError(f"a replica of {ranks} expert-parallel ranks needs a cost priced for them "
+                         f"(sim.hardware.analytic_cost with ExpertParallel({ranks})), got one for {priced}")
+    blocks = config.num_blocks or num_pool_blocks(config, load_model_config(config.model), None)
+    return dataclasses.replace(config, tensor_parallel_size=1, expert_parallel_size=1, num_redundant_experts=0,
+                               num_blocks=blocks)

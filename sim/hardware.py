@@ -24,8 +24,27 @@ touch (``ExpertReads``: k of E at one token, all E for a long prefill), at
 the same bandwidth. Memory holds every expert (``weight_bytes``), so the
 KV pool is what the whole checkpoint leaves.
 
+Expert parallelism over ``n`` GPUs (``sim.expert_parallel.ExpertParallel``:
+attention split over the same ranks) is priced on the busiest rank:
+``base_s`` reads the dense weights' 1/n and the routers and shared experts
+whole; ``per_token_s`` computes the dense FLOPs' 1/n (the router and shared
+expert run on the rank's 1/n of the tokens) and the routed experts'
+1/(n * balancedness); ``per_pair_s`` and ``per_sample_s`` are split n ways;
+``ExpertReads`` counts one rank's experts, (E/n)(1 - (1 - k/E)^T), over the
+balancedness; and ``Collectives`` adds the all-to-alls and all-reduces over
+NVLink (one direction of ``nvlink_bytes_per_s``), each with
+``Efficiency.collective_latency_s``. Each rank holds its dense share, the
+routers, shared experts and (E + R)/n experts (``rank_weight_bytes``); its
+KV pool is what they leave.
+
 Datasheet figures (dense bf16 tensor-core FLOP/s without sparsity, HBM
-bandwidth, NVLink per GPU both directions, the NIC each GPU usually gets):
+bandwidth, NVLink per GPU both directions, the NIC each GPU usually gets).
+NVLink: A100 NVLink 3, 600 GB/s; H100 and H200 NVLink 4, 900 GB/s (18 links
+of 50 GB/s, 450 GB/s each way; NVIDIA's H100 and H200 datasheets); B200
+NVLink 5, 1.8 TB/s. An all-to-all in one NVSwitch node reaches nearly one
+direction's rate: DeepEP's intranode dispatch and combine at EP 8 run at
+153 and 158 GB/s on H800s, whose NVLink gives about 160 GB/s each way
+(github.com/deepseek-ai/DeepEP, README).
 """
 
 from __future__ import annotations
@@ -37,7 +56,10 @@ from pathlib import Path
 
 from pd.model.config import ModelConfig
 from sim.cost import CostModel, ExpertReads
+from sim.expert_parallel import ExpertParallel, collectives
 from sim.transport import TransferModel
+
+ONE_GPU = ExpertParallel()
 
 
 @dataclass(frozen=True)
@@ -67,6 +89,10 @@ class Efficiency:
     step_overhead_s: float = 1e-3
     per_seq_s: float = 10e-6  # block tables, sampling bookkeeping
     kv_fraction: float = 0.9  # of the memory left after weights, given to the KV pool
+    # Each collective between a replica's GPUs (an all-to-all, an all-reduce), beside its bytes. Assumed:
+    # one-shot all-reduce kernels on NVSwitch (vLLM's, TensorRT-LLM's) take a few µs, NCCL's small
+    # messages tens; a step's collectives are launched back to back, often in one CUDA graph.
+    collective_latency_s: float = 10e-6
 
 
 # Model shapes (config.json fields) of common checkpoints, for planning without the checkpoint.
@@ -146,11 +172,45 @@ def expert_bytes(model: ModelConfig, dtype_bytes: int = 2) -> int:
     return dtype_bytes * moe.num_moe_layers * moe.num_experts * 3 * model.hidden_size * moe.intermediate_size
 
 
+def replicated_bytes(model: ModelConfig, dtype_bytes: int = 2) -> int:
+    """What every expert-parallel rank holds whole of each MoE layer: its router (hidden x experts) and any
+    shared expert with its gate (``pd.model.loader.load_moe``)."""
+    moe = model.moe
+    if moe is None:
+        return 0
+    shared = 3 * model.hidden_size * moe.shared_expert_intermediate_size + model.hidden_size \
+        if moe.shared_expert_intermediate_size else 0
+    return dtype_bytes * moe.num_moe_layers * (model.hidden_size * moe.num_experts + shared)
+
+
+def rank_weight_bytes(model: ModelConfig, parallel: ExpertParallel = ONE_GPU, dtype_bytes: int = 2) -> int:
+    """The weights one rank of a replica holds: the dense weights' 1/n (rounded up), the routers and shared
+    experts, and (E + R)/n experts of every MoE layer; ``weight_bytes`` with one rank."""
+    n = parallel.size
+    experts = expert_bytes(model, dtype_bytes)
+    whole = replicated_bytes(model, dtype_bytes)
+    dense = weight_bytes(model, dtype_bytes) - experts - whole
+    if model.moe is None:
+        return -(-dense // n)
+    num_experts = model.moe.num_experts
+    return -(-dense // n) + whole + experts * (num_experts + parallel.num_redundant_experts) // (num_experts * n)
+
+
 def kv_bytes_per_token(model: ModelConfig, dtype_bytes: int = 2) -> int:
     return model.num_layers * 2 * model.num_kv_heads * model.head_dim * dtype_bytes
 
 
-def analytic_cost(model: ModelConfig, hardware: Hardware, efficiency: Efficiency = Efficiency()) -> CostModel:
+def routed_params_per_token(model: ModelConfig) -> int:
+    """The routed experts' parameters one token computes with: ``top_k`` experts of every MoE layer."""
+    moe = model.moe
+    return moe.num_moe_layers * moe.top_k * 3 * model.hidden_size * moe.intermediate_size if moe is not None else 0
+
+
+def analytic_cost(model: ModelConfig, hardware: Hardware, efficiency: Efficiency = Efficiency(),
+                  parallel: ExpertParallel = ONE_GPU) -> CostModel:
+    """One replica's step on ``parallel.size`` GPUs of ``hardware``, priced on its busiest rank."""
+    parallel.check(model)
+    n, balancedness = parallel.size, parallel.balancedness
     weight_read_bytes_per_s = hardware.hbm_bytes_per_s * efficiency.mem_efficiency
     dense_flops = hardware.bf16_flops * efficiency.mfu
     moe = model.moe
@@ -158,24 +218,44 @@ def analytic_cost(model: ModelConfig, hardware: Hardware, efficiency: Efficiency
     if moe is not None and moe.num_moe_layers:
         one_expert = 2 * 3 * model.hidden_size * moe.intermediate_size
         experts = ExpertReads(num_layers=moe.num_moe_layers, num_experts=moe.num_experts, top_k=moe.top_k,
-                              per_expert_s=one_expert / weight_read_bytes_per_s)
+                              per_expert_s=one_expert / weight_read_bytes_per_s, num_ranks=n,
+                              balancedness=balancedness)
+    # With one rank both sums are exactly the single GPU's: (dense - whole) / 1 + whole, and so on.
+    whole = replicated_bytes(model)
+    dense_read_bytes = (weight_bytes(model) - expert_bytes(model) - whole) / n + whole
+    routed = routed_params_per_token(model)
+    params_per_token = (num_active_params(model) - routed) / n + routed / (n * balancedness)
+    source = (f"analytic: {hardware.name} roofline, mfu {efficiency.mfu}, attention {efficiency.attn_efficiency}, "
+              f"HBM {efficiency.mem_efficiency}")
+    if n > 1:
+        source += (f"; expert parallel {n} (attention split over it), {parallel.num_redundant_experts} redundant "
+                   f"experts, balancedness {balancedness}, NVLink {hardware.nvlink_bytes_per_s / 2e9:.0f} GB/s "
+                   f"each way, {efficiency.collective_latency_s * 1e6:.3g} µs a collective")
     return CostModel(
-        base_s=(weight_bytes(model) - expert_bytes(model)) / weight_read_bytes_per_s + efficiency.step_overhead_s,
-        per_token_s=2 * num_active_params(model) / dense_flops,
+        base_s=dense_read_bytes / weight_read_bytes_per_s + efficiency.step_overhead_s,
+        per_token_s=2 * params_per_token / dense_flops,
         per_pair_s=4 * model.num_layers * model.num_heads * model.head_dim
-        / (hardware.bf16_flops * efficiency.attn_efficiency),
+        / (hardware.bf16_flops * efficiency.attn_efficiency) / n,
         per_seq_s=efficiency.per_seq_s,
-        per_sample_s=2 * model.hidden_size * model.vocab_size / dense_flops,
+        per_sample_s=2 * model.hidden_size * model.vocab_size / dense_flops / n,
         per_host_byte_s=1 / hardware.host_link_bytes_per_s,
-        source=f"analytic: {hardware.name} roofline, mfu {efficiency.mfu}, attention {efficiency.attn_efficiency}, "
-               f"HBM {efficiency.mem_efficiency}",
+        source=source,
         experts=experts,
+        collectives=collectives(model, n, hardware.nvlink_bytes_per_s / 2, efficiency.collective_latency_s)
+        if n > 1 else None,
     )
 
 
-def kv_cache_bytes(model: ModelConfig, hardware: Hardware, efficiency: Efficiency = Efficiency()) -> int:
-    """The KV pool one GPU holds after its weights (every expert's, for an MoE)."""
-    return int((hardware.hbm_bytes - weight_bytes(model)) * efficiency.kv_fraction)
+def kv_cache_bytes(model: ModelConfig, hardware: Hardware, efficiency: Efficiency = Efficiency(),
+                   parallel: ExpertParallel = ONE_GPU) -> int:
+    """The KV pool one GPU holds after its weights (every expert's, for an MoE; a rank's share of them under
+    expert parallelism). ``ValueError`` when the weights leave nothing."""
+    parallel.check(model)
+    left = hardware.hbm_bytes - rank_weight_bytes(model, parallel)
+    if left <= 0:
+        raise ValueError(f"{rank_weight_bytes(model, parallel) / 1e9:.1f} GB of weights a rank do not fit "
+                         f"{hardware.name}'s {hardware.hbm_bytes / 1e9:.0f} GB (expert parallel {parallel.size})")
+    return int(left * efficiency.kv_fraction)
 
 
 def link(hardware: Hardware, kind: str) -> TransferModel:

@@ -4,17 +4,24 @@
 --slo-ttft-ms 500 --slo-itl-ms 50``
 
 The fleet is planned as ``gpus / unit_gpus`` copies of one unit of
-``--unit-gpus`` replicas (one GPU each), each unit serving its share of the
-traffic. For every layout of a unit (colocated, and every ``p:d`` with
-``p + d = unit``), every remote-prefill threshold and chunk size asked for,
-the simulator finds the highest arrival rate at which at least 90% of
-requests meet both SLOs (TTFT, and mean inter-token latency with no
-stall longer than the TTFT target: see ``attainment``). Goodput per
+``--unit-gpus`` GPUs, each unit serving its share of the traffic. For every
+layout of a unit (colocated, and every ``p:d`` GPUs with ``p + d = unit``),
+every expert-parallel size per pool (``--prefill-ep``, ``--decode-ep``: a
+replica spans that many GPUs, so ``p / prefill_ep`` prefill replicas and
+``d / decode_ep`` decode replicas), every remote-prefill threshold and chunk
+size asked for, the simulator finds the highest arrival rate at which at
+least 90% of requests meet both SLOs (TTFT, and mean inter-token latency
+with no stall longer than the TTFT target: see ``attainment``). Goodput per
 GPU is that rate times the attainment over the unit's GPUs. Prints one JSON
 object per candidate, then the best with a ``serve_configs``-style YAML for
 the whole fleet (checked by ``AppArgs``).
 
-Profiles are analytic (``sim.hardware``) unless ``--profile`` gives a measured one.
+Profiles are analytic (``sim.hardware``) unless ``--profile`` gives a measured
+one (for one-GPU replicas only). An expert-parallel pool's replica is one
+simulated engine priced on its busiest rank (``sim.engine``); the YAML's
+``engine:`` section is shared, so its ``kv_cache_bytes`` is what a rank of
+the layout's smallest expert-parallel size leaves, and ``max_num_seqs`` is
+256 for every GPU of a decode replica.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import json
 import math
 import random
 from dataclasses import dataclass
+from typing import Mapping
 
 from autoscale.planner import Slo
 from pd.config import EngineConfig
@@ -34,10 +42,12 @@ from router.remote_prefill import RemotePrefillRule
 from sim.clock import EventLoop
 from sim.cluster import ClusterSpec, PoolSpec, SimCluster
 from sim.cost import CostModel
+from sim.expert_parallel import ExpertParallel
 from sim.hardware import HARDWARE, MODELS, Efficiency, analytic_cost, kv_cache_bytes, link, model_dir
 from sim.workload import submit_trace
 
 ATTAINMENT = 0.9
+SEQS_PER_GPU = 256  # a decode replica's max_num_seqs, per GPU it spans
 WORKLOADS = ("long-short", "short-long", "mooncake")
 
 
@@ -59,15 +69,33 @@ def synthetic(workload: str, num_requests: int, seed: int) -> list[TraceRequest]
 
 @dataclass(frozen=True)
 class Layout:
+    """A unit's pools: replicas of each (``prefill_ep`` and ``decode_ep`` GPUs a replica), and the engine's knobs."""
+
     num_prefill: int
     num_decode: int
     threshold: int
     max_num_batched_tokens: int
     threshold_per_in_flight: float = 0.0
+    prefill_ep: int = 1
+    decode_ep: int = 1
+
+    @property
+    def num_gpus(self) -> int:
+        return self.num_prefill * self.prefill_ep + self.num_decode * self.decode_ep
+
+    @property
+    def expert_parallel_sizes(self) -> tuple[int, ...]:
+        """The EP sizes of the pools the layout has."""
+        return (self.prefill_ep, self.decode_ep) if self.num_prefill else (self.decode_ep,)
 
     @property
     def name(self) -> str:
-        return f"{self.num_prefill}:{self.num_decode}" if self.num_prefill else f"colocated:{self.num_decode}"
+        """GPUs per pool: ``6:2``, ``colocated:8``; with ``EP p:d`` (or ``EP d``) where a pool is expert-parallel."""
+        decode_gpus = self.num_decode * self.decode_ep
+        split = f"{self.num_prefill * self.prefill_ep}:{decode_gpus}" if self.num_prefill else f"colocated:{decode_gpus}"
+        if self.expert_parallel_sizes == (1,) * len(self.expert_parallel_sizes):
+            return split
+        return f"{split} EP {':'.join(map(str, self.expert_parallel_sizes))}"
 
 
 def attainment(cluster: SimCluster, slo: Slo, after_s: float = 0.0) -> float:
@@ -120,7 +148,8 @@ def max_goodput(spec: ClusterSpec, trace, slo: Slo, seconds: float, steps: int =
         return attainment(run(spec, trace, rate, seconds), slo, after_s=seconds / 3)
 
     good, good_attained, bad = 0.0, 0.0, None
-    rate, failures = 0.25 * spec.num_replicas, 0
+    gpus = sum(pool.num_replicas * pool.engine.num_ranks for pool in (spec.decode, spec.prefill) if pool is not None)
+    rate, failures = 0.25 * gpus, 0
     for _ in range(16):
         value = attained(rate)
         if value >= ATTAINMENT:
@@ -143,17 +172,40 @@ def max_goodput(spec: ClusterSpec, trace, slo: Slo, seconds: float, steps: int =
     return good, good_attained
 
 
-def unit_spec(layout: Layout, engine: EngineConfig, cost: CostModel, transfer) -> ClusterSpec:
+def pool_engine(engine: EngineConfig, expert_parallel_size: int) -> EngineConfig:
+    """A pool's engine: over ``expert_parallel_size`` ranks, attention split over the same ranks."""
+    if expert_parallel_size == 1:
+        return engine
+    return dataclasses.replace(engine, tensor_parallel_size=expert_parallel_size,
+                               expert_parallel_size=expert_parallel_size)
+
+
+def unit_spec(layout: Layout, engine: EngineConfig, cost: CostModel, transfer,
+              ep_costs: Mapping[int, CostModel] | None = None) -> ClusterSpec:
+    """One unit of ``layout``: ``cost`` is a one-GPU replica's step, ``ep_costs`` an expert-parallel one's by size."""
+    costs = {1: cost, **(ep_costs or {})}
+    missing = sorted(set(layout.expert_parallel_sizes) - set(costs))
+    if missing:
+        raise ValueError(f"layout {layout.name} needs the step cost of expert parallelism {missing[0]}: pass ep_costs")
     engine = dataclasses.replace(engine, max_num_batched_tokens=layout.max_num_batched_tokens)
-    return ClusterSpec(decode=PoolSpec(layout.num_decode, engine, cost),
-                       prefill=PoolSpec(layout.num_prefill, engine, cost) if layout.num_prefill else None,
+
+    def pool(num_replicas: int, ep: int) -> PoolSpec:
+        return PoolSpec(num_replicas, pool_engine(engine, ep), costs[ep])
+
+    return ClusterSpec(decode=pool(layout.num_decode, layout.decode_ep),
+                       prefill=pool(layout.num_prefill, layout.prefill_ep) if layout.num_prefill else None,
                        rule=RemotePrefillRule(threshold=layout.threshold,
                                               threshold_per_in_flight=layout.threshold_per_in_flight),
                        transfer=transfer, call_s=0.001)
 
 
-def fleet_yaml(layout: Layout, model: str, engine: EngineConfig, units: int) -> dict:
+def fleet_yaml(layout: Layout, model: str, engine: EngineConfig, units: int, num_redundant_experts: int = 0) -> dict:
     """The ``serve run`` config of the whole fleet, its args checked by ``AppArgs``.
+
+    Each pool names its replicas' ranks (``tensor_parallel_size`` and
+    ``expert_parallel_size``, equal: attention split over the expert-parallel
+    ranks) and its expert-parallel pools their ``num_redundant_experts``;
+    ``ray_actor_options`` are one rank's.
 
     ``engine.model`` is what ``--model`` named: for a preset, point it at the checkpoint's directory.
     A unit was simulated with one ingress; in the fleet each ingress replica
@@ -164,17 +216,23 @@ def fleet_yaml(layout: Layout, model: str, engine: EngineConfig, units: int) -> 
     from pd.config.app import AppArgs
 
     gpu_pool = {"ray_actor_options": {"num_gpus": 1, "num_cpus": 4}, "max_ongoing_requests": 256}
+
+    def ranks(ep: int) -> dict:
+        redundant = {"num_redundant_experts": num_redundant_experts} if ep > 1 and num_redundant_experts else {}
+        return {"tensor_parallel_size": ep, "expert_parallel_size": ep, **redundant}
+
     ingresses = max(1, units // 4)
     args = {
         "mode": "disaggregated" if layout.num_prefill else "colocated",
         "engine": {"model": model, "dtype": "bfloat16", "device": "cuda", "block_size": engine.block_size,
-                   "kv_cache_bytes": engine.kv_cache_bytes, "max_num_batched_tokens": layout.max_num_batched_tokens},
-        "decode": {"num_replicas": layout.num_decode * units, **gpu_pool},
+                   "kv_cache_bytes": engine.kv_cache_bytes, "max_num_batched_tokens": layout.max_num_batched_tokens,
+                   "max_num_seqs": engine.max_num_seqs},
+        "decode": {"num_replicas": layout.num_decode * units, **gpu_pool, **ranks(layout.decode_ep)},
         "ingress": {"num_replicas": ingresses},
     }
     if layout.num_prefill:
         units_per_ingress = units / ingresses
-        args["prefill"] = {"num_replicas": layout.num_prefill * units, **gpu_pool}
+        args["prefill"] = {"num_replicas": layout.num_prefill * units, **gpu_pool, **ranks(layout.prefill_ep)}
         args["remote_prefill_threshold"] = layout.threshold
         args["remote_prefill_threshold_per_in_flight"] = layout.threshold_per_in_flight / units_per_ingress
         args["prefill_queue_bound"] = math.ceil(RemotePrefillRule().queue_bound * units_per_ingress)
@@ -211,8 +269,17 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--slopes", default="0", help="remote_prefill_threshold_per_in_flight values to try "
                         "(tokens added to the threshold per prefill call in flight), comma-separated")
     parser.add_argument("--chunks", default="8192", help="max_num_batched_tokens values to try, comma-separated")
-    parser.add_argument("--splits", help="prefill replicas per unit to try, comma-separated (default: all, "
+    parser.add_argument("--splits", help="prefill GPUs per unit to try, comma-separated (default: all, "
                         "0 meaning colocated)")
+    parser.add_argument("--prefill-ep", default="1", help="expert-parallel sizes of a prefill replica to try "
+                        "(GPUs it spans, attention split over them), comma-separated")
+    parser.add_argument("--decode-ep", default="1", help="expert-parallel sizes of a decode (or colocated) replica "
+                        "to try, comma-separated")
+    parser.add_argument("--redundant-experts", type=int, default=0,
+                        help="num_redundant_experts of an expert-parallel replica (memory on every rank)")
+    parser.add_argument("--balancedness", type=float, default=1.0,
+                        help="an expert-parallel replica's mean over max tokens per rank (1.0: balanced, as "
+                        "uniform routing is); its busiest rank's expert work is the mean's over it")
     parser.add_argument("--profile", help="a measured CostModel JSON instead of the analytic one")
     parser.add_argument("--seconds", type=float, default=30.0,
                         help="simulated seconds of traffic per trial (the first third is warm-up)")
@@ -224,15 +291,37 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _layouts(args: argparse.Namespace) -> list[Layout]:
-    """The layouts to try, chunk size outermost; colocated ones only with the first threshold and slope
-    (colocated has no remote-prefill rule, so the others would repeat it)."""
+    """The layouts to try, chunk size outermost, then the pools' EP sizes; a split only where each EP size
+    divides its pool's GPUs. Colocated ones only with the first threshold, slope and prefill EP size
+    (colocated has no remote-prefill rule nor prefill pool, so the others would repeat it)."""
     splits = _ints(args.splits) if args.splits else range(args.unit_gpus)
     thresholds = _ints(args.thresholds)
     slopes = [float(value) for value in args.slopes.split(",") if value.strip()]
-    layouts = [Layout(p, args.unit_gpus - p, t, c, slope) for c in _ints(args.chunks) for p in splits
-               for t in thresholds for slope in slopes]
-    return [layout for layout in layouts if layout.num_prefill
-            or (layout.threshold, layout.threshold_per_in_flight) == (thresholds[0], slopes[0])]
+    prefill_eps, decode_eps = _ints(args.prefill_ep), _ints(args.decode_ep)
+    layouts = []
+    for chunk in _ints(args.chunks):
+        for prefill_ep in prefill_eps:
+            for decode_ep in decode_eps:
+                for p in splits:
+                    d = args.unit_gpus - p
+                    if d < 1 or p % prefill_ep or d % decode_ep or (not p and prefill_ep != prefill_eps[0]):
+                        continue
+                    layouts += [Layout(p // prefill_ep, d // decode_ep, t, chunk, slope,
+                                       prefill_ep if p else 1, decode_ep)
+                                for t in thresholds for slope in slopes
+                                if p or (t, slope) == (thresholds[0], slopes[0])]
+    return layouts
+
+
+def _parallel(args: argparse.Namespace, ep: int) -> ExpertParallel:
+    return ExpertParallel(ep, args.redundant_experts, args.balancedness) if ep > 1 else ExpertParallel()
+
+
+def layout_engine(layout: Layout, engine: EngineConfig, kv_bytes_by_ep: Mapping[int, int]) -> EngineConfig:
+    """The engine section a layout shares: the KV a rank of its smallest EP size leaves (every rank of a
+    larger one holds fewer weights), and ``SEQS_PER_GPU`` sequences a GPU of a decode replica."""
+    return dataclasses.replace(engine, kv_cache_bytes=min(kv_bytes_by_ep[ep] for ep in layout.expert_parallel_sizes),
+                               max_num_seqs=SEQS_PER_GPU * layout.decode_ep)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -244,18 +333,30 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--gpus {args.gpus} is not a multiple of --unit-gpus {args.unit_gpus}")
 
     path = model_dir(args.model)
-    config, gpu = load_model_config(path), HARDWARE[args.hardware]
-    cost = CostModel.load(args.profile) if args.profile else analytic_cost(config, gpu, Efficiency())
+    config, gpu, efficiency = load_model_config(path), HARDWARE[args.hardware], Efficiency()
+    cost = CostModel.load(args.profile) if args.profile else analytic_cost(config, gpu, efficiency)
+    sizes = sorted(set(_ints(args.prefill_ep)) | set(_ints(args.decode_ep)))
+    try:
+        ep_costs = {ep: analytic_cost(config, gpu, efficiency, _parallel(args, ep)) for ep in sizes if ep > 1}
+        kv_bytes_by_ep = {ep: kv_cache_bytes(config, gpu, efficiency, _parallel(args, ep)) for ep in sizes}
+    except ValueError as exc:  # a size the experts or heads do not divide, or weights a GPU cannot hold
+        parser.error(str(exc))
+    if ep_costs and args.profile:
+        parser.error("--profile is a one-GPU replica's step: expert-parallel sizes above 1 are priced analytically")
     engine = EngineConfig(model=path, dtype="bfloat16", block_size=args.block_size,
-                          kv_cache_bytes=kv_cache_bytes(config, gpu), max_num_seqs=256)
+                          kv_cache_bytes=kv_bytes_by_ep[sizes[0]], max_num_seqs=SEQS_PER_GPU)
     trace = workload_trace(args.trace, args.workload, args.seed)
     slo = Slo(args.slo_ttft_ms / 1000, args.slo_itl_ms / 1000)
     units = args.gpus // args.unit_gpus
+    layouts = _layouts(args)
+    if not layouts:
+        parser.error("no split of --unit-gpus has pools that the --prefill-ep and --decode-ep sizes divide")
     results = []
-    for layout in _layouts(args):
-        rate, attained = max_goodput(unit_spec(layout, engine, cost, link(gpu, "rdma")), trace, slo, args.seconds,
-                                     steps=args.bisection_steps)
-        result = {"layout": layout.name, "remote_prefill_threshold": layout.threshold,
+    for layout in layouts:
+        spec = unit_spec(layout, layout_engine(layout, engine, kv_bytes_by_ep), cost, link(gpu, "rdma"), ep_costs)
+        rate, attained = max_goodput(spec, trace, slo, args.seconds, steps=args.bisection_steps)
+        result = {"layout": layout.name, "prefill_ep": layout.prefill_ep if layout.num_prefill else None,
+                  "decode_ep": layout.decode_ep, "remote_prefill_threshold": layout.threshold,
                   "threshold_per_in_flight": layout.threshold_per_in_flight,
                   "max_num_batched_tokens": layout.max_num_batched_tokens, "rate_per_unit": round(rate, 3),
                   "attainment": round(attained, 3), "goodput_per_gpu": round(rate * attained / args.unit_gpus, 4)}
@@ -266,7 +367,8 @@ def main(argv: list[str] | None = None) -> None:
     print(json.dumps({"best": best, "gain_over_colocated": round(best["goodput_per_gpu"] / colocated, 3)
                       if colocated else None, "gpus": args.gpus, "hardware": args.hardware, "model": args.model,
                       "workload": args.trace or args.workload, "profile": cost.source}), flush=True)
-    print(yaml.safe_dump(fleet_yaml(best_layout, args.model, engine, units), sort_keys=False))
+    print(yaml.safe_dump(fleet_yaml(best_layout, args.model, layout_engine(best_layout, engine, kv_bytes_by_ep), units,
+                                    args.redundant_experts), sort_keys=False))
 
 
 

@@ -223,8 +223,9 @@ def test_a_simulated_store_tier_cannot_be_waited_on_and_needs_the_event_loop():
         engine.tiers.flush()
 
 
-def test_the_simulator_refuses_a_sharded_engine():
-    with pytest.raises(ValueError, match="one engine on one device: set tensor_parallel_size to 1"):
+def test_the_simulator_refuses_a_sharded_engine_it_cannot_price():
+    # Dense tensor parallelism is not priced; expert parallelism is, with attention split over its ranks.
+    with pytest.raises(ValueError, match="only as expert parallelism with attention split over the same ranks"):
         sim_engine(dataclasses.replace(CONFIG, tensor_parallel_size=2), COST)
 
 
