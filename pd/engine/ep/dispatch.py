@@ -11,8 +11,9 @@ Every rank holds the whole batch's hidden states when an MoE block starts
    ``token % replicas``, by the token's index in the batch, so the choice is
    deterministic and a hot expert's tokens spread over its replicas;
 3. **dispatch**: sends each pair's hidden row to its replica's rank, in one
-   all-to-all whose split sizes an all-to-all of counts gave first (a rank may
-   send or receive nothing);
+   all-to-all, its pairs sorted by slot; an all-to-all of the counts per slot
+   gave the split sizes first, and tells each receiver its rows' experts (a
+   rank may send or receive nothing);
 4. runs the rows it received through its own experts (``kernels.fused_moe``,
    one expert a row);
 5. **combine**: the reverse all-to-all brings each pair's output back, in the
@@ -22,7 +23,8 @@ Every rank holds the whole batch's hidden states when an MoE block starts
    block output that is zero elsewhere.
 
 One all-reduce of that output, the block's as under tensor parallelism, gives
-every rank every token's output. Per MoE layer a rank sends ``k * H``
+every rank every token's output. Per MoE layer a rank makes four collectives
+(the counts per slot, dispatch, combine, the all-reduce) and sends ``k * H``
 activations per token of its slice to dispatch, and receives as many back.
 
 **Rebalancing** (``sync_load``, ``move_layer``) is collective too: the driver
@@ -212,17 +214,18 @@ class ExpertParallel:
         num_tokens, top_k = topk_ids.shape
         experts = topk_ids.reshape(-1)
         token = torch.arange(start, start + num_tokens, device=x.device).repeat_interleave(top_k)
-        physical = table.replicas[experts, token % table.counts[experts]]
-        dest = torch.div(physical, self.slots_per_rank, rounding_mode="floor")
-        order = torch.argsort(dest, stable=True)
-        send_counts = torch.bincount(dest, minlength=size)
+        physical = table.replicas[experts, token % table.counts[experts]]  # rank * slots + slot
+        # Pairs sorted by rank, then slot: a rank's counts per slot tell its receiver each row's expert.
+        order = torch.argsort(physical, stable=True)
+        slots = self.slots_per_rank
+        send_counts = torch.bincount(physical, minlength=size * slots)
         recv_counts = torch.empty_like(send_counts)
         self.group.all_to_all(recv_counts, send_counts, [], [])
-        send_splits, recv_splits = send_counts.tolist(), recv_counts.tolist()
+        send_splits = send_counts.view(size, slots).sum(dim=1).tolist()
+        recv_splits = recv_counts.view(size, slots).sum(dim=1).tolist()
         received = x.new_empty(sum(recv_splits), hidden)
         self.group.all_to_all(received, x[order // top_k], recv_splits, send_splits)
-        local_ids = torch.empty(sum(recv_splits), dtype=torch.int64, device=x.device)
-        self.group.all_to_all(local_ids, (physical % self.slots_per_rank)[order], recv_splits, send_splits)
+        local_ids = torch.arange(slots, device=x.device).repeat(size).repeat_interleave(recv_counts)
         outputs = x.new_empty(sum(recv_splits), hidden)
         if outputs.shape[0]:
             started = time.perf_counter()
