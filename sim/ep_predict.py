@@ -13,7 +13,7 @@ The measured step (``sim.profile``'s ``CostModel`` of the real engine at EP 1) i
 
 and the busiest rank of ``n`` takes
 
-    rest + dense / n + experts / (n * balancedness) + collectives
+    (rest + dense / n + experts / (n * balancedness)) * compute_slowdown + collectives
 
 where ``collectives`` are the layout's all-to-alls and all-reduces (``sim.expert_parallel``) over the
 link the ranks share, loopback on one machine (gloo: give its bandwidth and per-call latency as
@@ -28,7 +28,9 @@ on a 2-core machine: ``sim.profile --threads 1``); ``model``, the checkpoint's `
 ``link_bytes_per_s`` and ``latency_s``, one collective's bandwidth each way and fixed cost;
 ``memory_bytes_per_s``, the rate the expert weights are read at (``bench.moe``'s stream bound), or
 None to take the expert part from FLOPs alone; ``dtype_bytes``, the activations' and expert weights'
-bytes (4 where the CPU holds the experts in fp32); ``balancedness``, as ``ExpertParallel`` takes it.
+bytes (4 where the CPU holds the experts in fp32); ``balancedness``, as ``ExpertParallel`` takes it;
+``compute_slowdown``, how much slower a rank computes while the others do (1.0 on cores of their own;
+``n`` over the ranks' measured parallel speedup where they share a core's units, as two vCPUs can).
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ class ExpertParallelPrediction:
     expert_flop_share: float
     attention_split: bool
     balancedness: float
+    compute_slowdown: float
     reads: ExpertReads | None  # EP 1's expert reads at the memory rate, when given
     collectives: Collectives | None  # None with one rank
 
@@ -79,8 +82,8 @@ class ExpertParallelPrediction:
             dense_s = min(dense_s, measured_s - experts_s)
         collectives_s = self.collectives.seconds(shape.num_tokens, shape.num_samples) if self.collectives else 0.0
         n = self.size
-        predicted_s = (measured_s - experts_s * (1 - 1 / (n * self.balancedness)) - dense_s * (1 - 1 / n)
-                       + collectives_s)
+        compute_s = measured_s - experts_s * (1 - 1 / (n * self.balancedness)) - dense_s * (1 - 1 / n)
+        predicted_s = compute_s * self.compute_slowdown + collectives_s
         return StepParts(measured_s, experts_s, dense_s, collectives_s, predicted_s)
 
     def step_seconds(self, shape: StepShape) -> float:
@@ -89,12 +92,16 @@ class ExpertParallelPrediction:
 
 def predict_expert_parallel(measured: CostModel, model: ModelConfig, size: int = 2, *, attention_split: bool,
                             link_bytes_per_s: float, latency_s: float, memory_bytes_per_s: float | None = None,
-                            dtype_bytes: int = 2, balancedness: float = 1.0) -> ExpertParallelPrediction:
+                            dtype_bytes: int = 2, balancedness: float = 1.0,
+                            compute_slowdown: float = 1.0) -> ExpertParallelPrediction:
     """The busiest rank's step at ``size`` expert-parallel ranks on the CPU ``measured`` ran on (see the module)."""
     moe = model.moe
     if moe is None or not moe.num_moe_layers:
         raise ValueError(f"{model.architecture} has no experts to spread")
     (ExpertParallel(size, 0, balancedness) if size > 1 else ExpertParallel()).check(model, attention_split)
+    if compute_slowdown < 1.0:
+        raise ValueError(f"compute_slowdown must be >= 1.0 (ranks never compute faster together), got "
+                         f"{compute_slowdown}")
     if memory_bytes_per_s is not None and memory_bytes_per_s <= 0:
         raise ValueError(f"memory_bytes_per_s must be > 0 or None, got {memory_bytes_per_s}")
     reads = None
@@ -104,6 +111,6 @@ def predict_expert_parallel(measured: CostModel, model: ModelConfig, size: int =
                             per_expert_s=one_expert / memory_bytes_per_s)
     return ExpertParallelPrediction(
         measured=measured, size=size, expert_flop_share=routed_params_per_token(model) / num_active_params(model),
-        attention_split=attention_split, balancedness=balancedness, reads=reads,
+        attention_split=attention_split, balancedness=balancedness, compute_slowdown=compute_slowdown, reads=reads,
         collectives=collectives(model, size, link_bytes_per_s, latency_s, attention_split=attention_split,
                                 dtype_bytes=dtype_bytes) if size > 1 else None)

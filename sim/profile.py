@@ -28,14 +28,23 @@ MAX_TOKENS = 8
 
 
 def measure(model: str, threads: int | None, batch_sizes=BATCH_SIZES, prompt_lens=PROMPT_LENS,
-            repeats: int = 2) -> tuple[list[StepShape], list[float]]:
-    """``(shapes, seconds)`` of every step of the grid, after one unmeasured pass (first-call costs)."""
+            repeats: int = 2, **engine_options) -> tuple[list[StepShape], list[float]]:
+    """``(shapes, seconds)`` of every step of the grid, after one unmeasured pass (first-call costs);
+    ``engine_options``: more ``EngineConfig`` fields (``expert_parallel_size``: ranks of one thread each)."""
     from pd.config import EngineConfig
     from pd.engine.engine import LLMEngine
-    from pd.sampling_params import SamplingParams
 
     engine = LLMEngine(EngineConfig(model=model, num_blocks=4096, num_threads=threads,
-                                    max_num_batched_tokens=2048))
+                                    max_num_batched_tokens=2048, **engine_options))
+    try:
+        return _measure(engine, batch_sizes, prompt_lens, repeats)
+    finally:
+        engine.close()
+
+
+def _measure(engine, batch_sizes, prompt_lens, repeats: int) -> tuple[list[StepShape], list[float]]:
+    from pd.sampling_params import SamplingParams
+
     scheduled = []
     schedule = engine.scheduler.schedule
 

@@ -164,8 +164,10 @@ class ExpertParallel:
         # compute's) the seconds; every rank's as of the last sync, for finding the slowest.
         self.expert_rows = 0
         self.expert_seconds = 0.0
+        self.block_seconds = 0.0  # the MoE blocks' whole time: the experts, routing, the collectives
         self.rank_expert_rows: list[int] = []
         self.rank_expert_seconds: list[float] = []
+        self.rank_block_seconds: list[float] = []
 
     @classmethod
     def for_model(cls, group: ExpertGroup, model: ModelConfig, config, device: torch.device) -> "ExpertParallel":
@@ -191,6 +193,7 @@ class ExpertParallel:
     def moe_block(self, layer: int, weights: MoeWeights, config: MoeConfig, hidden: torch.Tensor,
                   num_tokens: int, backend: str) -> torch.Tensor:
         """The block's output for every row of ``hidden`` (all-reduced over the ranks; padding rows zero)."""
+        started = time.perf_counter()
         start, stop = token_slice(num_tokens, self.group.rank, self.group.size)
         x = hidden[start:stop]
         if stop > start:
@@ -205,7 +208,9 @@ class ExpertParallel:
             shared = weights.shared_down(kernels.silu_and_mul(weights.shared_gate_up(x), backend=backend))
             routed = routed + shared.mul_(torch.sigmoid(weights.shared_expert_gate(x)))
         out[start:stop] = routed
-        return self.group.all_reduce(out)
+        out = self.group.all_reduce(out)
+        self.block_seconds += time.perf_counter() - started
+        return out
 
     def _exchange(self, layer: int, weights: MoeWeights, x: torch.Tensor, topk_ids: torch.Tensor,
                   topk_weights: torch.Tensor, start: int, backend: str) -> torch.Tensor:
@@ -250,10 +255,11 @@ class ExpertParallel:
         """Add up the ranks' load windows (every rank then holds the same ``global_load``), and gather each
         rank's expert work so far."""
         self.global_load = self.group.all_reduce(self.load.counts().clone())
-        work = torch.zeros(2, self.group.size, dtype=torch.float64, device=self.device)
-        work[0, self.group.rank], work[1, self.group.rank] = self.expert_rows, self.expert_seconds
-        rows, seconds = self.group.all_reduce(work).tolist()
+        work = torch.zeros(3, self.group.size, dtype=torch.float64, device=self.device)
+        work[:, self.group.rank] = torch.tensor([self.expert_rows, self.expert_seconds, self.block_seconds])
+        rows, seconds, blocks = self.group.all_reduce(work).tolist()
         self.rank_expert_rows, self.rank_expert_seconds = [int(r) for r in rows], seconds
+        self.rank_block_seconds = blocks
 
     def move_layer(self, layer: int, weights: MoeWeights, max_moves: int = 0) -> bool:
         """Move ``layer``'s experts toward their placement by the last synced load: at most ``max_moves``
@@ -316,7 +322,8 @@ class ExpertParallel:
         return {"balancedness": per_layer, "expert_load": {layer: loads[layer] for layer in self.moe_layers},
                 "move_seconds": list(self.move_seconds), "move_part_max_s": self.move_part_max_s,
                 "rank_expert_rows": list(self.rank_expert_rows),
-                "rank_expert_seconds": list(self.rank_expert_seconds)}
+                "rank_expert_seconds": list(self.rank_expert_seconds),
+                "rank_block_seconds": list(self.rank_block_seconds)}
 
 
 class EplbSchedule:
