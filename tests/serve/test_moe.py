@@ -73,3 +73,11 @@ def test_pools_of_different_expert_parallel_sizes_give_the_colocated_tokens(ray_
     assert after["num_remote_pulls"] == before["num_remote_pulls"] + 1
     assert after["num_recompute_fallbacks"] == before["num_recompute_fallbacks"]
     assert len(after["tp_ranks"]) == decode_ep and len(pool_stats("PrefillServer")[0]["tp_ranks"]) == prefill_ep
+    if decode_ep > 1:  # rebalanced on demand through the deployment's handle: the next tokens are the same
+        from ray import serve
+
+        decode = serve.get_deployment_handle("DecodeServer", "pd")
+        decode.rebalance_experts.remote().result()
+        assert _generate(prompt) == expected.token_ids
+        [stats] = pool_stats("DecodeServer")
+        assert stats["expert_moves"] >= 1 and 0 < stats["expert_balancedness"] <= 1
