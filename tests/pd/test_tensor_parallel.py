@@ -87,10 +87,12 @@ def test_sizes_that_cannot_split_the_model_are_refused(checkpoint):
 
 
 @pytest.mark.integration  # a worker process per rank
-def test_a_dead_worker_fails_the_engine_at_once_and_never_hangs(checkpoint):
-    """A worker killed between steps: the next step raises naming the rank (its group sockets close),
-    well inside the collective timeout; closing reaps everything."""
-    llm = LLM(str(checkpoint("llama")), num_blocks=32, tensor_parallel_size=2, tensor_parallel_timeout_s=30)
+@pytest.mark.parametrize("kind, ranks", [("llama", {"tensor_parallel_size": 2}),
+                                         ("qwen3_moe", {"expert_parallel_size": 2})])
+def test_a_dead_worker_fails_the_engine_at_once_and_never_hangs(checkpoint, kind, ranks):
+    """A worker killed between steps (of a tensor- or expert-parallel engine): the next step raises naming
+    the rank (its group sockets close), well inside the collective timeout; closing reaps everything."""
+    llm = LLM(str(checkpoint(kind)), num_blocks=32, tensor_parallel_timeout_s=30, **ranks)
     try:
         assert len(llm.generate([prompts()[0]], GREEDY)[0].token_ids) == MAX_NEW
         launcher = llm.engine.runner.workers.launcher
