@@ -80,7 +80,7 @@ class ExpertParallel:
             raise ValueError(f"{model.moe.num_experts} experts plus {self.num_redundant_experts} redundant ones "
                              f"({physical}) do not divide over {self.size} expert-parallel ranks")
         if attention_split:
-            check_tp(model, self.size)
+            check_tp(model, self.size, experts=False)
 
 
 def all_to_all_bytes_per_token(model: ModelConfig, size: int, dtype_bytes: int = 2) -> float:

@@ -21,7 +21,7 @@ from transfer.wire import LayoutFingerprint, TransportKind
 def num_pool_blocks(config: EngineConfig, model: ModelConfig, transport: KVTransport | None) -> int:
     """The pool's blocks (per rank: each holds its heads), after the checks a tensor- or expert-parallel
     split needs."""
-    check_tp(model, config.tensor_parallel_size)
+    check_tp(model, config.tensor_parallel_size, experts=config.expert_parallel_size == 1)
     check_ep(model, config.expert_parallel_size, config.num_redundant_experts)
     if config.num_ranks > 1 and transport is not None and transport.kind is not TransportKind.NIXL:
         raise ValueError(f"the {transport.kind.value} transport moves whole blocks to one rank only; "

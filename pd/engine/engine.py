@@ -368,7 +368,7 @@ class LLMEngine:
 
     def sync_expert_stats(self) -> None:
         """Fresh ``expert_stats`` from the next step on (they are otherwise synced every
-        ``pd.engine.ep.dispatch.LOAD_SYNC_STEPS`` steps and at each rebalance)."""
+        ``pd.engine.ep.schedule.LOAD_SYNC_STEPS`` steps and at each rebalance)."""
         self.runner.sync_expert_stats()
 
     def expert_stats(self) -> dict:

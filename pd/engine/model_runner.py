@@ -17,7 +17,8 @@ import torch
 import kernels
 from pd.config import EngineConfig
 from pd.engine.cuda_graphs import DecodeGraphs
-from pd.engine.ep.dispatch import EplbSchedule, ExpertParallel, check_ep
+from pd.engine.ep.dispatch import ExpertParallel, check_ep
+from pd.engine.ep.schedule import EplbSchedule
 from pd.engine.kv_layout import kv_pool, layer_views
 from pd.engine.logprobs import PromptLogprob, TopLogprobs, prompt_logprobs
 from pd.engine.outputs import ForwardInput, ForwardOutput, SchedulerOutput
@@ -133,11 +134,10 @@ class ModelRunner:
         self.experts: ExpertParallel | None = None
         self.eplb: EplbSchedule | None = None  # the driver's: when the ranks rebalance
         try:
-            self.local_config = shard.local_config(model_config)
+            self.local_config = shard.local_config(model_config, experts=config.expert_parallel_size == 1)
             held = None
             if config.expert_parallel_size > 1:
                 self.experts = ExpertParallel.for_model(group, model_config, config, self.device)
-                self.local_config = dataclasses.replace(self.local_config, moe=model_config.moe)  # experts whole
                 held = self.experts.held(self.experts.moe_layers[0])
                 if self.workers is not None:
                     self.eplb = EplbSchedule(self.experts.moe_layers, config.eplb_interval_steps)

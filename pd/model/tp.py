@@ -28,8 +28,9 @@ from dataclasses import dataclass
 from pd.model.config import ModelConfig
 
 
-def check_tp(config: ModelConfig, size: int) -> None:
-    """Raise ``ValueError`` naming the shape that ``size`` ranks cannot split."""
+def check_tp(config: ModelConfig, size: int, experts: bool = True) -> None:
+    """Raise ``ValueError`` naming the shape that ``size`` ranks cannot split (the experts' too, unless
+    ``experts`` is False: under expert parallelism each rank holds its experts whole)."""
     if size < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {size}")
     if config.num_heads % size:
@@ -41,7 +42,7 @@ def check_tp(config: ModelConfig, size: int) -> None:
     if config.intermediate_size % size:
         raise ValueError(f"tensor_parallel_size {size} does not divide the model's intermediate size "
                          f"{config.intermediate_size}")
-    moe = config.moe
+    moe = config.moe if experts else None
     if moe is not None and moe.intermediate_size % size:
         raise ValueError(f"tensor_parallel_size {size} does not divide the model's expert intermediate size "
                          f"{moe.intermediate_size}")
@@ -93,12 +94,13 @@ class TPShard:
         """Rows every rank's vocabulary slice is padded to (equal, for the logits gather)."""
         return -(-config.vocab_size // self.size)
 
-    def local_config(self, config: ModelConfig) -> ModelConfig:
-        """The model as this rank runs it: its heads and MLP slices (the vocabulary stays whole)."""
-        check_tp(config, self.size)
+    def local_config(self, config: ModelConfig, experts: bool = True) -> ModelConfig:
+        """The model as this rank runs it: its heads and MLP slices (the vocabulary stays whole); its experts'
+        slices too, unless ``experts`` is False (expert parallelism: each expert whole)."""
+        check_tp(config, self.size, experts)
         kv_start, kv_stop = self.kv_heads(config)
         moe = config.moe
-        if moe is not None:
+        if moe is not None and experts:
             moe = dataclasses.replace(moe, intermediate_size=moe.intermediate_size // self.size,
                                       shared_expert_intermediate_size=moe.shared_expert_intermediate_size // self.size)
         return dataclasses.replace(
@@ -119,8 +121,8 @@ def kv_head_sources(config: ModelConfig, source_size: int, dest: TPShard) -> lis
     of them, chosen by ``dest.rank`` so that destination ranks spread their
     reads. Either split must be valid for the model (``check_tp``).
     """
-    check_tp(config, source_size)
-    check_tp(config, dest.size)
+    check_tp(config, source_size, experts=False)
+    check_tp(config, dest.size, experts=False)
     kv = config.num_kv_heads
     start, stop = dest.kv_heads(config)
     runs, head = [], start

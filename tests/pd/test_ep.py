@@ -11,9 +11,10 @@ import torch
 
 from pd import LLM, SamplingParams
 from pd.config import EngineConfig
-from pd.engine.ep.dispatch import EplbSchedule, ExpertParallel, initial_placement, token_slice
+from pd.engine.ep.dispatch import ExpertParallel, initial_placement, token_slice
 from pd.engine.ep.moves import Move, align, plan_moves, receives, sends
 from pd.engine.ep.placement import Placement, rebalance
+from pd.engine.ep.schedule import EplbSchedule
 from pd.engine.tp.group import TPGroup
 from pd.model.config import MoeConfig
 from pd.model.linear import make_linear

@@ -28,9 +28,10 @@ every rank every token's output. Per MoE layer a rank makes four collectives
 activations per token of its slice to dispatch, and receives as many back.
 
 **Rebalancing** (``sync_load``, ``move_layer``) is collective too: the driver
-asks for it between steps (``EplbSchedule``) and every rank runs it at the same
-point. The ranks all-reduce their load counts, so each computes the same new
-placement, then move one layer's expert weights in one all-to-all per weight.
+asks for it between steps (``pd.engine.ep.schedule``) and every rank runs it
+at the same point. The ranks all-reduce their load counts, so each computes
+the same new placement, then move a layer's experts a few at a time, one
+all-to-all per weight (``pd.engine.ep.moves``).
 """
 
 from __future__ import annotations
@@ -44,13 +45,10 @@ import torch
 import kernels
 from pd.config import EPLB_WINDOW_BUCKETS
 from pd.engine.ep.load import ExpertLoad
-from pd.engine.ep.moves import Move, align, plan_moves, receives, sends
+from pd.engine.ep.moves import Move, StagedMove, align, receives, sends
 from pd.engine.ep.placement import Placement, balancedness, check_placement_args, rebalance, static_placement
 from pd.model.config import ModelConfig, MoeConfig
 from pd.model.moe import MoeWeights
-
-# Every this many steps the driver has the ranks add up their expert loads, for the metrics.
-LOAD_SYNC_STEPS = 64
 
 
 class ExpertGroup(Protocol):
@@ -107,42 +105,6 @@ class _Table:
                    torch.tensor([len(r) for r in ids], dtype=torch.int64, device=device))
 
 
-@dataclass
-class _StagedMove:
-    """A layer's move under way: its new placement, the moves between ranks, and the experts this rank has
-    received so far (only those: the layer keeps running on its weights as they are until the last part)."""
-
-    layer: int
-    new: Placement
-    moves: list[Move]
-    cross: list[Move]  # between ranks, in (destination rank, slot) order: the same list on every rank
-    rows: dict[tuple[int, int], int]  # (source rank, destination slot) of each move into this rank -> row
-    w13: torch.Tensor  # [moves into this rank, 2I, H]
-    w2: torch.Tensor
-    done: int = 0  # of ``cross``, carried out
-    seconds: float = 0.0
-
-    @classmethod
-    def start(cls, layer: int, old: Placement, new: Placement, weights: MoeWeights, rank: int) -> "_StagedMove":
-        moves = plan_moves(old, new)
-        cross = [m for m in moves if m.src_rank != m.dst_rank]
-        into = [m for m in cross if m.dst_rank == rank]
-        shape = (len(into),)
-        return cls(layer, new, moves, cross, {(m.src_rank, m.dst_slot): i for i, m in enumerate(into)},
-                   weights.w13.new_empty(shape + weights.w13.shape[1:]), weights.w2.new_empty(shape + weights.w2.shape[1:]))
-
-    def install(self, weights: MoeWeights, rank: int) -> None:
-        """Write the new placement's experts into this rank's slots whose expert changes (every part done)."""
-        local = [(m.dst_slot, m.src_slot) for m in self.moves
-                 if m.src_rank == m.dst_rank == rank and m.src_slot != m.dst_slot]
-        for weight, staged in ((weights.w13, self.w13), (weights.w2, self.w2)):
-            copies = [(slot, weight[src].clone()) for slot, src in local]  # a kept expert's second replica
-            for (_, slot), row in self.rows.items():
-                weight[slot] = staged[row]
-            for slot, value in copies:
-                weight[slot] = value
-
-
 class ExpertParallel:
     """One rank's side of expert parallelism: the placements, the load window, the MoE block's all-to-alls."""
 
@@ -158,7 +120,7 @@ class ExpertParallel:
         self.load = ExpertLoad(num_layers, num_experts, window_steps, window_buckets, device)
         self.global_load: torch.Tensor | None = None  # the ranks' loads added up, as of the last sync
         self.move_seconds: list[float] = []  # each layer move's time on this rank, the latest last
-        self._staged: _StagedMove | None = None  # a layer's move under way
+        self._staged: StagedMove | None = None  # a layer's move under way
         self.move_part_max_s = 0.0  # the longest any one step waited for a part of a move
         # This rank's own experts' work, cumulative: the rows they ran and (on CPU, where it is the
         # compute's) the seconds; every rank's as of the last sync, for finding the slowest.
@@ -226,8 +188,7 @@ class ExpertParallel:
         send_counts = torch.bincount(physical, minlength=size * slots)
         recv_counts = torch.empty_like(send_counts)
         self.group.all_to_all(recv_counts, send_counts, [], [])
-        send_splits = send_counts.view(size, slots).sum(dim=1).tolist()
-        recv_splits = recv_counts.view(size, slots).sum(dim=1).tolist()
+        send_splits, recv_splits = torch.stack([send_counts, recv_counts]).view(2, size, slots).sum(dim=2).tolist()
         received = x.new_empty(sum(recv_splits), hidden)
         self.group.all_to_all(received, x[order // top_k], recv_splits, send_splits)
         local_ids = torch.arange(slots, device=x.device).repeat(size).repeat_interleave(recv_counts)
@@ -266,9 +227,8 @@ class ExpertParallel:
         experts between ranks this call (0: all). True once the layer runs on its new placement (at once
         when it stays); until then it runs on the old one, and the next call goes on where this one stopped.
 
-        The new weights are staged beside the old: a rank's own experts are copied at the first call, and
-        each call's share of the others arrives in one all-to-all per weight, so a step waits for at most
-        ``max_moves`` experts' bytes.
+        Only the arriving experts are staged (``StagedMove``); each call's share arrives in one all-to-all
+        per weight, so a step waits for at most ``max_moves`` experts' bytes.
         """
         started = time.perf_counter()
         staged = self._staged
@@ -280,7 +240,7 @@ class ExpertParallel:
             new = align(old, rebalance(load, self.group.size, self.num_redundant))
             if new == old:
                 return True
-            staged = self._staged = _StagedMove.start(layer, old, new, weights, self.group.rank)
+            staged = self._staged = StagedMove.start(layer, old, new, weights, self.group.rank)
         chunk = staged.cross[staged.done:staged.done + max_moves] if max_moves else staged.cross[staged.done:]
         for weight, into in ((weights.w13, staged.w13), (weights.w2, staged.w2)):
             self._exchange_weights(chunk, weight, into, staged.rows)
@@ -324,52 +284,3 @@ class ExpertParallel:
                 "rank_expert_rows": list(self.rank_expert_rows),
                 "rank_expert_seconds": list(self.rank_expert_seconds),
                 "rank_block_seconds": list(self.rank_block_seconds)}
-
-
-class EplbSchedule:
-    """The driver's side: when the ranks sync their loads and which layer moves before each step.
-
-    A round (every ``interval_steps`` steps, or when ``request`` asks) syncs the loads once, then moves
-    the MoE layers one after another, a part of one layer before each step (``again`` keeps a layer whose
-    move is not done), so no step waits for more than one part of one layer's move.
-    """
-
-    def __init__(self, moe_layers: list[int], interval_steps: int, load_sync_steps: int = LOAD_SYNC_STEPS):
-        self.moe_layers = moe_layers
-        self.interval_steps = interval_steps
-        self.load_sync_steps = load_sync_steps
-        self.steps = 0
-        self._since_round = 0
-        self._pending: list[int] = []
-        self._requested = False
-        self._sync_requested = False
-
-    def request(self) -> None:
-        """Rebalance at the next step (every layer, one a step)."""
-        self._requested = True
-
-    def request_sync(self) -> None:
-        """Sync the loads at the next step (fresh statistics)."""
-        self._sync_requested = True
-
-    @property
-    def in_round(self) -> bool:
-        return bool(self._pending)
-
-    def again(self, layer: int) -> None:
-        """``layer``'s move went only part of the way: it goes on before the next step."""
-        self._pending.insert(0, layer)
-
-    def next_op(self) -> tuple[bool, int | None]:
-        """``(sync the loads, the layer to move)`` before this step; ``(False, None)`` for nothing."""
-        self.steps += 1
-        self._since_round += 1
-        if not self._pending and (self._requested or 0 < self.interval_steps <= self._since_round):
-            self._requested = False
-            self._since_round = 0
-            self._pending = list(self.moe_layers)
-            return True, self._pending.pop(0)
-        if self._pending:
-            return False, self._pending.pop(0)
-        sync, self._sync_requested = self._sync_requested or self.steps % self.load_sync_steps == 0, False
-        return sync, None

@@ -5,14 +5,17 @@ own old slot; any other comes from a rank that held it, chosen by the
 destination's rank among the old replicas (so several ranks fetching one hot
 expert spread their reads). ``sends`` and ``receives`` order a rank's moves the
 same way on both ends (by peer, then destination slot), which is the order one
-all-to-all carries them in.
+all-to-all carries them in. ``StagedMove`` is one layer's move under way.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from pd.engine.ep.placement import Placement
+from pd.model.moe import MoeWeights
 
 
 @dataclass(frozen=True)
@@ -78,3 +81,39 @@ def receives(moves: list[Move], rank: int, num_ranks: int) -> list[list[Move]]:
         if move.dst_rank == rank and move.src_rank != rank:
             out[move.src_rank].append(move)
     return [sorted(part, key=lambda m: m.dst_slot) for part in out]
+
+
+@dataclass
+class StagedMove:
+    """A layer's move under way: its new placement, the moves between ranks, and the experts this rank has
+    received so far (only those: the layer keeps running on its weights as they are until the last part)."""
+
+    layer: int
+    new: Placement
+    moves: list[Move]
+    cross: list[Move]  # between ranks, in (destination rank, slot) order: the same list on every rank
+    rows: dict[tuple[int, int], int]  # (source rank, destination slot) of each move into this rank -> row
+    w13: torch.Tensor  # [moves into this rank, 2I, H]
+    w2: torch.Tensor
+    done: int = 0  # of ``cross``, carried out
+    seconds: float = 0.0
+
+    @classmethod
+    def start(cls, layer: int, old: Placement, new: Placement, weights: MoeWeights, rank: int) -> "StagedMove":
+        moves = plan_moves(old, new)
+        cross = [m for m in moves if m.src_rank != m.dst_rank]
+        into = [m for m in cross if m.dst_rank == rank]
+        shape = (len(into),)
+        return cls(layer, new, moves, cross, {(m.src_rank, m.dst_slot): i for i, m in enumerate(into)},
+                   weights.w13.new_empty(shape + weights.w13.shape[1:]), weights.w2.new_empty(shape + weights.w2.shape[1:]))
+
+    def install(self, weights: MoeWeights, rank: int) -> None:
+        """Write the new placement's experts into this rank's slots whose expert changes (every part done)."""
+        local = [(m.dst_slot, m.src_slot) for m in self.moves
+                 if m.src_rank == m.dst_rank == rank and m.src_slot != m.dst_slot]
+        for weight, staged in ((weights.w13, self.w13), (weights.w2, self.w2)):
+            copies = [(slot, weight[src].clone()) for slot, src in local]  # a kept expert's second replica
+            for (_, slot), row in self.rows.items():
+                weight[slot] = staged[row]
+            for slot, value in copies:
+                weight[slot] = value
