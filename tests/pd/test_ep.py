@@ -16,9 +16,10 @@ from pd.engine.ep.moves import Move, align, plan_moves, receives, sends
 from pd.engine.ep.placement import Placement, rebalance
 from pd.engine.ep.schedule import EplbSchedule
 from pd.engine.tp.group import TPGroup
-from pd.model.config import MoeConfig
+from pd.model.config import MoeConfig, model_config_from_dict
 from pd.model.linear import make_linear
 from pd.model.moe import MoeWeights, moe_block
+from pd.model.tp import TPShard, check_tp
 from tests.reference import assert_greedy_match, hf_greedy
 
 CPU = torch.device("cpu")
@@ -212,6 +213,16 @@ def test_eplb_schedule_syncs_once_then_moves_a_layer_a_step():
     assert schedule.next_op() == (True, 0)
     schedule.again(0)  # its move went part of the way
     assert [schedule.next_op() for _ in range(2)] == [(False, 0), (True, None)]  # then the periodic sync
+
+
+def test_experts_held_whole_need_not_divide_the_attention_split():
+    config = model_config_from_dict({"architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 32, "hidden_size": 16,
+                                     "intermediate_size": 24, "num_hidden_layers": 2, "num_attention_heads": 2,
+                                     "num_key_value_heads": 2, "moe_intermediate_size": 9, "num_experts": 4,
+                                     "num_experts_per_tok": 2})
+    with pytest.raises(ValueError, match="expert intermediate size 9"):
+        check_tp(config, 2)
+    assert TPShard(1, 2).local_config(config, experts=False).moe.intermediate_size == 9
 
 
 def test_initial_placement_is_contiguous_and_fills_redundant_slots_evenly():
