@@ -93,7 +93,7 @@ class ExpertParallelPrediction:
 def predict_expert_parallel(measured: CostModel, model: ModelConfig, size: int = 2, *, attention_split: bool,
                             link_bytes_per_s: float, latency_s: float, memory_bytes_per_s: float | None = None,
                             dtype_bytes: int = 2, balancedness: float = 1.0,
-                            compute_slowdown: float = 1.0) -> ExpertParallelPrediction:
+                            compute_slowdown: float = 1.0, dispatch: str = "all_reduce") -> ExpertParallelPrediction:
     """The busiest rank's step at ``size`` expert-parallel ranks on the CPU ``measured`` ran on (see the module)."""
     moe = model.moe
     if moe is None or not moe.num_moe_layers:
@@ -113,4 +113,5 @@ def predict_expert_parallel(measured: CostModel, model: ModelConfig, size: int =
         measured=measured, size=size, expert_flop_share=routed_params_per_token(model) / num_active_params(model),
         attention_split=attention_split, balancedness=balancedness, compute_slowdown=compute_slowdown, reads=reads,
         collectives=collectives(model, size, link_bytes_per_s, latency_s, attention_split=attention_split,
+                                dispatch=dispatch,
                                 dtype_bytes=dtype_bytes) if size > 1 else None)

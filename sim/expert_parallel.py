@@ -27,6 +27,12 @@ all-reduced once; each rank's logits (fp32, V/n columns) are gathered to rank 0.
 step a rank's slice is 1/n of a token (``token_slice`` gives the last ranks one fewer when n does
 not divide T; the expectation is priced).
 
+``dispatch="all_reduce"`` (the engine's default, ``EngineConfig.expert_dispatch``) prices the other
+way the engine reaches the experts: each rank decides its slice's routing, one all-gather gives every
+rank every decision (k ids and weights a token: 16 k bytes), and each rank runs the pairs whose expert
+it holds on the rows it already has; the block's all-reduce then sums them. Per MoE layer that is the
+all-gather and the all-reduce in place of the split sizes, the dispatch and the combine.
+
 ``attention_split=False`` prices the other layout (``tensor_parallel_size`` 1: every rank runs the
 whole batch's attention and dense layers): per MoE layer the split sizes' exchange, the dispatch, the
 combine and the block's all-reduce, and nothing else.
@@ -41,6 +47,8 @@ from pd.model.tp import check_tp
 from sim.cost import Collectives
 
 LOGITS_BYTES = 4  # the logits are gathered in fp32 (pd.engine.tp.group.TPGroup.gather_logits)
+DECISION_BYTES = 16  # an expert id and its weight, float64 each, in the all_reduce dispatch's all-gather
+DISPATCHES = ("all_to_all", "all_reduce")  # pd.engine.ep.dispatch.DISPATCHES
 
 
 @dataclass(frozen=True)
@@ -60,8 +68,11 @@ class ExpertParallel:
     size: int = 1
     num_redundant_experts: int = 0
     balancedness: float = 1.0
+    dispatch: str = "all_reduce"  # as ``EngineConfig.expert_dispatch``
 
     def __post_init__(self) -> None:
+        if self.dispatch not in DISPATCHES:
+            raise ValueError(f"dispatch must be one of {DISPATCHES}, got {self.dispatch!r}")
         if self.size < 1 or self.num_redundant_experts < 0 or not 0 < self.balancedness <= 1:
             raise ValueError(f"expert parallelism needs size >= 1, num_redundant_experts >= 0 and balancedness "
                              f"in (0, 1], got {self}")
@@ -97,26 +108,30 @@ def all_reduce_bytes_per_token(model: ModelConfig, size: int, dtype_bytes: int =
 
 
 def collectives(model: ModelConfig, size: int, link_bytes_per_s: float, latency_s: float, *,
-                attention_split: bool = True, dtype_bytes: int = 2) -> Collectives:
+                attention_split: bool = True, dtype_bytes: int = 2, dispatch: str = "all_reduce") -> Collectives:
     """One step's traffic between a replica's ``size`` ranks, on one rank (the module's account).
 
     Per token of the step a rank's slice holds 1/size of a token, so it sends
-    ``all_to_all_bytes_per_token / size`` per MoE layer; the all-reduces carry
-    every token.
+    ``all_to_all_bytes_per_token / size`` per MoE layer (``dispatch="all_to_all"``), or
+    ``DECISION_BYTES * k * (size-1)/size`` of routing decisions (``"all_reduce"``); the all-reduces
+    carry every token.
     """
     moe = model.moe
     num_moe = moe.num_moe_layers if moe is not None else 0
     num_dense = model.num_layers - num_moe
-    a2a = all_to_all_bytes_per_token(model, size, dtype_bytes) / size if num_moe else 0.0
     all_reduce = all_reduce_bytes_per_token(model, size, dtype_bytes)
+    if dispatch == "all_to_all":  # the split sizes, dispatch, combine
+        reach, reach_bytes = 3, all_to_all_bytes_per_token(model, size, dtype_bytes) / size if num_moe else 0.0
+    else:  # the all-gather of the routing decisions
+        reach, reach_bytes = 1, DECISION_BYTES * moe.top_k * (size - 1) / size if num_moe else 0.0
     if attention_split:
-        # MoE layer: attention's all-reduce, the split sizes, dispatch, combine, the block's all-reduce;
-        # dense layer: two all-reduces; the embedding's all-reduce; the logits' gather.
+        # MoE layer: attention's all-reduce, reaching the experts, the block's all-reduce; dense layer: two
+        # all-reduces; the embedding's all-reduce; the logits' gather.
         return Collectives(
-            num_collectives=5 * num_moe + 2 * num_dense + 2,
-            bytes_per_token=num_moe * (a2a + 2 * all_reduce) + (2 * num_dense + 1) * all_reduce,
+            num_collectives=(reach + 2) * num_moe + 2 * num_dense + 2,
+            bytes_per_token=num_moe * (reach_bytes + 2 * all_reduce) + (2 * num_dense + 1) * all_reduce,
             bytes_per_sample=LOGITS_BYTES * model.vocab_size * (size - 1) / size,
             link_bytes_per_s=link_bytes_per_s, latency_s=latency_s)
-    # Attention whole on every rank: per MoE layer the split sizes, dispatch, combine, the block's all-reduce.
-    return Collectives(num_collectives=4 * num_moe, bytes_per_token=num_moe * (a2a + all_reduce),
+    # Attention whole on every rank: per MoE layer reaching the experts and the block's all-reduce.
+    return Collectives(num_collectives=(reach + 1) * num_moe, bytes_per_token=num_moe * (reach_bytes + all_reduce),
                        bytes_per_sample=0.0, link_bytes_per_s=link_bytes_per_s, latency_s=latency_s)

@@ -241,7 +241,8 @@ def analytic_cost(model: ModelConfig, hardware: Hardware, efficiency: Efficiency
         per_host_byte_s=1 / hardware.host_link_bytes_per_s,
         source=source,
         experts=experts,
-        collectives=collectives(model, n, hardware.nvlink_bytes_per_s / 2, efficiency.collective_latency_s)
+        collectives=collectives(model, n, hardware.nvlink_bytes_per_s / 2, efficiency.collective_latency_s,
+                                dispatch=parallel.dispatch)
         if n > 1 else None,
     )
 

@@ -100,6 +100,12 @@ class EngineConfig:
     expert_parallel_size: int = 1
     # Replicas beyond one per expert, given to the busiest experts by EPLB (pd.engine.ep.placement).
     num_redundant_experts: int = 0
+    # How an MoE block reaches the experts on other ranks (pd.engine.ep.dispatch): "all_reduce" runs
+    # each (token, expert) pair on the rank holding its expert, from the row that rank already has
+    # (every rank holds every token's row, attention being split and all-reduced or whole on each),
+    # after one all-gather of the routing; "all_to_all" sends each pair's row to its expert's rank and
+    # back, two more collectives and twice the bytes before the block's all-reduce.
+    expert_dispatch: Literal["all_to_all", "all_reduce"] = "all_reduce"
     # Steps between rebalances of the expert placement, from each expert's load over the last
     # eplb_window_steps steps; 0: only on demand (LLMEngine.rebalance_experts).
     eplb_interval_steps: int = 0
@@ -141,6 +147,8 @@ class EngineConfig:
             raise ValueError(f"expert_parallel_size {ep} with tensor_parallel_size {tp}: attention runs on the "
                              f"expert-parallel ranks, split over all of them (tensor_parallel_size {ep}) or whole on "
                              "each (tensor_parallel_size 1)")
+        if self.expert_dispatch not in ("all_to_all", "all_reduce"):
+            raise ValueError(f"expert_dispatch must be all_to_all or all_reduce, got {self.expert_dispatch!r}")
         if self.num_redundant_experts < 0:
             raise ValueError(f"num_redundant_experts must be >= 0, got {self.num_redundant_experts}")
         if self.num_redundant_experts and ep == 1:

@@ -76,9 +76,10 @@ CONFIG = MoeConfig(num_experts=EXPERTS, top_k=TOP_K, intermediate_size=INTER, re
                    layers=(True,))
 
 
-def ep_outputs(size: int, full: MoeWeights, hidden: torch.Tensor, num_tokens: int, redundant: int = 0) -> list:
+def ep_outputs(size: int, full: MoeWeights, hidden: torch.Tensor, num_tokens: int, redundant: int = 0,
+               dispatch: str = "all_to_all") -> list:
     def body(group):
-        ep = ExpertParallel(group, 1, [0], EXPERTS, redundant, 8, 8, CPU)
+        ep = ExpertParallel(group, 1, [0], EXPERTS, redundant, 8, 8, CPU, dispatch)
         out = ep.moe_block(0, rank_weights(full, ep.held(0)), CONFIG, hidden, num_tokens, "cpu")
         return out, ep.load.counts()[0].clone()
     return run_ranks(size, body)
@@ -91,17 +92,18 @@ def test_token_slices_cover_the_batch_once_and_may_be_empty():
     assert [token_slice(7, r, 4) for r in range(4)] == [(0, 2), (2, 4), (4, 6), (6, 7)]
 
 
+@pytest.mark.parametrize("dispatch", ["all_to_all", "all_reduce"])
 @pytest.mark.parametrize("num_tokens, rows, size, redundant, shared", [
     (5, 5, 2, 0, False),  # uneven slices: 3 and 2 tokens
     (1, 1, 2, 0, False),  # rank 1 routes nothing, still serves its experts
     (6, 8, 2, 2, True),  # padding rows after the batch, replicas, a shared expert
     (7, 7, 4, 0, False),  # four ranks: the last slice shorter
 ])
-def test_dispatch_and_combine_equal_one_rank(num_tokens, rows, size, redundant, shared):
+def test_dispatch_and_combine_equal_one_rank(num_tokens, rows, size, redundant, shared, dispatch):
     full = full_weights(shared=shared)
     hidden = torch.randn(rows, HIDDEN, generator=torch.Generator().manual_seed(1))
     expected = moe_block(full, CONFIG, hidden, num_tokens, "cpu")
-    results = ep_outputs(size, full, hidden, num_tokens, redundant)
+    results = ep_outputs(size, full, hidden, num_tokens, redundant, dispatch)
     for out, _ in results:
         torch.testing.assert_close(out[:num_tokens], expected[:num_tokens], rtol=1e-5, atol=1e-5)
         assert not out[num_tokens:].any()  # padding rows stay zero
@@ -249,6 +251,8 @@ def prompts(seed: int = 1):
     ("qwen3_moe", {}),
     ("mixtral", {"tensor_parallel_size": 2}),  # attention split over the expert-parallel ranks
     ("qwen2_moe", {"num_redundant_experts": 2}),  # a shared expert, replicas
+    ("qwen3_moe", {"expert_dispatch": "all_to_all", "num_redundant_experts": 2}),
+    ("qwen2_moe", {"expert_dispatch": "all_to_all", "tensor_parallel_size": 2}),
 ])
 def test_two_expert_parallel_ranks_match_hf(kind, options, checkpoint, hf_model):
     path = checkpoint(kind)
@@ -262,13 +266,14 @@ def test_two_expert_parallel_ranks_match_hf(kind, options, checkpoint, hf_model)
 
 
 @pytest.mark.integration
-def test_a_live_rebalance_mid_generation_keeps_the_tokens(checkpoint):
-    """Rebalances every 4 steps, one layer a step, while 3 streams decode: the tokens equal one rank's."""
+@pytest.mark.parametrize("dispatch", ["all_reduce", "all_to_all"])
+def test_a_live_rebalance_mid_generation_keeps_the_tokens(checkpoint, dispatch):
+    """Rebalances every 4 steps, an expert a step, while 3 streams decode: the tokens equal one rank's."""
     path = str(checkpoint("qwen3_moe"))
     with LLM(path, num_blocks=64, max_num_batched_tokens=32) as llm:
         expected = [out.token_ids for out in llm.generate(prompts(), GREEDY)]
     with LLM(path, num_blocks=64, max_num_batched_tokens=32, expert_parallel_size=2, num_redundant_experts=2,
-             eplb_interval_steps=4, eplb_window_steps=8) as llm:
+             eplb_interval_steps=4, eplb_window_steps=8, expert_dispatch=dispatch) as llm:
         got = [out.token_ids for out in llm.generate(prompts(), GREEDY)]
         stats = llm.engine.expert_stats()
         counters = llm.engine.stats()

@@ -63,7 +63,7 @@ def test_the_all_to_all_sends_top_k_activations_a_token_each_way_off_the_rank(tm
     assert all_to_all_bytes_per_token(model, 4) == 2 * 2 * 64 * 2 * 3 / 4 == 384
     assert all_to_all_bytes_per_token(model, 1) == 0
     assert all_reduce_bytes_per_token(model, 4) == 2 * 64 * 2 * 3 / 4 == 192
-    step = collectives(model, 4, link_bytes_per_s=1e9, latency_s=1e-5)
+    step = collectives(model, 4, link_bytes_per_s=1e9, latency_s=1e-5, dispatch="all_to_all")
     # Per MoE layer: attention's all-reduce, the split sizes' all-to-all, dispatch, combine and the block's
     # all-reduce; then the embedding's all-reduce and the logits' gather. A rank's slice is a quarter of
     # the step's tokens.
@@ -71,16 +71,25 @@ def test_the_all_to_all_sends_top_k_activations_a_token_each_way_off_the_rank(tm
     assert step.bytes_per_token == 2 * (384 / 4 + 2 * 192) + 192
     assert step.bytes_per_sample == 4 * 1000 * 3 / 4
     assert step.seconds(100, 3) == pytest.approx(12 * 1e-5 + (100 * 1152 + 3 * 3000) / 1e9)
-    whole = collectives(model, 4, link_bytes_per_s=1e9, latency_s=1e-5, attention_split=False)
+    whole = collectives(model, 4, link_bytes_per_s=1e9, latency_s=1e-5, attention_split=False, dispatch="all_to_all")
     assert (whole.num_collectives, whole.bytes_per_token, whole.bytes_per_sample) == (4 * 2, 2 * (96 + 192), 0)
+    # The engine's default: one all-gather of the routing (16 bytes a decision, k a token) in place of three.
+    step = collectives(model, 4, link_bytes_per_s=1e9, latency_s=1e-5)
+    assert step.num_collectives == 3 * 2 + 2
+    assert step.bytes_per_token == 2 * (16 * 2 * 3 / 4 + 2 * 192) + 192
+    whole = collectives(model, 4, link_bytes_per_s=1e9, latency_s=1e-5, attention_split=False)
+    assert (whole.num_collectives, whole.bytes_per_token) == (2 * 2, 2 * (24 + 192))
 
 
 def test_qwen3_30b_a3b_at_ep_8_sends_56_kib_a_token_of_its_slice_per_layer(qwen3):
     assert all_to_all_bytes_per_token(qwen3, 8) == 2 * 8 * 2048 * 2 * 7 / 8 == 57344
-    step = analytic_cost(qwen3, H200, parallel=ExpertParallel(8)).collectives
+    step = analytic_cost(qwen3, H200, parallel=ExpertParallel(8, dispatch="all_to_all")).collectives
     assert step.link_bytes_per_s == 450e9 and step.latency_s == 10e-6
     assert step.num_collectives == 5 * 48 + 2
     assert step.bytes_per_token == 48 * (57344 / 8 + 2 * 7168) + 7168 == 1039360
+    step = analytic_cost(qwen3, H200, parallel=ExpertParallel(8)).collectives  # all_reduce: 0.67x the bytes
+    assert step.num_collectives == 3 * 48 + 2
+    assert step.bytes_per_token == 48 * (16 * 8 * 7 / 8 + 2 * 7168) + 7168 == 700672
 
 
 def test_expert_parallelism_1_is_todays_pricing_exactly(qwen3):
@@ -198,7 +207,7 @@ def test_a_cpu_run_at_ep_2_is_predicted_from_its_ep_1_profile(tmp_path):
     assert 0 < share < 1 and parts.experts_s == pytest.approx(share * 1e-4 * 32) and parts.dense_s == 0
     assert parts.predicted_s == pytest.approx(parts.measured_s - parts.experts_s / 2)  # experts halved per rank
     loopback = predict_expert_parallel(measured, model, 2, attention_split=False, link_bytes_per_s=2e9,
-                                       latency_s=1e-4, memory_bytes_per_s=10e9)
+                                       latency_s=1e-4, memory_bytes_per_s=10e9, dispatch="all_to_all")
     parts = loopback.parts(shape)
     reads = loopback.reads.seconds(32)  # 2 layers of 8 experts (32 tokens touch nearly all), 12 KiB each
     assert reads == pytest.approx(2 * 8 * (1 - 0.75**32) * 2 * 3 * 64 * 32 / 10e9)

@@ -50,6 +50,10 @@ from pd.engine.ep.placement import Placement, balancedness, check_placement_args
 from pd.model.config import ModelConfig, MoeConfig
 from pd.model.moe import MoeWeights
 
+# How an MoE block reaches the experts: each pair's row sent to its expert's rank and back (all-to-alls),
+# or run where it already is, every rank holding every token's row (the decisions all-gathered).
+DISPATCHES = ("all_to_all", "all_reduce")
+
 
 class ExpertGroup(Protocol):
     """The collectives expert parallelism makes (``pd.engine.tp.group.TPGroup``)."""
@@ -61,6 +65,8 @@ class ExpertGroup(Protocol):
 
     def all_to_all(self, output: torch.Tensor, tensor: torch.Tensor, output_splits: list[int],
                    input_splits: list[int]) -> torch.Tensor: ...
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor: ...
 
 
 def check_ep(model: ModelConfig, size: int, num_redundant: int) -> None:
@@ -109,7 +115,11 @@ class ExpertParallel:
     """One rank's side of expert parallelism: the placements, the load window, the MoE block's all-to-alls."""
 
     def __init__(self, group: ExpertGroup, num_layers: int, moe_layers: list[int], num_experts: int,
-                 num_redundant: int, window_steps: int, window_buckets: int, device: torch.device):
+                 num_redundant: int, window_steps: int, window_buckets: int, device: torch.device,
+                 dispatch: str = "all_reduce"):
+        if dispatch not in DISPATCHES:
+            raise ValueError(f"expert_dispatch must be one of {DISPATCHES}, got {dispatch!r}")
+        self.dispatch = dispatch
         self.group = group
         self.num_experts = num_experts
         self.num_redundant = num_redundant
@@ -137,7 +147,7 @@ class ExpertParallel:
         check_ep(model, group.size, config.num_redundant_experts)
         moe_layers = [i for i in range(model.num_layers) if model.is_moe_layer(i)]
         return cls(group, model.num_layers, moe_layers, model.moe.num_experts, config.num_redundant_experts,
-                   config.eplb_window_steps, EPLB_WINDOW_BUCKETS, device)
+                   config.eplb_window_steps, EPLB_WINDOW_BUCKETS, device, config.expert_dispatch)
 
     @property
     def slots_per_rank(self) -> int:
@@ -164,12 +174,16 @@ class ExpertParallel:
         else:  # no tokens here; the all-to-alls still bring this rank's experts their rows
             topk_weights = torch.empty(0, config.top_k, device=x.device)
             topk_ids = torch.empty(0, config.top_k, dtype=torch.int64, device=x.device)
-        routed = self._exchange(layer, weights, x, topk_ids, topk_weights.to(hidden.dtype), start, backend)
         out = hidden.new_zeros(hidden.shape)
+        if self.dispatch == "all_to_all":
+            out[start:stop] = self._exchange(layer, weights, x, topk_ids, topk_weights.to(hidden.dtype), start,
+                                             backend)
+        else:
+            self._local_pairs(layer, weights, hidden, num_tokens, topk_ids, topk_weights.to(hidden.dtype), out,
+                              backend)
         if weights.shared_gate_up is not None and stop > start:
             shared = weights.shared_down(kernels.silu_and_mul(weights.shared_gate_up(x), backend=backend))
-            routed = routed + shared.mul_(torch.sigmoid(weights.shared_expert_gate(x)))
-        out[start:stop] = routed
+            out[start:stop] += shared.mul_(torch.sigmoid(weights.shared_expert_gate(x)))
         out = self.group.all_reduce(out)
         self.block_seconds += time.perf_counter() - started
         return out
@@ -194,18 +208,44 @@ class ExpertParallel:
         local_ids = torch.arange(slots, device=x.device).repeat(size).repeat_interleave(recv_counts)
         outputs = x.new_empty(sum(recv_splits), hidden)
         if outputs.shape[0]:
-            started = time.perf_counter()
-            compute = weights.compute_dtype
-            ones = torch.ones(outputs.shape[0], 1, dtype=compute, device=x.device)
-            outputs = kernels.fused_moe(received.to(compute), weights.w13, weights.w2, local_ids[:, None], ones,
-                                        backend=backend).to(x.dtype)
-            self.expert_rows += outputs.shape[0]
-            self.expert_seconds += time.perf_counter() - started
+            ones = torch.ones(outputs.shape[0], dtype=x.dtype, device=x.device)
+            outputs = self._run_experts(weights, received, local_ids, ones, backend)
         back = x.new_empty(order.shape[0], hidden)
         self.group.all_to_all(back, outputs, send_splits, recv_splits)
         pairs = torch.empty_like(back)
         pairs[order] = back
         return (pairs.view(num_tokens, top_k, hidden) * topk_weights.unsqueeze(-1)).sum(dim=1)
+
+    def _local_pairs(self, layer: int, weights: MoeWeights, hidden: torch.Tensor, num_tokens: int,
+                     topk_ids: torch.Tensor, topk_weights: torch.Tensor, out: torch.Tensor, backend: str) -> None:
+        """``expert_dispatch: all_reduce``: every rank learns every token's routing (one all-gather of the
+        slices' decisions, each made by one rank), runs the pairs whose replica it holds on the rows it
+        already has, and adds their weighted outputs into ``out`` (the block's all-reduce sums the ranks)."""
+        size, top_k, per = self.group.size, topk_ids.shape[1], -(-num_tokens // self.group.size)
+        decisions = torch.zeros(per, top_k, 2, dtype=torch.float64, device=hidden.device)
+        decisions[:topk_ids.shape[0], :, 0] = topk_ids
+        decisions[:topk_ids.shape[0], :, 1] = topk_weights
+        every = self.group.all_gather(decisions).view(size * per, top_k, 2)[:num_tokens]
+        experts, pair_weights = every[..., 0].long().reshape(-1), every[..., 1].to(hidden.dtype).reshape(-1)
+        table, slots = self.tables[layer], self.slots_per_rank
+        token = torch.arange(num_tokens, device=hidden.device).repeat_interleave(top_k)
+        physical = table.replicas[experts, token % table.counts[experts]]
+        mine = torch.nonzero(torch.div(physical, slots, rounding_mode="floor") == self.group.rank).squeeze(1)
+        if mine.numel():
+            rows = token[mine]
+            outputs = self._run_experts(weights, hidden[rows], physical[mine] % slots, pair_weights[mine], backend)
+            out.index_add_(0, rows, outputs)
+
+    def _run_experts(self, weights: MoeWeights, rows: torch.Tensor, local_ids: torch.Tensor,
+                     row_weights: torch.Tensor, backend: str) -> torch.Tensor:
+        """Each row through its one local expert, times its weight (``kernels.fused_moe``, top-1)."""
+        started = time.perf_counter()
+        compute = weights.compute_dtype
+        outputs = kernels.fused_moe(rows.to(compute), weights.w13, weights.w2, local_ids[:, None],
+                                    row_weights[:, None].to(compute), backend=backend).to(rows.dtype)
+        self.expert_rows += outputs.shape[0]
+        self.expert_seconds += time.perf_counter() - started
+        return outputs
 
     def end_step(self) -> None:
         self.load.end_step()

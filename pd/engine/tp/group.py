@@ -51,6 +51,12 @@ class TPGroup:
                                dist.AllToAllOptions()).wait()
         return output
 
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``tensor`` (the same shape on each), stacked in rank order: ``[size, *shape]``."""
+        parts = [torch.empty_like(tensor) for _ in range(self.size)]
+        self._pg.allgather([parts], [tensor.contiguous()]).wait()
+        return torch.stack(parts)
+
     def gather_logits(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
         """Every rank's vocabulary slice side by side on rank 0, ``[rows, vocab_size]``; elsewhere ``logits``."""
         logits = logits.contiguous()
