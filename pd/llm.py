@@ -26,8 +26,8 @@ class LLM:
 
     ``model`` is ``"builtin:tiny-llama"`` or an HF checkpoint directory. Other
     keyword arguments are ``EngineConfig`` fields. With ``tensor_parallel_size``
-    above 1 the other ranks run as child processes until ``close`` (or the
-    ``with`` block's end, or this process's exit).
+    or ``expert_parallel_size`` above 1 the other ranks run as child processes
+    until ``close`` (or the ``with`` block's end, or this process's exit).
     """
 
     def __init__(self, model: str = "builtin:tiny-llama", **kwargs):

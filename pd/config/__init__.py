@@ -95,8 +95,8 @@ class EngineConfig:
     tensor_parallel_timeout_s: float = 60.0
     # Ranks a mixture-of-experts model's experts are spread over (expert parallelism, pd.engine.ep):
     # each rank holds (num_experts + num_redundant_experts) / expert_parallel_size of them, and a
-    # token reaches its experts through an all-to-all. Attention runs on the same ranks, split over
-    # them (tensor_parallel_size equal to it) or whole on each (tensor_parallel_size 1).
+    # token's pairs reach their experts as expert_dispatch says. Attention runs on the same ranks,
+    # split over them (tensor_parallel_size equal to it) or whole on each (tensor_parallel_size 1).
     expert_parallel_size: int = 1
     # Replicas beyond one per expert, given to the busiest experts by EPLB (pd.engine.ep.placement).
     num_redundant_experts: int = 0
