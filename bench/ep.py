@@ -190,15 +190,14 @@ def rebalance_case(path: Path, prompts, max_tokens: int, warm_steps: int) -> dic
         for i, prompt in enumerate(prompts):
             engine.add_request(f"stream-{i}", prompt, params)
         steps: list[tuple[float, bool]] = []  # (seconds, in the round) of each decode step
-        layers = len(engine.runner.experts.moe_layers)
         while engine.has_unfinished_requests():
             if len(steps) == warm_steps:
                 engine.rebalance_experts()
+            in_round = engine.runner.eplb.in_round  # this step runs a part of the round
             started = time.perf_counter()
             outputs = engine.step()
             if outputs and all(len(o.new_token_ids) == 1 for o in outputs):  # every stream decoding
-                steps.append((time.perf_counter() - started, len(engine.expert_stats().get("move_seconds", [])) < layers
-                              and len(steps) >= warm_steps))
+                steps.append((time.perf_counter() - started, in_round))
         stats = engine.expert_stats()
         layer = engine.runner.model.weights.layers[engine.runner.experts.moe_layers[0]].moe
         expert_bytes = (layer.w13[0].numel() + layer.w2[0].numel()) * layer.w13.element_size()

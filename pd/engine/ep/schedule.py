@@ -37,7 +37,8 @@ class EplbSchedule:
 
     @property
     def in_round(self) -> bool:
-        return bool(self._pending)
+        """Whether the next step runs a part of a round (asked for, or under way)."""
+        return bool(self._pending) or self._requested
 
     def again(self, layer: int) -> None:
         """``layer``'s move went only part of the way: it goes on before the next step."""
