@@ -104,9 +104,9 @@ def _settle(llm: LLM, prompt: list[int]) -> None:
 def _work(llm: LLM, prompts, params, settle: list[int]) -> dict:
     """Each rank's expert rows and seconds over one run of ``prompts`` (the stats synced around it)."""
     def synced() -> dict:
-        llm.engine.sync_expert_stats()
+        llm.engine.experts.sync()
         _settle(llm, settle)
-        return llm.engine.expert_stats()
+        return llm.engine.experts.stats()
 
     before = synced()
     started = time.perf_counter()
@@ -128,10 +128,10 @@ def balance_case(path: Path, redundant: int, phases: dict, chunk: int) -> dict:
         for prompts, params in phases.values():  # fills the load window, with other prompts (no prefix hits)
             llm.generate([[(t * 7 + 1) % SHAPE["vocab_size"] for t in p] for p in prompts], params)
         if redundant:
-            llm.engine.rebalance_experts()
+            llm.engine.experts.rebalance()
             _settle(llm, settle)
         out = {name: _work(llm, prompts, params, settle) for name, (prompts, params) in phases.items()}
-        stats = llm.engine.expert_stats()
+        stats = llm.engine.experts.stats()
     static = [balancedness(static_placement(EXPERTS, 2).rank_loads([float(v) for v in load]))
               for load in stats["expert_load"].values()]
     return {"redundant_experts": redundant, "balancedness": statistics.mean(stats["balancedness"].values()),
@@ -192,13 +192,13 @@ def rebalance_case(path: Path, prompts, max_tokens: int, warm_steps: int) -> dic
         steps: list[tuple[float, bool]] = []  # (seconds, in the round) of each decode step
         while engine.has_unfinished_requests():
             if len(steps) == warm_steps:
-                engine.rebalance_experts()
-            in_round = engine.runner.eplb.in_round  # this step runs a part of the round
+                engine.experts.rebalance()
+            in_round = engine.experts.schedule.in_round  # this step runs a part of the round
             started = time.perf_counter()
             outputs = engine.step()
             if outputs and all(len(o.new_token_ids) == 1 for o in outputs):  # every stream decoding
                 steps.append((time.perf_counter() - started, in_round))
-        stats = engine.expert_stats()
+        stats = engine.experts.stats()
         layer = engine.runner.model.weights.layers[engine.runner.experts.moe_layers[0]].moe
         expert_bytes = (layer.w13[0].numel() + layer.w2[0].numel()) * layer.w13.element_size()
     steps = steps[1:]  # the first ends the prompts' prefill

@@ -35,6 +35,7 @@ from pd.config import EngineConfig
 from pd.engine.clock import SYSTEM_CLOCK, Clock
 from pd.engine.derived import num_pool_blocks
 from pd.engine.engine import LLMEngine
+from pd.engine.ep.control import ExpertsControl
 from pd.engine.kv_layout import kv_pool
 from pd.engine.model_runner import step_threads
 from pd.engine.outputs import ForwardOutput, SchedulerOutput
@@ -90,13 +91,8 @@ class ModelledRunner:
     def forget(self, request_id: str) -> None:
         """Nothing is kept per request."""
 
-    def expert_counters(self) -> dict[str, float]:
-        """No expert placement runs: ``EngineStats``' expert-parallel fields keep their defaults."""
-        return {}
-
-    def expert_stats(self) -> dict:
-        """No expert placement runs (an expert-parallel replica's balance is its cost's ``balancedness``)."""
-        return {}
+    # No expert placement runs (an expert-parallel replica's balance is its cost's ``balancedness``).
+    experts_control = ExpertsControl(None)
 
     def check_health(self) -> None:
         """Nothing runs beside it."""

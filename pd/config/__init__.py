@@ -107,7 +107,7 @@ class EngineConfig:
     # back, two more collectives and twice the bytes before the block's all-reduce.
     expert_dispatch: Literal["all_to_all", "all_reduce"] = "all_reduce"
     # Steps between rebalances of the expert placement, from each expert's load over the last
-    # eplb_window_steps steps; 0: only on demand (LLMEngine.rebalance_experts).
+    # eplb_window_steps steps; 0: only on demand (LLMEngine.experts.rebalance).
     eplb_interval_steps: int = 0
     eplb_window_steps: int = 1024
     # The most experts a rebalance moves between ranks before one step (0: a whole layer), so that a

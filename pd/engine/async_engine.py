@@ -169,12 +169,12 @@ class AsyncLLMEngine:
         return self.engine.stats()
 
     def rebalance_experts(self) -> None:
-        """See ``LLMEngine.rebalance_experts`` (taken up by the loop's next step)."""
-        self.engine.rebalance_experts()
+        """See ``ExpertsControl.rebalance`` (taken up by the loop's next step)."""
+        self.engine.experts.rebalance()
 
     def expert_stats(self) -> dict:
-        """See ``LLMEngine.expert_stats``."""
-        return self.engine.expert_stats()
+        """See ``ExpertsControl.stats``."""
+        return self.engine.experts.stats()
 
     def tp_ranks(self) -> list[dict[str, int]]:
         """See ``LLMEngine.tp_ranks``."""

@@ -80,6 +80,8 @@ class LLMEngine:
         if ranks > 1 and transport is not None:  # each rank reads and serves its own heads
             runner_options["worker_transport"] = worker_transport(transport, self.engine_id)
         self.runner = make_runner(config, mc, self.model_dir, num_blocks, self.max_model_len, **runner_options)
+        # Expert parallelism's statistics, rebalances on demand, and what runs between steps.
+        self.experts = self.runner.experts_control
         self.fingerprint = layout_fingerprint(config, mc, self.runner.dtype)
         self.tiers = build_tiers(
             config, self.block_pool, evictions, self.runner.kv_cache,
@@ -361,21 +363,6 @@ class LLMEngine:
         (one entry without tensor parallelism)."""
         return self.runner.ranks()
 
-    def rebalance_experts(self) -> None:
-        """Place every MoE layer's experts anew from the load window (EPLB), one layer before each of the
-        next steps; ``ValueError`` without expert parallelism."""
-        self.runner.rebalance_experts()
-
-    def sync_expert_stats(self) -> None:
-        """Fresh ``expert_stats`` from the next step on (they are otherwise synced every
-        ``pd.engine.ep.schedule.LOAD_SYNC_STEPS`` steps and at each rebalance)."""
-        self.runner.sync_expert_stats()
-
-    def expert_stats(self) -> dict:
-        """Per MoE layer: its balancedness and each expert's load over the window as of the ranks' last
-        sync, and each weight move's seconds (``ExpertParallel.stats``); empty without expert parallelism."""
-        return self.runner.expert_stats()
-
     def close(self) -> None:
         """Stop the KV tiers' writers once the writes queued are done (the disk keeps its blocks), and the
         tensor-parallel workers. The engine cannot step after this."""
@@ -403,6 +390,6 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             **self.tiers.counters(),
             **vars(self.step_times),
-            **self.runner.expert_counters(),
+            **self.experts.counters(),
             **vars(self.connector.stats),  # flat scalars: asdict's deep copy cost more than the rest of stats()
         )

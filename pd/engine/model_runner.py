@@ -17,6 +17,7 @@ import torch
 import kernels
 from pd.config import EngineConfig
 from pd.engine.cuda_graphs import DecodeGraphs
+from pd.engine.ep.control import ExpertsControl
 from pd.engine.ep.dispatch import ExpertParallel, check_ep
 from pd.engine.ep.schedule import EplbSchedule
 from pd.engine.kv_layout import kv_pool, layer_views
@@ -25,7 +26,7 @@ from pd.engine.outputs import ForwardInput, ForwardOutput, SchedulerOutput
 from pd.engine.request import Request
 from pd.engine.sampler import Sampler
 from pd.engine.structured import GrammarMask
-from pd.engine.tp.driver import ExpertsOp, Launcher, StepLists, TPWorkers, start_driver
+from pd.engine.tp.driver import Launcher, StepLists, TPWorkers, start_driver
 from pd.engine.tp.group import TPGroup
 from pd.model.attention import PAD_BLOCK_ID, AttentionMetadata
 from pd.model.config import ModelConfig
@@ -132,7 +133,7 @@ class ModelRunner:
         # Attention (and the dense layers) split over the ranks, or whole on each expert-parallel rank.
         shard = TPShard(group.rank, tp) if tp > 1 else SINGLE
         self.experts: ExpertParallel | None = None
-        self.eplb: EplbSchedule | None = None  # the driver's: when the ranks rebalance
+        schedule = None  # the driver's: when the ranks sync and move experts
         try:
             self.local_config = shard.local_config(model_config, experts=config.expert_parallel_size == 1)
             held = None
@@ -140,13 +141,15 @@ class ModelRunner:
                 self.experts = ExpertParallel.for_model(group, model_config, config, self.device)
                 held = self.experts.held(self.experts.moe_layers[0])
                 if self.workers is not None:
-                    self.eplb = EplbSchedule(self.experts.moe_layers, config.eplb_interval_steps)
+                    schedule = EplbSchedule(self.experts.moe_layers, config.eplb_interval_steps)
             # The cpu backend's few-row kernel takes decode steps' dense layers (pd.model.linear).
             weights = load_weights(model_dir, model_config, self.dtype, self.device, shard, self.linear_form,
                                    few_rows=self.backend == "cpu", experts=held)
             self.weight_bytes = weights.num_bytes
             rope = cos_sin_cache(model_config.rope, model_config.head_dim, max_model_len).to(self.device)
             self.model = CausalLM(self.local_config, weights, rope, group if tp > 1 else None, self.experts)
+            self.experts_control = ExpertsControl(self.experts, lambda layer: self.model.weights.layers[layer].moe,
+                                                  config.eplb_moves_per_step, schedule, self.workers)
             # Block-major, heads outermost in a block (pd.engine.kv_layout). A tensor-parallel rank's pool
             # holds its own KV heads; block ids are the same on every rank.
             self.kv_cache = kv_pool(num_blocks, model_config.num_layers, config.block_size,
@@ -293,60 +296,9 @@ class ModelRunner:
         return logits
 
     @torch.inference_mode()
-    def run_experts_op(self, op: ExpertsOp) -> bool:
-        """Every rank's part of an expert-parallel sync or move, at the same step boundary; False while a
-        layer's move is under way (it goes on before the next step)."""
-        if op.sync_load:
-            self.experts.sync_load()
-        if op.move_layer >= 0:
-            return self.experts.move_layer(op.move_layer, self.model.weights.layers[op.move_layer].moe,
-                                           self.config.eplb_moves_per_step)
-        return True
-
-    def _experts_op(self) -> None:
-        """The driver's: what EPLB's schedule asks before this step, on every rank."""
-        sync_load, layer = self.eplb.next_op()
-        if not sync_load and layer is None:
-            return
-        op = ExpertsOp(sync_load, -1 if layer is None else layer)
-        for rank in self.workers.connections:
-            self.workers.send_to(rank, op)
-        try:
-            done = self.run_experts_op(op)
-        except RuntimeError as exc:
-            raise self.workers.failure(exc) from exc
-        if not done:
-            self.eplb.again(layer)
-
-    def rebalance_experts(self) -> None:
-        """Rebalance every MoE layer's experts from the next step on, one layer a step."""
-        if self.eplb is None:
-            raise ValueError("rebalancing experts needs expert_parallel_size > 1")
-        self.eplb.request()
-
-    def sync_expert_stats(self) -> None:
-        """Have the ranks add up their expert loads and work at the next step (``expert_stats`` after it)."""
-        if self.eplb is None:
-            raise ValueError("expert statistics need expert_parallel_size > 1")
-        self.eplb.request_sync()
-
-    def expert_counters(self) -> dict[str, float]:
-        """``EngineStats``' expert-parallel fields (their defaults without expert parallelism)."""
-        stats = self.expert_stats()
-        if not stats:
-            return {}
-        return {"expert_balancedness": min(stats["balancedness"].values()), "expert_moves": len(stats["move_seconds"]),
-                "expert_move_seconds": sum(stats["move_seconds"])}
-
-    def expert_stats(self) -> dict:
-        """Expert parallelism's balancedness and loads as of the ranks' last sync (empty without it)."""
-        return self.experts.stats() if self.experts is not None else {}
-
-    @torch.inference_mode()
     def execute(self, out: SchedulerOutput, block_tables: list[list[int]]) -> ForwardOutput:
         step, rows = self.flatten(out, block_tables)
-        if self.eplb is not None:
-            self._experts_op()
+        self.experts_control.before_step()
         if self.workers is not None:
             self.workers.send(step)
         batch = self.to_device(step, rows)

@@ -76,6 +76,13 @@ CONFIG = MoeConfig(num_experts=EXPERTS, top_k=TOP_K, intermediate_size=INTER, re
                    layers=(True,))
 
 
+def one_rank(seed: int, rows: int = 9) -> tuple[MoeWeights, torch.Tensor, torch.Tensor]:
+    """Random weights, a batch of ``rows`` tokens, and one rank's block output for it."""
+    full = full_weights(seed=seed)
+    hidden = torch.randn(rows, HIDDEN, generator=torch.Generator().manual_seed(seed + 1))
+    return full, hidden, moe_block(full, CONFIG, hidden, rows, "cpu")
+
+
 def ep_outputs(size: int, full: MoeWeights, hidden: torch.Tensor, num_tokens: int, redundant: int = 0,
                dispatch: str = "all_to_all") -> list:
     def body(group):
@@ -152,9 +159,7 @@ def test_aligned_placements_keep_a_kept_expert_in_its_slot():
 def test_a_layer_moves_to_its_rebalanced_placement_and_computes_the_same():
     """Skewed routing, two redundant slots: after the move each rank holds exactly the weights of its new
     placement's experts, the placement is EPLB's on the ranks' summed loads, and outputs are unchanged."""
-    full = full_weights(seed=3)
-    hidden = torch.randn(9, HIDDEN, generator=torch.Generator().manual_seed(4))
-    expected = moe_block(full, CONFIG, hidden, 9, "cpu")
+    full, hidden, expected = one_rank(seed=3)
 
     def body(group):
         ep = ExpertParallel(group, 1, [0], EXPERTS, 2, 8, 8, CPU)
@@ -183,9 +188,7 @@ def test_a_layer_moves_to_its_rebalanced_placement_and_computes_the_same():
 def test_a_move_in_parts_runs_on_the_old_placement_until_its_last_part():
     """One expert between ranks per call: the layer keeps its old placement (and outputs) until the last
     part, then holds exactly its new experts; every rank takes the same number of calls."""
-    full = full_weights(seed=5)
-    hidden = torch.randn(9, HIDDEN, generator=torch.Generator().manual_seed(6))
-    expected = moe_block(full, CONFIG, hidden, 9, "cpu")
+    full, hidden, expected = one_rank(seed=5)
 
     def body(group):
         ep = ExpertParallel(group, 1, [0], EXPERTS, 0, 8, 8, CPU)
@@ -275,7 +278,7 @@ def test_a_live_rebalance_mid_generation_keeps_the_tokens(checkpoint, dispatch):
     with LLM(path, num_blocks=64, max_num_batched_tokens=32, expert_parallel_size=2, num_redundant_experts=2,
              eplb_interval_steps=4, eplb_window_steps=8, expert_dispatch=dispatch) as llm:
         got = [out.token_ids for out in llm.generate(prompts(), GREEDY)]
-        stats = llm.engine.expert_stats()
+        stats = llm.engine.experts.stats()
         counters = llm.engine.stats()
     assert got == expected
     assert stats["move_seconds"], "no layer moved"
@@ -294,4 +297,4 @@ def test_expert_parallel_layouts_that_cannot_run_are_refused(checkpoint):
         EngineConfig(num_redundant_experts=2)
     with LLM(str(checkpoint("mixtral")), num_blocks=16) as llm:
         with pytest.raises(ValueError, match="rebalancing experts needs expert_parallel_size > 1"):
-            llm.engine.rebalance_experts()
+            llm.engine.experts.rebalance()

@@ -67,19 +67,22 @@ def plan_moves(old: Placement, new: Placement) -> list[Move]:
 
 def sends(moves: list[Move], rank: int, num_ranks: int) -> list[list[Move]]:
     """What ``rank`` sends each other rank, in the order that rank receives it."""
-    out: list[list[Move]] = [[] for _ in range(num_ranks)]
-    for move in moves:
-        if move.src_rank == rank and move.dst_rank != rank:
-            out[move.dst_rank].append(move)
-    return [sorted(part, key=lambda m: m.dst_slot) for part in out]
+    return _by_peer(moves, num_ranks, lambda m: (m.src_rank, m.dst_rank), rank)
 
 
 def receives(moves: list[Move], rank: int, num_ranks: int) -> list[list[Move]]:
     """What ``rank`` receives from each other rank, in the order that rank sends it."""
+    return _by_peer(moves, num_ranks, lambda m: (m.dst_rank, m.src_rank), rank)
+
+
+def _by_peer(moves: list[Move], num_ranks: int, ends, rank: int) -> list[list[Move]]:
+    """``rank``'s moves between ranks grouped by the peer at their other end (``ends(move)``: this end's rank,
+    the other's), each group by destination slot."""
     out: list[list[Move]] = [[] for _ in range(num_ranks)]
     for move in moves:
-        if move.dst_rank == rank and move.src_rank != rank:
-            out[move.src_rank].append(move)
+        here, peer = ends(move)
+        if here == rank and peer != rank:
+            out[peer].append(move)
     return [sorted(part, key=lambda m: m.dst_slot) for part in out]
 
 

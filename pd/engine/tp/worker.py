@@ -77,7 +77,7 @@ def serve_rank(spec: WorkerSpec) -> None:
                 if isinstance(message, (Pull, Release)):
                     pulls.handle(message)
                 elif isinstance(message, ExpertsOp):
-                    runner.run_experts_op(message)
+                    runner.experts_control.run(message)
                 else:
                     runner.forward(message)
                 pulls.poll()
