@@ -92,6 +92,8 @@ def unified_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
     out: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
     backend: str = "auto",
 ) -> torch.Tensor:
     """Paged attention for a mixed batch of prefill chunks and decode tokens.
@@ -106,22 +108,36 @@ def unified_attention(
     position ``seq_lens[i] - q_len_i + j`` and sees keys up to that position
     (and, with ``sliding_window=W``, only keys ``k > position - W``). With
     ``softcap``, scores become ``softcap * tanh(score / softcap)``.
+    The pool is of q's dtype, or FP8 (``kernels.fp8``): its pages read as
+    ``float(stored) * k_scale`` (``v_scale`` for values).
     Returns [num_tokens, num_heads, head_dim].
     """
-    check_attention_args(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, sliding_window, softcap, out)
+    check_attention_args(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, sliding_window, softcap, out,
+                         k_scale, v_scale)
     return _impl(backend, q.device).unified_attention(
         q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, softmax_scale,
-        sliding_window=sliding_window, softcap=softcap, out=out,
+        sliding_window=sliding_window, softcap=softcap, out=out, k_scale=k_scale, v_scale=v_scale,
     )
 
 
-def store_kv(key, value, k_cache, v_cache, slot_mapping, *, backend: str = "auto") -> None:
+def store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    backend: str = "auto",
+) -> None:
     """Write this step's K/V ``[num_tokens, kv_heads, head_dim]`` into their slots.
 
-    Slots equal to ``PAD_SLOT_ID`` are skipped.
+    Slots equal to ``PAD_SLOT_ID`` are skipped. Into an FP8 pool, each value
+    is stored as ``Q(x / scale)``, saturated (``kernels.fp8.quantize``).
     """
-    check_store_kv_args(key, value, k_cache, v_cache, slot_mapping)
-    _impl(backend, key.device).store_kv(key, value, k_cache, v_cache, slot_mapping)
+    check_store_kv_args(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    _impl(backend, key.device).store_kv(key, value, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
 
 
 def rms_norm(x, weight, eps: float, residual=None, *, backend: str = "auto"):

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels.fp8 import FP8_DTYPES, check_scale, is_fp8
+
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256
 
@@ -33,28 +35,34 @@ def check_ndim(name: str, tensor: torch.Tensor, ndim: int) -> None:
         _fail(name, f"expected {ndim} dimensions, got shape {tuple(tensor.shape)}")
 
 
-def check_kv_pool(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-    """One layer's K and V views of the pool: ``[num_blocks, block_size, num_kv_heads, head_dim]``, one shape.
-
-    Dtypes are the caller's: attention ties them to q's, ``store_kv`` ties the rest to k_cache's.
-    """
+def check_kv_pool(k_cache: torch.Tensor, v_cache: torch.Tensor, dtype: torch.dtype, k_scale: float,
+                  v_scale: float) -> None:
+    """One layer's K and V views of the pool: ``[num_blocks, block_size, num_kv_heads, head_dim]``, one shape,
+    of the activations' ``dtype`` or an FP8 one (``kernels.fp8``), with scales only where FP8."""
     check_ndim("k_cache", k_cache, 4)
     check_ndim("v_cache", v_cache, 4)
     if k_cache.shape != v_cache.shape:
         _fail("v_cache", f"shape {tuple(v_cache.shape)} differs from k_cache {tuple(k_cache.shape)}")
+    if k_cache.dtype != dtype and not is_fp8(k_cache.dtype):
+        _fail("k_cache", f"dtype {k_cache.dtype} is neither the activations' {dtype} nor one of {FP8_DTYPES}")
+    check_dtype("v_cache", v_cache, k_cache.dtype)
+    check_scale("k_scale", k_scale)
+    check_scale("v_scale", v_scale)
+    if not is_fp8(k_cache.dtype) and (k_scale != 1.0 or v_scale != 1.0):
+        _fail("k_scale", f"KV scales apply to FP8 pages only; the pool is {k_cache.dtype} "
+                         f"(got k_scale {k_scale}, v_scale {v_scale})")
 
 
 def check_attention_args(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
     sliding_window: int | None, softcap: float | None, out: torch.Tensor | None,
+    k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> None:
-    """Validate the unified attention call: the arguments of ``kernels.unified_attention`` but the scale."""
+    """Validate the unified attention call: the arguments of ``kernels.unified_attention`` but the softmax scale."""
     check_ndim("q", q, 3)
     check_dtype("q", q)
-    check_dtype("k_cache", k_cache, q.dtype)
-    check_dtype("v_cache", v_cache, q.dtype)
-    check_kv_pool(k_cache, v_cache)
+    check_kv_pool(k_cache, v_cache, q.dtype, k_scale, v_scale)
     num_heads, head_dim = q.shape[1], q.shape[2]
     _, _, num_kv_heads, cache_head_dim = k_cache.shape
     if cache_head_dim != head_dim:
@@ -90,17 +98,17 @@ def check_attention_args(
 
 
 def check_store_kv_args(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        slot_mapping: torch.Tensor) -> None:
+                        slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Validate ``kernels.store_kv``."""
     check_ndim("key", key, 3)
     check_ndim("value", value, 3)
-    check_kv_pool(k_cache, v_cache)
+    check_dtype("key", key)
+    check_kv_pool(k_cache, v_cache, key.dtype, k_scale, v_scale)
     if key.shape != value.shape:
         _fail("value", f"shape {tuple(value.shape)} differs from key {tuple(key.shape)}")
     if tuple(key.shape[1:]) != tuple(k_cache.shape[2:]):
         _fail("key", f"per-token shape {tuple(key.shape[1:])} does not match the cache's {tuple(k_cache.shape[2:])}")
-    for name, tensor in (("key", key), ("value", value), ("v_cache", v_cache)):
-        check_dtype(name, tensor, k_cache.dtype)
+    check_dtype("value", value, key.dtype)
     if slot_mapping.dtype not in (torch.int32, torch.int64):
         _fail("slot_mapping", f"expected int32 or int64, got {slot_mapping.dtype}")
     if slot_mapping.shape != (key.shape[0],):

@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels import fp8
+
 
 def _key_mask(query_positions: torch.Tensor, key_positions: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
     """``[..., q, k]`` True where a query may see a key (causal, optional window)."""
@@ -36,16 +38,18 @@ def _softcapped_attention(q, k, v, visible, softmax_scale, softcap):
     return torch.matmul(torch.softmax(scores, dim=-1), v)
 
 
-def _gather_pages(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """Pages ``block_ids [..., n]`` of ``cache`` as ``[..., n * block_size, kv_heads, head_dim]``."""
-    pages = cache[block_ids]  # [..., n, block_size, kv_heads, head_dim]
-    return pages.flatten(-4, -3)
+def _gather_pages(cache: torch.Tensor, block_ids: torch.Tensor, scale: float) -> torch.Tensor:
+    """Pages ``block_ids [..., n]`` of ``cache`` as fp32 ``[..., n * block_size, kv_heads, head_dim]``
+    (an FP8 pool's dequantized with its ``scale``)."""
+    pages = cache[block_ids].flatten(-4, -3)  # [..., n * block_size, kv_heads, head_dim]
+    return fp8.dequantize(pages, scale) if fp8.is_fp8(cache.dtype) else pages.to(torch.float32)
 
 
 def unified_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor, softmax_scale: float,
     *, sliding_window: int | None = None, softcap: float | None = None, out: torch.Tensor | None = None,
+    k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Reference paged attention over a mixed batch; see ``kernels.unified_attention``."""
     if out is None:
@@ -56,13 +60,14 @@ def unified_attention(
     decode_ids = [i for i, q_len in enumerate(q_lens) if q_len == 1]
     if decode_ids:
         decode_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, softmax_scale, decode_ids,
-                         lens, sliding_window, softcap, out)
-    prefill_attention(q, k_cache, v_cache, cu, lens, block_table, softmax_scale, sliding_window, softcap, out)
+                         lens, sliding_window, softcap, out, k_scale, v_scale)
+    prefill_attention(q, k_cache, v_cache, cu, lens, block_table, softmax_scale, sliding_window, softcap, out,
+                      k_scale=k_scale, v_scale=v_scale)
     return out
 
 
 def decode_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, softmax_scale, decode_ids, lens,
-                     sliding_window, softcap, out) -> None:
+                     sliding_window, softcap, out, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """The single-query sequences ``decode_ids`` of a batch, into ``out``: one padded gather, one SDPA."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -82,8 +87,8 @@ def decode_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, s
         token_ids = cu_seqlens_q[rows].long()
         query = q[token_ids].to(compute_dtype).unsqueeze(2)
     pages = block_table[rows, :num_pages].long()
-    k = _gather_pages(k_cache, pages).to(compute_dtype).transpose(1, 2)
-    v = _gather_pages(v_cache, pages).to(compute_dtype).transpose(1, 2)
+    k = _gather_pages(k_cache, pages, k_scale).transpose(1, 2)
+    v = _gather_pages(v_cache, pages, v_scale).transpose(1, 2)
     if sliding_window is None and min(decode_lens) == max_len:
         # Equal lengths: every gathered key up to max_len is visible.
         k, v, visible = k[:, :, :max_len], v[:, :, :max_len], None
@@ -109,7 +114,7 @@ def decode_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, s
 
 
 def prefill_attention(q, k_cache, v_cache, cu, lens, block_table, softmax_scale, sliding_window, softcap,
-                      out, only: list[int] | None = None) -> None:
+                      out, only: list[int] | None = None, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """The sequences of a batch with more than one query (``cu``, ``lens`` as lists), into ``out``
     (``only``: just those of these indices)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
@@ -123,8 +128,8 @@ def prefill_attention(q, k_cache, v_cache, cu, lens, block_table, softmax_scale,
         kv_len = lens[i]
         num_pages = -(-kv_len // block_size)
         pages = block_table[i, :num_pages].long()
-        k = _gather_pages(k_cache, pages)[:kv_len].to(compute_dtype)  # [kv_len, kv_heads, head_dim]
-        v = _gather_pages(v_cache, pages)[:kv_len].to(compute_dtype)
+        k = _gather_pages(k_cache, pages, k_scale)[:kv_len]  # [kv_len, kv_heads, head_dim]
+        v = _gather_pages(v_cache, pages, v_scale)[:kv_len]
         query = q[cu[i] : cu[i + 1]].to(compute_dtype)  # [q_len, heads, head_dim]
         query_positions = torch.arange(kv_len - q_len, kv_len, device=q.device)
         key_positions = torch.arange(kv_len, device=q.device)
@@ -150,11 +155,12 @@ def prefill_attention(q, k_cache, v_cache, cu, lens, block_table, softmax_scale,
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+             slot_mapping: torch.Tensor, *, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Write ``key``/``value`` ``[num_tokens, kv_heads, head_dim]`` into their slots.
 
     Slot ``s`` is offset ``s % block_size`` of block ``s // block_size``.
-    Tokens whose slot is negative (``PAD_SLOT_ID`` is) are skipped.
+    Tokens whose slot is negative (``PAD_SLOT_ID`` is) are skipped. An FP8
+    pool stores ``kernels.fp8.quantize(x, scale)``.
     """
     block_size = k_cache.shape[1]
     slots = slot_mapping.long()
@@ -163,6 +169,8 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
         slots, key, value = slots[keep], key[keep], value[keep]
     block_ids = slots // block_size
     offsets = slots % block_size
+    if fp8.is_fp8(k_cache.dtype):
+        key, value = fp8.quantize(key, k_scale, k_cache.dtype), fp8.quantize(value, v_scale, v_cache.dtype)
     k_cache[block_ids, offsets] = key
     v_cache[block_ids, offsets] = value
 

@@ -23,7 +23,8 @@
   torch: Dynamo's guards and call cost about 27 us per compiled region, more
   than the chains themselves take at decode batch sizes.
 
-fp32 only; other dtypes take the reference.
+fp32 activations only; other dtypes take the reference. The attention kernels and the KV store also
+read and write FP8 pages (``kv_fp8.h``, ``kernels.fp8``), and the attention kernels bf16 pages.
 
 The extension is compiled with ``torch.utils.cpp_extension`` for the host's
 vector ISA level (``isa()``: AVX-512, AVX2 or none, with flags of its own,
@@ -52,6 +53,7 @@ import torch
 from kernels import reference
 from kernels.checks import check_linear_args
 from kernels.cpu.moe import fused_moe  # noqa: F401 - the backend's fused MoE
+from kernels.fp8 import FP8_DTYPES, is_fp8
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +65,8 @@ _build_lock = threading.Lock()
 # reference's SDPA, whose matrix products win there. Ours against SDPA, one sequence, 2 threads (AMD EPYC),
 # head dims 32, 64 and 128: 1.1-1.9x at up to 488 keys, 1.0-1.3x at 811-1024, 0.9-1.1x at 2048.
 MAX_PAGED_PREFILL_KEYS = 1024
+# The pages the C++ attention kernels read (with fp32 queries).
+PAGE_DTYPES = (torch.float32, torch.bfloat16, *FP8_DTYPES)
 _extension = None
 
 
@@ -165,13 +169,14 @@ def _build_directory(level: str) -> Path:
 
 
 def unified_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, softmax_scale, *,
-                      sliding_window=None, softcap=None, out=None):
+                      sliding_window=None, softcap=None, out=None, k_scale=1.0, v_scale=1.0):
     """``kernels.unified_attention`` with decode rows read in place from the pool."""
     if q.device.type != "cpu":
         raise ValueError(f"the cpu backend runs on CPU tensors, got {q.device.type}; use backend='triton' or 'auto'")
-    if q.dtype != torch.float32 or k_cache.dtype != torch.float32:
+    if q.dtype != torch.float32 or k_cache.dtype not in PAGE_DTYPES:
         return reference.unified_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, softmax_scale,
-                                           sliding_window=sliding_window, softcap=softcap, out=out)
+                                           sliding_window=sliding_window, softcap=softcap, out=out,
+                                           k_scale=k_scale, v_scale=v_scale)
     if out is None:
         out = torch.empty_like(q)
     cu = cu_seqlens_q.tolist()
@@ -185,7 +190,7 @@ def unified_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, 
             rows, table, decode_lens = cu_seqlens_q[ids].long(), block_table[ids], seq_lens[ids]
         build().paged_decode_attention(
             q, k_cache, v_cache, table.contiguous(), decode_lens.contiguous(), rows.contiguous(), softmax_scale,
-            sliding_window or 0, softcap or 0.0, out,
+            sliding_window or 0, softcap or 0.0, k_scale, v_scale, out,
         )
     if len(decode_ids) < len(lens):
         ours, theirs = [], []
@@ -194,10 +199,10 @@ def unified_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, 
                 (ours if lens[i] <= MAX_PAGED_PREFILL_KEYS else theirs).append(i)
         if ours:
             build().paged_prefill_attention(q, k_cache, v_cache, block_table.contiguous(), cu, lens, ours,
-                                            softmax_scale, sliding_window or 0, softcap or 0.0, out)
+                                            softmax_scale, sliding_window or 0, softcap or 0.0, k_scale, v_scale, out)
         if theirs:
             reference.prefill_attention(q, k_cache, v_cache, cu, lens, block_table, softmax_scale, sliding_window,
-                                        softcap, out, only=theirs)
+                                        softcap, out, only=theirs, k_scale=k_scale, v_scale=v_scale)
     return out
 
 
@@ -208,10 +213,11 @@ def _fp32(*tensors) -> bool:
     return True
 
 
-def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
-    if not (_fp32(key, value, k_cache, v_cache) and all(t.stride(-1) == 1 for t in (key, value, k_cache, v_cache))):
-        return reference.store_kv(key, value, k_cache, v_cache, slot_mapping)
-    build().store_kv(key, value, k_cache, v_cache, slot_mapping.long())
+def store_kv(key, value, k_cache, v_cache, slot_mapping, *, k_scale=1.0, v_scale=1.0) -> None:
+    ours = _fp32(key, value) and k_cache.is_cpu and (k_cache.dtype == torch.float32 or is_fp8(k_cache.dtype))
+    if not (ours and all(t.stride(-1) == 1 for t in (key, value, k_cache, v_cache))):
+        return reference.store_kv(key, value, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
+    build().store_kv(key, value, k_cache, v_cache, slot_mapping.long(), k_scale, v_scale)
 
 
 def rms_norm(x, weight, eps: float, residual=None):

@@ -12,6 +12,8 @@
 // EPYC, 2 threads, 8 heads over 2 KV heads, one sequence): head dim 32 1.4-1.9x at 64-488 queries,
 // 1.1-1.3x at 811-1,024, 0.9-1.1x at 2,048; head dims 64 and 128 1.1-1.5x to 488, 1.0-1.1x at
 // 811-1,024, 0.9x at 2,048 (kernels.cpu.MAX_PAGED_PREFILL_KEYS sends longer contexts to SDPA).
+// Pages of fp32, bf16 or FP8 (kv_fp8.h) are read into the fp32 blocks KT and VB; k_scale is folded
+// into the softmax scale and v_scale into the output's normaliser.
 // Built without -ffast-math: a NaN score reaches its row's output.
 
 #include <torch/extension.h>
@@ -19,6 +21,7 @@
 #include <ATen/cpu/vec/vec.h>
 
 #include "balance.h"
+#include "kv_fp8.h"
 #include "vec_exp.h"
 
 #include <algorithm>
@@ -34,13 +37,15 @@ using pd_cpu::exp_shifted;
 // longer tiles gather less (256 against 128: 0-15% faster from 811 keys, the same at 488).
 constexpr int64_t kTileRows = 256;
 
+template <typename T>
 struct PrefillArgs {
-  const float *q, *k, *v;
+  const float* q;
+  const T *k, *v;
   float* out;
   const int32_t* table;
   int64_t head_dim, block_size, num_kv_heads, group, window;
   int64_t qs0, qs1, os0, os1, ks0, ks1, ks2, vs0, vs1, vs2, table_stride;
-  float scale, cap;
+  float scale, cap, value_scale;  // scale: the softmax scale times k_scale
 };
 
 struct Task {
@@ -83,14 +88,14 @@ inline void weighted_values_4(const float* p, const float* vb, int64_t kn, float
 }
 
 // D > 0: the head dim known at compile time.
-template <int64_t D>
-void prefill_task(const PrefillArgs& a, const Task& task) {
+template <typename T, int64_t D>
+void prefill_task(const PrefillArgs<T>& a, const Task& task) {
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   const int64_t hd = D > 0 ? D : a.head_dim, bs = a.block_size, group = a.group, g = task.kv_head;
   const int64_t rows = task.num_queries * group;
   const int64_t padded_rows = (rows + 3) / 4 * 4;
   // o: the rows' outputs; kt: the block's keys transposed [hd, KB]; vb: its values [KB, hd]; s: scores [rows, KB].
-  std::vector<float> o(padded_rows * hd, 0.f), kt(hd * KB), vb(KB * hd), s(padded_rows * KB);
+  std::vector<float> o(padded_rows * hd, 0.f), kt(hd * KB), vb(KB * hd), s(padded_rows * KB), key_row(hd);
   std::vector<float> m(rows, kNegInf), l(rows, 0.f);
   std::vector<const float*> qr(padded_rows);
   for (int64_t row = 0; row < padded_rows; ++row) {
@@ -105,10 +110,11 @@ void prefill_task(const PrefillArgs& a, const Task& task) {
     const int64_t kn = std::min(KB, last_pos + 1 - kb);  // keys read: kb .. kb + kn - 1, never past the last query
     for (int64_t t = 0; t < kn; ++t) {
       const int64_t key = kb + t, page = pages[key / bs], slot = key % bs;
-      const float* krow = a.k + page * a.ks0 + g * a.ks2 + slot * a.ks1;
-      const float* vrow = a.v + page * a.vs0 + g * a.vs2 + slot * a.vs1;
-      for (int64_t d = 0; d < hd; ++d) kt[d * KB + t] = krow[d];
-      std::copy(vrow, vrow + hd, vb.data() + t * hd);
+      const T* krow = a.k + page * a.ks0 + g * a.ks2 + slot * a.ks1;
+      const T* vrow = a.v + page * a.vs0 + g * a.vs2 + slot * a.vs1;
+      pd_cpu::load_row<T>(krow, key_row.data(), hd);
+      for (int64_t d = 0; d < hd; ++d) kt[d * KB + t] = key_row[d];
+      pd_cpu::load_row<T>(vrow, vb.data() + t * hd, hd);
     }
     for (int64_t t = kn; t < KB; ++t) {
       for (int64_t d = 0; d < hd; ++d) kt[d * KB + t] = 0.f;
@@ -203,29 +209,24 @@ void prefill_task(const PrefillArgs& a, const Task& task) {
   }
   for (int64_t row = 0; row < rows; ++row) {
     float* dst = a.out + (task.first_query + row / group) * a.os0 + (g * group + row % group) * a.os1;
-    const float inv = 1.f / l[row];
+    const float inv = a.value_scale / l[row];
     const float* orow = o.data() + row * hd;
 #pragma omp simd
     for (int64_t d = 0; d < hd; ++d) dst[d] = orow[d] * inv;
   }
 }
 
-}  // namespace
-
-// q, out: [num_tokens, heads, head_dim] fp32 (head_dim contiguous).
-// k_cache, v_cache: [num_blocks, block_size, kv_heads, head_dim] fp32 views (head_dim contiguous).
-// block_table: int32 [num_seqs, >= pages]; query_starts: int64 [num_seqs + 1] rows of q per sequence
-// (cu_seqlens); seq_lens: int64 [num_seqs]; seqs: the sequences to run (those with more than one query).
-void paged_prefill_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                             const torch::Tensor& block_table, const std::vector<int64_t>& query_starts,
-                             const std::vector<int64_t>& seq_lens, const std::vector<int64_t>& seqs, double scale,
-                             int64_t window, double softcap, torch::Tensor& out) {
-  PrefillArgs a{
-      q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), out.data_ptr<float>(),
-      block_table.data_ptr<int32_t>(), q.size(2), k_cache.size(1), k_cache.size(2), q.size(1) / k_cache.size(2),
-      window, q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
-      k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
-      static_cast<float>(scale), static_cast<float>(softcap),
+template <typename T>
+void prefill_typed(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                   const torch::Tensor& block_table, const std::vector<int64_t>& query_starts,
+                   const std::vector<int64_t>& seq_lens, const std::vector<int64_t>& seqs, float scale,
+                   int64_t window, float softcap, float value_scale, torch::Tensor& out) {
+  PrefillArgs<T> a{
+      q.data_ptr<float>(), static_cast<const T*>(k_cache.data_ptr()), static_cast<const T*>(v_cache.data_ptr()),
+      out.data_ptr<float>(), block_table.data_ptr<int32_t>(), q.size(2), k_cache.size(1), k_cache.size(2),
+      q.size(1) / k_cache.size(2), window, q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0),
+      k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+      block_table.stride(0), scale, softcap, value_scale,
   };
   const int64_t tile = std::max<int64_t>(1, kTileRows / a.group);
   std::vector<Task> tasks;
@@ -249,10 +250,40 @@ void paged_prefill_attention(const torch::Tensor& q, const torch::Tensor& k_cach
   }
   pd_cpu::parallel_balanced(costs, [&](const std::vector<int64_t>& share) {
     for (int64_t t : share) {
-      if (a.head_dim == 32) prefill_task<32>(a, tasks[t]);
-      else if (a.head_dim == 64) prefill_task<64>(a, tasks[t]);
-      else if (a.head_dim == 128) prefill_task<128>(a, tasks[t]);
-      else prefill_task<0>(a, tasks[t]);
+      if (a.head_dim == 32) prefill_task<T, 32>(a, tasks[t]);
+      else if (a.head_dim == 64) prefill_task<T, 64>(a, tasks[t]);
+      else if (a.head_dim == 128) prefill_task<T, 128>(a, tasks[t]);
+      else prefill_task<T, 0>(a, tasks[t]);
     }
   });
+}
+
+}  // namespace
+
+// q, out: [num_tokens, heads, head_dim] fp32 (head_dim contiguous).
+// k_cache, v_cache: [num_blocks, block_size, kv_heads, head_dim] views (head_dim contiguous) of fp32,
+// bf16, float8_e4m3fn or float8_e5m2, read as float(stored) * k_scale (v_scale for values).
+// block_table: int32 [num_seqs, >= pages]; query_starts: int64 [num_seqs + 1] rows of q per sequence
+// (cu_seqlens); seq_lens: int64 [num_seqs]; seqs: the sequences to run (those with more than one query).
+void paged_prefill_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                             const torch::Tensor& block_table, const std::vector<int64_t>& query_starts,
+                             const std::vector<int64_t>& seq_lens, const std::vector<int64_t>& seqs, double scale,
+                             int64_t window, double softcap, double k_scale, double v_scale, torch::Tensor& out) {
+  const float s = static_cast<float>(scale * k_scale), cap = static_cast<float>(softcap);
+  const float vs = static_cast<float>(v_scale);
+  switch (k_cache.scalar_type()) {
+    case at::kFloat:
+      return prefill_typed<float>(q, k_cache, v_cache, block_table, query_starts, seq_lens, seqs, s, window, cap, vs, out);
+    case at::kBFloat16:
+      return prefill_typed<pd_cpu::Bf16>(q, k_cache, v_cache, block_table, query_starts, seq_lens, seqs, s, window,
+                                         cap, vs, out);
+    case at::kFloat8_e4m3fn:
+      return prefill_typed<pd_cpu::E4m3>(q, k_cache, v_cache, block_table, query_starts, seq_lens, seqs, s, window,
+                                         cap, vs, out);
+    case at::kFloat8_e5m2:
+      return prefill_typed<pd_cpu::E5m2>(q, k_cache, v_cache, block_table, query_starts, seq_lens, seqs, s, window,
+                                         cap, vs, out);
+    default:
+      TORCH_CHECK(false, "paged_prefill_attention: pages of ", k_cache.scalar_type(), " are not read here");
+  }
 }

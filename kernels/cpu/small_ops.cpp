@@ -5,7 +5,7 @@
 //   rotary        q, k rotated in rotate-half (NeoX) style at their positions, into new tensors
 //   silu_and_mul  out = silu(gate) * up, gate_up = [gate | up]
 //   store_kv      k_cache[slot / bs, slot % bs] = key (same for v); negative slots skipped; any strides
-//                 with head_dim contiguous
+//                 with head_dim contiguous; into FP8 pages, Q(key / k_scale) saturated (kv_fp8.h)
 //
 // Rows are split across threads with at::parallel_for; a grain keeps small
 // batches on one thread, where a fork would cost more than the work. The
@@ -16,6 +16,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
+
+#include "kv_fp8.h"
 
 #include <cmath>
 #include <cstring>
@@ -142,8 +144,44 @@ torch::Tensor silu_and_mul(const torch::Tensor& gate_up) {
 
 // key, value: [tokens, kv_heads, hd] (rows may be strided, each token's heads contiguous);
 // k_cache, v_cache: [num_blocks, block_size, kv_heads, hd] views whose (kv_heads, hd) is contiguous.
+namespace {
+
+// Quantized per element: x / scale in fp32, then rounded as torch's cast rounds (kernels.fp8.quantize).
+template <typename T>
+void store_fp8_rows(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& k_cache,
+                    torch::Tensor& v_cache, const int64_t* slots, float k_scale, float v_scale) {
+  const int64_t tokens = key.size(0), heads = key.size(1), head_dim = key.size(2), block_size = k_cache.size(1);
+  auto store = [&](const torch::Tensor& src, torch::Tensor& cache, float scale, int64_t t, int64_t slot) {
+    uint8_t* dst = static_cast<uint8_t*>(cache.data_ptr()) + (slot / block_size) * cache.stride(0) +
+                   (slot % block_size) * cache.stride(1);
+    const float* from = src.data_ptr<float>() + t * src.stride(0);
+    for (int64_t h = 0; h < heads; ++h) {
+      for (int64_t d = 0; d < head_dim; ++d) {
+        dst[h * cache.stride(2) + d] = pd_cpu::float_to_fp8<T>(from[h * src.stride(1) + d] / scale);
+      }
+    }
+  };
+  at::parallel_for(0, tokens, grain(2 * heads * head_dim), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      if (slots[t] < 0) continue;
+      store(key, k_cache, k_scale, t, slots[t]);
+      store(value, v_cache, v_scale, t, slots[t]);
+    }
+  });
+}
+
+}  // namespace
+
 void store_kv(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& k_cache, torch::Tensor& v_cache,
-              const torch::Tensor& slot_mapping) {
+              const torch::Tensor& slot_mapping, double k_scale, double v_scale) {
+  if (k_cache.scalar_type() == at::kFloat8_e4m3fn) {
+    return store_fp8_rows<pd_cpu::E4m3>(key, value, k_cache, v_cache, slot_mapping.data_ptr<int64_t>(),
+                                        static_cast<float>(k_scale), static_cast<float>(v_scale));
+  }
+  if (k_cache.scalar_type() == at::kFloat8_e5m2) {
+    return store_fp8_rows<pd_cpu::E5m2>(key, value, k_cache, v_cache, slot_mapping.data_ptr<int64_t>(),
+                                        static_cast<float>(k_scale), static_cast<float>(v_scale));
+  }
   // Any strides with head_dim contiguous: one copy per token where both sides' heads lie back to back,
   // else one per head (a pool with heads outermost within a block).
   const int64_t tokens = key.size(0), heads = key.size(1), head_dim = key.size(2), block_size = k_cache.size(1);

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from kernels.checks import check_attention_args, check_triton_attention_args
+from kernels.fp8 import is_fp8
 from kernels.triton.launch import check_launchable, device_sm_count
 from kernels.triton.paged_attention import choose_tiles, launch_paged_attention
 from kernels.triton.split_kv import choose_num_splits, launch_split_kv
@@ -22,12 +23,16 @@ def unified_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor, softmax_scale: float,
     *, sliding_window: int | None = None, softcap: float | None = None, out: torch.Tensor | None = None,
+    k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Triton twin of ``kernels.reference.unified_attention`` (see ``kernels.unified_attention``).
 
     Beyond the shared checks, q, out and block_table need a contiguous last axis.
     """
-    check_attention_args(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, sliding_window, softcap, out)
+    check_attention_args(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, sliding_window, softcap, out,
+                         k_scale, v_scale)
+    if is_fp8(k_cache.dtype):
+        raise ValueError(f"k_cache: the triton backend does not read {k_cache.dtype} pages yet")
     check_triton_attention_args(q, block_table, out)
     check_launchable(q.device)
     num_tokens, num_heads, _ = q.shape

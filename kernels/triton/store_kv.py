@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from kernels.checks import PAD_SLOT_ID, check_store_kv_args, check_triton_store_kv_args
+from kernels.fp8 import is_fp8
 from kernels.triton.launch import check_launchable, next_power_of_2, row_block
 
 # The kernel skips every negative slot, which covers the padding value.
@@ -63,14 +64,16 @@ def _store_kv_kernel(
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+             slot_mapping: torch.Tensor, *, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Triton twin of ``kernels.reference.store_kv``; negative slots (``PAD_SLOT_ID``) are skipped.
 
     key, value: [num_tokens, num_kv_heads, head_dim]; k_cache, v_cache:
     [num_blocks, block_size, num_kv_heads, head_dim] views with any strides
     but a contiguous last axis; slot_mapping: int32 or int64 [num_tokens].
     """
-    check_store_kv_args(key, value, k_cache, v_cache, slot_mapping)
+    check_store_kv_args(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    if is_fp8(k_cache.dtype):
+        raise ValueError(f"k_cache: the triton backend does not store {k_cache.dtype} pages yet")
     check_triton_store_kv_args(key, value, k_cache, v_cache, slot_mapping)
     check_launchable(key.device)
     num_tokens, num_kv_heads, head_dim = key.shape

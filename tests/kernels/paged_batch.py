@@ -59,8 +59,10 @@ def make_batch(
     block_size: int,
     dtype: torch.dtype,
     seed: int = 0,
+    kv_dtype: torch.dtype | None = None,
 ) -> PagedBatch:
-    """A batch where sequence i has ``q_len, kv_len = q_kv_lens[i]``."""
+    """A batch where sequence i has ``q_len, kv_len = q_kv_lens[i]``; the pool of ``kv_dtype``
+    (``dtype`` when None), its values cast to it."""
     generator = torch.Generator().manual_seed(seed)
     q_lens = [q_len for q_len, _ in q_kv_lens]
     seq_lens = [kv_len for _, kv_len in q_kv_lens]
@@ -68,7 +70,7 @@ def make_batch(
     max_pages = max(num_pages)
     num_blocks = sum(num_pages) + 3  # a few blocks nobody owns
     pool = torch.randn(num_blocks, num_kv_heads, NUM_LAYERS, 2, block_size, head_dim, generator=generator,
-                       device="cpu").to(dtype)
+                       device="cpu").to(kv_dtype or dtype)
     # Padding entries of the table point at random blocks; kernels must not read them.
     block_table = torch.randint(0, num_blocks, (len(q_kv_lens), max_pages), generator=generator, dtype=torch.int32,
                                 device="cpu")

@@ -30,7 +30,7 @@ CPU = torch.device("cpu")
 # comparison with the reference.
 AVX2_TESTS = ["tests/pd/test_isa_fallback.py", "tests/pd/test_linear.py", "tests/pd/test_model_loading.py",
               "tests/kernels/test_cpu_attention.py", "tests/kernels/test_cpu_dense_rows.py",
-              "tests/kernels/test_cpu_small_ops.py", "tests/pd/test_reference_match.py"]
+              "tests/kernels/test_cpu_small_ops.py", "tests/kernels/test_fp8_kv.py", "tests/pd/test_reference_match.py"]
 
 
 @pytest.mark.parametrize("few_rows", [False, True])
