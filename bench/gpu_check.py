@@ -10,8 +10,9 @@ minutes in all), so that one failing part still leaves the others' figures:
 
 1. ``kernels``: the Triton kernel tests compiled on the GPU
    (``PD_TEST_DEVICE=cuda``), fp32/fp16/bf16 against the torch reference,
-   whose attention is SDPA;
-2. ``bench.kernels``: decode attention against copy bandwidth, prefill
+   whose attention is SDPA, and FP8 KV pages (store bytes, attention);
+2. ``bench.kernels``: decode attention against copy bandwidth (bf16 and
+   FP8 pages), prefill
    against SDPA flash, the fused row-wise kernels against torch;
 3. ``bench.gpu_engine``: a Llama-3-8B-shaped random model in bf16, our
    engine with and without CUDA graphs against HF ``generate`` at batch 32;
@@ -35,7 +36,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 KERNEL_TESTS = ["tests/kernels/test_triton_attention.py", "tests/kernels/test_triton_rowwise.py",
-                "tests/kernels/test_reference_attention.py", "tests/kernels/test_fused_moe.py"]
+                "tests/kernels/test_triton_fp8_kv.py", "tests/kernels/test_reference_attention.py",
+                "tests/kernels/test_fused_moe.py"]
 PARTS = [
     ("kernels", [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *KERNEL_TESTS], 150),
     ("bench_kernels", [sys.executable, "-m", "bench.kernels"], 90),

@@ -7,6 +7,9 @@ machines are noise:
 - ``copy``: device-to-device copy bandwidth (read + write), the decode ceiling;
 - ``decode_attention``: batch 64, context 4096, heads 32/8 x 128, bf16; GB/s
   of K/V read against ``copy`` (goal >= 0.7 on H100/H200);
+- ``decode_attention_fp8``: the same batch over float8_e4m3fn pages (bf16
+  queries), against the bf16 pages' time: half the bytes, so up to 2x if the
+  in-register conversion keeps up with the memory;
 - ``decode_attention_few_seqs``: 4 sequences of 32K, where the split-KV path
   is chosen; against the single pass forced on the same inputs;
 - ``prefill_attention``: 4 whole prompts of 2048 against SDPA's flash backend
@@ -68,7 +71,7 @@ def _kv_bytes(args: dict) -> int:
     """Bytes of K and V the batch must read at least once, plus q and the output."""
     kv_tokens = int(args["seq_lens"].sum())
     element = args["q"].element_size()
-    return 2 * kv_tokens * KV_HEADS * HEAD_DIM * element + 2 * args["q"].numel() * element
+    return 2 * kv_tokens * KV_HEADS * HEAD_DIM * args["k_cache"].element_size() + 2 * args["q"].numel() * element
 
 
 def _max_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -85,7 +88,8 @@ def bench_copy() -> float:
 
 
 def bench_decode(copy_gbps: float) -> None:
-    from kernels import reference
+    """bf16 pages, then the same keys and values stored as float8_e4m3fn pages."""
+    from kernels import fp8, reference
     from kernels.triton import unified_attention
 
     args = _paged_batch([(1, 4096)] * 64)
@@ -96,6 +100,17 @@ def bench_decode(copy_gbps: float) -> None:
         case="decode_attention", batch=64, context=4096, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
         dtype="bf16", median_ms=ms, gbps=gbps, copy_gbps=copy_gbps, fraction_of_copy=gbps / copy_gbps,
         max_abs_err=_max_err(out, reference.unified_attention(**args)),
+    )
+    scales = {"k_scale": 0.5, "v_scale": 0.5}  # randn / 0.5 stays well inside e4m3's +-448
+    fp8_args = dict(args, k_cache=fp8.quantize(args["k_cache"], scales["k_scale"], torch.float8_e4m3fn),
+                    v_cache=fp8.quantize(args["v_cache"], scales["v_scale"], torch.float8_e4m3fn))
+    fp8_ms = _median_ms(lambda: unified_attention(**fp8_args, **scales, out=out))
+    fp8_gbps = _kv_bytes(fp8_args) / fp8_ms / 1e6
+    _emit(
+        case="decode_attention_fp8", batch=64, context=4096, dtype="bf16", kv_dtype="float8_e4m3fn",
+        median_ms=fp8_ms, bf16_pages_ms=ms, speedup_vs_bf16_pages=ms / fp8_ms, gbps=fp8_gbps,
+        fraction_of_copy=fp8_gbps / copy_gbps,
+        max_abs_err=_max_err(out, reference.unified_attention(**fp8_args, **scales)),
     )
 
 

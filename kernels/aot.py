@@ -13,6 +13,12 @@ The specialisations are the host launchers' own choices (``gpu_tiles``,
 supported architectures (64, 80, 96 and 128; Qwen3's is 128), block sizes 16
 and 32, GQA groups 1, 4, 7 and 8, decode-only, split-KV and mixed batches,
 with and without a sliding window; and the fused MoE's two GEMMs at its decode and prefill tiles.
+FP8 KV pages (``kv_dtype`` in the record): float8_e4m3fn pages under fp16 and
+bf16 queries at head dims 64 and 128 (decode, split-KV, mixed; and the
+store), and float8_e5m2 in one of each. Both arches build them: the kernels
+read and write FP8 pages as bytes with integer conversions
+(``kernels.triton.fp8_kv``), so nothing needs sm_89's float8 instructions,
+which Triton refuses for e4m3 below sm_89.
 """
 
 from __future__ import annotations
@@ -63,11 +69,35 @@ class Spec:
                 types[param.name] = "constexpr"
             elif param.name.endswith("_ptr"):
                 types[param.name] = "*" + self.pointers.get(param.name, self.dtype)
-            elif param.name in ("softmax_scale", "softcap", "eps"):
+            elif param.name in ("softmax_scale", "softcap", "eps", "k_scale", "v_scale"):
                 types[param.name] = "fp32"
             else:
                 types[param.name] = "i32"
         return types
+
+
+def fp8_kv_grid(quick: bool, batches: tuple) -> list[tuple]:
+    """(pages, dtype, head_dim, batch) of the FP8 KV specialisations: e4m3 in full, e5m2 once per batch kind."""
+    if quick:
+        return [(torch.float8_e4m3fn, "bf16", 128, batches[0]), (torch.float8_e4m3fn, "fp16", 64, batches[2])]
+    e4m3 = itertools.product((torch.float8_e4m3fn,), DTYPES, (64, 128), batches)
+    return [*e4m3, *((torch.float8_e5m2, "bf16", 128, batch) for batch in batches)]
+
+
+def kv_pointers(kv_dtype: torch.dtype | None) -> dict[str, str]:
+    """The cache pointers' element type: FP8 pages reach the kernels as bytes."""
+    return {"k_cache_ptr": "u8", "v_cache_ptr": "u8"} if kv_dtype is not None else {}
+
+
+def kv_format(kv_dtype: torch.dtype | None) -> int:
+    from kernels.triton.fp8_kv import KV_NATIVE
+    from kernels.triton.fp8_kv import kv_format as fp8_format
+
+    return fp8_format(kv_dtype) if kv_dtype is not None else KV_NATIVE.value
+
+
+def kv_name(kv_dtype: torch.dtype | None) -> str | None:
+    return str(kv_dtype).removeprefix("torch.") if kv_dtype is not None else None
 
 
 def attention_specs(quick: bool) -> list[Spec]:
@@ -82,15 +112,21 @@ def attention_specs(quick: bool) -> list[Spec]:
     if quick:
         grid = [("bf16", 128, 16, 4, batches[0], False), ("fp16", 80, 32, 7, batches[2], True),
                 ("bf16", 64, 32, 8, batches[1], False)]
+    grid = [(dtype, head_dim, block_size, group, batch, window, None)
+            for dtype, head_dim, block_size, group, batch, window in grid]
+    grid += [(dtype, head_dim, 16, 8, batch, False, kv_dtype)
+             for kv_dtype, dtype, head_dim, batch in fp8_kv_grid(quick, batches)]
     specs = []
-    for dtype, head_dim, block_size, group, (batch, decode_only, split), window in grid:
+    for dtype, head_dim, block_size, group, (batch, decode_only, split), window, kv_dtype in grid:
         tiles = gpu_tiles(DTYPES[dtype], head_dim, group, decode_only)
         specs.append(Spec(
-            "paged_attention", _paged_attention_kernel, dtype, head_dim, block_size, pointers,
+            "paged_attention", _paged_attention_kernel, dtype, head_dim, block_size,
+            {**pointers, **kv_pointers(kv_dtype)},
             {"HEAD_DIM": head_dim, "HEAD_DIM_PAD": padded_head_dim(head_dim), "BLOCK_SIZE": block_size,
              "GROUP": group, "BLOCK_Q": tiles.block_q, "BLOCK_M": tiles.block_m, "TILE": tiles.tile,
-             "USE_SOFTCAP": False, "USE_WINDOW": window, "SPLIT": split},
-            tiles.num_warps, tiles.num_stages, {"group": group, "batch": batch, "sliding_window": window},
+             "USE_SOFTCAP": False, "USE_WINDOW": window, "SPLIT": split, "KV_FORMAT": kv_format(kv_dtype)},
+            tiles.num_warps, tiles.num_stages,
+            {"group": group, "batch": batch, "sliding_window": window, "kv_dtype": kv_name(kv_dtype)},
         ))
     for dtype, head_dim in itertools.product(DTYPES, HEAD_DIMS if not quick else (128,)):
         specs.append(Spec(
@@ -110,14 +146,19 @@ def row_specs(quick: bool) -> list[Spec]:
     from kernels.triton.store_kv import _store_kv_kernel
 
     specs = []
-    for dtype, head_dim, block_size in itertools.product(DTYPES, HEAD_DIMS, BLOCK_SIZES):
-        if quick and (head_dim, block_size) != (128, 16):
+    stores = [(*spec, None) for spec in itertools.product(DTYPES, HEAD_DIMS, BLOCK_SIZES)]
+    stores += [(dtype, head_dim, 16, torch.float8_e4m3fn) for dtype, head_dim in itertools.product(DTYPES, (64, 128))]
+    stores += [("bf16", 128, 16, torch.float8_e5m2)]
+    for dtype, head_dim, block_size, kv_dtype in stores:
+        if quick and (head_dim, block_size) != (128, 16) or quick and kv_dtype is not None and dtype != "bf16":
             continue
         pad = next_power_of_2(head_dim)
-        specs.append(Spec("store_kv", _store_kv_kernel, dtype, head_dim, block_size, {"slot_mapping_ptr": "i64"},
+        specs.append(Spec("store_kv", _store_kv_kernel, dtype, head_dim, block_size,
+                          {"slot_mapping_ptr": "i64", **kv_pointers(kv_dtype)},
                           {"HEAD_DIM": head_dim, "HEAD_DIM_PAD": pad, "BLOCK_SIZE": block_size,
-                           "BLOCK_ROWS": row_block(pad, _GPU)}))
-        if block_size == BLOCK_SIZES[0]:
+                           "BLOCK_ROWS": row_block(pad, _GPU), "KV_FORMAT": kv_format(kv_dtype)},
+                          extra={"kv_dtype": kv_name(kv_dtype)}))
+        if block_size == BLOCK_SIZES[0] and kv_dtype is None:
             half_pad = next_power_of_2(head_dim // 2)
             specs.append(Spec("rotary", _rotary_kernel, dtype, head_dim, None,
                               {"positions_ptr": "i64", "cos_sin_cache_ptr": "fp32"},

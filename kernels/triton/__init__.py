@@ -7,6 +7,7 @@ before anything imports triton). One module per kernel:
 - ``split_kv``: split-KV (flash-decoding) launch, merge kernel and heuristic;
 - ``attention``: ``unified_attention``, which picks between the two;
 - ``store_kv``, ``norm``, ``rotary``, ``activation``: the KV store and fused row-wise kernels;
+- ``fp8_kv``: FP8 KV pages, written and read as codes in registers;
 - ``moe``: the fused MoE (slots sorted by expert, two grouped GEMMs).
 """
 

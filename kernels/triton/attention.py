@@ -13,7 +13,6 @@ from __future__ import annotations
 import torch
 
 from kernels.checks import check_attention_args, check_triton_attention_args
-from kernels.fp8 import is_fp8
 from kernels.triton.launch import check_launchable, device_sm_count
 from kernels.triton.paged_attention import choose_tiles, launch_paged_attention
 from kernels.triton.split_kv import choose_num_splits, launch_split_kv
@@ -28,11 +27,10 @@ def unified_attention(
     """Triton twin of ``kernels.reference.unified_attention`` (see ``kernels.unified_attention``).
 
     Beyond the shared checks, q, out and block_table need a contiguous last axis.
+    FP8 pages are read as ``kernels.fp8`` defines (see ``fp8_kv``).
     """
     check_attention_args(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, sliding_window, softcap, out,
                          k_scale, v_scale)
-    if is_fp8(k_cache.dtype):
-        raise ValueError(f"k_cache: the triton backend does not read {k_cache.dtype} pages yet")
     check_triton_attention_args(q, block_table, out)
     check_launchable(q.device)
     num_tokens, num_heads, _ = q.shape
@@ -44,11 +42,11 @@ def unified_attention(
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if num_splits > 1:  # the arguments are checked above: launch without checking them again
         launch_split_kv(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, softmax_scale,
-                        sliding_window, softcap, out, num_splits)
+                        sliding_window, softcap, out, num_splits, k_scale=k_scale, v_scale=v_scale)
         return out
     tiles = choose_tiles(q, num_heads // num_kv_heads, decode_only=num_tokens == num_seqs)
     launch_paged_attention(
         q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, softmax_scale,
-        sliding_window, softcap, out, tiles,
+        sliding_window, softcap, out, tiles, k_scale=k_scale, v_scale=v_scale,
     )
     return out

@@ -23,6 +23,11 @@ end of their sequence exit at once.
 KV positions are walked in tiles of TILE keys, independent of the cache's
 block_size: key position p lives in slot p % block_size of block
 ``block_table[seq, p // block_size]``.
+
+FP8 pages (``KV_FORMAT``, see ``fp8_kv``) are loaded as bytes and converted
+to q's dtype in registers; their scales never touch an element: the host
+folds K's into ``softmax_scale`` and the kernel multiplies the output (or a
+split's partial accumulator, which the merge sums linearly) by V's.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.triton.fp8_kv import KV_NATIVE, dequantize, kv_format, kv_pages, read_scale
 from kernels.triton.launch import is_interpreted, next_power_of_2
 
 # A constexpr: a plain global compiles under the interpreter but is refused by the GPU compiler.
@@ -72,7 +78,8 @@ def _paged_attention_kernel(
     cu_seqlens_q_ptr,
     seq_lens_ptr,
     block_table_ptr,
-    softmax_scale,
+    softmax_scale,  # times K's read scale for FP8 pages
+    v_scale,  # V's read scale for FP8 pages, else 1
     softcap,
     sliding_window,
     num_seqs,
@@ -98,6 +105,7 @@ def _paged_attention_kernel(
     USE_SOFTCAP: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     SPLIT: tl.constexpr,
+    KV_FORMAT: tl.constexpr,
 ):
     q_block_id = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -155,14 +163,17 @@ def _paged_attention_kernel(
             k_cache_ptr + block_id[None, :] * stride_k_block + slot[None, :] * stride_k_slot
             + kv_head * stride_k_head + dims[:, None],
             mask=kv_mask,
-            other=0.0,
+            other=0,
         )  # [HEAD_DIM_PAD, TILE]
         v = tl.load(
             v_cache_ptr + block_id[:, None] * stride_v_block + slot[:, None] * stride_v_slot
             + kv_head * stride_v_head + dims[None, :],
             mask=key_valid[:, None] & dim_valid[None, :],
-            other=0.0,
+            other=0,
         )  # [TILE, HEAD_DIM_PAD]
+        if KV_FORMAT != KV_NATIVE:
+            k = dequantize(k, q.dtype, KV_FORMAT)
+            v = dequantize(v, q.dtype, KV_FORMAT)
 
         scores = tl.dot(q, k, input_precision="ieee")  # [BLOCK_M, TILE]
         if USE_SOFTCAP:
@@ -185,6 +196,8 @@ def _paged_attention_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m_i = m_new
 
+    if KV_FORMAT != KV_NATIVE:
+        acc = acc * v_scale
     if SPLIT:
         # Empty splits store m = -inf, l = 0, acc = 0; the reduction weighs them 0.
         partial = (token * num_heads + head) * num_splits + split  # [BLOCK_M]
@@ -252,6 +265,7 @@ def launch_paged_attention(
     cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor, softmax_scale: float,
     sliding_window: int | None, softcap: float | None, out: torch.Tensor, tiles: TileConfig,
     partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> None:
     """Launch the kernel over arguments already checked by ``check_attention_args``.
 
@@ -260,6 +274,7 @@ def launch_paged_attention(
     ``[num_tokens, num_heads, num_splits, head_dim_pad]``,
     ``[num_tokens, num_heads, num_splits]`` twice and contiguous, each of the
     ``num_splits`` programs per q block writes its unnormalised share instead.
+    ``k_scale``, ``v_scale``: an FP8 pool's scales (``kernels.fp8``).
     """
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -276,8 +291,9 @@ def launch_paged_attention(
     grid = (num_q_blocks_bound(num_tokens, num_seqs, tiles.block_q), num_kv_heads, num_splits)
     _paged_attention_kernel[grid](
         out, partial_out, partial_max, partial_sum,
-        q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table,
-        float(softmax_scale),
+        q, kv_pages(k_cache), kv_pages(v_cache), cu_seqlens_q, seq_lens, block_table,
+        float(softmax_scale) * read_scale(k_cache.dtype, k_scale),
+        read_scale(v_cache.dtype, v_scale),
         float(softcap) if softcap is not None else 0.0,
         int(sliding_window) if sliding_window is not None else 0,
         num_seqs, num_heads,
@@ -295,6 +311,7 @@ def launch_paged_attention(
         USE_SOFTCAP=softcap is not None,
         USE_WINDOW=sliding_window is not None,
         SPLIT=split,
+        KV_FORMAT=kv_format(k_cache.dtype),
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )

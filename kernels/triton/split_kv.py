@@ -100,7 +100,7 @@ def split_kv_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor, softmax_scale: float,
     *, num_splits: int, sliding_window: int | None = None, softcap: float | None = None,
-    out: torch.Tensor | None = None,
+    out: torch.Tensor | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> torch.Tensor:
     """``unified_attention`` with each q block's keys cut into ``num_splits`` runs.
 
@@ -108,7 +108,8 @@ def split_kv_attention(
     when it is faster. Needs ``num_tokens * num_heads * num_splits *
     head_dim_pad`` fp32 of scratch.
     """
-    check_attention_args(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, sliding_window, softcap, out)
+    check_attention_args(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, sliding_window, softcap, out,
+                         k_scale, v_scale)
     check_triton_attention_args(q, block_table, out)
     check_launchable(q.device)
     if num_splits < 1:
@@ -116,7 +117,7 @@ def split_kv_attention(
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     launch_split_kv(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, softmax_scale,
-                    sliding_window, softcap, out, num_splits)
+                    sliding_window, softcap, out, num_splits, k_scale, v_scale)
     return out
 
 
@@ -124,9 +125,11 @@ def launch_split_kv(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor, softmax_scale: float,
     sliding_window: int | None, softcap: float | None, out: torch.Tensor, num_splits: int,
+    k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> None:
     """The split-KV launch and merge into ``out``, over arguments ``split_kv_attention`` (or
-    ``unified_attention``) has already checked; ``num_splits >= 1``."""
+    ``unified_attention``) has already checked; ``num_splits >= 1``. An FP8 pool's V scale is
+    applied to each split's partial output, before the merge."""
     num_tokens, num_heads, head_dim = q.shape
     if num_tokens == 0 or seq_lens.shape[0] == 0:
         return
@@ -139,6 +142,7 @@ def launch_split_kv(
     launch_paged_attention(
         q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, softmax_scale,
         sliding_window, softcap, out, tiles, partials=(partial_out, partial_max, partial_sum),
+        k_scale=k_scale, v_scale=v_scale,
     )
     # One head per program on a GPU; the interpreter merges a token's heads at once.
     block_h = next_power_of_2(num_heads) if is_interpreted(q.device) else 1

@@ -2,6 +2,8 @@
 
 One program row per (token, KV head) pair: row r is token r // num_kv_heads,
 head r % num_kv_heads. Slot s is offset s % block_size of block s // block_size.
+Into an FP8 pool each value is written as its code (``fp8_kv.quantize``), the
+same bytes as ``kernels.reference.store_kv`` writes.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import triton
 import triton.language as tl
 
 from kernels.checks import PAD_SLOT_ID, check_store_kv_args, check_triton_store_kv_args
-from kernels.fp8 import is_fp8
+from kernels.triton.fp8_kv import KV_NATIVE, kv_format, kv_pages, quantize
 from kernels.triton.launch import check_launchable, next_power_of_2, row_block
 
 # The kernel skips every negative slot, which covers the padding value.
@@ -37,10 +39,13 @@ def _store_kv_kernel(
     stride_v_block,
     stride_v_slot,
     stride_v_head,
+    k_scale,
+    v_scale,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
+    KV_FORMAT: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     token = (rows // num_kv_heads).to(tl.int64)
@@ -57,6 +62,9 @@ def _store_kv_kernel(
     value = tl.load(
         value_ptr + (token * stride_value_token + head * stride_value_head)[:, None] + dims[None, :], mask=mask
     )
+    if KV_FORMAT != KV_NATIVE:
+        key = quantize(key, k_scale, KV_FORMAT)
+        value = quantize(value, v_scale, KV_FORMAT)
     k_dst = block_id * stride_k_block + offset * stride_k_slot + head * stride_k_head
     v_dst = block_id * stride_v_block + offset * stride_v_slot + head * stride_v_head
     tl.store(k_cache_ptr + k_dst[:, None] + dims[None, :], key, mask=mask)
@@ -72,8 +80,6 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     but a contiguous last axis; slot_mapping: int32 or int64 [num_tokens].
     """
     check_store_kv_args(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
-    if is_fp8(k_cache.dtype):
-        raise ValueError(f"k_cache: the triton backend does not store {k_cache.dtype} pages yet")
     check_triton_store_kv_args(key, value, k_cache, v_cache, slot_mapping)
     check_launchable(key.device)
     num_tokens, num_kv_heads, head_dim = key.shape
@@ -83,13 +89,15 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     head_dim_pad = next_power_of_2(head_dim)
     block_rows = row_block(head_dim_pad, key.device)
     _store_kv_kernel[(triton.cdiv(num_rows, block_rows),)](
-        key, value, k_cache, v_cache, slot_mapping,
+        key, value, kv_pages(k_cache), kv_pages(v_cache), slot_mapping,
         num_rows, num_kv_heads,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        float(k_scale), float(v_scale),
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=k_cache.shape[1],
         BLOCK_ROWS=block_rows,
+        KV_FORMAT=kv_format(k_cache.dtype),
     )

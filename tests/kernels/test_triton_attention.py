@@ -138,7 +138,8 @@ def test_unified_attention_splits_where_sms_would_idle(monkeypatch):
     monkeypatch.setattr(attention, "device_sm_count", lambda device: 132)
     launched = []
     launch_split_kv = attention.launch_split_kv
-    monkeypatch.setattr(attention, "launch_split_kv", lambda *args: launched.append(args[-1]) or launch_split_kv(*args))
+    monkeypatch.setattr(attention, "launch_split_kv",
+                        lambda *args, **scales: launched.append(args[-1]) or launch_split_kv(*args, **scales))
     paged = make_batch(DECODE, 8, 2, 64, 16, torch.float32, seed=5)
     expected = reference.unified_attention(*paged.args(), 0.125, softcap=50.0)
     actual = kernels.unified_attention(*paged.args(paged.poisoned_pool()), 0.125, softcap=50.0, backend="triton")
