@@ -8,6 +8,7 @@ from typing import Sequence
 
 from pd.config import EngineConfig
 from pd.engine.engine import LLMEngine
+from pd.engine.logprobs import PromptLogprob
 from pd.sampling_params import SamplingParams
 
 
@@ -19,6 +20,9 @@ class CompletionOutput:
     finish_reason: str | None = None
     num_cached_tokens: int = 0
     logprobs: list[float] | None = None
+    # With SamplingParams(prompt_logprobs=k): one entry per prompt position after the first, the actual
+    # token's log-probability and the top k there (pd.engine.logprobs), as the server's echo gives them.
+    prompt_logprobs: list[PromptLogprob] | None = None
 
 
 class LLM:
@@ -34,6 +38,11 @@ class LLM:
         self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
+
+    @property
+    def num_blocks(self) -> int:
+        """The KV blocks the engine allocated (per rank with tensor parallelism: each holds its heads)."""
+        return self.engine.block_pool.num_blocks
 
     def close(self) -> None:
         """Stop what runs beside the engine: its tensor-parallel workers, its KV tiers' writers."""
@@ -87,6 +96,8 @@ class LLM:
                 out.token_ids.extend(result.new_token_ids)
                 if out.logprobs is not None:
                     out.logprobs.extend(result.new_logprobs)
+                if result.prompt_logprobs is not None:
+                    out.prompt_logprobs = list(result.prompt_logprobs)
                 out.num_cached_tokens = result.num_cached_tokens
                 if result.finished:
                     out.finish_reason = result.finish_reason.value

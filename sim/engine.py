@@ -36,11 +36,12 @@ from pd.engine.clock import SYSTEM_CLOCK, Clock
 from pd.engine.derived import num_pool_blocks
 from pd.engine.engine import LLMEngine
 from pd.engine.ep.control import ExpertsControl
-from pd.engine.kv_layout import kv_pool
+from pd.engine.kv_layout import kv_dtype, kv_pool
 from pd.engine.model_runner import step_threads
 from pd.engine.outputs import ForwardOutput, SchedulerOutput
 from pd.engine.tiers.stats import HostTierStats
 from pd.model.config import ModelConfig, load_model_config
+from pd.model.kv_scales import unit_scales
 from pd.model.loader import resolve_dtype
 from sim.clock import EventLoop
 from sim.cost import CostModel, StepShape
@@ -54,9 +55,11 @@ class ModelledRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, model_dir: Path, num_blocks: int,
                  max_model_len: int, *, cost: CostModel, seed: int, decode_cost: CostModel | None = None):
         self.dtype = resolve_dtype(config.dtype, model_config)
+        self.kv_dtype = kv_dtype(config.kv_cache_dtype, self.dtype)
+        self.kv_scales = unit_scales(model_config.num_layers)  # an FP8 pool's, as a checkpoint without any
         # The pool's shape, on the meta device: a transport checks its geometry, and no byte exists.
         self.kv_cache = kv_pool(num_blocks, model_config.num_layers, config.block_size, model_config.num_kv_heads,
-                                model_config.head_dim, self.dtype, "meta")
+                                model_config.head_dim, self.kv_dtype, "meta")
         self.vocab_size = model_config.vocab_size
         self.config = config
         self.cost = cost

@@ -67,6 +67,10 @@ class TransferState(enum.Enum):
 class TransferHandle(abc.ABC):
     """One in-flight read. ``poll`` and ``quiesced`` never block; ``wait`` blocks up to a timeout."""
 
+    # The bytes the backend says this read moved, once DONE (NIXL: its own telemetry of the request);
+    # None where a backend does not report them.
+    moved_bytes: int | None = None
+
     @abc.abstractmethod
     def poll(self) -> TransferState: ...
 

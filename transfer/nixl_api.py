@@ -54,6 +54,7 @@ def make_agent(name: str, backends: list[str]) -> nixl_agent:
     config = bindings.nixlAgentConfig(True, False)  # a progress thread, no listener
     config.pthrDelay = PROGRESS_DELAY_US
     config.syncMode = bindings.NIXL_THREAD_SYNC_NONE  # as nixl_agent chooses without a listener
+    config.captureTelemetry = True  # a finished read reports the bytes it moved (NixlTransport counts them)
     agent.agent = bindings.nixlAgent(name, config)
     agent.plugin_list = agent.agent.getAvailPlugins()
     for backend in backends:

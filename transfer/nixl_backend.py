@@ -87,6 +87,15 @@ class _Agent:
                 logger.warning("checking a NIXL transfer: %s", exc)
                 return "ERR"
 
+    def moved_bytes(self, xfer) -> int | None:
+        """The bytes a finished request moved, as NIXL's telemetry counts them; None if it cannot say."""
+        with self.lock:
+            try:
+                return int(self.nixl.get_xfer_telemetry(xfer).totalBytes)
+            except Exception as exc:  # noqa: BLE001 - telemetry off or refused: the count is unknown, not wrong
+                logger.warning("no NIXL telemetry for a finished read: %s", exc)
+                return None
+
     def free(self, xfer) -> bool:
         """Free a request that is no longer in flight; False if NIXL refused."""
         with self.lock:
@@ -273,6 +282,7 @@ class _NixlRead(TransferHandle):
             if self._state is TransferState.PENDING:
                 status = self._agent.state(self._xfer)
                 if status == "DONE":
+                    self.moved_bytes = self._agent.moved_bytes(self._xfer)
                     self.end(TransferState.DONE, None)
                 elif status == "ERR":
                     self.end(TransferState.FAILED, f"NIXL read from {self.peer!r} failed")

@@ -26,7 +26,7 @@ from typing import Annotated, Any, ClassVar, TypeVar
 
 import msgspec
 
-WIRE_VERSION = 6
+WIRE_VERSION = 7
 DIGEST_BYTES = 16
 
 NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
@@ -98,7 +98,10 @@ class LayoutFingerprint(WireMessage, frozen=True, kw_only=True):
     KIND: ClassVar[str] = "layout_fingerprint"
 
     model: str
-    dtype: str
+    dtype: str  # the pool's element type: the model's, or an FP8 format
+    # An FP8 pool's per-layer k/v scales, as a digest (pd.model.kv_scales.digest); "" for other pools.
+    # Bytes stored under other scales would decode to other values, so it must match too.
+    kv_scales: str = ""
     num_layers: PositiveInt
     num_kv_heads: PositiveInt
     head_dim: PositiveInt

@@ -21,6 +21,10 @@ from kernels import BACKENDS as ATTENTION_BACKENDS
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 DTYPES = ("auto", *DTYPE_NAMES)
 Dtype = Literal[DTYPES]
+# The KV pool's element type: "auto" is the model's dtype; FP8 stores each layer's K and V scaled
+# (kernels.fp8), half the bytes of bf16.
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
+KvCacheDtype = Literal[KV_CACHE_DTYPES]
 AttentionBackend = Literal[ATTENTION_BACKENDS]
 # How a CPU engine stores its dense layers (pd.model.linear): "auto" measures both forms at start.
 LINEAR_FORMS = ("auto", "onednn", "dense")
@@ -47,6 +51,10 @@ class EngineConfig:
     block_size: int = 16
     num_blocks: int | None = None
     kv_cache_bytes: int = 2 * 1024**3
+    kv_cache_dtype: KvCacheDtype = "auto"
+    # FP8 KV only: a JSON file of each layer's k_scale and v_scale (python -m pd.engine.kv_calibrate
+    # writes one). None: the checkpoint's scale tensors where it has them, else 1.0 (pd.model.kv_scales).
+    kv_cache_scales: str | None = None
     # A host-memory tier behind the KV pool (``pd.engine.tiers.host``): evicted prefix blocks are
     # copied there and loaded back on a hit. 0: none, an evicted block is gone.
     host_kv_cache_bytes: int = 0
@@ -167,6 +175,11 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_scales is not None and self.kv_cache_dtype == "auto":
+            raise ValueError(f"kv_cache_scales {self.kv_cache_scales!r} applies to an FP8 KV cache: set kv_cache_dtype "
+                             "to fp8_e4m3 or fp8_e5m2")
         if self.linear_form not in LINEAR_FORMS:
             raise ValueError(f"linear_form must be one of {LINEAR_FORMS}, got {self.linear_form!r}")
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "kv_cache_bytes", "cuda_graph_max_batch"):

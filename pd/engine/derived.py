@@ -7,10 +7,12 @@ import os
 
 import torch
 
+from kernels.fp8 import is_fp8
 from pd.config import EngineConfig
 from pd.engine.ep.dispatch import check_ep
-from pd.engine.kv_layout import BLOCK_LAYOUT
+from pd.engine.kv_layout import BLOCK_LAYOUT, kv_dtype
 from pd.engine.model_runner import kv_block_bytes
+from pd.model import kv_scales
 from pd.model.config import ModelConfig
 from pd.model.loader import resolve_dtype
 from pd.model.tp import check_tp
@@ -28,8 +30,8 @@ def num_pool_blocks(config: EngineConfig, model: ModelConfig, transport: KVTrans
                          "tensor_parallel_size or expert_parallel_size > 1 needs the nixl transport")
     if config.num_blocks is not None:
         return config.num_blocks
-    block_bytes = kv_block_bytes(model, config.block_size, resolve_dtype(config.dtype, model),
-                                 config.tensor_parallel_size)
+    pool_dtype = kv_dtype(config.kv_cache_dtype, resolve_dtype(config.dtype, model))
+    block_bytes = kv_block_bytes(model, config.block_size, pool_dtype, config.tensor_parallel_size)
     return max(1, config.kv_cache_bytes // block_bytes)
 
 
@@ -39,11 +41,14 @@ def worker_transport(transport: KVTransport, engine_id: str) -> dict:
             "transport_env": {k: v for k, v in os.environ.items() if k.startswith("UCX_")}}
 
 
-def layout_fingerprint(config: EngineConfig, model: ModelConfig, dtype: torch.dtype) -> LayoutFingerprint:
-    """What a peer's KV must match, field for field, before any byte of it moves."""
+def layout_fingerprint(config: EngineConfig, model: ModelConfig, dtype: torch.dtype,
+                       scales: tuple[tuple[float, float], ...]) -> LayoutFingerprint:
+    """What a peer's KV must match, field for field, before any byte of it moves: ``dtype`` is the pool's,
+    and an FP8 pool's per-layer ``scales`` are named by their digest."""
     return LayoutFingerprint(
         model=config.model,
         dtype=str(dtype).removeprefix("torch."),
+        kv_scales=kv_scales.digest(scales) if is_fp8(dtype) else "",
         num_layers=model.num_layers,
         num_kv_heads=model.num_kv_heads,
         head_dim=model.head_dim,

@@ -82,10 +82,10 @@ class LLMEngine:
         self.runner = make_runner(config, mc, self.model_dir, num_blocks, self.max_model_len, **runner_options)
         # Expert parallelism's statistics, rebalances on demand, and what runs between steps.
         self.experts = self.runner.experts_control
-        self.fingerprint = layout_fingerprint(config, mc, self.runner.dtype)
+        self.fingerprint = layout_fingerprint(config, mc, self.runner.kv_dtype, self.runner.kv_scales)
         self.tiers = build_tiers(
             config, self.block_pool, evictions, self.runner.kv_cache,
-            kv_block_bytes(mc, config.block_size, self.runner.dtype), self.fingerprint.encode(), self.engine_id,
+            kv_block_bytes(mc, config.block_size, self.runner.kv_dtype), self.fingerprint.encode(), self.engine_id,
             clock=clock, io=tier_io)
         self.scheduler = make_scheduler(self.scheduler_config, self.block_pool, self.tiers)
         self.kv_cache = self.scheduler.kv_cache
@@ -95,7 +95,7 @@ class LLMEngine:
         self.connector = KVConnector(
             self.engine_id, transport, self.fingerprint, self.kv_cache, self.scheduler,
             config.kv_lease_s, config.kv_read_timeout_s,
-            block_bytes=kv_block_bytes(mc, config.block_size, self.runner.dtype, tp), clock=clock,
+            block_bytes=kv_block_bytes(mc, config.block_size, self.runner.kv_dtype, tp), clock=clock,
             tp=(ConnectorTP(ranks, mc, self.runner.workers, lambda: self.runner.rank_transport_metadata()[:tp - 1],
                             attention_size=tp) if ranks > 1 else ConnectorTP(1, mc, None, list)),
         )

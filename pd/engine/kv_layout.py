@@ -20,8 +20,19 @@ from __future__ import annotations
 
 import torch
 
+from kernels.fp8 import FP8_NAMES
+
 # Named in the layout fingerprint: pools of other layouts never exchange bytes.
 BLOCK_LAYOUT = "heads-outer"
+
+
+def kv_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
+    """The pool's element type: the model's ``dtype`` for ``"auto"``, else the FP8 format named."""
+    if kv_cache_dtype == "auto":
+        return dtype
+    if kv_cache_dtype not in FP8_NAMES:
+        raise ValueError(f"kv_cache_dtype must be 'auto' or one of {sorted(FP8_NAMES)}, got {kv_cache_dtype!r}")
+    return FP8_NAMES[kv_cache_dtype]
 
 
 def kv_pool(num_blocks: int, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,

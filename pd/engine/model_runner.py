@@ -20,7 +20,7 @@ from pd.engine.cuda_graphs import DecodeGraphs
 from pd.engine.ep.control import ExpertsControl
 from pd.engine.ep.dispatch import ExpertParallel, check_ep
 from pd.engine.ep.schedule import EplbSchedule
-from pd.engine.kv_layout import kv_pool, layer_views
+from pd.engine.kv_layout import kv_dtype, kv_pool, layer_views
 from pd.engine.logprobs import PromptLogprob, TopLogprobs, prompt_logprobs
 from pd.engine.outputs import ForwardInput, ForwardOutput, SchedulerOutput
 from pd.engine.request import Request
@@ -28,6 +28,7 @@ from pd.engine.sampler import Sampler
 from pd.engine.structured import GrammarMask
 from pd.engine.tp.driver import Launcher, StepLists, TPWorkers, start_driver
 from pd.engine.tp.group import TPGroup
+from pd.model import kv_scales
 from pd.model.attention import PAD_BLOCK_ID, AttentionMetadata
 from pd.model.config import ModelConfig
 from pd.model.linear import choose_form
@@ -118,6 +119,11 @@ class ModelRunner:
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         self.dtype = resolve_dtype(config.dtype, model_config)
+        # The pool's element type, and each layer's (k_scale, v_scale): 1.0 but for FP8 (pd.model.kv_scales).
+        self.kv_dtype = kv_dtype(config.kv_cache_dtype, self.dtype)
+        self.kv_scales, self.kv_scales_source = (
+            kv_scales.resolve(model_dir, model_config.num_layers, config.kv_cache_scales)
+            if config.kv_cache_dtype != "auto" else (kv_scales.unit_scales(model_config.num_layers), "default"))
         self.block_size = config.block_size
         self.backend = kernels.resolve_backend(config.attention_backend, self.device)
         if config.linear_form == "auto":  # resolved here, so every rank takes the driver's choice
@@ -147,13 +153,14 @@ class ModelRunner:
                                    few_rows=self.backend == "cpu", experts=held)
             self.weight_bytes = weights.num_bytes
             rope = cos_sin_cache(model_config.rope, model_config.head_dim, max_model_len).to(self.device)
-            self.model = CausalLM(self.local_config, weights, rope, group if tp > 1 else None, self.experts)
+            self.model = CausalLM(self.local_config, weights, rope, group if tp > 1 else None, self.experts,
+                                  kv_scales=self.kv_scales)
             self.experts_control = ExpertsControl(self.experts, lambda layer: self.model.weights.layers[layer].moe,
                                                   config.eplb_moves_per_step, schedule, self.workers)
             # Block-major, heads outermost in a block (pd.engine.kv_layout). A tensor-parallel rank's pool
             # holds its own KV heads; block ids are the same on every rank.
             self.kv_cache = kv_pool(num_blocks, model_config.num_layers, config.block_size,
-                                    self.local_config.num_kv_heads, model_config.head_dim, self.dtype, self.device)
+                                    self.local_config.num_kv_heads, model_config.head_dim, self.kv_dtype, self.device)
             if self.workers is not None:
                 self.workers.wait_ready()
         except BaseException:

@@ -73,8 +73,11 @@ class CausalLM:
     """
 
     def __init__(self, config: ModelConfig, weights: ModelWeights, cos_sin_cache: torch.Tensor,
-                 collectives: Collectives | None = None, experts: ExpertBlocks | None = None):
+                 collectives: Collectives | None = None, experts: ExpertBlocks | None = None, *,
+                 kv_scales: tuple[tuple[float, float], ...] | None = None):
         self.config = config
+        # Each layer's (k_scale, v_scale) for an FP8 pool (pd.model.kv_scales); 1.0 reads any other as it is.
+        self.kv_scales = kv_scales or ((1.0, 1.0),) * config.num_layers
         self.weights = weights
         self.collectives = collectives
         self.experts = experts
@@ -174,10 +177,13 @@ class CausalLM:
             k = kernels.rms_norm(k, weights.k_norm, cfg.rms_norm_eps, backend=attn.backend)
         q, k = kernels.rotary_embedding(q, k, positions, self.cos_sin_cache, backend=attn.backend)
         k_cache, v_cache = kv_cache
-        kernels.store_kv(k, v, k_cache, v_cache, attn.slot_mapping, backend=attn.backend)
+        k_scale, v_scale = self.kv_scales[layer]
+        kernels.store_kv(k, v, k_cache, v_cache, attn.slot_mapping, k_scale=k_scale, v_scale=v_scale,
+                         backend=attn.backend)
         kernels.unified_attention(
             q, k_cache, v_cache, attn.cu_seqlens_q, attn.seq_lens, attn.block_table, self.softmax_scale,
             sliding_window=cfg.sliding_windows[layer], backend=attn.backend, out=out[:num_tokens],
+            k_scale=k_scale, v_scale=v_scale,
         )
         return self._reduced(weights.o_proj(out.view(rows, cfg.q_size)), weights.o_bias)
 

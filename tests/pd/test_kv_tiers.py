@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 
+import numpy as np
 import pytest
+import torch
 
 from pd import LLM, SamplingParams
+from pd.engine.tiers.block_store import check_trailer, namespace_of, pack_trailer, trailer_bytes
 from router.tiers import Tier
 from tests.pd.tiers_common import CHURN, DEVICE_BLOCKS, FIRST, FIRST_HASHES, HOST_BLOCKS, PARAMS, served
 
@@ -225,3 +229,36 @@ def test_a_request_scoring_its_prompt_loads_nothing_and_pins_nothing(tmp_path, b
         engine.step()
     assert engine.tiers.host.num_pinned_slots == 0 and engine.stats().disk_read_blocks == 0
     engine.close()
+
+
+def test_fp8_blocks_go_down_the_tiers_at_a_quarter_of_fp32_and_other_scales_never_load_them(tmp_path, block_bytes):
+    fp8_bytes = block_bytes // 4  # the built-in model's fp32 pool: one byte an element instead of four
+    with LLM("builtin:tiny-llama", num_blocks=DEVICE_BLOCKS, kv_cache_dtype="fp8_e4m3") as alone:
+        [expected] = alone.generate([FIRST], PARAMS)
+        num_layers = alone.engine.model_config.num_layers
+    llm = LLM("builtin:tiny-llama", num_blocks=DEVICE_BLOCKS, host_kv_cache_bytes=HOST_BLOCKS * fp8_bytes,
+              kv_cache_dtype="fp8_e4m3", disk_kv_cache_path=str(tmp_path), disk_kv_cache_bytes=1 << 30)
+    tokens, hit = again_after_churn(llm)
+    assert tokens == expected.token_ids and hit == 8 * 16
+    assert llm.engine.tiers.host.cache.dtype == torch.float8_e4m3fn
+    [namespace] = [p for p in tmp_path.iterdir() if p.is_dir()]
+    sizes = {path.stat().st_size for slot in namespace.iterdir() for path in records(slot)}
+    assert sizes == {fp8_bytes + trailer_bytes(16)}  # measured on disk: a quarter of fp32's data bytes
+    llm.engine.close()
+    # Other scales: the same model, dtype and tokens, but bytes that mean other values; never loaded.
+    scales = tmp_path / "scales.json"
+    scales.write_text(json.dumps({"k_scale": [2.0] * num_layers, "v_scale": [2.0] * num_layers}))
+    other = LLM("builtin:tiny-llama", num_blocks=DEVICE_BLOCKS, host_kv_cache_bytes=HOST_BLOCKS * fp8_bytes,
+                kv_cache_dtype="fp8_e4m3", kv_cache_scales=str(scales), disk_kv_cache_path=str(tmp_path),
+                disk_kv_cache_bytes=1 << 30)
+    _, hit = served(other)
+    assert hit == 0 and other.engine.stats().disk_read_blocks == 0
+    other.engine.close()
+
+
+def test_a_record_of_another_layout_is_refused_by_its_trailer():
+    trailer = np.zeros(trailer_bytes(16), dtype=np.uint8)
+    pack_trailer(trailer, b"12345678", [7] * 16, 4096, namespace_of(b"fp8 scales a"))
+    assert check_trailer(trailer.tobytes(), b"12345678", [7] * 16, 4096, namespace_of(b"fp8 scales a")) is None
+    why = check_trailer(trailer.tobytes(), b"12345678", [7] * 16, 4096, namespace_of(b"fp8 scales b"))
+    assert why == "a record of another KV layout (dtype or FP8 scales)"

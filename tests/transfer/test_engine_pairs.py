@@ -6,10 +6,13 @@ process decodes, pulling the blocks over the real transport.
 
 from __future__ import annotations
 
+import json
+import logging
 import multiprocessing as mp
 import time
 
 import pytest
+import torch
 
 from pd import LLM, SamplingParams
 from pd.config import EngineConfig
@@ -226,6 +229,40 @@ def test_engines_of_different_tensor_parallel_splits_equal_one_engine(model_dir,
             assert remote["num_pinned_leases"] == 0 and remote["num_leases_expired"] == 0
         finally:
             engine.close()
+            engine.connector.transport.close()
+    finally:
+        prefill.stop()
+
+
+def test_fp8_pools_pair_at_half_the_bytes_and_other_scales_recompute(model_dir, tmp_path, caplog):
+    """FP8 prefill -> FP8 decode gives the colocated FP8 tokens, moving half of bf16's bytes (as NIXL counts
+    them); a decode pool of other scales or another dtype refuses the handle before a byte moves and
+    recomputes, never decoding bytes that mean other values."""
+    fp8 = {"dtype": "bfloat16", "kv_cache_dtype": "fp8_e4m3"}
+    with LLM(model_dir, **{k: v for k, v in ENGINE_KWARGS.items() if k != "kv_lease_s"}, **fp8) as llm:
+        [expected] = llm.generate([PROMPTS["a"]], GREEDY)
+        num_layers = llm.engine.model_config.num_layers
+        bf16_block = kv_block_bytes(llm.engine.model_config, 16, torch.bfloat16)
+    prefill = PrefillProcess(model_dir, "nixl", **fp8)
+    try:
+        engine = decode_engine(model_dir, "nixl", prefill, **fp8)
+        assert disaggregated(engine, prefill, "a", PROMPTS["a"]) == expected.token_ids
+        stats = engine.stats()
+        assert stats.num_pulled_blocks == 5 and stats.num_pulled_bytes == 5 * bf16_block // 2
+        engine.connector.transport.close()
+        scales = tmp_path / "scales.json"
+        scales.write_text(json.dumps({"k_scale": [0.5] * num_layers, "v_scale": [0.5] * num_layers}))
+        for other in ({**fp8, "kv_cache_scales": str(scales)}, {"dtype": "bfloat16"}):
+            handle = prefill.call("prefill", "b", PROMPTS["b"])
+            engine = decode_engine(model_dir, "nixl", prefill, **other)
+            with caplog.at_level(logging.WARNING, logger="pd.engine.engine"):
+                assert engine.open_kv_handle(handle, PROMPTS["b"]) is None
+            assert "fingerprint mismatch" in caplog.text and "recomputing the prompt locally" in caplog.text
+            engine.add_request("b", PROMPTS["b"], GREEDY)
+            with LLM(model_dir, num_blocks=96, **other) as alone:
+                [own] = alone.generate([PROMPTS["b"]], GREEDY)
+            assert run_to_end(engine, "b") == own.token_ids
+            assert engine.stats().num_remote_pulls == 0 and engine.stats().num_recompute_fallbacks == 1
             engine.connector.transport.close()
     finally:
         prefill.stop()

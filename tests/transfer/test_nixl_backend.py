@@ -133,3 +133,11 @@ def test_an_idle_transport_leaves_the_cores_alone(transports):
     threading.Event().wait(1.0)  # the window measured: nothing to synchronise with
     busy = (_cpu_seconds_of(started) - cpu_before) / (time.monotonic() - wall_before)
     assert busy < 0.1, f"two idle NIXL agents' threads used {busy:.2f} of a core"
+
+
+def test_a_finished_read_reports_the_bytes_nixl_moved(transports):
+    reader, owner = transports("bytes-reader"), transports("bytes-owner")
+    reader.add_peer(owner.local_metadata())
+    read = reader.read_blocks("bytes-owner", [0, 1, 5], [2, 3, 7], notify="x")  # two runs: descriptors of 2 and 1
+    assert read.wait(5.0) is TransferState.DONE
+    assert read.moved_bytes == 3 * 512 * 4  # three blocks of 512 fp32, as NIXL's telemetry counts them

@@ -288,7 +288,9 @@ class KVConnector:
             self._end_pull(pull)
             if state is TransferState.DONE:
                 self.stats.num_pulled_blocks += len(pull.block_ids)
-                self.stats.num_pulled_bytes += len(pull.block_ids) * self.block_bytes
+                # What the transport measured it moved (NIXL's telemetry); computed where it cannot say.
+                moved = pull.handle.moved_bytes
+                self.stats.num_pulled_bytes += len(pull.block_ids) * self.block_bytes if moved is None else moved
                 self.stats.pull_seconds_total += mono - pull.started
                 self.scheduler.finish_remote_read(pull.request, succeeded=True)
             else:

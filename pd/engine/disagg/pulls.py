@@ -83,6 +83,12 @@ class SplitPull(TransferHandle):
     def num_descriptors(self) -> int:
         return sum(getattr(part, "num_descriptors", 0) for part in self.parts)
 
+    @property
+    def moved_bytes(self) -> int | None:
+        """The parts' measured bytes summed, where every part measured its own (rank 0's do, workers' do not)."""
+        counts = [part.moved_bytes for part in self.parts]
+        return None if None in counts else sum(counts)
+
     def poll(self) -> TransferState:
         if self._state is not TransferState.PENDING:
             return self._state

@@ -6,14 +6,16 @@ and the block's chained hash, so a name says what it holds:
     disk:   <path>/<namespace>/slot-<k>/<hash hex>.kv     NIXL POSIX backend (DRAM <-> FILE)
     store:  s3://<bucket>/<namespace>/<hash hex>  NIXL OBJ backend (DRAM <-> OBJ, the S3 API)
 
-    record = | block data (data_bytes) | trailer: magic, version, hash, token count, data bytes, tokens |
+    record = | block data (data_bytes) | trailer: magic, version, hash, token count, data bytes, layout, tokens |
 
 A write sends the whole record from one staging buffer (the OBJ backend
 writes whole objects only). A read sends the data straight into its host-tier
 slot and the trailer into a small buffer, one transfer for a whole run of
 blocks. ``check_trailer`` then rejects a record whose trailer does not name
-the block the reader asked for (its hash and every token): a short, corrupt
-or foreign record is a miss, never wrong tokens.
+the block the reader asked for (its hash and every token) in the reader's
+layout (the namespace's digest of the layout fingerprint: the KV dtype and,
+for FP8, the scales' digest among it): a short, corrupt or foreign record is
+a miss, never wrong tokens, nor bytes that mean other values.
 
 A disk record is written under a temporary name and renamed when complete,
 so a crash mid-write leaves no record that looks whole. Object stores make a
@@ -40,9 +42,10 @@ import numpy as np
 logger = logging.getLogger(__name__)
 
 RECORD_MAGIC = b"PDKV"
-RECORD_VERSION = 1
-# magic, version, token count, block hash (8 bytes), data bytes; then the tokens as int32.
-_HEADER = struct.Struct("<4sHH8sQ")
+RECORD_VERSION = 2
+# magic, version, token count, block hash (8 bytes), data bytes, layout (the namespace's 8 bytes); then the
+# tokens as int32.
+_HEADER = struct.Struct("<4sHH8sQ8s")
 TEMP_SUFFIX = ".tmp"
 # A transfer in progress is looked at again at once for SPIN_S (a sleep costs more than a local read), then every POLL_S.
 SPIN_S = 0.001
@@ -59,19 +62,29 @@ def namespace_of(fingerprint: bytes) -> str:
     return hashlib.blake2b(fingerprint, digest_size=8).hexdigest()
 
 
-def pack_trailer(out: np.ndarray, block_hash: bytes, token_ids: Sequence[int], data_bytes: int) -> None:
+def _layout_bytes(namespace: str) -> bytes:
+    """The 8 bytes a record's trailer names its namespace (its layout) by."""
+    return hashlib.blake2b(namespace.encode(), digest_size=8).digest()
+
+
+def pack_trailer(out: np.ndarray, block_hash: bytes, token_ids: Sequence[int], data_bytes: int,
+                 namespace: str) -> None:
     """Write a record's trailer into ``out`` (uint8, ``trailer_bytes`` long)."""
-    _HEADER.pack_into(out, 0, RECORD_MAGIC, RECORD_VERSION, len(token_ids), block_hash, data_bytes)
+    _HEADER.pack_into(out, 0, RECORD_MAGIC, RECORD_VERSION, len(token_ids), block_hash, data_bytes,
+                      _layout_bytes(namespace))
     tokens = out[_HEADER.size:].view(np.int32)
     tokens[:] = 0
     tokens[:len(token_ids)] = token_ids
 
 
-def check_trailer(trailer: bytes, block_hash: bytes, token_ids: Sequence[int], data_bytes: int) -> str | None:
+def check_trailer(trailer: bytes, block_hash: bytes, token_ids: Sequence[int], data_bytes: int,
+                  namespace: str) -> str | None:
     """Why a record read back (its trailer's bytes) is not the block asked for; None when it is."""
-    magic, version, num_tokens, stored_hash, stored_bytes = _HEADER.unpack_from(trailer, 0)
+    magic, version, num_tokens, stored_hash, stored_bytes, layout = _HEADER.unpack_from(trailer, 0)
     if magic != RECORD_MAGIC or version != RECORD_VERSION:
         return f"not a version-{RECORD_VERSION} record"
+    if layout != _layout_bytes(namespace):
+        return "a record of another KV layout (dtype or FP8 scales)"
     if stored_hash != block_hash or stored_bytes != data_bytes or num_tokens != len(token_ids):
         return "a record of another block"
     if trailer[_HEADER.size:_HEADER.size + 4 * num_tokens] != array.array("i", token_ids).tobytes():

@@ -151,7 +151,7 @@ class NixlRecords:
         """Copy ``block`` and its trailer into staging record ``record``."""
         staging = self._staging[record]
         staging[:self.data_bytes].view(block.dtype).view(block.shape).copy_(block)
-        pack_trailer(staging[self.data_bytes:].numpy(), block_hash, token_ids, self.data_bytes)
+        pack_trailer(staging[self.data_bytes:].numpy(), block_hash, token_ids, self.data_bytes, self.store.namespace)
 
     def write(self, batch: Sequence[tuple[bytes, int]]) -> None:
         """Store the staged ``(hash, record)`` records, in one transfer; raises ``StoreError`` or ``OSError``."""
@@ -170,8 +170,8 @@ class NixlRecords:
                               for index, (block_hash, _, slot) in enumerate(items)])
         trailers = self._trailers.numpy()
         for index, (block_hash, token_ids, _) in enumerate(items):
-            why = check_trailer(trailers[index].tobytes(), block_hash, token_ids,
-                                self.data_bytes) if ok[index] else "missing"
+            why = check_trailer(trailers[index].tobytes(), block_hash, token_ids, self.data_bytes,
+                                self.store.namespace) if ok[index] else "missing"
             if why is not None:
                 return index, why
         return len(items), None

@@ -1,0 +1,113 @@
+"""An engine with an FP8 KV cache: its capacity and bytes, where its scales come from, what it refuses,
+and its layout fingerprint; its outputs against the same engine's reference kernels."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from pd import LLM, SamplingParams
+from pd.config import EngineConfig
+from pd.model import kv_scales
+
+SMALL = {"kv_cache_bytes": 1 << 22, "block_size": 16}
+
+
+@pytest.fixture(scope="module")
+def llama(checkpoint):
+    return checkpoint("llama")
+
+
+def test_fp8_holds_twice_the_blocks_of_bf16_and_four_times_fp32(llama):
+    measured = {}
+    for dtype, kv in (("float32", "auto"), ("bfloat16", "auto"), ("float32", "fp8_e4m3"), ("bfloat16", "fp8_e5m2")):
+        with LLM(str(llama), dtype=dtype, kv_cache_dtype=kv, **SMALL) as llm:
+            pool = llm.engine.runner.kv_cache
+            # Bytes per token, from the pool the engine allocated.
+            measured[(dtype, kv)] = (llm.num_blocks, pool.nbytes / (pool.shape[0] * SMALL["block_size"]))
+    blocks = {key: value[0] for key, value in measured.items()}
+    per_token = {key: value[1] for key, value in measured.items()}
+    assert blocks[("float32", "fp8_e4m3")] == 2 * blocks[("bfloat16", "auto")] == 4 * blocks[("float32", "auto")]
+    assert blocks[("bfloat16", "fp8_e5m2")] == blocks[("float32", "fp8_e4m3")]
+    assert per_token[("float32", "fp8_e4m3")] == 0.5 * per_token[("bfloat16", "auto")]
+    assert per_token[("float32", "fp8_e4m3")] == 0.25 * per_token[("float32", "auto")]
+
+
+def _with_tensors(src, dst, tensors: dict[str, torch.Tensor]):
+    shutil.copytree(src, dst)
+    weights = load_file(dst / "model.safetensors")
+    save_file({**weights, **tensors}, dst / "model.safetensors")
+    return dst
+
+
+def test_scales_come_from_the_checkpoint_or_a_file_and_name_the_layout(llama, tmp_path):
+    num_layers = json.loads((llama / "config.json").read_text())["num_hidden_layers"]
+    scaled = _with_tensors(llama, tmp_path / "scaled", {
+        **{f"model.layers.{i}.self_attn.k_scale": torch.tensor(0.5 + i) for i in range(num_layers)},
+        **{f"model.layers.{i}.self_attn.v_scale": torch.tensor([0.25]) for i in range(num_layers)},
+    })
+    with LLM(str(scaled), kv_cache_dtype="fp8_e4m3", **SMALL) as llm:
+        runner = llm.engine.runner
+        assert runner.kv_scales == tuple((0.5 + i, 0.25) for i in range(num_layers))
+        assert runner.kv_scales_source == "checkpoint"
+        from_checkpoint = llm.engine.fingerprint
+    assert from_checkpoint.dtype == "float8_e4m3fn" and from_checkpoint.kv_scales == kv_scales.digest(runner.kv_scales)
+    legacy = _with_tensors(llama, tmp_path / "legacy",
+                           {f"model.layers.{i}.self_attn.kv_scale": torch.tensor(2.0) for i in range(num_layers)})
+    assert kv_scales.resolve(legacy, num_layers, None) == (((2.0, 2.0),) * num_layers, "checkpoint")
+    scales_file = tmp_path / "scales.json"
+    scales_file.write_text(json.dumps({"k_scale": [3.0] * num_layers, "v_scale": [1.5] * num_layers}))
+    with LLM(str(scaled), kv_cache_dtype="fp8_e4m3", kv_cache_scales=str(scales_file), **SMALL) as llm:
+        assert llm.engine.runner.kv_scales == ((3.0, 1.5),) * num_layers
+        from_file = llm.engine.fingerprint
+    with LLM(str(llama), kv_cache_dtype="fp8_e4m3", **SMALL) as llm:
+        assert llm.engine.runner.kv_scales == ((1.0, 1.0),) * num_layers
+        assert llm.engine.runner.kv_scales_source == "default"
+        unit = llm.engine.fingerprint
+    with LLM(str(scaled), **SMALL) as llm:  # no FP8: the scales are not used, nor named
+        assert llm.engine.fingerprint.kv_scales == "" and llm.engine.fingerprint.dtype == "float32"
+    # Three pools of one model, dtype and layout whose bytes mean different values: none accepts another's.
+    for a, b in ((from_checkpoint, from_file), (from_file, unit), (unit, from_checkpoint)):
+        with pytest.raises(ValueError, match="kv_scales"):
+            a.check_compatible(b)
+
+
+def test_bad_scales_are_refused_naming_them(llama, tmp_path):
+    num_layers = json.loads((llama / "config.json").read_text())["num_hidden_layers"]
+    partial = _with_tensors(llama, tmp_path / "partial", {"model.layers.0.self_attn.k_scale": torch.tensor(1.0)})
+    with pytest.raises(ValueError, match="KV scales for some layers only"):
+        kv_scales.resolve(partial, num_layers, None)
+    negative = _with_tensors(llama, tmp_path / "negative", {
+        f"model.layers.{i}.self_attn.{kind}_scale": torch.tensor(-1.0 if i == 1 else 1.0)
+        for i in range(num_layers) for kind in "kv"})
+    with pytest.raises(ValueError, match=r"model.layers.1.self_attn.k_scale: a KV scale must be a finite number > 0"):
+        kv_scales.resolve(negative, num_layers, None)
+    short = tmp_path / "short.json"
+    short.write_text(json.dumps({"k_scale": [1.0], "v_scale": [1.0]}))
+    with pytest.raises(ValueError, match=f"k_scale must list {num_layers} numbers"):
+        kv_scales.resolve(llama, num_layers, str(short))
+    with pytest.raises(ValueError, match="kv_cache_scales .* applies to an FP8 KV cache"):
+        EngineConfig(model=str(llama), kv_cache_scales=str(short))
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+        EngineConfig(model=str(llama), kv_cache_dtype="int8")
+
+
+@pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2"])
+def test_fp8_engine_on_the_cpu_kernels_equals_it_on_the_reference(llama, kv):
+    # The same FP8 pool read by the C++ kernels and by the torch reference: the same prompt scores and tokens.
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, prompt_logprobs=1)
+    prompts = [list(range(5, 75)), list(range(100, 119))]
+    results = {}
+    for backend in ("cpu", "torch"):
+        with LLM(str(llama), kv_cache_dtype=kv, attention_backend=backend, **SMALL) as llm:
+            results[backend] = llm.generate(prompts, params)
+    for ours, reference in zip(results["cpu"], results["torch"]):
+        assert ours.token_ids == reference.token_ids
+        got = torch.tensor([p.logprob for p in ours.prompt_logprobs])
+        want = torch.tensor([p.logprob for p in reference.prompt_logprobs])
+        assert len(got) == len(ours.prompt_token_ids) - 1
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
