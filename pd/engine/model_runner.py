@@ -42,9 +42,8 @@ logger = logging.getLogger(__name__)
 
 def kv_block_bytes(model: ModelConfig, block_size: int, dtype: torch.dtype, tensor_parallel_size: int = 1) -> int:
     """Bytes one block takes in the block-major pool (all layers, K and V); one rank's pool with TP."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
     num_kv_heads = TPShard(0, tensor_parallel_size).local_config(model).num_kv_heads
-    return model.num_layers * 2 * block_size * num_kv_heads * model.head_dim * itemsize
+    return model.num_layers * 2 * block_size * num_kv_heads * model.head_dim * dtype.itemsize
 
 
 def copy_to_device(int64_lists: list[list[int]], int32_lists: list[list[int]],
@@ -119,11 +118,8 @@ class ModelRunner:
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         self.dtype = resolve_dtype(config.dtype, model_config)
-        # The pool's element type, and each layer's (k_scale, v_scale): 1.0 but for FP8 (pd.model.kv_scales).
-        self.kv_dtype = kv_dtype(config.kv_cache_dtype, self.dtype)
-        self.kv_scales, self.kv_scales_source = (
-            kv_scales.resolve(model_dir, model_config.num_layers, config.kv_cache_scales)
-            if config.kv_cache_dtype != "auto" else (kv_scales.unit_scales(model_config.num_layers), "default"))
+        self.kv_dtype = kv_dtype(config.kv_cache_dtype, self.dtype)  # the pool's: the model's, or FP8
+        self.kv_scales, self.kv_scales_source = kv_scales.for_pool(model_dir, model_config.num_layers, config)
         self.block_size = config.block_size
         self.backend = kernels.resolve_backend(config.attention_backend, self.device)
         if config.linear_form == "auto":  # resolved here, so every rank takes the driver's choice

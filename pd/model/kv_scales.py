@@ -24,6 +24,7 @@ import math
 import struct
 from pathlib import Path
 
+from pd.config import EngineConfig
 from pd.model.loader import Checkpoint
 
 Scales = tuple[tuple[float, float], ...]  # per layer: (k_scale, v_scale)
@@ -101,6 +102,13 @@ def resolve(model_dir: Path, num_layers: int, scales_file: str | None) -> tuple[
     if found is not None:
         return found, "checkpoint"
     return unit_scales(num_layers), "default"
+
+
+def for_pool(model_dir: Path, num_layers: int, config: EngineConfig) -> tuple[Scales, str]:
+    """An engine's scales and their source: ``resolve``'s for an FP8 pool, 1.0 (``default``) for any other."""
+    if config.kv_cache_dtype == "auto":
+        return unit_scales(num_layers), "default"
+    return resolve(model_dir, num_layers, config.kv_cache_scales)
 
 
 def digest(scales: Scales) -> str:
