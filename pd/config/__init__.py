@@ -52,7 +52,7 @@ class EngineConfig:
     num_blocks: int | None = None
     kv_cache_bytes: int = 2 * 1024**3
     kv_cache_dtype: KvCacheDtype = "auto"
-    # FP8 KV only: a JSON file of each layer's k_scale and v_scale (python -m pd.engine.kv_calibrate
+    # FP8 KV only: a JSON file of each layer's k_scale and v_scale (python -m pd.kv_calibrate
     # writes one). None: the checkpoint's scale tensors where it has them, else 1.0 (pd.model.kv_scales).
     kv_cache_scales: str | None = None
     # A host-memory tier behind the KV pool (``pd.engine.tiers.host``): evicted prefix blocks are

@@ -4,7 +4,7 @@ An FP8 KV pool stores ``Q(x / scale)`` with one ``k_scale`` and one
 ``v_scale`` per layer (``kernels.fp8``). They come from, in this order:
 
 1. a scales file the user names (``EngineConfig.kv_cache_scales``), as
-   ``pd.engine.kv_calibrate`` writes it: ``{"k_scale": [...], "v_scale": [...]}``,
+   ``pd.kv_calibrate`` writes it: ``{"k_scale": [...], "v_scale": [...]}``,
    one entry per layer;
 2. the checkpoint's own tensors, as vLLM and compressed-tensors name them:
    ``model.layers.<i>.self_attn.k_scale`` and ``.v_scale``, the legacy

@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from pd import LLM, SamplingParams
 from pd.config import EngineConfig
+from pd.kv_calibrate import calibrate
 from pd.model import kv_scales
 
 SMALL = {"kv_cache_bytes": 1 << 22, "block_size": 16}
@@ -111,3 +112,22 @@ def test_fp8_engine_on_the_cpu_kernels_equals_it_on_the_reference(llama, kv):
         want = torch.tensor([p.logprob for p in reference.prompt_logprobs])
         assert len(got) == len(ours.prompt_token_ids) - 1
         torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+
+
+def test_calibration_writes_scales_that_fit_the_keys_and_values_seen(llama, tmp_path):
+    prompts = [list(range(5, 70)), list(range(300, 340))]
+    with LLM(str(llama), **SMALL) as llm:
+        scales = calibrate(llm, prompts, "fp8_e4m3", margin=1.25)
+        pool = llm.engine.runner.kv_cache
+        largest = pool.abs().amax(dim=(0, 1, 4, 5))  # the last prompt's and every earlier one's blocks
+    num_layers = pool.shape[2]
+    assert len(scales["k_scale"]) == len(scales["v_scale"]) == num_layers
+    for layer in range(num_layers):
+        assert scales["k_scale"][layer] * 448 >= largest[layer, 0].item() * 1.25 * (1 - 1e-6)
+        assert scales["v_scale"][layer] * 448 >= largest[layer, 1].item() * 1.25 * (1 - 1e-6)
+    path = tmp_path / "scales.json"
+    path.write_text(json.dumps(scales))
+    with LLM(str(llama), kv_cache_dtype="fp8_e4m3", kv_cache_scales=str(path), **SMALL) as llm:
+        assert llm.engine.runner.kv_scales == tuple(zip(scales["k_scale"], scales["v_scale"]))
+        with pytest.raises(ValueError, match="calibrate over an unquantized KV cache"):
+            calibrate(llm, prompts, "fp8_e4m3")
