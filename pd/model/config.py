@@ -11,6 +11,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pd.model.quant_scheme import QuantScheme, parse_quantization_config
+
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
@@ -80,6 +82,8 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     moe: MoeConfig | None = None
+    # An 8-bit checkpoint's scheme (``quantization_config``); None: unquantized weights.
+    quantization: QuantScheme | None = None
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.moe is not None and self.moe.layers[layer]
@@ -213,6 +217,7 @@ def model_config_from_dict(raw: dict) -> ModelConfig:
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=_eos_ids(raw.get("eos_token_id")),
             moe=_moe_config(raw, architecture, num_layers),
+            quantization=parse_quantization_config(raw.get("quantization_config")),
         )
     except KeyError as exc:
         raise ValueError(f"config.json is missing the field {exc.args[0]!r}") from exc

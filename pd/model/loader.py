@@ -1,9 +1,15 @@
-"""Load an HF checkpoint directory (single or sharded safetensors) into ``ModelWeights``."""
+"""Load an HF checkpoint directory (single or sharded safetensors) into ``ModelWeights``.
+
+An 8-bit checkpoint (``ModelConfig.quantization``, ``pd.model.quant_scheme``) has its quantized
+linear layers read with their scales (``pd.model.quant_weights``) and built by
+``pd.model.quant_linear``; every other tensor loads as in any checkpoint.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from pathlib import Path
 
 import torch
@@ -14,9 +20,13 @@ from pd.model.config import ModelConfig
 from pd.model.linear import compute_dtype, make_linear
 from pd.model.llama import LayerWeights, ModelWeights
 from pd.model.moe import MoeWeights
+from pd.model.quant_linear import QuantLinear, make_quantized_linear
+from pd.model.quant_scheme import QuantScheme
+from pd.model.quant_weights import QUANTIZED_DTYPES, QuantizedWeight, dequantize, fuse, read_quantized
 from pd.model.tp import SINGLE, TPShard
 
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
+logger = logging.getLogger(__name__)
 
 
 def resolve_dtype(dtype: str, config: ModelConfig) -> torch.dtype:
@@ -86,6 +96,11 @@ class Checkpoint:
         _, handle = self._where[name]
         return tuple(handle.get_slice(name).get_shape())
 
+    def dtype(self, name: str) -> str:
+        """The stored dtype as safetensors names it (``F32``, ``BF16``, ``F8_E4M3``, ``I8``...)."""
+        _, handle = self._where[name]
+        return handle.get_slice(name).get_dtype()
+
     def read(self, name: str, rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None,
              expert: int | None = None) -> torch.Tensor:
         """The tensor, or rows ``[start, stop)`` of dim 0, or columns of dim 1.
@@ -111,10 +126,12 @@ class Checkpoint:
 class _Weights:
     """Takes named tensors (or a rank's slice of them) out of a checkpoint, cast to the model's dtype and device."""
 
-    def __init__(self, checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device):
+    def __init__(self, checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device,
+                 quant: QuantScheme | None = None):
         self.checkpoint = checkpoint
         self.dtype = dtype
         self.device = device
+        self.quant = quant
         self.num_bytes = 0  # what this rank holds, summed as it loads
 
     def __contains__(self, name: str) -> bool:
@@ -130,6 +147,12 @@ class _Weights:
         found = self.checkpoint.shape(name)
         if found != shape:
             raise ValueError(f"weight {name!r} has shape {found}, config implies {shape}")
+        stored = self.checkpoint.dtype(name)
+        if stored in QUANTIZED_DTYPES:
+            raise ValueError(f"weight {name!r} is stored quantized ({stored}), where this model reads an "
+                             "unquantized one: only the attention and dense-MLP projections load quantized "
+                             "(not embeddings, lm_head, MoE routers or experts); list the module in "
+                             "quantization_config's ignore")
         tensor = self.checkpoint.read(name, rows, cols, expert).to(device=self.device, dtype=dtype or self.dtype)
         tensor = tensor.contiguous()
         self.num_bytes += tensor.numel() * tensor.element_size()
@@ -149,6 +172,38 @@ class _Weights:
             raise ValueError(f"checkpoint is missing the weights {missing}")
         return torch.cat([self.get(n, s, r) for n, s, r in zip(names, shapes, rows)], dim=0)
 
+    def linear(self, modules: list[str], shapes: list[tuple[int, int]], rows: list[tuple[int, int] | None],
+               cols: tuple[int, int] | None = None) -> torch.Tensor | QuantizedWeight:
+        """The weight of ``modules`` fused along dim 0 (each its ``rows``; ``cols`` of a single one): an
+        8-bit ``QuantizedWeight`` where the checkpoint's scheme quantizes them, else a tensor as ``get``."""
+        quantized = [self.quant is not None and self.quant.quantizes(m) for m in modules]
+        if not any(quantized):
+            if cols is not None:
+                return self.get(modules[0] + ".weight", shapes[0], cols=cols)
+            return self.fused([m + ".weight" for m in modules], shapes, rows)
+        if not all(quantized):
+            raise ValueError(f"{modules} are fused into one layer, so quantization_config must quantize all or "
+                             f"none of them; it leaves out {[m for m, q in zip(modules, quantized) if not q]}")
+        parts = [read_quantized(self.checkpoint, self.quant, m, s, r, cols, self.device)
+                 for m, s, r in zip(modules, shapes, rows)]
+        if any(isinstance(p, torch.Tensor) for p in parts):  # a block slice off the 128-column grid
+            logger.info("%s: this rank's columns %s are off the 128-column block grid; the layer runs "
+                        "dequantized (%s)", modules[0], cols, self.dtype)
+            weight = torch.cat([p if isinstance(p, torch.Tensor) else dequantize(p) for p in parts])
+            weight = weight.to(self.dtype)
+            self.num_bytes += weight.numel() * weight.element_size()
+            return weight
+        weight = fuse(parts)
+        self.num_bytes += weight.num_bytes
+        return weight
+
+
+def _build(weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None, w: _Weights, form: str,
+           few_rows: bool) -> QuantLinear:
+    if isinstance(weight, QuantizedWeight):
+        return make_quantized_linear(weight, bias, w.dtype, form, few_rows)
+    return make_linear(weight, bias, form, few_rows)
+
 
 def _vocab_shard(w: _Weights, name: str, config: ModelConfig, shard: TPShard) -> torch.Tensor:
     """This rank's rows of a ``[vocab, hidden]`` weight, zero-padded to ``shard.vocab_rows``."""
@@ -160,12 +215,12 @@ def _vocab_shard(w: _Weights, name: str, config: ModelConfig, shard: TPShard) ->
     return part
 
 
-def _row_parallel(name: str, weight: torch.Tensor, bias: torch.Tensor | None, whole: bool, form: str,
-                  few_rows: bool) -> dict:
+def _row_parallel(w: _Weights, name: str, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None,
+                  whole: bool, form: str, few_rows: bool) -> dict:
     """A row-parallel layer's fields: its bias in the GEMM when one rank runs it, else added after the all-reduce."""
     if whole:
-        return {f"{name}_proj": make_linear(weight, bias, form, few_rows), f"{name}_bias": None}
-    return {f"{name}_proj": make_linear(weight, None, form, few_rows), f"{name}_bias": bias}
+        return {f"{name}_proj": _build(weight, bias, w, form, few_rows), f"{name}_bias": None}
+    return {f"{name}_proj": _build(weight, None, w, form, few_rows), f"{name}_bias": bias}
 
 
 def _layer(w: _Weights, config: ModelConfig, shard: TPShard, i: int, form: str, few_rows: bool,
@@ -187,16 +242,16 @@ def _layer(w: _Weights, config: ModelConfig, shard: TPShard, i: int, form: str, 
         mlp_fields = _dense_mlp(w, config, shard, mlp, form, few_rows)
     return LayerWeights(
         input_norm=w.get(p + "input_layernorm.weight", (h,)),
-        qkv_proj=make_linear(
-            w.fused([attn + f"{x}_proj.weight" for x in "qkv"], [(q, h), (kv, h), (kv, h)], [q_rows, kv_rows, kv_rows]),
+        qkv_proj=_build(
+            w.linear([attn + f"{x}_proj" for x in "qkv"], [(q, h), (kv, h), (kv, h)], [q_rows, kv_rows, kv_rows]),
             w.fused([attn + f"{x}_proj.bias" for x in "qkv"], [(q,), (kv,), (kv,)], [q_rows, kv_rows, kv_rows],
                     required=False),
-            form, few_rows,
+            w, form, few_rows,
         ),
         q_norm=w.get(attn + "q_norm.weight", (hd,)) if config.qk_norm else None,
         k_norm=w.get(attn + "k_norm.weight", (hd,)) if config.qk_norm else None,
-        **_row_parallel("o", w.get(attn + "o_proj.weight", (h, q), cols=q_rows), w.optional(attn + "o_proj.bias", (h,)),
-                        whole, form, few_rows),
+        **_row_parallel(w, "o", w.linear([attn + "o_proj"], [(h, q)], [None], cols=q_rows),
+                        w.optional(attn + "o_proj.bias", (h,)), whole, form, few_rows),
         post_attention_norm=w.get(p + "post_attention_layernorm.weight", (h,)),
         **mlp_fields,
     )
@@ -207,13 +262,13 @@ def _dense_mlp(w: _Weights, config: ModelConfig, shard: TPShard, mlp: str, form:
     h, inter = config.hidden_size, config.intermediate_size
     mlp_rows = None if shard.size == 1 else shard.intermediate(config)
     return {
-        "gate_up_proj": make_linear(
-            w.fused([mlp + "gate_proj.weight", mlp + "up_proj.weight"], [(inter, h), (inter, h)], [mlp_rows, mlp_rows]),
+        "gate_up_proj": _build(
+            w.linear([mlp + "gate_proj", mlp + "up_proj"], [(inter, h), (inter, h)], [mlp_rows, mlp_rows]),
             w.fused([mlp + "gate_proj.bias", mlp + "up_proj.bias"], [(inter,), (inter,)], [mlp_rows, mlp_rows],
                     required=False),
-            form, few_rows,
+            w, form, few_rows,
         ),
-        **_row_parallel("down", w.get(mlp + "down_proj.weight", (h, inter), cols=mlp_rows),
+        **_row_parallel(w, "down", w.linear([mlp + "down_proj"], [(h, inter)], [None], cols=mlp_rows),
                         w.optional(mlp + "down_proj.bias", (h,)), shard.size == 1, form, few_rows),
     }
 
@@ -242,6 +297,10 @@ def load_moe(w: _Weights, config: ModelConfig, shard: TPShard, i: int, form: str
     num_experts, inter = moe.num_experts, moe.intermediate_size
     prefix, (gate_name, up_name, down_name) = _EXPERT_NAMES[config.architecture]
     p = f"model.layers.{i}.{prefix}"
+    if w.quant is not None and w.quant.quantizes(f"{p}experts.0.{gate_name}"):
+        raise ValueError(f"layer {i}'s MoE experts are quantized in this checkpoint ({w.quant.format.value}): "
+                         "quantized MoE experts are not supported (only attention and dense-MLP projections); "
+                         "list them in quantization_config's ignore, or use an unquantized checkpoint")
     if experts is not None:
         shard = SINGLE
     start, stop = (0, inter) if shard.size == 1 else shard.expert_intermediate(config)
@@ -287,7 +346,7 @@ def load_weights(model_dir: Path, config: ModelConfig, dtype: torch.dtype, devic
     ``experts``: the experts an expert-parallel rank holds in every MoE layer (see ``load_moe``).
     """
     with Checkpoint(model_dir) as checkpoint:
-        w = _Weights(checkpoint, dtype, device)
+        w = _Weights(checkpoint, dtype, device, config.quantization)
         layers = [_layer(w, config, shard, i, linear_form, few_rows, experts) for i in range(config.num_layers)]
         embed = _vocab_shard(w, "model.embed_tokens.weight", config, shard)
         if config.tie_word_embeddings:

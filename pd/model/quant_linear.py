@@ -1,0 +1,77 @@
+"""Dense layers of 8-bit checkpoints, in the form the device runs fastest.
+
+- INT8 W8A8 (per-channel weights, per-token activations): ``Int8Linear``, an int8 GEMM with int32
+  accumulation (``kernels.int8``, ``torch._int_mm``) on CPU and CUDA. The weights stay int8: a quarter of
+  fp32's memory.
+- FP8 W8A8 on CUDA: ``Fp8Linear``, the Triton scaled product (``kernels.triton.scaled_mm``) of the FP8
+  weight and the activations quantized to FP8 per token (per token and 128 columns for block weights).
+- FP8 on CPU: no CPU here multiplies FP8, so the weight is dequantized once, at load, to the engine's
+  dtype and runs as an ordinary ``Linear``: exactly the unquantized model's memory and speed, with the
+  FP8 rounding of the weights (and none of the activations) in its numbers.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from kernels.int8 import int8_linear
+from pd.model.linear import Linear, make_linear
+from pd.model.quant_scheme import WeightFormat
+from pd.model.quant_weights import QuantizedWeight, dequantize
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Int8Linear:
+    """``y = W8A8(x) + b`` for ``x [num_tokens, in_features]`` (see ``kernels.int8``)."""
+
+    weight: torch.Tensor  # int8 [out, in]
+    weight_scale: torch.Tensor  # fp32 [out]
+    bias: torch.Tensor | None  # [out]
+    packed: bool = False  # the model pads rows only for oneDNN-packed layers
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return int8_linear(x, self.weight, self.weight_scale, self.bias)
+
+
+@dataclass(frozen=True)
+class Fp8Linear:
+    """``y = (Q(x) @ W^T) * scales + b`` on CUDA, ``Q`` FP8 per token (and per 128 columns for blocks)."""
+
+    weight: torch.Tensor  # float8_e4m3fn [out, in]
+    weight_scale: torch.Tensor  # fp32 [out], or [ceil(out / block_rows), ceil(in / 128)]
+    block_rows: int | None  # None: per-channel scales; else rows per block scale (1 or 128)
+    bias: torch.Tensor | None
+    packed: bool = False
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        from kernels.triton.scaled_mm import GROUP_K, quantize_fp8_rows, scaled_mm
+
+        xq, x_scale = quantize_fp8_rows(x, GROUP_K if self.block_rows is not None else None)
+        return scaled_mm(xq, self.weight, x_scale, self.weight_scale, self.block_rows, self.bias, x.dtype)
+
+
+QuantLinear = Linear | Int8Linear | Fp8Linear
+
+
+def make_quantized_linear(q: QuantizedWeight, bias: torch.Tensor | None, dtype: torch.dtype, form: str,
+                          few_rows: bool) -> QuantLinear:
+    """The layer that runs ``q`` (already on its device) for activations of ``dtype``; ``form`` and
+    ``few_rows`` are those of ``make_linear``, for an FP8 weight that a CPU runs dequantized."""
+    device = q.weight.device
+    if q.format is WeightFormat.INT8_CHANNEL:
+        return Int8Linear(q.weight, q.scale, bias)
+    if device.type == "cuda":
+        block_rows = q.block_rows if q.format is WeightFormat.FP8_BLOCK else None
+        return Fp8Linear(q.weight, q.scale, block_rows, None if bias is None else bias.contiguous())
+    return make_linear(dequantize(q, dtype), bias, form, few_rows)
+
+
+def held_bytes(layer: QuantLinear) -> int:
+    """The bytes of weights and scales ``layer`` holds (the few-row panels of an fp32 layer not counted)."""
+    tensors = [layer.weight, layer.bias, getattr(layer, "weight_scale", None)]
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
