@@ -59,7 +59,7 @@ logger = logging.getLogger(__name__)
 
 _SOURCES = [str(Path(__file__).with_name(name)) for name in ("bindings.cpp", "paged_decode.cpp", "paged_prefill.cpp",
                                                                  "small_ops.cpp", "block_copy.cpp", "dense_rows.cpp",
-                                                                 "moe.cpp")]
+                                                                 "moe.cpp", "int8.cpp")]
 _build_lock = threading.Lock()
 # Prefill chunks whose context (keys) is at most this long run in paged_prefill.cpp; longer ones on the
 # reference's SDPA, whose matrix products win there. Ours against SDPA, one sequence, 2 threads (AMD EPYC),
@@ -173,12 +173,25 @@ def unified_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, 
     """``kernels.unified_attention`` with decode rows read in place from the pool."""
     if q.device.type != "cpu":
         raise ValueError(f"the cpu backend runs on CPU tensors, got {q.device.type}; use backend='triton' or 'auto'")
-    if q.dtype != torch.float32 or k_cache.dtype not in PAGE_DTYPES:
+    if k_cache.dtype not in PAGE_DTYPES:  # fp16 pages
         return reference.unified_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, softmax_scale,
                                            sliding_window=sliding_window, softcap=softcap, out=out,
                                            k_scale=k_scale, v_scale=v_scale)
+    args = (k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, softmax_scale, sliding_window, softcap,
+            k_scale, v_scale)
+    if q.dtype == torch.float32:
+        return _attention_fp32(q, *args, torch.empty_like(q) if out is None else out)
+    # bf16 or fp16 activations: the kernels compute in fp32 as the reference does (it converts q and
+    # the pages to fp32 too), so q is converted once and the output once.
+    result = _attention_fp32(q.float(), *args, torch.empty(q.shape, dtype=torch.float32))
     if out is None:
-        out = torch.empty_like(q)
+        return result.to(q.dtype)
+    return out.copy_(result)
+
+
+def _attention_fp32(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, softmax_scale, sliding_window,
+                    softcap, k_scale, v_scale, out):
+    """``unified_attention`` for fp32 ``q`` and ``out``: decodes and short prefills in C++, long ones on SDPA."""
     cu = cu_seqlens_q.tolist()
     lens = seq_lens.tolist()
     decode_ids = [i for i in range(len(lens)) if cu[i + 1] - cu[i] == 1]

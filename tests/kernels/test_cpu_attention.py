@@ -55,8 +55,21 @@ def test_a_nan_in_one_sequence_stays_in_that_sequence():
     assert out[1].isnan().all() and not out[[0, 2, 3]].isnan().any()
 
 
-def test_other_dtypes_take_the_reference():
-    paged = make_batch(MIXED, 8, 2, 64, 16, torch.bfloat16)
+@pytest.mark.parametrize("batch", [MIXED, LONG[:3]], ids=["mixed", "long"])
+def test_bf16_runs_in_fp32_on_the_kernels_as_the_reference_does(batch):
+    # Both compute in fp32 from the same bf16 values; the outputs differ by the bf16 rounding of fp32 sums.
+    paged = make_batch(batch, 8, 2, 64, 16, torch.bfloat16)
+    expected = reference.unified_attention(*paged.args(), 0.125)
+    actual = kernels.unified_attention(*paged.args(paged.poisoned_pool()), 0.125, backend="cpu")
+    assert actual.dtype == torch.bfloat16 and not actual.isnan().any()
+    torch.testing.assert_close(actual.float(), expected.float(), atol=1e-2, rtol=1e-2)
+    out = torch.full_like(paged.q, float("nan"))
+    assert kernels.unified_attention(*paged.args(), 0.125, out=out, backend="cpu") is out
+    torch.testing.assert_close(out.float(), expected.float(), atol=1e-2, rtol=1e-2)
+
+
+def test_fp16_pages_take_the_reference():
+    paged = make_batch(MIXED, 8, 2, 64, 16, torch.float16)
     expected = reference.unified_attention(*paged.args(), 0.125)
     actual = kernels.unified_attention(*paged.args(), 0.125, backend="cpu")
     assert torch.equal(actual, expected)
