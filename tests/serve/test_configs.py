@@ -167,6 +167,8 @@ def test_the_tiered_config_puts_host_and_disk_tiers_under_each_pool():
         ({"disk_kv_cache_path": "/tmp/x"}, "needs both disk_kv_cache_path and disk_kv_cache_bytes"),
         ({"shared_kv_bucket": "b", "shared_kv_bytes": 1 << 30}, "loads through host memory"),
         ({"host_kv_cache_bytes": 1 << 30, "kv_tier_write_slots": 0}, "kv_tier_write_slots must be >= 1"),
+        ({"kv_cache_dtype": "int8"}, "kv_cache_dtype"),
+        ({"kv_cache_scales": "/tmp/scales.json"}, "applies to an FP8 KV cache"),
     ],
 )
 def test_tier_settings_are_checked_naming_the_field(engine, message):
@@ -174,6 +176,12 @@ def test_tier_settings_are_checked_naming_the_field(engine, message):
     args["engine"] = {**args["engine"], **engine}
     with pytest.raises(ValueError, match=message):
         AppArgs.model_validate(args)
+
+
+def test_an_fp8_kv_cache_is_an_engine_option_of_the_yaml():
+    args = config_args("default.yaml")
+    args["engine"] = {**args["engine"], "kv_cache_dtype": "fp8_e4m3"}
+    assert AppArgs.model_validate(args).engine_config().kv_cache_dtype == "fp8_e4m3"
 
 
 def test_tensor_parallel_size_is_per_pool_and_asks_serve_for_one_bundle_per_rank():
