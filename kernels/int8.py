@@ -68,9 +68,20 @@ def _int_mm(xq: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def int8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The W8A8 layer (see the module's doc), in ``x``'s dtype."""
+                bias: torch.Tensor | None = None, fused=None) -> torch.Tensor:
+    """The W8A8 layer (see the module's doc), in ``x``'s dtype.
+
+    ``fused``: the ``cpu`` backend's extension (``kernels.cpu.build()``), whose ``quantize_rows_int8`` and
+    ``scale_int32_rows`` (``cpu/int8.cpp``) take the passes before and after the GEMM, each in one loop, for
+    contiguous fp32 ``x`` on CPU; other inputs, or None, take the aten ops, which compute the same numbers (but
+    for the bias add, which the compiler may fuse with the scaling into one rounding).
+    """
     check_int8_linear_args(x, weight, weight_scale, bias)
+    if fused is not None and x.dtype == torch.float32 and x.device.type == "cpu" and x.is_contiguous() and (
+            bias is None or bias.dtype == torch.float32):
+        xq, scale = fused.quantize_rows_int8(x)
+        return fused.scale_int32_rows(_int_mm(xq, weight).contiguous(), scale, weight_scale,
+                                      None if bias is None else bias.contiguous())
     xq, scale = quantize_rows_int8(x)
     acc = _int_mm(xq, weight)  # [M, N] int32
     out = torch.mul(acc, scale).mul_(weight_scale)

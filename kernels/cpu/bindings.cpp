@@ -27,6 +27,9 @@ torch::Tensor fused_moe_rows(const torch::Tensor& hidden, const torch::Tensor& w
                              const torch::Tensor& topk_ids, const torch::Tensor& topk_weights);
 void copy_blocks(const torch::Tensor& src, const std::vector<int64_t>& src_ids, torch::Tensor& dst,
                  const std::vector<int64_t>& dst_ids);
+std::vector<torch::Tensor> quantize_rows_int8(const torch::Tensor& x);
+torch::Tensor scale_int32_rows(const torch::Tensor& acc, const torch::Tensor& a_scale, const torch::Tensor& w_scale,
+                               const c10::optional<torch::Tensor>& bias);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention over a block-major pool (fp32 queries; fp32, bf16 or fp8 pages)");
@@ -42,5 +45,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the fused MoE in one call for few tokens per expert: sorted slots, gate/up with SiLU-and-mul, "
         "down with the routed weight summed into each token (fp32)");
   m.def("copy_blocks", &copy_blocks, "dst[dst_ids[i]] = src[src_ids[i]], whole blocks, any dtype");
+  m.def("quantize_rows_int8", &quantize_rows_int8, "each row as int8 and its scale absmax / 127 (fp32 in)");
+  m.def("scale_int32_rows", &scale_int32_rows, "int32 GEMM output * a_scale[:, None] * w_scale[None, :] + bias (fp32)");
   m.def("store_kv", &store_kv, "write K/V rows into their pool slots, skipping negative slots (fp32, or quantized into fp8 pages)");
 }

@@ -39,17 +39,22 @@ class MmTiles:
     num_stages: int
 
 
-# A decode step's few rows, and a prefill chunk's many. BLOCK_K 128 is one scale group per iteration.
+# A decode step's few rows, and a prefill chunk's many. BLOCK_K 128 is one scale group per iteration. On sm_90
+# (the kernels.aot specialisations, fp16/bf16 out): none spills; block scales at 128x128 spilled 128 bytes
+# (255 registers: the scaled partial product is a second 128x128 fp32 tile), so they take 128x64.
 DECODE_TILES = MmTiles(16, 64, 128, 4, 4)
 PREFILL_TILES = MmTiles(128, 128, 128, 8, 3)
+BLOCK_PREFILL_TILES = MmTiles(128, 64, 128, 8, 3)
 INTERPRETED_TILES = MmTiles(16, 32, 64, 1, 1)
 DECODE_MAX_ROWS = 64
 
 
-def mm_tiles(num_rows: int, device: torch.device) -> MmTiles:
+def mm_tiles(num_rows: int, device: torch.device, block_scaled: bool) -> MmTiles:
     if is_interpreted(device):
         return INTERPRETED_TILES
-    return DECODE_TILES if num_rows <= DECODE_MAX_ROWS else PREFILL_TILES
+    if num_rows <= DECODE_MAX_ROWS:
+        return DECODE_TILES
+    return BLOCK_PREFILL_TILES if block_scaled else PREFILL_TILES
 
 
 @triton.jit
@@ -158,7 +163,7 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: 
     c = torch.empty(m, n, dtype=out_dtype, device=a.device)
     if m == 0:
         return c
-    tiles = mm_tiles(m, a.device)
+    tiles = mm_tiles(m, a.device, block_scaled)
     grid = (triton.cdiv(m, tiles.block_m), triton.cdiv(n, tiles.block_n))
     _scaled_mm_kernel[grid](
         a, b, a_scale, b_scale, bias if bias is not None else c, c, m, n, k,

@@ -1,7 +1,8 @@
 """Dense layers of 8-bit checkpoints, in the form the device runs fastest.
 
 - INT8 W8A8 (per-channel weights, per-token activations): ``Int8Linear``, an int8 GEMM with int32
-  accumulation (``kernels.int8``, ``torch._int_mm``) on CPU and CUDA. The weights stay int8: a quarter of
+  accumulation (``kernels.int8``, ``torch._int_mm``) on CPU and CUDA, the activations' quantization and the
+  output's scaling in one C++ loop each where the ``cpu`` backend runs. The weights stay int8: a quarter of
   fp32's memory.
 - FP8 W8A8 on CUDA: ``Fp8Linear``, the Triton scaled product (``kernels.triton.scaled_mm``) of the FP8
   weight and the activations quantized to FP8 per token (per token and 128 columns for block weights).
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+import kernels.cpu
 from kernels.int8 import int8_linear
 from pd.model.linear import Linear, make_linear
 from pd.model.quant_scheme import WeightFormat
@@ -33,9 +35,10 @@ class Int8Linear:
     weight_scale: torch.Tensor  # fp32 [out]
     bias: torch.Tensor | None  # [out]
     packed: bool = False  # the model pads rows only for oneDNN-packed layers
+    fused: object | None = None  # the cpu backend's extension: its loops around the GEMM (kernels.int8)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return int8_linear(x, self.weight, self.weight_scale, self.bias)
+        return int8_linear(x, self.weight, self.weight_scale, self.bias, self.fused)
 
 
 @dataclass(frozen=True)
@@ -64,7 +67,9 @@ def make_quantized_linear(q: QuantizedWeight, bias: torch.Tensor | None, dtype: 
     ``few_rows`` are those of ``make_linear``, for an FP8 weight that a CPU runs dequantized."""
     device = q.weight.device
     if q.format is WeightFormat.INT8_CHANNEL:
-        return Int8Linear(q.weight, q.scale, bias)
+        # few_rows means the cpu backend runs the model, its extension built (pd.model.linear.make_linear)
+        fused = kernels.cpu.build() if few_rows and device.type == "cpu" else None
+        return Int8Linear(q.weight, q.scale, bias, fused=fused)
     if device.type == "cuda":
         block_rows = q.block_rows if q.format is WeightFormat.FP8_BLOCK else None
         return Fp8Linear(q.weight, q.scale, block_rows, None if bias is None else bias.contiguous())

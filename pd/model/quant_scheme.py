@@ -110,9 +110,10 @@ def _compressed_tensors(raw: dict) -> QuantScheme:
     status = raw.get("quantization_status", "compressed")
     if status != "compressed":
         raise ValueError(f"{where}.quantization_status {status!r} is not supported: only 'compressed' checkpoints")
-    if raw.get("kv_cache_scheme") is not None:
-        raise ValueError(f"{where}.kv_cache_scheme is not supported in a checkpoint (its k/v scales are not "
-                         "read); set the engine's KV cache dtype instead")
+    kv = raw.get("kv_cache_scheme")
+    if kv is not None and (not isinstance(kv, dict) or kv.get("num_bits") != 8 or kv.get("type") != "float"):
+        raise ValueError(f"{where}.kv_cache_scheme {kv!r} is not supported: only 8-bit float (FP8) KV, whose "
+                         "k_scale/v_scale tensors an engine with an FP8 kv_cache_dtype reads (pd.model.kv_scales)")
     groups = raw.get("config_groups")
     if not isinstance(groups, dict) or len(groups) != 1:
         raise ValueError(f"{where}.config_groups must hold exactly one group (one scheme for every quantized "

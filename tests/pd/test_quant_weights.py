@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+import kernels.cpu
 from bench.quant_accuracy import position_logits
 from kernels.int8 import int8_linear, int8_linear_reference
 from pd import LLM, SamplingParams
@@ -67,6 +68,8 @@ def test_each_scheme_parses_as_hub_checkpoints_write_it():
         scheme = parse_quantization_config(quantization_config(weight_format))
         assert scheme.format is weight_format and scheme.ignore == ("lm_head",)
     assert parse_quantization_config(None) is None
+    fp8_kv = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
+    assert parse_quantization_config(_with(HUB_FP8_DYNAMIC, "kv_cache_scheme", fp8_kv)) == fp8
 
 
 def test_ignore_and_targets_match_modules_as_compressed_tensors_does():
@@ -91,7 +94,7 @@ REFUSALS = [
     (_with(HUB_FP8_DYNAMIC, A + "type", "int"), r"input_activations\.type 'int'"),
     (_with(HUB_FP8_DYNAMIC, "config_groups.group_0.input_activations", None), r"input_activations.*W8A16"),
     (_with(HUB_FP8_DYNAMIC, "format", "pack-quantized"), r"format 'pack-quantized'"),
-    (_with(HUB_FP8_DYNAMIC, "kv_cache_scheme", {"num_bits": 8}), r"kv_cache_scheme"),
+    (_with(HUB_FP8_DYNAMIC, "kv_cache_scheme", {"num_bits": 4, "type": "int"}), r"kv_cache_scheme"),
     (_with(HUB_FP8_DYNAMIC, "config_groups.group_1", {}), r"config_groups"),
     (_with(HUB_FP8_DYNAMIC, "quant_method", "awq"), r"quant_method 'awq'"),
     (_with(HUB_FP8_DYNAMIC, "config_groups.group_0.targets", ["Embedding"]), r"targets entry 'Embedding'"),
@@ -139,6 +142,25 @@ def test_int8_gemm_equals_its_float_reference(num_rows):
         int8_linear(x, weight, q.scale)
     with pytest.raises(ValueError, match="weight_scale: expected fp32"):
         int8_linear(x, q.weight, q.scale[:-1])
+
+
+def test_the_cpu_backend_s_loops_around_the_gemm_compute_the_aten_chain_s_numbers():
+    """``cpu/int8.cpp``'s quantization and scaling equal ``kernels.int8``'s aten ops (exactly, but for the bias
+    add, which the compiler may fuse into one rounding), and a row holding a NaN or an infinity poisons its own
+    outputs only (one request's fault stays that request's)."""
+    fused = kernels.cpu.build()
+    torch.manual_seed(0)
+    x, weight, bias = torch.randn(37, 200), torch.randn(72, 200) * 0.05, torch.randn(72)
+    q = quantize(weight, WeightFormat.INT8_CHANNEL)
+    assert torch.equal(int8_linear(x, q.weight, q.scale, None, fused), int8_linear(x, q.weight, q.scale))
+    torch.testing.assert_close(int8_linear(x, q.weight, q.scale, bias, fused), int8_linear(x, q.weight, q.scale, bias),
+                               atol=1e-6, rtol=1e-6)
+    x[5, 3], x[9, 0] = float("nan"), float("inf")
+    got = int8_linear(x, q.weight, q.scale, bias, fused)
+    assert not got[[5, 9]].isfinite().any()
+    healthy = torch.ones(37, dtype=torch.bool)
+    healthy[[5, 9]] = False
+    torch.testing.assert_close(got[healthy], int8_linear(x[healthy], q.weight, q.scale, bias), atol=1e-6, rtol=1e-6)
 
 
 def _relative(got: torch.Tensor, exact: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -205,6 +227,8 @@ def test_quantize_then_load_round_trips(scheme, quantized, checkpoint):
     layer = llm.engine.runner.model.weights.layers[0]
     kind = Int8Linear if scheme == "int8" else Linear  # FP8 runs dequantized on CPU
     assert all(isinstance(p, kind) for p in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj))
+    if scheme == "int8":  # the cpu backend's loops take the passes around the GEMM
+        assert llm.engine.runner.backend == "cpu" and layer.qkv_proj.fused is not None
     assert isinstance(llm.engine.runner.model.weights.lm_head, Linear)
     out = llm.generate([[3, 1, 4, 1, 5]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     assert len(out[0].token_ids) == 4
