@@ -131,3 +131,32 @@ def test_calibration_writes_scales_that_fit_the_keys_and_values_seen(llama, tmp_
         assert llm.engine.runner.kv_scales == tuple(zip(scales["k_scale"], scales["v_scale"]))
         with pytest.raises(ValueError, match="calibrate over an unquantized KV cache"):
             calibrate(llm, prompts, "fp8_e4m3")
+
+
+def test_outlier_key_channels_saturate_at_unit_scales_and_calibrated_scales_keep_them(llama, tmp_path):
+    # Keys with a few channels hundreds of times larger than the rest, as trained models have: at scale
+    # 1.0 they pass e4m3's 448 and saturate; calibrated scales bring them in range.
+    weights = load_file(llama / "model.safetensors")
+    for name, tensor in weights.items():
+        if name.endswith("self_attn.k_proj.weight"):
+            tensor[:4] *= 3000.0  # the first head's first channels
+    outliers = tmp_path / "outliers"
+    shutil.copytree(llama, outliers)
+    save_file(weights, outliers / "model.safetensors")
+    prompts = [list(range(5, 90)), list(range(200, 260))]
+    params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1)
+
+    def scores(**options) -> torch.Tensor:
+        with LLM(str(outliers), **SMALL, **options) as llm:
+            return torch.tensor([p.logprob for out in llm.generate(prompts, params) for p in out.prompt_logprobs])
+
+    exact = scores()
+    with LLM(str(outliers), **SMALL) as llm:
+        calibrated = calibrate(llm, prompts, "fp8_e4m3")
+        largest = llm.engine.runner.kv_cache.abs().max().item()
+    assert largest > 4 * 448  # the keys do pass e4m3's range
+    path = tmp_path / "scales.json"
+    path.write_text(json.dumps(calibrated))
+    unit_error = (scores(kv_cache_dtype="fp8_e4m3") - exact).abs().mean().item()
+    calibrated_error = (scores(kv_cache_dtype="fp8_e4m3", kv_cache_scales=str(path)) - exact).abs().mean().item()
+    assert calibrated_error < unit_error / 3, (calibrated_error, unit_error)  # measured: 0.23 against 1.15
