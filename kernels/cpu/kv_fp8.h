@@ -7,8 +7,9 @@
 //   Bf16    the top half of an fp32: u32 = u16 << 16
 //   E5m2    the top byte of an fp16: u16 = u8 << 8, then fp16 -> fp32 (F16C where built with it)
 //   E4m3    sign, then exponent and mantissa moved into an fp16 with its exponent bias 8 short, so
-//           fp16 -> fp32 (F16C), times 2^8: exact, e4m3's subnormals included (they are fp16
-//           normals); S.1111.111, e4m3fn's one NaN code, read as NaN
+//           fp16 -> fp32 (F16C) gives the value / 2^8, exact, e4m3's subnormals included (they are
+//           fp16 normals); the callers fold the 2^8 into their scales (kRowFactor). S.1111.111,
+//           e4m3fn's one NaN code, reads as NaN
 //
 // Storing follows torch's fp32 -> fp8 cast: saturated to the finite range (the caller divides by
 // the scale first), rounded to nearest, ties to even, NaN to the format's NaN.
@@ -26,6 +27,14 @@
 #endif
 
 namespace pd_cpu {
+
+struct Bf16;
+struct E4m3;
+struct E5m2;
+
+// load_row's floats are the values divided by this: the caller multiplies it into its scale.
+template <typename T>
+constexpr float kRowFactor = std::is_same_v<T, E4m3> ? 256.f : 1.f;
 
 struct Bf16 { uint16_t bits; };
 struct E4m3 { uint8_t bits; };
@@ -58,14 +67,15 @@ inline uint16_t e4m3_half_bits(uint8_t b) {
   return static_cast<uint16_t>(((b & 0x80) << 8) | ((b & 0x7f) << 7));
 }
 
+// The value / kRowFactor<E4m3>, as load_row gives it.
 inline float e4m3_to_float(uint8_t b) {
   if ((b & 0x7f) == 0x7f) return std::numeric_limits<float>::quiet_NaN();
-  return half_to_float(e4m3_half_bits(b)) * 256.f;
+  return half_to_float(e4m3_half_bits(b));
 }
 
 inline float e5m2_to_float(uint8_t b) { return half_to_float(static_cast<uint16_t>(b << 8)); }
 
-// dst[0 .. n) = src's row as floats; n is a multiple of 8 (kernels.checks: head_dim).
+// dst[0 .. n) = src's row as floats divided by kRowFactor<T>; n is a multiple of 8 (kernels.checks: head_dim).
 template <typename T>
 inline void load_row(const T* src, float* dst, int64_t n) {
   if constexpr (std::is_same_v<T, float>) {
@@ -78,7 +88,26 @@ inline void load_row(const T* src, float* dst, int64_t n) {
     static_assert(std::is_same_v<T, E4m3> || std::is_same_v<T, E5m2>, "a KV element type");
     const uint8_t* s = reinterpret_cast<const uint8_t*>(src);
 #if defined(__F16C__)
-    for (int64_t d = 0; d < n; d += 8) {
+    int64_t d = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+    // Sixteen at a time, NaN codes found with a mask compare: half the instructions of the AVX2 loop.
+    for (; d + 16 <= n; d += 16) {
+      const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + d)));
+      if constexpr (std::is_same_v<T, E5m2>) {
+        _mm512_storeu_ps(dst + d, _mm512_cvtph_ps(_mm256_slli_epi16(bytes, 8)));
+      } else {
+        // bits << 7 puts the magnitude in fp16's bits 13..7 and the sign in bit 14; adding bit 14 to
+        // itself carries the sign into bit 15 and clears bit 14.
+        const __m256i shifted = _mm256_slli_epi16(bytes, 7);
+        const __m256i half = _mm256_add_epi16(shifted, _mm256_and_si256(shifted, _mm256_set1_epi16(0x4000)));
+        const __mmask16 nan = _mm256_cmpeq_epi16_mask(_mm256_and_si256(shifted, _mm256_set1_epi16(0x3f80)),
+                                                      _mm256_set1_epi16(0x3f80));
+        _mm512_storeu_ps(dst + d, _mm512_mask_mov_ps(_mm512_cvtph_ps(half), nan,
+                                                     _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN())));
+      }
+    }
+#endif
+    for (; d < n; d += 8) {
       __m128i bytes = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(s + d)));
       if constexpr (std::is_same_v<T, E5m2>) {
         _mm256_storeu_ps(dst + d, _mm256_cvtph_ps(_mm_slli_epi16(bytes, 8)));
@@ -86,7 +115,7 @@ inline void load_row(const T* src, float* dst, int64_t n) {
         const __m128i magnitude = _mm_and_si128(bytes, _mm_set1_epi16(0x7f));
         const __m128i half = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(bytes, _mm_set1_epi16(0x80)), 8),
                                           _mm_slli_epi16(magnitude, 7));
-        __m256 values = _mm256_mul_ps(_mm256_cvtph_ps(half), _mm256_set1_ps(256.f));
+        __m256 values = _mm256_cvtph_ps(half);
         const __m256 nan = _mm256_castsi256_ps(_mm256_cvtepi16_epi32(_mm_cmpeq_epi16(magnitude, _mm_set1_epi16(0x7f))));
         values = _mm256_blendv_ps(values, _mm256_set1_ps(std::numeric_limits<float>::quiet_NaN()), nan);
         _mm256_storeu_ps(dst + d, values);

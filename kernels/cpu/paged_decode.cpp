@@ -207,7 +207,7 @@ void decode_typed(const torch::Tensor& q, const torch::Tensor& k_cache, const to
       token_rows.data_ptr<int64_t>(), head_dim, k_cache.size(1), k_cache.size(2), q.size(1) / k_cache.size(2), window,
       q.stride(0), q.stride(1), out.stride(0), out.stride(1),
       k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-      block_table.stride(0), scale, softcap, value_scale,
+      block_table.stride(0), scale * pd_cpu::kRowFactor<T>, softcap, value_scale * pd_cpu::kRowFactor<T>,
   };
   int64_t max_len = 0;
   for (int64_t i = 0; i < num_decodes; ++i) max_len = std::max<int64_t>(max_len, a.lens[i]);

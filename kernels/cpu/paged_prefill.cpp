@@ -226,7 +226,7 @@ void prefill_typed(const torch::Tensor& q, const torch::Tensor& k_cache, const t
       out.data_ptr<float>(), block_table.data_ptr<int32_t>(), q.size(2), k_cache.size(1), k_cache.size(2),
       q.size(1) / k_cache.size(2), window, q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0),
       k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-      block_table.stride(0), scale, softcap, value_scale,
+      block_table.stride(0), scale * pd_cpu::kRowFactor<T>, softcap, value_scale * pd_cpu::kRowFactor<T>,
   };
   const int64_t tile = std::max<int64_t>(1, kTileRows / a.group);
   std::vector<Task> tasks;

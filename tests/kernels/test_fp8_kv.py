@@ -127,7 +127,7 @@ int main() {
     for (auto& e : e5) e.bits = code;
     pd_cpu::load_row(e4, r4, 8);
     pd_cpu::load_row(e5, r5, 8);
-    std::printf("%a %a\n", r4[0], r5[0]);
+    std::printf("%a %a\n", r4[0] * pd_cpu::kRowFactor<pd_cpu::E4m3>, r5[0] * pd_cpu::kRowFactor<pd_cpu::E5m2>);
   }
 }
 """
