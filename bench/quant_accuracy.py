@@ -1,32 +1,44 @@
 """What 8-bit weights cost in accuracy, teacher-forced: ``python -m bench.quant_accuracy``.
 
 ``python -m bench.quant_accuracy [--model builtin:smollm2-135m-instruct] [--weights int8 fp8_dynamic fp8_block]
-[--tokens 2560] [--window 512]``
+[--tokens 2560] [--window 512] [--fp8-activations] [--dtype float32]``
 
 Builds a varied text (this repository's docs and code, and short passages in French, German, Spanish,
 Italian, Portuguese and Dutch written for this bench), tokenizes it with the model's tokenizer and feeds
 it, ``--window`` tokens a sequence, through the engine's own model (``position_logits``: the forward pass
 the engine runs, its kernels, in chunks through the paged KV cache) twice: unquantized, and quantized
 to each ``--weights`` scheme by ``pd.model.quantize`` (``none``: the unquantized model against itself,
-the harness's zero). One JSON object per scheme: the share of positions where both models' top-1
-tokens agree, the mean KL divergence of the quantized model's next-token distribution from the
-unquantized one's (full vocabulary, nats), and each model's mean negative log-likelihood of the text.
+the harness's zero; with ``--dtype bfloat16``, bf16 against fp32: a floor for what any 8-bit scheme can
+reach). One JSON object per scheme: the share of positions where both models' top-1 tokens agree, the mean
+KL divergence of the quantized model's next-token distribution from the unquantized one's (full
+vocabulary, nats), and each model's mean negative log-likelihood of the text.
+
+A CPU runs FP8 checkpoints dequantized (weights rounded to FP8, activations not): that is what the
+engine's figures for ``fp8_*`` measure. ``--fp8-activations`` runs their layers as the CUDA path computes
+them instead, W8A8 (``Fp8Linear``: activations rounded to FP8 per token, or per token and 128 columns),
+with the Triton kernel's torch reference as the product.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
+import pd.model.loader as loader
+from kernels.triton.scaled_mm import scaled_mm_reference
 from pd.config import EngineConfig
 from pd.engine.engine import LLMEngine
 from pd.model.attention import AttentionMetadata
 from pd.model.paths import resolve_model_path
+from pd.model.quant_linear import fp8_linear, make_quantized_linear
+from pd.model.quant_scheme import WeightFormat
 from pd.model.quantize import SCHEMES, quantize_checkpoint
 from pd.model.tokenizer import Tokenizer
 from pd.workload.host import cpu_flags, cpu_name
@@ -96,6 +108,22 @@ def position_logits(config: EngineConfig, windows: list[list[int]], chunk: int =
         engine.close()
 
 
+@contextlib.contextmanager
+def fp8_as_on_cuda() -> Iterator[None]:
+    """While open, the loader builds FP8 layers as the CUDA path's ``Fp8Linear``, on the kernel's reference."""
+    def build(q, bias, dtype, form, few_rows):
+        if q.format is WeightFormat.INT8_CHANNEL:
+            return make_quantized_linear(q, bias, dtype, form, few_rows)
+        return fp8_linear(q, bias, mm=scaled_mm_reference)
+
+    saved = loader.make_quantized_linear
+    loader.make_quantized_linear = build
+    try:
+        yield
+    finally:
+        loader.make_quantized_linear = saved
+
+
 def compare(base: torch.Tensor, quant: torch.Tensor, targets: torch.Tensor) -> dict:
     """Top-1 agreement, mean KL(base || quant) and each model's mean NLL of ``targets``."""
     base_logp, quant_logp = base.log_softmax(-1), quant.log_softmax(-1)
@@ -115,7 +143,8 @@ def windows_of(token_ids: list[int], num_tokens: int, window: int) -> list[list[
     return [token_ids[s:s + window + 1] for s in range(0, num_tokens, window)]
 
 
-def run(model: str, schemes: list[str], num_tokens: int, window: int, threads: int | None) -> list[dict]:
+def run(model: str, schemes: list[str], num_tokens: int, window: int, threads: int | None, dtype: str,
+        fp8_activations: bool) -> list[dict]:
     source = resolve_model_path(model)
     base_config = EngineConfig(model=str(source), num_blocks=-(-(window + 1) // 16) + 1, block_size=16,
                                dtype="float32", num_threads=threads)
@@ -135,10 +164,14 @@ def run(model: str, schemes: list[str], num_tokens: int, window: int, threads: i
             if scheme != "none":
                 quant_dir = Path(tmp) / scheme
                 quantize_checkpoint(source, quant_dir, SCHEMES[scheme])
-            quant = position_logits(dataclasses.replace(base_config, model=str(quant_dir)), windows)[keep]
-        results.append({"case": "quant_accuracy", "model": model, "weights": scheme, "tokens": int(keep.sum()),
-                        "window": window, **compare(base, quant, targets), "dtype": "float32",
-                        "cpu": cpu_name(), "cpu_flags": cpu_flags()})
+            config = dataclasses.replace(base_config, model=str(quant_dir), dtype=dtype)
+            emulate = fp8_activations and scheme.startswith("fp8")
+            with fp8_as_on_cuda() if emulate else contextlib.nullcontext():
+                quant = position_logits(config, windows)[keep]
+        results.append({"case": "quant_accuracy", "model": model, "weights": scheme,
+                        "activations": "fp8" if emulate else ("int8" if scheme == "int8" else dtype),
+                        "tokens": int(keep.sum()), "window": window, **compare(base, quant, targets),
+                        "base_dtype": "float32", "dtype": dtype, "cpu": cpu_name(), "cpu_flags": cpu_flags()})
     return results
 
 
@@ -150,8 +183,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokens", type=int, default=2560, help="teacher-forced positions (at least 2,000)")
     parser.add_argument("--window", type=int, default=512, help="tokens per sequence")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="the compared engine's dtype (the unquantized reference runs fp32)")
+    parser.add_argument("--fp8-activations", action="store_true",
+                        help="FP8 schemes as W8A8, as the CUDA path computes them (see the module's doc)")
     args = parser.parse_args(argv)
-    for result in run(args.model, args.weights, args.tokens, args.window, args.threads):
+    for result in run(args.model, args.weights, args.tokens, args.window, args.threads, args.dtype,
+                      args.fp8_activations):
         print(json.dumps(result), flush=True)
 
 

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -50,12 +51,16 @@ class Fp8Linear:
     block_rows: int | None  # None: per-channel scales; else rows per block scale (1 or 128)
     bias: torch.Tensor | None
     packed: bool = False
+    # The product (kernels.triton.scaled_mm's signature); None: the Triton kernel. Its torch reference
+    # computes the same layer on a CPU (bench.quant_accuracy's FP8 W8A8 figures).
+    mm: Callable | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         from kernels.triton.scaled_mm import GROUP_K, quantize_fp8_rows, scaled_mm
 
         xq, x_scale = quantize_fp8_rows(x, GROUP_K if self.block_rows is not None else None)
-        return scaled_mm(xq, self.weight, x_scale, self.weight_scale, self.block_rows, self.bias, x.dtype)
+        return (self.mm or scaled_mm)(xq, self.weight, x_scale, self.weight_scale, self.block_rows, self.bias,
+                                      x.dtype)
 
 
 QuantLinear = Linear | Int8Linear | Fp8Linear
@@ -71,9 +76,14 @@ def make_quantized_linear(q: QuantizedWeight, bias: torch.Tensor | None, dtype: 
         fused = kernels.cpu.build() if few_rows and device.type == "cpu" else None
         return Int8Linear(q.weight, q.scale, bias, fused=fused)
     if device.type == "cuda":
-        block_rows = q.block_rows if q.format is WeightFormat.FP8_BLOCK else None
-        return Fp8Linear(q.weight, q.scale, block_rows, None if bias is None else bias.contiguous())
+        return fp8_linear(q, bias)
     return make_linear(dequantize(q, dtype), bias, form, few_rows)
+
+
+def fp8_linear(q: QuantizedWeight, bias: torch.Tensor | None, mm: Callable | None = None) -> Fp8Linear:
+    """``q`` (FP8) as a W8A8 layer: the CUDA path's, or with the product ``mm``."""
+    block_rows = q.block_rows if q.format is WeightFormat.FP8_BLOCK else None
+    return Fp8Linear(q.weight, q.scale, block_rows, None if bias is None else bias.contiguous(), mm=mm)
 
 
 def held_bytes(layer: QuantLinear) -> int:
