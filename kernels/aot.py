@@ -1,12 +1,24 @@
 """Ahead-of-time compile check: every Triton kernel specialisation the engine can launch, for real GPUs.
 
-``python -m kernels.aot [--arch 80,90] [--quick]`` compiles each specialisation
-to a cubin with Triton's bundled ``ptxas``. No GPU is needed. It prints one
-JSON object per (specialisation, arch): ``kernel``, ``arch``, ``dtype``,
-``head_dim``, ``block_size``, ``ok``, ``registers``, ``spills``,
-``shared_bytes`` and ``shared_limit_bytes``. It exits non-zero if any failed to
-compile or needs more shared memory than the arch gives a block. Spills are
-reported, not failed.
+``python -m kernels.aot [--arch 80,90] [--quick] [--allow-spills] [--jobs N]``
+compiles each specialisation to a cubin with Triton's bundled ``ptxas``. No
+GPU is needed. It prints one JSON object per (specialisation, arch):
+``kernel``, ``arch``, ``dtype``, ``head_dim``, ``block_size``, ``ok``,
+``registers``, ``spills``, ``shared_bytes`` and ``shared_limit_bytes``. It
+exits non-zero if any failed to compile, needs more shared memory than the
+arch gives a block, or spills registers (to local memory, a round trip
+through the caches and DRAM): ``--allow-spills`` reports spills without
+failing, to explore tile sizes.
+
+Each is compiled with the alignment Triton specialises a real launch on:
+pointers 16-byte aligned and every ``stride_*`` argument a multiple of 16
+(``tt.divisibility``), as the engine's launches are: its tensors are
+allocations or views at whole-head offsets, and its strides are multiples of
+``head_dim`` or ``hidden`` (all multiples of 16 in the supported models).
+The block table's row stride (``max_blocks_per_seq``) can be any number and
+is left unmarked. Without the marks every load is scalar, with a 64-bit
+address per element: such a build (a launch on odd strides) is another
+kernel, and the attention kernel then uses 255 registers and spills.
 
 The specialisations are the host launchers' own choices (``gpu_tiles``,
 ``row_block``, ``norm_num_warps``), over fp16 and bf16, the head dims of the
@@ -24,6 +36,7 @@ which Triton refuses for e4m3 below sm_89.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import os
@@ -31,6 +44,8 @@ import re
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ProcessPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,6 +53,8 @@ import torch
 
 # Dynamic shared memory a block may use: A100 (sm_80) and H100/H200 (sm_90).
 SHARED_LIMIT_BYTES = {80: 166_912, 90: 232_448}
+# Strides a launch may pass as any number (see the module doc): compiled without the multiple-of-16 mark.
+UNALIGNED_STRIDES = frozenset({"stride_block_table"})
 DTYPES = {"fp16": 2, "bf16": 2}
 HEAD_DIMS = (64, 80, 96, 128)
 BLOCK_SIZES = (16, 32)
@@ -60,6 +77,7 @@ class Spec:
     constexprs: dict
     num_warps: int = 4
     num_stages: int = 3
+    max_registers: int | None = None  # Triton's maxnreg
     extra: dict = field(default_factory=dict)
 
     def signature(self) -> dict[str, str]:
@@ -74,6 +92,12 @@ class Spec:
             else:
                 types[param.name] = "i32"
         return types
+
+    def attributes(self) -> dict[tuple[int], list]:
+        """The divisibility marks of an engine launch (module doc): aligned pointers, strides multiples of 16."""
+        aligned = [i for i, param in enumerate(self.fn.params) if not param.is_constexpr and (
+            param.name.endswith("_ptr") or param.name.startswith("stride_") and param.name not in UNALIGNED_STRIDES)]
+        return {(i,): [["tt.divisibility", 16]] for i in aligned}
 
 
 def fp8_kv_grid(quick: bool, batches: tuple) -> list[tuple]:
@@ -118,15 +142,15 @@ def attention_specs(quick: bool) -> list[Spec]:
              for kv_dtype, dtype, head_dim, batch in fp8_kv_grid(quick, batches)]
     specs = []
     for dtype, head_dim, block_size, group, (batch, decode_only, split), window, kv_dtype in grid:
-        tiles = gpu_tiles(DTYPES[dtype], head_dim, group, decode_only)
+        tiles = gpu_tiles(DTYPES[dtype], head_dim, group, decode_only, split)
         specs.append(Spec(
             "paged_attention", _paged_attention_kernel, dtype, head_dim, block_size,
             {**pointers, **kv_pointers(kv_dtype)},
             {"HEAD_DIM": head_dim, "HEAD_DIM_PAD": padded_head_dim(head_dim), "BLOCK_SIZE": block_size,
              "GROUP": group, "BLOCK_Q": tiles.block_q, "BLOCK_M": tiles.block_m, "TILE": tiles.tile,
              "USE_SOFTCAP": False, "USE_WINDOW": window, "SPLIT": split, "KV_FORMAT": kv_format(kv_dtype)},
-            tiles.num_warps, tiles.num_stages,
-            {"group": group, "batch": batch, "sliding_window": window, "kv_dtype": kv_name(kv_dtype)},
+            tiles.num_warps, tiles.num_stages, max_registers=tiles.max_registers,
+            extra={"group": group, "batch": batch, "sliding_window": window, "kv_dtype": kv_name(kv_dtype)},
         ))
     for dtype, head_dim in itertools.product(DTYPES, HEAD_DIMS if not quick else (128,)):
         specs.append(Spec(
@@ -189,11 +213,11 @@ def moe_specs(quick: bool) -> list[Spec]:
         for name, fn in (("moe_gate_up", _moe_gate_up_kernel), ("moe_down", _moe_down_kernel)):
             specs.append(Spec(name, fn, dtype, None, None, pointers,
                               {"BLOCK_M": tiles.block_m, "BLOCK_N": tiles.block_n, "BLOCK_K": tiles.block_k},
-                              tiles.num_warps, tiles.num_stages, {"block_m": tiles.block_m}))
+                              tiles.num_warps, tiles.num_stages, extra={"block_m": tiles.block_m}))
     return specs
 
 
-def compile_spec(spec: Spec, arch: int, shared_limit: int) -> dict:
+def compile_spec(spec: Spec, arch: int, shared_limit: int, allow_spills: bool = False) -> dict:
     """Compile one spec for ``arch``; the JSON record."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -203,16 +227,18 @@ def compile_spec(spec: Spec, arch: int, shared_limit: int) -> dict:
               "block_size": spec.block_size, **spec.extra, "num_warps": spec.num_warps,
               "shared_limit_bytes": shared_limit}
     try:
-        source = ASTSource(fn=spec.fn, signature=spec.signature(), constexprs=spec.constexprs)
+        source = ASTSource(fn=spec.fn, signature=spec.signature(), constexprs=spec.constexprs,
+                           attrs=spec.attributes())
+        options = {"num_warps": spec.num_warps, "num_stages": spec.num_stages, "maxnreg": spec.max_registers}
         compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32),
-                                  options={"num_warps": spec.num_warps, "num_stages": spec.num_stages})
+                                  options={k: v for k, v in options.items() if v is not None})
         registers, spills = ptxas_usage(compiled.asm["ptx"], arch)
     except Exception as exc:  # noqa: BLE001 - a compile error is this record's failure, reported
         return {**record, "ok": False, "error": f"{type(exc).__name__}: {str(exc)[:300]}",
                 "registers": None, "spills": None, "shared_bytes": None}
     shared = int(compiled.metadata.shared)
-    return {**record, "ok": shared <= shared_limit, "registers": registers, "spills": spills,
-            "shared_bytes": shared}
+    return {**record, "ok": shared <= shared_limit and (allow_spills or spills == 0), "registers": registers,
+            "spills": spills, "shared_bytes": shared}
 
 
 def ptxas_usage(ptx: str, arch: int) -> tuple[int, int]:
@@ -238,6 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="one specialisation per kernel and batch kind")
     parser.add_argument("--shared-limit", type=int, default=None,
                         help="check against this many bytes of shared memory per block instead (another GPU)")
+    parser.add_argument("--allow-spills", action="store_true", help="report register spills without failing")
+    parser.add_argument("--jobs", type=int, default=1, help="compile in this many processes")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         parser.error("TRITON_INTERPRET=1 is set: kernels would be interpreted, not compiled; unset it")
@@ -245,13 +273,26 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [a for a in arches if a not in SHARED_LIMIT_BYTES]
     if unknown:
         parser.error(f"--arch {unknown}: this check knows {sorted(SHARED_LIMIT_BYTES)}")
+    jobs = [(args.quick, index, arch, args.shared_limit or SHARED_LIMIT_BYTES[arch], args.allow_spills)
+            for index in range(len(all_specs(args.quick))) for arch in arches]
     ok = True
-    for spec in attention_specs(args.quick) + row_specs(args.quick) + moe_specs(args.quick):
-        for arch in arches:
-            record = compile_spec(spec, arch, args.shared_limit or SHARED_LIMIT_BYTES[arch])
+    with ProcessPoolExecutor(args.jobs) if args.jobs > 1 else nullcontext() as pool:
+        records = pool.map(_compile_job, jobs) if pool is not None else map(_compile_job, jobs)
+        for record in records:
             ok &= record["ok"]
             print(json.dumps(record), flush=True)
     return 0 if ok else 1
+
+
+@functools.cache
+def all_specs(quick: bool) -> list[Spec]:
+    return attention_specs(quick) + row_specs(quick) + moe_specs(quick)
+
+
+def _compile_job(job: tuple) -> dict:
+    """One (spec, arch) compile, named by the spec's index: a worker process builds the same list."""
+    quick, index, *rest = job
+    return compile_spec(all_specs(quick)[index], *rest)
 
 
 if __name__ == "__main__":

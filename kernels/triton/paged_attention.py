@@ -224,6 +224,12 @@ class TileConfig:
     tile: int  # keys per inner-loop step
     num_warps: int
     num_stages: int
+    max_registers: int | None = None  # ptxas's cap per thread (Triton's ``maxnreg``); None: ptxas picks
+
+
+# Tells ptxas it may use every register a thread can have: left to itself it caps some specialisations
+# (64-row tiles on sm_80, some split-KV decodes) to fit one more block per SM, and spills to get there.
+NO_REGISTER_CAP = 255
 
 
 def padded_head_dim(head_dim: int) -> int:
@@ -231,7 +237,7 @@ def padded_head_dim(head_dim: int) -> int:
     return max(16, next_power_of_2(head_dim))
 
 
-def choose_tiles(q: torch.Tensor, group: int, decode_only: bool) -> TileConfig:
+def choose_tiles(q: torch.Tensor, group: int, decode_only: bool, split: bool = False) -> TileConfig:
     """Tile sizes for ``q``'s device, dtype and head_dim.
 
     The interpreter pays per program and per operation, not per element, so
@@ -240,19 +246,33 @@ def choose_tiles(q: torch.Tensor, group: int, decode_only: bool) -> TileConfig:
     rows would be padding; batches with prefill chunks get 64 rows, so each
     K/V tile loaded serves more queries. Key tiles shrink for fp32 and for
     head_dim over 128 so that the pipelined K/V buffers fit shared memory.
+    What ``python -m kernels.aot`` showed about registers (no spills is the
+    goal): 64-row tiles take 8 warps, since on 4 their fp32 accumulator and
+    scores (64 x 128 and 64 x 64) left a thread 255 registers and spills on
+    sm_80; and they, like the split-KV programs (``split``), lift ptxas's
+    register cap, which otherwise squeezed some specialisations under 128
+    (or 72) registers to fit one more block per SM and spilled to get there.
+    That costs nothing to the split-KV path, whose grid is sized to about two
+    programs per SM, and leaves 64-row tiles at one block of 8 warps per SM,
+    at up to about 230 registers on sm_80 and 180 on sm_90. Single-pass
+    decodes, memory-bound, keep ptxas's choice (up to about 150 registers,
+    three blocks per SM); all pipeline 3 K/V tiles deep (with 2, ptxas
+    spilled a few bytes around some decode loops' prologue).
     These GPU choices are untuned; ``python -m bench.kernels`` measures them.
     """
     if is_interpreted(q.device):
         block_m = max(128, next_power_of_2(group))
         return TileConfig(block_m, block_m // group, 256, 4, 1)
-    return gpu_tiles(q.element_size(), q.shape[2], group, decode_only)
+    return gpu_tiles(q.element_size(), q.shape[2], group, decode_only, split)
 
 
-def gpu_tiles(element_size: int, head_dim: int, group: int, decode_only: bool) -> TileConfig:
+def gpu_tiles(element_size: int, head_dim: int, group: int, decode_only: bool, split: bool = False) -> TileConfig:
     """``choose_tiles`` on a GPU, from the shapes alone (the AOT check compiles exactly these)."""
     block_m = max(16 if decode_only else 64, next_power_of_2(group))
     tile = 32 if element_size > 2 or padded_head_dim(head_dim) > 128 else 64
-    return TileConfig(block_m, block_m // group, tile, 4, 2 if decode_only else 3)
+    uncapped = split or not decode_only
+    return TileConfig(block_m, block_m // group, tile, num_warps=4 if decode_only else 8, num_stages=3,
+                      max_registers=NO_REGISTER_CAP if uncapped else None)
 
 
 def num_q_blocks_bound(num_tokens: int, num_seqs: int, block_q: int) -> int:
@@ -314,4 +334,5 @@ def launch_paged_attention(
         KV_FORMAT=kv_format(k_cache.dtype),
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
+        maxnreg=tiles.max_registers,
     )

@@ -138,7 +138,7 @@ def launch_split_kv(
     partial_max = torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32, device=q.device)
     partial_sum = torch.empty_like(partial_max)
     decode_only = num_tokens == seq_lens.shape[0]
-    tiles = choose_tiles(q, num_heads // k_cache.shape[2], decode_only)
+    tiles = choose_tiles(q, num_heads // k_cache.shape[2], decode_only, split=True)
     launch_paged_attention(
         q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, softmax_scale,
         sliding_window, softcap, out, tiles, partials=(partial_out, partial_max, partial_sum),
