@@ -26,6 +26,8 @@ Store: ``quantize`` is c10's float -> float8 conversion (round to nearest
 even, subnormals by one fp32 add of a magic number), after ``x / scale`` in
 IEEE division (``div_rn``; a GPU's ``/`` is approximate) and a saturation on
 the magnitude's bits that leaves NaN alone (``tl.minimum`` on floats may not).
+A NaN stores a NaN code; its sign is the division's, which on a GPU is the
+canonical positive NaN whatever the input's.
 """
 
 from __future__ import annotations

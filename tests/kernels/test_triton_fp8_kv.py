@@ -30,24 +30,29 @@ def _fmt(dtype: torch.dtype) -> str:
 @pytest.mark.parametrize("scales", [(1.0, 1.0), (0.37, 3.0)], ids=["scale-1", "scales-0.37-3"])
 @pytest.mark.parametrize("dtype", FORMATS, ids=_fmt)
 def test_store_writes_the_references_bytes(dtype, scales):
-    """Every code, every midpoint (ties to even), just off them, overflow (saturates), NaN, padding slots."""
+    """Every code, every midpoint (ties to even), just off them, overflow (saturates), NaN, padding slots.
+
+    V gets the values negated but for NaN: a NaN's sign is not kept on a GPU, whose division returns the
+    canonical (positive) NaN."""
     k_scale, v_scale = scales
     head_dim, kv_heads, block_size = 64, 2, 16
-    values = _hard_values(dtype)
-    values = torch.cat([values, torch.zeros(-values.numel() % (head_dim * kv_heads))]).view(-1, kv_heads, head_dim)
-    num_tokens = values.shape[0]
-    slots = torch.arange(num_tokens)
-    slots[::7] = PAD_SLOT_ID  # skipped: their slots keep the pool's bytes
-    num_blocks = -(-num_tokens // block_size)
-    pool = torch.randn(num_blocks, kv_heads, 2, 2, block_size, head_dim).to(dtype)  # the engine's layout
-
-    expected = pool.clone()
-    k_ref, v_ref = layer_views(expected)[LAYER]
-    reference.store_kv(values, -values, k_ref, v_ref, slots, k_scale=k_scale, v_scale=v_scale)
     device = torch.get_default_device()
+    with torch.device("cpu"):  # inputs and the expected bytes: the CPU reference's, on any test device
+        values = _hard_values(dtype)
+        values = torch.cat([values, torch.zeros(-values.numel() % (head_dim * kv_heads))])
+        values = values.view(-1, kv_heads, head_dim)
+        negated = torch.where(values.isnan(), values, -values)
+        num_tokens = values.shape[0]
+        slots = torch.arange(num_tokens)
+        slots[::7] = PAD_SLOT_ID  # skipped: their slots keep the pool's bytes
+        num_blocks = -(-num_tokens // block_size)
+        pool = torch.randn(num_blocks, kv_heads, 2, 2, block_size, head_dim).to(dtype)  # the engine's layout
+        expected = pool.clone()
+        k_ref, v_ref = layer_views(expected)[LAYER]
+        reference.store_kv(values, negated, k_ref, v_ref, slots, k_scale=k_scale, v_scale=v_scale)
     pool = pool.to(device)
     k_cache, v_cache = layer_views(pool)[LAYER]
-    kernels.store_kv(values.to(device), -values.to(device), k_cache, v_cache, slots.to(device), k_scale=k_scale,
+    kernels.store_kv(values.to(device), negated.to(device), k_cache, v_cache, slots.to(device), k_scale=k_scale,
                      v_scale=v_scale, backend="triton")
     actual = pool.cpu().view(torch.uint8)
     assert torch.equal(actual, expected.view(torch.uint8))
@@ -56,17 +61,17 @@ def test_store_writes_the_references_bytes(dtype, scales):
 @pytest.mark.parametrize("dtype", FORMATS, ids=_fmt)
 @pytest.mark.parametrize("key_dtype", [torch.float16, torch.bfloat16])
 def test_store_from_half_keys(dtype, key_dtype):
-    key = (torch.randn(33, 1, 48, generator=torch.Generator().manual_seed(1)) * 300).to(key_dtype)
-    expected = {}
+    key = (torch.randn(33, 1, 48, generator=torch.Generator().manual_seed(1), device="cpu") * 300).to(key_dtype)
+    stored = {}
     for device in ("cpu", torch.get_default_device()):
         k = torch.zeros(3, 16, 1, 48, dtype=dtype, device=device)
         v = torch.zeros_like(k)
         backend = "torch" if device == "cpu" else "triton"
         kernels.store_kv(key.to(device), key.to(device), k, v, torch.arange(33, device=device), k_scale=0.5,
                          v_scale=2.0, backend=backend)
-        expected[backend] = (k.cpu().view(torch.uint8), v.cpu().view(torch.uint8))
-    assert torch.equal(expected["triton"][0], expected["torch"][0])
-    assert torch.equal(expected["triton"][1], expected["torch"][1])
+        stored[backend] = (k.cpu().view(torch.uint8), v.cpu().view(torch.uint8))
+    assert torch.equal(stored["triton"][0], stored["torch"][0])
+    assert torch.equal(stored["triton"][1], stored["torch"][1])
 
 
 E4M3, E5M2 = FORMATS
