@@ -255,9 +255,11 @@ def choose_tiles(q: torch.Tensor, group: int, decode_only: bool, split: bool = F
     That costs nothing to the split-KV path, whose grid is sized to about two
     programs per SM, and leaves 64-row tiles at one block of 8 warps per SM,
     at up to about 230 registers on sm_80 and 180 on sm_90. Single-pass
-    decodes, memory-bound, keep ptxas's choice (up to about 150 registers,
-    three blocks per SM); all pipeline 3 K/V tiles deep (with 2, ptxas
-    spilled a few bytes around some decode loops' prologue).
+    decodes, memory-bound, keep ptxas's choice: up to about 150 registers
+    (three blocks per SM) over pages of q's dtype, up to about 230 over FP8
+    pages on sm_90, whose conversions hold their bytes and halves. All
+    pipeline 3 K/V tiles deep (with 2, ptxas spilled a few bytes around some
+    decode loops' prologue).
     These GPU choices are untuned; ``python -m bench.kernels`` measures them.
     """
     if is_interpreted(q.device):
