@@ -47,6 +47,6 @@ def test_every_kernel_compiles_for_a100_and_h100_without_spills():
 
 
 def test_shared_memory_over_the_limit_fails_the_check():
-    code, records = _aot("--arch", "90", "--shared-limit", "1024")
+    code, records = _aot("--arch", "90", "--shared-limit", "1024", "--jobs", "2")
     assert code == 1
     assert any(not r["ok"] and r["kernel"] == "paged_attention" and r["shared_bytes"] > 1024 for r in records)
