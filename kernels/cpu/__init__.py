@@ -227,7 +227,10 @@ def _fp32(*tensors) -> bool:
 
 
 def store_kv(key, value, k_cache, v_cache, slot_mapping, *, k_scale=1.0, v_scale=1.0) -> None:
-    ours = _fp32(key, value) and k_cache.is_cpu and (k_cache.dtype == torch.float32 or is_fp8(k_cache.dtype))
+    # Rows of the pool's dtype are copied; fp32 or bf16 rows into FP8 pages are quantized.
+    same = k_cache.dtype == key.dtype and key.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    quantized = is_fp8(k_cache.dtype) and key.dtype in (torch.float32, torch.bfloat16)
+    ours = key.is_cpu and k_cache.is_cpu and (same or quantized)
     if not (ours and all(t.stride(-1) == 1 for t in (key, value, k_cache, v_cache))):
         return reference.store_kv(key, value, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
     build().store_kv(key, value, k_cache, v_cache, slot_mapping.long(), k_scale, v_scale)

@@ -146,19 +146,20 @@ torch::Tensor silu_and_mul(const torch::Tensor& gate_up) {
 // k_cache, v_cache: [num_blocks, block_size, kv_heads, hd] views whose (kv_heads, hd) is contiguous.
 namespace {
 
-// Quantized per element: x / scale in fp32, then rounded as torch's cast rounds (kernels.fp8.quantize).
-template <typename T>
+// Quantized per element: x (fp32, or bf16 made fp32) / scale, then rounded as torch's cast rounds
+// (kernels.fp8.quantize).
+template <typename T, typename S>
 void store_fp8_rows(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& k_cache,
                     torch::Tensor& v_cache, const int64_t* slots, float k_scale, float v_scale) {
   const int64_t tokens = key.size(0), heads = key.size(1), head_dim = key.size(2), block_size = k_cache.size(1);
   auto store = [&](const torch::Tensor& src, torch::Tensor& cache, float scale, int64_t t, int64_t slot) {
     uint8_t* dst = static_cast<uint8_t*>(cache.data_ptr()) + (slot / block_size) * cache.stride(0) +
                    (slot % block_size) * cache.stride(1);
-    const float* from = src.data_ptr<float>() + t * src.stride(0);
+    const S* from = static_cast<const S*>(src.data_ptr()) + t * src.stride(0);
+    float row[256];  // kernels.checks.MAX_HEAD_DIM
     for (int64_t h = 0; h < heads; ++h) {
-      for (int64_t d = 0; d < head_dim; ++d) {
-        dst[h * cache.stride(2) + d] = pd_cpu::float_to_fp8<T>(from[h * src.stride(1) + d] / scale);
-      }
+      pd_cpu::load_row<S>(from + h * src.stride(1), row, head_dim);
+      for (int64_t d = 0; d < head_dim; ++d) dst[h * cache.stride(2) + d] = pd_cpu::float_to_fp8<T>(row[d] / scale);
     }
   };
   at::parallel_for(0, tokens, grain(2 * heads * head_dim), [&](int64_t begin, int64_t end) {
@@ -174,28 +175,35 @@ void store_fp8_rows(const torch::Tensor& key, const torch::Tensor& value, torch:
 
 void store_kv(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& k_cache, torch::Tensor& v_cache,
               const torch::Tensor& slot_mapping, double k_scale, double v_scale) {
+  TORCH_CHECK(key.size(2) <= 256, "store_kv: head_dim ", key.size(2), " is over 256");
+  const int64_t* slot_ids = slot_mapping.data_ptr<int64_t>();
+  const float ks = static_cast<float>(k_scale), vs = static_cast<float>(v_scale);
+  const bool bf16 = key.scalar_type() == at::kBFloat16;
   if (k_cache.scalar_type() == at::kFloat8_e4m3fn) {
-    return store_fp8_rows<pd_cpu::E4m3>(key, value, k_cache, v_cache, slot_mapping.data_ptr<int64_t>(),
-                                        static_cast<float>(k_scale), static_cast<float>(v_scale));
+    return bf16 ? store_fp8_rows<pd_cpu::E4m3, pd_cpu::Bf16>(key, value, k_cache, v_cache, slot_ids, ks, vs)
+                : store_fp8_rows<pd_cpu::E4m3, float>(key, value, k_cache, v_cache, slot_ids, ks, vs);
   }
   if (k_cache.scalar_type() == at::kFloat8_e5m2) {
-    return store_fp8_rows<pd_cpu::E5m2>(key, value, k_cache, v_cache, slot_mapping.data_ptr<int64_t>(),
-                                        static_cast<float>(k_scale), static_cast<float>(v_scale));
+    return bf16 ? store_fp8_rows<pd_cpu::E5m2, pd_cpu::Bf16>(key, value, k_cache, v_cache, slot_ids, ks, vs)
+                : store_fp8_rows<pd_cpu::E5m2, float>(key, value, k_cache, v_cache, slot_ids, ks, vs);
   }
   // Any strides with head_dim contiguous: one copy per token where both sides' heads lie back to back,
   // else one per head (a pool with heads outermost within a block).
   const int64_t tokens = key.size(0), heads = key.size(1), head_dim = key.size(2), block_size = k_cache.size(1);
   const int64_t row = heads * head_dim;
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  // The cache's element type is the rows': fp32, bf16 or fp16, copied as bytes.
+  const int64_t item = key.element_size();
   auto copy = [&](const torch::Tensor& src, torch::Tensor& cache, int64_t t, int64_t slot) {
-    float* dst = cache.data_ptr<float>() + (slot / block_size) * cache.stride(0) + (slot % block_size) * cache.stride(1);
-    const float* from = src.data_ptr<float>() + t * src.stride(0);
+    char* dst = static_cast<char*>(cache.data_ptr()) +
+                ((slot / block_size) * cache.stride(0) + (slot % block_size) * cache.stride(1)) * item;
+    const char* from = static_cast<const char*>(src.data_ptr()) + t * src.stride(0) * item;
     if (cache.stride(2) == head_dim && src.stride(1) == head_dim) {
-      std::memcpy(dst, from, row * sizeof(float));
+      std::memcpy(dst, from, row * item);
       return;
     }
     for (int64_t h = 0; h < heads; ++h)
-      std::memcpy(dst + h * cache.stride(2), from + h * src.stride(1), head_dim * sizeof(float));
+      std::memcpy(dst + h * cache.stride(2) * item, from + h * src.stride(1) * item, head_dim * item);
   };
   at::parallel_for(0, tokens, grain(2 * row), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {

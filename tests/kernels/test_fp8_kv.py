@@ -42,12 +42,13 @@ def _hard_values(dtype: torch.dtype) -> torch.Tensor:
     return torch.cat([finite, mids, near, spread, -spread, torch.tensor([float("nan"), 1e9, -1e9])])
 
 
+@pytest.mark.parametrize("rows", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("scale", [1.0, 0.37])
 @pytest.mark.parametrize("dtype", FORMATS, ids=ids.get)
-def test_cpu_store_rounds_exactly_as_the_reference(dtype, scale):
-    values = _hard_values(dtype)
+def test_cpu_store_rounds_exactly_as_the_reference(dtype, scale, rows):
+    values = _hard_values(dtype).to(rows)
     head_dim = 64
-    values = torch.cat([values, torch.zeros(-values.numel() % head_dim)]).view(-1, 1, head_dim)
+    values = torch.cat([values, torch.zeros(-values.numel() % head_dim, dtype=rows)]).view(-1, 1, head_dim)
     tokens = values.shape[0]
     caches = {}
     for backend in ("torch", "cpu"):
@@ -58,6 +59,21 @@ def test_cpu_store_rounds_exactly_as_the_reference(dtype, scale):
         caches[backend] = (k.view(torch.uint8), v.view(torch.uint8))
     assert torch.equal(caches["cpu"][0], caches["torch"][0])
     assert torch.equal(caches["cpu"][1], caches["torch"][1])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cpu_store_copies_half_precision_rows_as_the_reference(dtype):
+    paged = make_batch([(40, 40), (1, 17)], 4, 2, 64, 16, dtype)
+    key, value = torch.randn(41, 2, 64).to(dtype), torch.randn(41, 2, 64).to(dtype)
+    slots = torch.randperm(paged.pool.shape[0] * 16)[:41]  # distinct: no two rows race for a slot
+    slots[5] = -1
+    pools = {}
+    for backend in ("torch", "cpu"):
+        pool = paged.pool.clone()
+        _, k, v, *_ = paged.args(pool)
+        kernels.store_kv(key, value, k, v, slots, backend=backend)
+        pools[backend] = pool
+    assert torch.equal(pools["cpu"], pools["torch"])
 
 
 DECODE = [(1, 523), (1, 37), (1, 700), (1, 1)]
