@@ -60,8 +60,11 @@ def quantize_tensors(tensors: dict[str, torch.Tensor], scheme: QuantScheme) -> d
     return out
 
 
-def quantize_checkpoint(src: Path, dst: Path, weight_format: WeightFormat) -> int:
-    """Write ``src``'s checkpoint quantized to ``dst`` (a new or empty directory); the number of layers quantized."""
+def quantize_checkpoint(src: Path, dst: Path, weight_format: WeightFormat, ignore: tuple[str, ...] = ()) -> int:
+    """Write ``src``'s checkpoint quantized to ``dst`` (a new or empty directory); the number of layers quantized.
+
+    ``ignore``: more modules to leave unquantized (names or ``re:`` patterns, as ``quantization_config``'s).
+    """
     src, dst = Path(src), Path(dst)
     if dst.exists() and any(dst.iterdir()):
         raise ValueError(f"destination {dst} exists and is not empty")
@@ -70,7 +73,7 @@ def quantize_checkpoint(src: Path, dst: Path, weight_format: WeightFormat) -> in
         raise ValueError(f"{src} is already quantized ({raw['quantization_config'].get('quant_method')!r}); "
                          "quantize an unquantized checkpoint")
     is_moe = bool(set(raw.get("architectures") or ()) & set(MOE_ARCHITECTURES))
-    config = quantization_config(weight_format, IGNORE + (MOE_IGNORE if is_moe else ()))
+    config = quantization_config(weight_format, IGNORE + (MOE_IGNORE if is_moe else ()) + tuple(ignore))
     scheme = parse_quantization_config(config)  # what the engine will read back
     tensors = read_tensors(src)
     quantized = quantize_tensors(tensors, scheme)
@@ -88,9 +91,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--scheme", required=True, choices=sorted(SCHEMES))
     parser.add_argument("src", help="checkpoint directory, .gguf file or built-in model name")
     parser.add_argument("dst", help="the new checkpoint's directory (created)")
+    parser.add_argument("--ignore", nargs="*", default=[],
+                        help="more modules left unquantized: names or 're:' patterns (e.g. 're:.*down_proj')")
     args = parser.parse_args(argv)
     source = resolve_model_path(args.src)
-    count = quantize_checkpoint(source, Path(args.dst), SCHEMES[args.scheme])
+    count = quantize_checkpoint(source, Path(args.dst), SCHEMES[args.scheme], tuple(args.ignore))
     print(json.dumps({"src": str(source), "dst": args.dst, "scheme": args.scheme, "quantized_layers": count}))
 
 

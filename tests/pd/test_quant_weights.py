@@ -282,6 +282,15 @@ def test_a_quantized_model_s_logits_and_greedy_tokens_follow_the_unquantized_mod
     assert [o.token_ids[0] for o in outputs] == base.argmax(-1)[clear].tolist()
 
 
+def test_modules_the_script_is_told_to_ignore_stay_unquantized(checkpoint, tmp_path):
+    path = tmp_path / "mixed"
+    assert quantize_checkpoint(checkpoint("llama"), path, WeightFormat.INT8_CHANNEL, (r"re:.*down_proj",)) == 2 * 6
+    config = json.loads((path / "config.json").read_text())["quantization_config"]
+    assert config["ignore"] == ["lm_head", r"re:.*down_proj"]
+    layer = LLM(str(path), num_blocks=16).engine.runner.model.weights.layers[1]
+    assert isinstance(layer.down_proj, Linear) and isinstance(layer.gate_up_proj, Int8Linear)
+
+
 def test_quantized_moe_experts_are_refused_and_the_script_leaves_them_out(checkpoint, tmp_path):
     source = checkpoint("qwen2_moe")
     done = tmp_path / "moe"
