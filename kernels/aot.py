@@ -24,7 +24,7 @@ The specialisations are the host launchers' own choices (``gpu_tiles``,
 ``row_block``, ``norm_num_warps``), over fp16 and bf16, the head dims of the
 supported architectures (64, 80, 96 and 128; Qwen3's is 128), block sizes 16
 and 32, GQA groups 1, 4, 7 and 8, decode-only, split-KV and mixed batches,
-with and without a sliding window; and the fused MoE's two GEMMs at its decode and prefill tiles.
+with and without a sliding window; the fused MoE's two GEMMs at its decode and prefill tiles; and the FP8 scaled product (``scaled_mm``; sm_90 only: sm_80 has no FP8).
 FP8 KV pages (``kv_dtype`` in the record): float8_e4m3fn pages under fp16 and
 bf16 queries at head dims 64 and 128 (decode, split-KV, mixed; and the
 store), and float8_e5m2 in one of each. Both arches build them: the kernels
@@ -78,6 +78,7 @@ class Spec:
     num_warps: int = 4
     num_stages: int = 3
     max_registers: int | None = None  # Triton's maxnreg
+    min_arch: int = 0  # compiled for arches from this one (FP8 products: sm_89 and later)
     extra: dict = field(default_factory=dict)
 
     def signature(self) -> dict[str, str]:
@@ -217,6 +218,26 @@ def moe_specs(quick: bool) -> list[Spec]:
     return specs
 
 
+def scaled_mm_specs(quick: bool) -> list[Spec]:
+    """The FP8 scaled product at each tile ``mm_tiles`` picks on a GPU: per-token x per-channel scales, and
+    block scales per weight row (``scale_rows`` 1: the engine's fused layers) or per 128x128 block."""
+    from kernels.triton.scaled_mm import BLOCK_PREFILL_TILES, DECODE_TILES, GROUP_K, PREFILL_TILES, _scaled_mm_kernel
+
+    pointers = {"a_ptr": "fp8e4nv", "b_ptr": "fp8e4nv", "a_scale_ptr": "fp32", "b_scale_ptr": "fp32"}
+    specs = []
+    for dtype, prefill, (block_scaled, scale_rows), has_bias in itertools.product(
+            DTYPES, (False, True), ((False, 1), (True, 1), (True, GROUP_K)), (False, True)):
+        if quick and (has_bias or dtype != "bf16" or (block_scaled and scale_rows == 1)):
+            continue
+        tiles = (BLOCK_PREFILL_TILES if block_scaled else PREFILL_TILES) if prefill else DECODE_TILES
+        specs.append(Spec("scaled_mm", _scaled_mm_kernel, dtype, None, None, pointers,
+                          {"HAS_BIAS": has_bias, "BLOCK_SCALED": block_scaled, "SCALE_ROWS": scale_rows,
+                           "GROUP": GROUP_K, "BLOCK_M": tiles.block_m, "BLOCK_N": tiles.block_n,
+                           "BLOCK_K": tiles.block_k},
+                          tiles.num_warps, tiles.num_stages, extra={"block_m": tiles.block_m}, min_arch=89))
+    return specs
+
+
 def compile_spec(spec: Spec, arch: int, shared_limit: int, allow_spills: bool = False) -> dict:
     """Compile one spec for ``arch``; the JSON record."""
     import triton
@@ -273,8 +294,9 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [a for a in arches if a not in SHARED_LIMIT_BYTES]
     if unknown:
         parser.error(f"--arch {unknown}: this check knows {sorted(SHARED_LIMIT_BYTES)}")
+    specs = all_specs(args.quick)
     jobs = [(args.quick, index, arch, args.shared_limit or SHARED_LIMIT_BYTES[arch], args.allow_spills)
-            for index in range(len(all_specs(args.quick))) for arch in arches]
+            for index in range(len(specs)) for arch in arches if arch >= specs[index].min_arch]
     ok = True
     with ProcessPoolExecutor(args.jobs) if args.jobs > 1 else nullcontext() as pool:
         records = pool.map(_compile_job, jobs) if pool is not None else map(_compile_job, jobs)
@@ -286,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
 
 @functools.cache
 def all_specs(quick: bool) -> list[Spec]:
-    return attention_specs(quick) + row_specs(quick) + moe_specs(quick)
+    return attention_specs(quick) + row_specs(quick) + moe_specs(quick) + scaled_mm_specs(quick)
 
 
 def _compile_job(job: tuple) -> dict:

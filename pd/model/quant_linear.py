@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -64,6 +65,8 @@ class Fp8Linear:
 
 
 QuantLinear = Linear | Int8Linear | Fp8Linear
+# FP8 products (and Triton's e4m3) start at Ada and Hopper; an A100 (8.0) runs FP8 weights dequantized.
+FP8_MIN_CAPABILITY = (8, 9)
 
 
 def make_quantized_linear(q: QuantizedWeight, bias: torch.Tensor | None, dtype: torch.dtype, form: str,
@@ -75,9 +78,18 @@ def make_quantized_linear(q: QuantizedWeight, bias: torch.Tensor | None, dtype: 
         # few_rows means the cpu backend runs the model, its extension built (pd.model.linear.make_linear)
         fused = kernels.cpu.build() if few_rows and device.type == "cpu" else None
         return Int8Linear(q.weight, q.scale, bias, fused=fused)
-    if device.type == "cuda":
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) >= FP8_MIN_CAPABILITY:
         return fp8_linear(q, bias)
+    if device.type == "cuda":
+        _warn_once(f"FP8 weights on a GPU of compute capability {torch.cuda.get_device_capability(device)}: it "
+                   f"has no FP8 products (they need {FP8_MIN_CAPABILITY}), so they are dequantized to {dtype} at "
+                   "load: the unquantized model's memory and speed")
     return make_linear(dequantize(q, dtype), bias, form, few_rows)
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_once(message: str) -> None:
+    logger.warning(message)
 
 
 def fp8_linear(q: QuantizedWeight, bias: torch.Tensor | None, mm: Callable | None = None) -> Fp8Linear:

@@ -11,7 +11,8 @@ from pathlib import Path
 
 CPUINFO = Path("/proc/cpuinfo")
 # The flags that decide which kernels and oneDNN paths a run takes.
-ISA_FLAGS = frozenset({"avx2", "avx512f", "avx512_bf16", "avx_ne_convert", "amx_bf16"})
+ISA_FLAGS = frozenset({"avx2", "avx512f", "avx512_bf16", "avx_ne_convert", "amx_bf16", "avx512_vnni", "avx_vnni",
+                       "amx_int8"})
 
 
 def _cpuinfo_field(name: str) -> str | None:

@@ -33,7 +33,7 @@ def test_every_kernel_compiles_for_a100_and_h100_without_spills():
     code, records = _aot("--jobs", "2")
     assert code == 0, [r for r in records if not r["ok"]]
     assert {r["kernel"] for r in records} == {"paged_attention", "merge_splits", "store_kv", "rotary", "rms_norm",
-                                              "silu_and_mul", "moe_gate_up", "moe_down"}
+                                              "silu_and_mul", "moe_gate_up", "moe_down", "scaled_mm"}
     assert {r["arch"] for r in records} == {80, 90}
     assert {r["kv_dtype"] for r in records if r["kernel"] in ("paged_attention", "store_kv")} >= {
         None, "float8_e4m3fn"}
