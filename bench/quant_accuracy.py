@@ -1,7 +1,10 @@
-"""What 8-bit weights cost in accuracy, teacher-forced: ``python -m bench.quant_accuracy``.
+"""What 8-bit weights and an FP8 KV cache cost in accuracy, teacher-forced: ``python -m bench.quant_accuracy``.
 
 ``python -m bench.quant_accuracy [--model builtin:smollm2-135m-instruct] [--weights int8 fp8_dynamic fp8_block]
-[--tokens 2560] [--window 512] [--fp8-activations] [--dtype float32]``
+[--tokens 2560] [--window 512] [--fp8-activations] [--dtype float32] [--kv-cache-dtype fp8_e4m3]
+[--kv-cache-scales FILE]``
+
+With ``--weights none --kv-cache-dtype fp8_e4m3``, the FP8 KV cache's cost alone.
 
 Builds a varied text (this repository's docs and code, and short passages in French, German, Spanish,
 Italian, Portuguese and Dutch written for this bench), tokenizes it with the model's tokenizer and feeds
@@ -144,7 +147,7 @@ def windows_of(token_ids: list[int], num_tokens: int, window: int) -> list[list[
 
 
 def run(model: str, schemes: list[str], num_tokens: int, window: int, threads: int | None, dtype: str,
-        fp8_activations: bool) -> list[dict]:
+        fp8_activations: bool, kv_cache_dtype: str = "auto", kv_cache_scales: str | None = None) -> list[dict]:
     source = resolve_model_path(model)
     base_config = EngineConfig(model=str(source), num_blocks=-(-(window + 1) // 16) + 1, block_size=16,
                                dtype="float32", num_threads=threads)
@@ -164,12 +167,14 @@ def run(model: str, schemes: list[str], num_tokens: int, window: int, threads: i
             if scheme != "none":
                 quant_dir = Path(tmp) / scheme
                 quantize_checkpoint(source, quant_dir, SCHEMES[scheme])
-            config = dataclasses.replace(base_config, model=str(quant_dir), dtype=dtype)
+            config = dataclasses.replace(base_config, model=str(quant_dir), dtype=dtype, kv_cache_dtype=kv_cache_dtype,
+                                         kv_cache_scales=kv_cache_scales)
             emulate = fp8_activations and scheme.startswith("fp8")
             with fp8_as_on_cuda() if emulate else contextlib.nullcontext():
                 quant = position_logits(config, windows)[keep]
         results.append({"case": "quant_accuracy", "model": model, "weights": scheme,
                         "activations": "fp8" if emulate else ("int8" if scheme == "int8" else dtype),
+                        "kv_cache_dtype": kv_cache_dtype, "kv_cache_scales": kv_cache_scales,
                         "tokens": int(keep.sum()), "window": window, **compare(base, quant, targets),
                         "base_dtype": "float32", "dtype": dtype, "cpu": cpu_name(), "cpu_flags": cpu_flags()})
     return results
@@ -187,9 +192,12 @@ def main(argv: list[str] | None = None) -> None:
                         help="the compared engine's dtype (the unquantized reference runs fp32)")
     parser.add_argument("--fp8-activations", action="store_true",
                         help="FP8 schemes as W8A8, as the CUDA path computes them (see the module's doc)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3", "fp8_e5m2"],
+                        help="the compared engine's KV cache (with --weights none: the KV cache's cost alone)")
+    parser.add_argument("--kv-cache-scales", default=None, help="its scales file (python -m pd.kv_calibrate)")
     args = parser.parse_args(argv)
     for result in run(args.model, args.weights, args.tokens, args.window, args.threads, args.dtype,
-                      args.fp8_activations):
+                      args.fp8_activations, args.kv_cache_dtype, args.kv_cache_scales):
         print(json.dumps(result), flush=True)
 
 
