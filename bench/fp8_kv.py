@@ -7,8 +7,8 @@
    pools of fp32, bf16, float8_e4m3fn and float8_e5m2 pages (the same call, converting rows to fp32 in L1), each sequence's pages at random blocks of
    a pool larger than the caches. Times alternate between the page types; one JSON line per shape
    with medians in ms, each type's ratio to bf16 pages, its KV GB/s against the copy bandwidth measured
-   in the same run (the step's physical limit), and the engine's bf16 path today (bf16 queries: the
-   reference's gather and SDPA).
+   in the same run (the step's physical limit), and ``bf16_queries``: a bf16 model's call, through
+   ``kernels.unified_attention`` (its queries made fp32 for the same kernel, and its output back).
 2. ``transfer``: a remote prefill between two engines in this process over NIXL, bf16 pages against
    FP8 ones of the same model: the bytes NIXL's telemetry says the decode engine's reads moved.
 """
@@ -51,7 +51,7 @@ def decode_case(name: str, heads: int, kv_heads: int, head_dim: int, context: in
              for kind, (k, v) in pools.items()}
     q16 = q.bfloat16()
     k16, v16 = pools["bf16"]
-    calls["bf16_engine_today"] = lambda: kernels.unified_attention(q16, k16, v16, cu, lens, table, head_dim**-0.5,
+    calls["bf16_queries"] = lambda: kernels.unified_attention(q16, k16, v16, cu, lens, table, head_dim**-0.5,
                                                                   backend="cpu")
     times = {kind: [] for kind in calls}
     for _ in range(repeats + 1):  # alternating, so a slow moment of the host falls on every kind alike

@@ -90,6 +90,22 @@ inline void load_row(const T* src, float* dst, int64_t n) {
 #if defined(__F16C__)
     int64_t d = 0;
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+    // e4m3: thirty-two at a time, the integer work on 16-bit lanes of one register, NaN codes found
+    // with a mask compare; the rest sixteen at a time.
+    if constexpr (std::is_same_v<T, E4m3>) {
+      const __m512 nan = _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN());
+      for (; d + 32 <= n; d += 32) {
+        const __m512i shifted =
+            _mm512_slli_epi16(_mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + d))), 7);
+        const __m512i half = _mm512_add_epi16(shifted, _mm512_and_si512(shifted, _mm512_set1_epi16(0x4000)));
+        const __mmask32 nans = _mm512_cmpeq_epi16_mask(_mm512_and_si512(shifted, _mm512_set1_epi16(0x3f80)),
+                                                        _mm512_set1_epi16(0x3f80));
+        _mm512_storeu_ps(dst + d, _mm512_mask_mov_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(half)),
+                                                     static_cast<__mmask16>(nans), nan));
+        _mm512_storeu_ps(dst + d + 16, _mm512_mask_mov_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(half, 1)),
+                                                          static_cast<__mmask16>(nans >> 16), nan));
+      }
+    }
     // Sixteen at a time, NaN codes found with a mask compare: half the instructions of the AVX2 loop.
     for (; d + 16 <= n; d += 16) {
       const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + d)));
