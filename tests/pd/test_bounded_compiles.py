@@ -22,6 +22,8 @@ from pd.model import linear
 from pd.model.linear import BUCKETS_PER_OCTAVE, EXACT_ROWS
 
 
+# A varied run of a whole model, about 20 s each: the slow tier's (make test), not the unit tier's.
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["builtin:tiny-llama", "qwen2_moe"])
 def test_a_varied_run_builds_nothing_and_reaches_few_gemm_shapes(monkeypatch, model, checkpoint):
     """Also an MoE model: its router and shared expert are dense layers, and each expert's GEMMs (the
