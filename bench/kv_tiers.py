@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> None:
         return
 
     from pd.engine import kv_layout
-    from pd.engine.model_runner import kv_block_bytes
+    from pd.engine.kv_layout import kv_block_bytes
     from pd.model.config import load_model_config
     from pd.model.paths import resolve_model_path
     from pd.workload.host import cpu_name

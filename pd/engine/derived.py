@@ -10,8 +10,7 @@ import torch
 from kernels.fp8 import is_fp8
 from pd.config import EngineConfig
 from pd.engine.ep.dispatch import check_ep
-from pd.engine.kv_layout import BLOCK_LAYOUT, kv_dtype
-from pd.engine.model_runner import kv_block_bytes
+from pd.engine.kv_layout import BLOCK_LAYOUT, kv_block_bytes, kv_dtype
 from pd.model import kv_scales
 from pd.model.config import ModelConfig
 from pd.model.loader import resolve_dtype

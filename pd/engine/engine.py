@@ -13,8 +13,8 @@ from pd.engine.block_pool import BlockPool, Evictions
 from pd.engine.clock import SYSTEM_CLOCK, Clock
 from pd.engine.derived import layout_fingerprint, num_pool_blocks, worker_transport
 from pd.engine.disagg.connector import ConnectorTP, KVConnector
-from pd.engine.kv_layout import pool_heads
-from pd.engine.model_runner import ModelRunner, kv_block_bytes
+from pd.engine.kv_layout import kv_block_bytes, pool_heads
+from pd.engine.model_runner import ModelRunner
 from pd.engine.outputs import RequestOutput, SchedulerOutput
 from pd.engine.request import FinishReason, KVSource, Request, RequestStatus, finish_reason
 from pd.engine.scheduler import make_scheduler

@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 
 from kernels.fp8 import FP8_NAMES
+from pd.model.config import ModelConfig
+from pd.model.tp import TPShard
 
 # Named in the layout fingerprint: pools of other layouts never exchange bytes.
 BLOCK_LAYOUT = "heads-outer"
@@ -84,3 +86,9 @@ def pool_heads(pool: torch.Tensor) -> int:
 def block_shape(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
     """One block's shape in the pool."""
     return (num_kv_heads, num_layers, 2, block_size, head_dim)
+
+
+def kv_block_bytes(model: ModelConfig, block_size: int, dtype: torch.dtype, tensor_parallel_size: int = 1) -> int:
+    """Bytes one block takes in the block-major pool (all layers, K and V); one rank's pool with TP."""
+    num_kv_heads = TPShard(0, tensor_parallel_size).local_config(model).num_kv_heads
+    return model.num_layers * 2 * block_size * num_kv_heads * model.head_dim * dtype.itemsize

@@ -40,12 +40,6 @@ from pd.model.tp import SINGLE, TPShard
 logger = logging.getLogger(__name__)
 
 
-def kv_block_bytes(model: ModelConfig, block_size: int, dtype: torch.dtype, tensor_parallel_size: int = 1) -> int:
-    """Bytes one block takes in the block-major pool (all layers, K and V); one rank's pool with TP."""
-    num_kv_heads = TPShard(0, tensor_parallel_size).local_config(model).num_kv_heads
-    return model.num_layers * 2 * block_size * num_kv_heads * model.head_dim * dtype.itemsize
-
-
 def copy_to_device(int64_lists: list[list[int]], int32_lists: list[list[int]],
                    device: torch.device) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Copy host lists to ``device`` in one transfer; returns a contiguous 1-D tensor per list.
@@ -165,12 +159,18 @@ class ModelRunner:
         # Per-layer strided views [num_blocks, block_size, num_kv_heads, head_dim].
         self.kv_views = layer_views(self.kv_cache)
         self.sampler = Sampler(config.seed, self.device)
-        self.graphs = None
-        if config.cuda_graphs and self.device.type == "cuda" and self.backend == "triton" and group is None:
-            self.graphs = DecodeGraphs(self.model, self.kv_views, self.backend,
-                                       max_batch=min(config.max_num_seqs, config.cuda_graph_max_batch),
-                                       max_blocks_per_seq=-(-max_model_len // config.block_size), device=self.device)
-            self.graphs.capture()
+        self.graphs = self._decode_graphs(max_model_len) if group is None else None
+
+    def _decode_graphs(self, max_model_len: int) -> DecodeGraphs | None:
+        """Decode steps replayed from CUDA graphs captured now (CUDA and Triton, one rank); None elsewhere."""
+        config = self.config
+        if not (config.cuda_graphs and self.device.type == "cuda" and self.backend == "triton"):
+            return None
+        graphs = DecodeGraphs(self.model, self.kv_views, self.backend,
+                              max_batch=min(config.max_num_seqs, config.cuda_graph_max_batch),
+                              max_blocks_per_seq=-(-max_model_len // config.block_size), device=self.device)
+        graphs.capture()
+        return graphs
 
     @torch.inference_mode()
     def warm_up(self) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pd import LLM
-from pd.engine.model_runner import kv_block_bytes
+from pd.engine.kv_layout import kv_block_bytes
 from tests.pd.tiers_common import DEVICE_BLOCKS, FIRST, PARAMS
 
 

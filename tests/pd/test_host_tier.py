@@ -9,7 +9,7 @@ import torch
 
 from pd import LLM, SamplingParams
 from pd.engine.block_pool import BlockPool, Evictions
-from pd.engine.model_runner import kv_block_bytes
+from pd.engine.kv_layout import kv_block_bytes
 from pd.engine.tiers.host import HostTier
 
 BLOCK = 4  # tokens per block in the pure-Python tests

@@ -13,7 +13,7 @@ import yaml
 
 from pd.config import EngineConfig
 from pd.config.app import AppArgs
-from pd.engine.model_runner import kv_block_bytes
+from pd.engine.kv_layout import kv_block_bytes
 from pd.model.config import load_model_config
 from sim.cost import CostModel, StepShape
 from sim.engine import sim_engine

@@ -17,7 +17,7 @@ import torch
 from pd import LLM, SamplingParams
 from pd.config import EngineConfig
 from pd.engine.engine import LLMEngine
-from pd.engine.model_runner import kv_block_bytes
+from pd.engine.kv_layout import kv_block_bytes
 from router.hashing import hash_block_tokens
 from tests.transfer.engine_worker import prefill_worker
 from transfer import KVHandle, WireError, create_transport
