@@ -11,10 +11,12 @@ the payload, so routing never depends on what the engines' messages hold.
 
 from __future__ import annotations
 
+import math
 from typing import Any, ClassVar, Sequence
 
 from router.events import CacheEvent
 from router.policy import ReplicaLoad
+from router.step_cost import GRAM_SIZE, NUM_TERMS
 from transfer.wire import NonNegativeInt, WireError, WireMessage
 
 ROUTING_STATS_KEY = "pd_routing_stats"
@@ -52,8 +54,14 @@ class RoutingStats(WireMessage, frozen=True, kw_only=True):
     num_running: NonNegativeInt = 0
     num_waiting: NonNegativeInt = 0
     num_waiting_tokens: NonNegativeInt = 0  # prompt tokens queued or running, not yet computed
+    num_waiting_pairs: NonNegativeInt = 0  # the query-key pairs those tokens will attend
+    num_decoding: NonNegativeInt = 0  # running requests past their prompt
+    num_decode_context_tokens: NonNegativeInt = 0  # the tokens those attend to, each step
     kv_usage: float = 0.0
     num_free_blocks: NonNegativeInt = 0
+    # The engine's step sums (router.step_cost.StepSums), cumulative: what a router fits its step cost from.
+    step_gram: tuple[float, ...] = ()
+    step_moments: tuple[float, ...] = ()
     # The prefix cache's event window.
     cache_events_from: NonNegativeInt = 0
     cache_events: tuple[CacheEvent, ...] = ()
@@ -61,6 +69,12 @@ class RoutingStats(WireMessage, frozen=True, kw_only=True):
     def validate(self) -> None:
         if not 0.0 <= self.kv_usage <= 1.0:
             raise ValueError(f"kv_usage must be in [0, 1], got {self.kv_usage}")
+        if self.step_gram or self.step_moments:
+            if (len(self.step_gram), len(self.step_moments)) != (GRAM_SIZE, NUM_TERMS):
+                raise ValueError(f"step_gram and step_moments need {GRAM_SIZE} and {NUM_TERMS} entries, got "
+                                 f"{len(self.step_gram)} and {len(self.step_moments)}")
+            if not all(math.isfinite(value) for value in (*self.step_gram, *self.step_moments)):
+                raise ValueError("step_gram and step_moments must be finite")
 
     @classmethod
     def of(cls, first_seq: int, events: Sequence[CacheEvent], **load: Any) -> "RoutingStats":

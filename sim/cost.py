@@ -1,5 +1,7 @@
 """The modelled forward pass: an engine step's time from the shape of its batch.
 
+The shape and its linear law are ``router.step_cost``'s, which the engine
+and the router share (the router fits the law online to predict latency).
 A step's batch is what the real scheduler put in it. Its shape is four numbers:
 
     num_tokens   tokens computed (every new token of every request)
@@ -42,31 +44,7 @@ from typing import Sequence
 
 import numpy as np
 
-from pd.engine.outputs import ScheduledRequest
-
-FEATURES = ("num_tokens", "attn_pairs", "num_seqs", "num_samples")
-
-
-@dataclass(frozen=True)
-class StepShape:
-    num_tokens: int
-    attn_pairs: int
-    num_seqs: int
-    num_samples: int
-
-    @classmethod
-    def of(cls, scheduled: Sequence[ScheduledRequest]) -> StepShape:
-        """The shape of a scheduler's output, before its update (``num_computed_tokens`` not yet advanced)."""
-        tokens = pairs = samples = 0
-        for item in scheduled:  # one pass: every simulated step of every replica comes through here
-            n, c = item.num_new_tokens, item.request.num_computed_tokens
-            tokens += n
-            pairs += n * c + n * (n + 1) // 2
-            samples += item.samples
-        return cls(num_tokens=tokens, attn_pairs=pairs, num_seqs=len(scheduled), num_samples=samples)
-
-    def vector(self) -> list[float]:
-        return [1.0, *(float(getattr(self, name)) for name in FEATURES)]
+from router.step_cost import FEATURES, StepShape  # noqa: F401  (the one cost model's shape: re-exported)
 
 
 @dataclass(frozen=True)

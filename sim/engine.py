@@ -80,7 +80,7 @@ class ModelledRunner:
         self.last_step_seconds = cost.step_seconds(shape) + self._host_copy_seconds()
         self.num_steps += 1
         sampled = [self._tokens.randrange(self.vocab_size) for item in out.scheduled if item.samples]
-        return ForwardOutput(sampled_token_ids=sampled, logprobs=None)
+        return ForwardOutput(sampled_token_ids=sampled, logprobs=None, modelled_seconds=self.last_step_seconds)
 
     def _host_copy_seconds(self) -> float:
         """The time of the blocks the host tier copied since the last step (the scheduler's promotions, demotions)."""

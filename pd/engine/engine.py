@@ -29,6 +29,7 @@ from pd.model.tokenizer import Tokenizer
 from pd.sampling_params import SamplingParams
 from router.events import CacheEvent
 from router.protocol import RoutingStats
+from router.step_cost import StepShape, StepSums
 from transfer.base import KVTransport
 from transfer.wire import KVHandle, WireError
 
@@ -92,6 +93,7 @@ class LLMEngine:
         if transport is not None:
             transport.register(self.runner.kv_cache, num_heads=pool_heads(self.runner.kv_cache))
         self.step_times = StepTimes()
+        self.step_sums = StepSums()  # the fit of this engine's own step cost (router.step_cost)
         self.connector = KVConnector(
             self.engine_id, transport, self.fingerprint, self.kv_cache, self.scheduler,
             config.kv_lease_s, config.kv_read_timeout_s,
@@ -294,16 +296,22 @@ class LLMEngine:
 
         ``after_seq``: only the events after it (for a reader known to have applied the rest).
         """
-        stats = self.stats()
-        total = stats.num_free_blocks + stats.num_used_blocks
+        pool, scheduler = self.block_pool, self.scheduler
+        free, used = pool.num_free_blocks, pool.num_used_blocks
+        waiting_tokens, waiting_pairs, decoding, decode_context = scheduler.load_shape()
         first_seq, events = self.cache_events(after_seq)
         return RoutingStats.of(
             first_seq, events,
-            num_running=stats.num_running,
-            num_waiting=stats.num_waiting,
-            num_waiting_tokens=stats.num_waiting_tokens,
-            kv_usage=stats.num_used_blocks / total if total else 0.0,
-            num_free_blocks=stats.num_free_blocks,
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting),
+            num_waiting_tokens=waiting_tokens,
+            num_waiting_pairs=waiting_pairs,
+            num_decoding=decoding,
+            num_decode_context_tokens=decode_context,
+            kv_usage=used / (free + used) if free + used else 0.0,
+            num_free_blocks=free,
+            step_gram=tuple(self.step_sums.gram),
+            step_moments=tuple(self.step_sums.moments),
         )
 
     def step(self) -> list[RequestOutput]:
@@ -330,11 +338,13 @@ class LLMEngine:
     def _run(self, out: SchedulerOutput) -> list[RequestOutput]:
         """Run the model on ``out`` and update the scheduler with what it sampled; time the step."""
         block_tables = [self.kv_cache.block_ids(s.request.request_id) for s in out.scheduled]
+        shape = StepShape.of(out.scheduled)
         started, computed = time.monotonic(), self.scheduler.num_computed_prompt_tokens
         forward = self.runner.execute(out, block_tables)
         results = self.scheduler.update(out, forward)
-        self.step_times.record(time.monotonic() - started, self.scheduler.num_computed_prompt_tokens - computed,
-                               len(out.scheduled))
+        seconds = time.monotonic() - started if forward.modelled_seconds is None else forward.modelled_seconds
+        self.step_times.record(seconds, self.scheduler.num_computed_prompt_tokens - computed, len(out.scheduled))
+        self.step_sums.record(shape, seconds)
         return results
 
     def _finish(self, results: list[RequestOutput]) -> list[RequestOutput]:

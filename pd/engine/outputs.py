@@ -70,6 +70,8 @@ class ForwardOutput:
     # Prompt scores computed this step, by request id, in prompt order.
     prompt_logprobs: dict[str, list[PromptLogprob]] = field(default_factory=dict)
     stop_rows: frozenset[int] = frozenset()
+    # The step's time where a runner models it rather than runs it (the simulator's); None: measured.
+    modelled_seconds: float | None = None
 
 
 @dataclass(frozen=True)
