@@ -108,6 +108,9 @@ class RoutingDecision:
     matched_tokens: int
     # Every candidate, best first, over-bound ones last: fallbacks for an adapter.
     ranked_replica_ids: tuple[str, ...] = ()
+    # The chosen replica's predicted time to first token, in seconds, where a latency policy decided
+    # (``router.latency``); None where a token cost did.
+    predicted_s: float | None = None
 
 
 @dataclass(frozen=True)

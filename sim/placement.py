@@ -19,9 +19,10 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 from router.cache_feed import CacheEventFeed
+from router.latency import LatencyPolicyConfig, PredictedLatencyPolicy
 from router.policy import PolicyConfig, PrefixAffinityPolicy, ReplicaLoad, RoutingReason
 from router.prefix_index import PrefixIndex
 from router.protocol import RoutingStats
@@ -90,3 +91,35 @@ class AffinityPlacement:
         for policy, feed in zip(self.policies, self._feeds):
             feed.apply(replica_id, stats)
             policy.reported(replica_id)
+
+
+class LatencyPlacement(AffinityPlacement):
+    """The app's predicted-latency prefill router (``router.latency``): one policy per ingress replica.
+
+    ``clock`` is the simulated time, which the predictions are made in and reports arrive at.
+    """
+
+    def __init__(self, config: LatencyPolicyConfig, clock: Callable[[], float], num_ingress: int = 1) -> None:
+        if num_ingress < 1:
+            raise ValueError(f"num_ingress must be >= 1, got {num_ingress}")
+        self.clock = clock
+        self.policies = [PredictedLatencyPolicy(dataclasses.replace(config, seed=config.seed + i),
+                                                PrefixIndex(config.index_max_blocks)) for i in range(num_ingress)]
+        self._feeds = [CacheEventFeed(policy.index) for policy in self.policies]
+        self._next = 0
+        self.predicted_s: list[tuple[str, float]] = []  # (request id, predicted seconds) of each predicted decision
+
+    def place(self, arrival: Arrival, pool: PoolView) -> str:
+        policy = self.policies[self._next]
+        self._next = (self._next + 1) % len(self.policies)
+        decision = policy.choose(arrival.block_hashes, arrival.num_prompt_tokens, pool.loads(), arrival.now_s)
+        policy.record_routed(decision, arrival.block_hashes, arrival.now_s)
+        if decision.predicted_s is not None:
+            self.predicted_s.append((arrival.request_id, decision.predicted_s))
+        return decision.replica_id
+
+    def report(self, replica_id: str, stats: RoutingStats) -> None:
+        now_s = self.clock()
+        for policy, feed in zip(self.policies, self._feeds):
+            feed.apply(replica_id, stats)
+            policy.observe(replica_id, stats, now_s)

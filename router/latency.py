@@ -1,0 +1,289 @@
+"""Predicted-latency placement: each candidate's time to first token for this prompt, in seconds.
+
+    ttft(r)  = wait(r) + compute(r)
+    cost(r)  = ttft(r) + w_compute * compute(r)       (discounted for exploration, below)
+
+``compute(r)`` is this prompt's prefill on ``r``: the tokens ``r`` does not
+hold (a block in a slower tier counts as ``router.tiers`` values it), in
+chunks of the engines' ``max_num_batched_tokens``, each chunk's step also
+carrying the decodes ``r`` reported running. ``wait(r)`` is the prompt work
+queued ahead of it: the replica's reported backlog (prompt tokens not yet
+computed, and their query-key pairs) priced the same way when its report
+came, less the time since, plus what this router sent it after.
+
+Both are priced by the project's one step cost model (``router.step_cost``),
+fitted online: every report carries the replica's cumulative step sums,
+whose growth since its last report is decayed into
+
+- the pool's fit: least squares over every replica's recent steps;
+- each replica's speed: its recent measured seconds over what the pool's
+  fit says its own steps should have taken. A replica that slows down
+  (a noisy neighbour, a throttled CPU) is priced slower within a few
+  half-lives, and one that recovers, faster again.
+
+``w_compute`` charges the prefill's compute once more, beyond its own wait:
+it is capacity taken from every later request, and a prefix recomputed on a
+second replica copies it into a second cache. Without it a fast replica
+with an empty queue would take every prompt whose holder has any queue.
+
+**Exploration.** A replica whose speed was not measured lately (it got no
+work, so ran no step) has its cost discounted by up to ``explore_fraction``
+as its last measurement ages over ``explore_after_s``: enough for it to win
+a near tie and be measured again, never enough to take work from a replica
+clearly better.
+
+**Before data.** Until the pool's fit has ``min_steps`` (decayed) steps,
+and with no ``prior`` coefficients, ``PrefixAffinityPolicy``'s token cost
+decides; such a decision has no ``predicted_s``.
+
+The overload bounds (``PolicyConfig``) hold as in ``router.policy``: with
+``max_routed_ratio``, no replica is sent more than that many times the
+least-routed one's recent requests, whatever the predictions say.
+Pure Python and numpy, no Ray; not thread-safe (a router calls it from its
+one event loop).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from router.policy import PolicyConfig, PrefixAffinityPolicy, ReplicaLoad, RoutingDecision, Scored, decide
+from router.protocol import RoutingStats
+from router.step_cost import NUM_TERMS, fit_linear, gram_matrix, prefill_pairs
+from router.tiers import valued_tokens
+
+
+@dataclass(frozen=True)
+class LatencyPolicyConfig(PolicyConfig):
+    """``PolicyConfig``'s bounds and tier values, and what predicting latency needs.
+
+    ``max_num_batched_tokens`` is the engines' (the app sets it from the engine config).
+    """
+
+    max_num_batched_tokens: int = 8192
+    half_life_s: float = 30.0  # step sums halve in weight over this (how fast a speed change is followed)
+    min_steps: float = 32.0  # the pool's recent steps before its fit is trusted
+    min_replica_steps: float = 8.0  # a replica's recent steps before its speed is its own (the pool's until then)
+    w_compute: float = 1.0  # prefill compute seconds charged beyond the request's own wait
+    explore_fraction: float = 0.1  # the most a stale replica's cost is discounted
+    explore_after_s: float = 30.0  # the age of a replica's last measurement at which the discount is whole
+    # Step cost coefficients (base, per token, per pair, per seq, per sample) before the fit has data; None: none.
+    prior: tuple[float, ...] | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        for name in ("half_life_s", "explore_after_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("min_steps", "min_replica_steps", "w_compute"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not 0.0 <= self.explore_fraction < 1.0:
+            raise ValueError(f"explore_fraction must be in [0, 1), got {self.explore_fraction}")
+        if self.prior is not None and (len(self.prior) != NUM_TERMS or min(self.prior) < 0):
+            raise ValueError(f"prior needs {NUM_TERMS} coefficients, none negative; got {self.prior}")
+
+
+@dataclass
+class _Speed:
+    """One replica's decayed step totals: the features' sums (a Gram matrix's first row) and seconds."""
+
+    totals: np.ndarray = field(default_factory=lambda: np.zeros(NUM_TERMS))
+    seconds: float = 0.0
+    at_s: float = 0.0  # when they were last decayed
+    measured_s: float = -math.inf  # when a report last brought steps
+
+
+class StepCostFit:
+    """The pool's step cost and each replica's speed, fitted online from the replicas' cumulative step sums."""
+
+    def __init__(self, half_life_s: float, min_steps: float, min_replica_steps: float,
+                 prior: Sequence[float] | None = None) -> None:
+        self.half_life_s = half_life_s
+        self.min_steps = min_steps
+        self.min_replica_steps = min_replica_steps
+        self.prior = None if prior is None else np.array(prior, dtype=float)
+        self._gram = np.zeros((NUM_TERMS, NUM_TERMS))
+        self._moments = np.zeros(NUM_TERMS)
+        self._at_s = 0.0
+        self._last: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # each replica's cumulative sums, as last seen
+        self._speeds: dict[str, _Speed] = {}
+        self._coefficients: np.ndarray | None = self.prior
+        self._dirty = False
+
+    def _decay(self, elapsed_s: float) -> float:
+        return 0.5 ** (max(0.0, elapsed_s) / self.half_life_s)
+
+    def observe(self, replica_id: str, stats: RoutingStats, now_s: float) -> None:
+        """A replica's report: the steps it ran since its last one join the fit."""
+        if not stats.step_gram:
+            return
+        gram, moments = gram_matrix(stats.step_gram), np.array(stats.step_moments)
+        last = self._last.get(replica_id)
+        self._last[replica_id] = (gram, moments)
+        if last is not None and gram[0, 0] >= last[0][0, 0]:
+            gram, moments = gram - last[0], moments - last[1]
+        elif last is not None:  # the replica restarted and its sums began again: a new process, a new speed
+            self._speeds.pop(replica_id, None)
+        if gram[0, 0] <= 0:
+            return
+        decay = self._decay(now_s - self._at_s)
+        self._gram = self._gram * decay + gram
+        self._moments = self._moments * decay + moments
+        self._at_s = now_s
+        self._dirty = True
+        speed = self._speeds.setdefault(replica_id, _Speed(at_s=now_s))
+        decay = self._decay(now_s - speed.at_s)
+        speed.totals = speed.totals * decay + gram[0]
+        speed.seconds = speed.seconds * decay + moments[0]
+        speed.at_s = speed.measured_s = now_s
+
+    def coefficients(self) -> np.ndarray | None:
+        """The pool's step cost (base, per token, per pair, per seq, per sample); the prior, or None, before data."""
+        if self._dirty:
+            self._dirty = False
+            fitted = fit_linear(self._gram, self._moments) if self._gram[0, 0] >= self.min_steps else None
+            self._coefficients = fitted if fitted is not None else self.prior
+        return self._coefficients
+
+    def speed(self, replica_id: str) -> float:
+        """The replica's measured seconds over the pool fit's, recently; 1.0 until it ran enough steps."""
+        speed, coefficients = self._speeds.get(replica_id), self.coefficients()
+        if speed is None or coefficients is None or speed.totals[0] < self.min_replica_steps:
+            return 1.0
+        predicted = float(coefficients @ speed.totals)
+        return speed.seconds / predicted if predicted > 0 else 1.0
+
+    def measured_s(self, replica_id: str) -> float:
+        """When the replica's last report brought steps (-inf: never)."""
+        speed = self._speeds.get(replica_id)
+        return speed.measured_s if speed is not None else -math.inf
+
+    def forget(self, replica_id: str) -> None:
+        self._last.pop(replica_id, None)
+        self._speeds.pop(replica_id, None)
+
+
+def prefill_seconds(coefficients: np.ndarray, tokens: float, pairs: float, decoding: int, decode_context: int,
+                    chunk_tokens: int) -> float:
+    """Prefill of ``tokens`` (attending ``pairs``) in chunks, each step also carrying ``decoding`` decodes.
+
+    Per step: the constant, one sequence per decode and one for the chunk,
+    and each decode's token, sample and context; then the prompt's tokens and
+    pairs once, and its one sampled row.
+    """
+    if tokens <= 0:
+        return 0.0
+    base, per_token, per_pair, per_seq, per_sample = coefficients
+    steps = math.ceil(tokens / max(1, chunk_tokens - decoding))
+    per_step = (base + per_seq * (decoding + 1) + (per_token + per_sample) * decoding + per_pair * decode_context)
+    return steps * per_step + per_token * tokens + per_pair * pairs + per_sample
+
+
+@dataclass
+class _Queue:
+    """What a router knows of one replica's queue: when its known prompt work ends, and its decodes."""
+
+    busy_until_s: float = 0.0
+    decoding: int = 0
+    decode_context: int = 0
+
+
+class LatencyPredictor:
+    """Each replica's predicted prompt wait and compute, from its reports and this router's own sends."""
+
+    def __init__(self, config: LatencyPolicyConfig) -> None:
+        self.config = config
+        self.fit = StepCostFit(config.half_life_s, config.min_steps, config.min_replica_steps, config.prior)
+        self._queues: dict[str, _Queue] = {}
+
+    def ready(self) -> bool:
+        return self.fit.coefficients() is not None
+
+    def compute_s(self, replica_id: str, tokens: float, pairs: float) -> float:
+        """Seconds ``replica_id`` takes to prefill ``tokens`` more, with its reported decodes alongside."""
+        coefficients = self.fit.coefficients()
+        queue = self._queues.get(replica_id) or _Queue()
+        return self.fit.speed(replica_id) * prefill_seconds(
+            coefficients, tokens, pairs, queue.decoding, queue.decode_context, self.config.max_num_batched_tokens)
+
+    def wait_s(self, replica_id: str, now_s: float) -> float:
+        queue = self._queues.get(replica_id)
+        return max(0.0, queue.busy_until_s - now_s) if queue is not None else 0.0
+
+    def observe(self, replica_id: str, stats: RoutingStats, now_s: float) -> None:
+        """A replica's report: its fit, its decodes, and its backlog, which replaces what this router estimated."""
+        self.fit.observe(replica_id, stats, now_s)
+        queue = self._queues.setdefault(replica_id, _Queue())
+        queue.decoding, queue.decode_context = stats.num_decoding, stats.num_decode_context_tokens
+        backlog = self.compute_s(replica_id, stats.num_waiting_tokens, stats.num_waiting_pairs) if self.ready() else 0.0
+        queue.busy_until_s = now_s + backlog
+
+    def sent(self, replica_id: str, tokens: float, pairs: float, now_s: float) -> None:
+        """This router sent ``replica_id`` a prompt of that much uncomputed work: it queues behind the rest."""
+        if not self.ready():
+            return
+        queue = self._queues.setdefault(replica_id, _Queue())
+        queue.busy_until_s = max(queue.busy_until_s, now_s) + self.compute_s(replica_id, tokens, pairs)
+
+    def forget(self, replica_id: str) -> None:
+        self.fit.forget(replica_id)
+        self._queues.pop(replica_id, None)
+
+
+class PredictedLatencyPolicy(PrefixAffinityPolicy):
+    """Chooses the prefill replica of least predicted time to first token (module docstring)."""
+
+    def __init__(self, config: LatencyPolicyConfig, index=None) -> None:
+        super().__init__(config, index)
+        self.config: LatencyPolicyConfig = config
+        self.predictor = LatencyPredictor(config)
+
+    def observe(self, replica_id: str, stats: RoutingStats, now_s: float) -> None:
+        """A new report from ``replica_id``, at ``now_s``."""
+        self.reported(replica_id)
+        self.predictor.observe(replica_id, stats, now_s)
+
+    def choose(self, block_hashes: Sequence[bytes], num_prompt_tokens: int, candidates: Sequence[ReplicaLoad],
+               now_s: float = 0.0) -> RoutingDecision:
+        """The candidate of least predicted cost within bounds; ``PrefixAffinityPolicy``'s before data."""
+        if not candidates:
+            raise ValueError("no candidate replicas")
+        predictor, config = self.predictor, self.config
+        if not predictor.ready():
+            return super().choose(block_hashes, num_prompt_tokens, candidates)
+        runs = self.index.match_tiers(block_hashes, [replica.replica_id for replica in candidates])
+        routed_limit = self.routed_limit(candidates)
+        scored, ttfts = [], {}
+        for replica in candidates:
+            replica_id = replica.replica_id
+            run = runs.get(replica_id)
+            matched, valued = valued_tokens(run, self.hit_values, config.block_size, num_prompt_tokens) \
+                if run else (0, 0.0)
+            compute = predictor.compute_s(replica_id, num_prompt_tokens - valued,
+                                          prefill_pairs(num_prompt_tokens - matched, matched))
+            ttfts[replica_id] = ttft = predictor.wait_s(replica_id, now_s) + compute
+            cost = (ttft + config.w_compute * compute) * self._exploration(replica_id, now_s)
+            scored.append(Scored(replica_id, self.is_overloaded(replica, routed_limit), cost, matched, valued))
+        decision = decide(scored, num_prompt_tokens, self._rng)
+        return dataclasses.replace(decision, predicted_s=ttfts[decision.replica_id])
+
+    def _exploration(self, replica_id: str, now_s: float) -> float:
+        age = now_s - self.predictor.fit.measured_s(replica_id)
+        return 1.0 - self.config.explore_fraction * min(1.0, age / self.config.explore_after_s)
+
+    def record_routed(self, decision: RoutingDecision, block_hashes: Sequence[bytes], now_s: float = 0.0) -> None:
+        super().record_routed(decision, block_hashes)
+        self.predictor.sent(decision.replica_id, decision.uncached_tokens,
+                            prefill_pairs(decision.uncached_tokens, decision.matched_tokens), now_s)
+
+    def remove_replica(self, replica_id: str) -> None:
+        super().remove_replica(replica_id)
+        self.predictor.forget(replica_id)
