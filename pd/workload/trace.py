@@ -22,6 +22,8 @@ Generators (seeded, deterministic):
 - ``generate_system_prompt``: every request is one shared system prompt plus
   its own user text, Poisson arrivals. This is the case that pins naive prefix
   routers to one replica.
+- ``generate_long_history``: a few very long sessions, each turn re-sending its
+  whole history (tens of thousands of tokens), among many short conversations.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import gzip
 import json
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Annotated, Iterable
 
@@ -129,8 +131,8 @@ class _BlockIds:
         prompt:  |  id  |  id  | new  | new  |new|  the block holding the prefix's tail is new
     """
 
-    def __init__(self) -> None:
-        self._next_id = 0
+    def __init__(self, first_id: int = 0) -> None:
+        self._next_id = first_id
 
     def fresh(self, count: int) -> list[int]:
         ids = list(range(self._next_id, self._next_id + count))
@@ -245,6 +247,67 @@ def generate_multi_tenant(config: MultiTenantTraceConfig = MultiTenantTraceConfi
         history[turn.conversation] = (prompt_ids, prompt_len, turn.output_len)
         requests.append(TraceRequest(int(turn.arrival_s * 1000), prompt_len, turn.output_len, tuple(prompt_ids)))
     return requests
+
+
+# A long-history trace's many short conversations: small contexts, few turns.
+SHORT_CHAT = MultiTenantTraceConfig(num_tenants=256, context_tokens=(256, 2048), user_tokens=(64, 512),
+                                    output_tokens=(64, 512), max_turns=4)
+
+
+@dataclass(frozen=True)
+class LongHistoryTraceConfig:
+    """A few long sessions among short traffic. Token ranges are inclusive (min, max), drawn uniformly.
+
+    ``long_share`` of the requests are turns of ``num_sessions`` Zipf-popular
+    sessions, Poisson arrivals. A turn re-sends its session's whole history
+    (prompt + answer + ``user_tokens`` of new text); a session that would pass
+    ``max_history_tokens`` starts over from ``start_tokens`` of fresh context,
+    as a client does at its context window. The rest is ``short`` traffic
+    (its ``num_requests``, ``rate_per_s`` and ``seed`` set from this config's).
+    """
+
+    num_requests: int = 2000
+    rate_per_s: float = 10.0
+    long_share: float = 0.2
+    num_sessions: int = 4
+    zipf_s: float = 1.0  # session popularity ~ 1 / rank ** zipf_s
+    start_tokens: tuple[int, int] = (2048, 8192)
+    user_tokens: tuple[int, int] = (256, 2048)  # new text per turn: the user's message, tool results
+    output_tokens: tuple[int, int] = (64, 512)
+    max_history_tokens: int = 65536
+    short: MultiTenantTraceConfig = SHORT_CHAT
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_requests < 1 or self.rate_per_s <= 0 or self.num_sessions < 1 or self.zipf_s < 0:
+            raise ValueError("num_requests, rate_per_s and num_sessions must be positive, zipf_s >= 0")
+        if not 0 <= self.long_share < 1 or self.max_history_tokens < self.start_tokens[1] + self.user_tokens[1]:
+            raise ValueError("long_share must be in [0, 1), max_history_tokens hold a session's first prompt")
+        _check_token_ranges(self, ("start_tokens", "user_tokens", "output_tokens"))
+
+
+def generate_long_history(config: LongHistoryTraceConfig = LongHistoryTraceConfig()) -> list[TraceRequest]:
+    """Short multi-tenant traffic with a few long sessions' turns merged in, in arrival order."""
+    num_long = int(config.num_requests * config.long_share)
+    short = generate_multi_tenant(replace(
+        config.short, num_requests=config.num_requests - num_long,
+        rate_per_s=config.rate_per_s * (1 - config.long_share), seed=config.seed))
+    rng = random.Random(f"{config.seed}:long-sessions")  # draws apart from the short traffic's
+    ids = _BlockIds(first_id=1 + max(block_id for request in short for block_id in request.hash_ids))
+    popularity = [1.0 / (rank + 1) ** config.zipf_s for rank in range(config.num_sessions)]
+    # Each session's last prompt: (block ids, length, answer length); none before its first turn.
+    history: dict[int, tuple[list[int], int, int]] = {}
+    requests = list(short)
+    for timestamp_ms in _arrival_times_ms(num_long, config.rate_per_s * config.long_share, rng):
+        session = rng.choices(range(config.num_sessions), weights=popularity)[0]
+        prefix_ids, prefix_len, answer_len = history.get(session, ([], 0, 0))
+        if session not in history or prefix_len + answer_len + config.user_tokens[1] > config.max_history_tokens:
+            prefix_ids, prefix_len, answer_len = [], 0, rng.randint(*config.start_tokens)  # fresh context is new text
+        prompt_len = prefix_len + answer_len + rng.randint(*config.user_tokens)
+        prompt_ids = ids.extend(prefix_ids, prefix_len, prompt_len)
+        history[session] = (prompt_ids, prompt_len, rng.randint(*config.output_tokens))
+        requests.append(TraceRequest(timestamp_ms, prompt_len, history[session][2], tuple(prompt_ids)))
+    return sorted(requests, key=lambda request: request.timestamp_ms)
 
 
 def _arrival_times_ms(num_requests: int, rate_per_s: float, rng: random.Random) -> list[int]:

@@ -1,5 +1,6 @@
 import json
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -8,11 +9,13 @@ from bench.ray_prefix import RAY_BLOCK_CHARS, ray_block_text
 from pd.workload.trace import (
     TRACE_BLOCK_TOKENS,
     BurstyTraceConfig,
+    LongHistoryTraceConfig,
     MultiTenantTraceConfig,
     SystemPromptTraceConfig,
     TraceRequest,
     dump_trace,
     generate_bursty,
+    generate_long_history,
     generate_multi_tenant,
     generate_system_prompt,
     load_trace,
@@ -132,6 +135,50 @@ def test_bursty_trace_steps_its_rate_and_shares_the_system_prompt():
     shared = config.system_prompt_tokens // TRACE_BLOCK_TOKENS
     assert {r.hash_ids[:shared] for r in requests} == {tuple(range(shared))}
     assert generate_bursty(config) == requests  # seeded
+
+
+SMALL_LONG_HISTORY = LongHistoryTraceConfig(num_requests=400, long_share=0.25, num_sessions=3,
+                                            max_history_tokens=32768, seed=3)
+
+
+def test_long_history_trace_is_short_traffic_plus_long_sessions_that_resend_their_history():
+    config = SMALL_LONG_HISTORY
+    requests = generate_long_history(config)
+    assert requests == generate_long_history(config)
+    assert requests != generate_long_history(replace(config, seed=4))
+    assert len(requests) == 400
+    assert [r.timestamp_ms for r in requests] == sorted(r.timestamp_ms for r in requests)
+    assert_ids_chain(requests)
+    # The short traffic is the multi-tenant trace at the rest of the rate; the long turns take none of its ids.
+    short = generate_multi_tenant(replace(config.short, num_requests=300, rate_per_s=7.5, seed=3))
+    short_ids = {block_id for r in short for block_id in r.hash_ids}
+    long_turns = [r for r in requests if r.hash_ids[0] not in short_ids]
+    assert [r for r in requests if r not in long_turns] == short and len(long_turns) == 100
+    assert not short_ids & {block_id for r in long_turns for block_id in r.hash_ids}
+    # A session's turn extends its previous prompt's full blocks until the history is full; then it starts over.
+    last_of_session: dict[int, TraceRequest] = {}
+    for turn in long_turns:
+        previous = last_of_session.get(turn.hash_ids[0])
+        if previous is not None:
+            num_full = previous.input_length // TRACE_BLOCK_TOKENS
+            assert turn.hash_ids[:num_full] == previous.hash_ids[:num_full]
+            assert turn.input_length > previous.input_length + 64  # the answer and the new text
+        last_of_session[turn.hash_ids[0]] = turn
+    assert 3 <= len(last_of_session) <= 12  # 3 sessions, a few restarts
+    assert 20_000 < max(r.input_length for r in long_turns) <= config.max_history_tokens
+    assert max(r.input_length for r in short) < 8192
+
+
+def test_long_history_without_long_share_is_the_short_trace():
+    config = replace(SMALL_LONG_HISTORY, long_share=0.0)
+    assert generate_long_history(config) == generate_multi_tenant(replace(config.short, num_requests=400, seed=3))
+
+
+@pytest.mark.parametrize("config", [dict(num_requests=0), dict(long_share=1.0), dict(num_sessions=0),
+                                    dict(start_tokens=(0, 5)), dict(max_history_tokens=8192)])
+def test_long_history_config_rejects_invalid_values(config):
+    with pytest.raises(ValueError):
+        LongHistoryTraceConfig(**config)
 
 
 def test_ray_block_text_is_fixed_length_and_diverges_at_the_first_character():
