@@ -37,6 +37,7 @@ from router.policy import PolicyConfig, RoutingDecision
 from router.remote_prefill import RemotePrefillRule
 from router.shared import PoolRouting
 from sim.clock import EventLoop
+from sim.fast_forward import RunOutputs
 from sim.host import HostModel, SharedHost
 from sim.placement import AffinityPlacement, Arrival, Placement
 from sim.pool import PoolSpec, SimPool
@@ -215,11 +216,15 @@ class SimCluster:
 
         self.loop.at(self.loop.now + self.spec.call_s, call)
 
-    def _decode_outputs(self, replica_id: str, outputs: list[RequestOutput]) -> None:
+    def _decode_outputs(self, replica_id: str, outputs: list[RequestOutput] | RunOutputs) -> None:
         # One event for the step's outputs: they were sent together, and nothing can come between them.
         self.loop.at(self.loop.now + self.spec.call_s, lambda: self._streamed(replica_id, outputs))
 
-    def _streamed(self, replica_id: str, outputs: list[RequestOutput]) -> None:
+    def _streamed(self, replica_id: str, outputs: list[RequestOutput] | RunOutputs) -> None:
+        if isinstance(outputs, RunOutputs):  # fast-forwarded steps (sim.fast_forward): no request finishes in them
+            for request_id, times_s in outputs.token_times(self.spec.call_s):
+                self._flows[request_id].record.token_times_s += times_s  # each token call_s after its step's end
+            return
         for output in outputs:
             flow = self._flows[output.request_id]
             flow.record.add(output, self.loop.now)

@@ -69,18 +69,36 @@ class ModelledRunner:
         self.last_step_seconds = 0.0
         self.last_step_threads: int | None = None  # the threads of the last step where not the engine's own
         self.num_steps = 0
+        self.num_fast_forwarded_steps = 0  # of ``num_steps``: those a fast-forwarded run made (``record_run``)
         self.host_tier_stats: HostTierStats | None = None  # the engine's host tier, when it has one
         self.tier_io: ModelledTierIO | None = None  # its disk tier's and shared store's, when it has them
         self._copied_blocks = 0
+        self._block_bytes = self.kv_cache[0].nbytes  # a meta tensor's size costs a torch call: read it once
 
     def execute(self, out: SchedulerOutput, block_tables: list[list[int]]) -> ForwardOutput:
-        shape = StepShape.of(out.scheduled)
-        self.last_step_threads = step_threads(self.config, shape.num_tokens)
-        cost = self.decode_cost if self.last_step_threads is not None and self.decode_cost is not None else self.cost
-        self.last_step_seconds = cost.step_seconds(shape) + self._host_copy_seconds()
+        seconds, self.last_step_threads = self.price(StepShape.of(out.scheduled))
+        self.last_step_seconds = seconds + self._host_copy_seconds()
         self.num_steps += 1
-        sampled = [self._tokens.randrange(self.vocab_size) for item in out.scheduled if item.samples]
+        sampled = self.sample(sum(item.samples for item in out.scheduled))
         return ForwardOutput(sampled_token_ids=sampled, logprobs=None, modelled_seconds=self.last_step_seconds)
+
+    def price(self, shape: StepShape) -> tuple[float, int | None]:
+        """A step of ``shape``: its modelled seconds, the host tier's copies left out, and its threads where
+        not the engine's own (``step_threads``: ``decode_cost`` prices it then, when given)."""
+        threads = step_threads(self.config, shape.num_tokens)
+        cost = self.decode_cost if threads is not None and self.decode_cost is not None else self.cost
+        return cost.step_seconds(shape), threads
+
+    def sample(self, num_samples: int) -> list[int]:
+        """The next ``num_samples`` token ids of this runner's one seeded stream, rows of a step in order."""
+        randrange, vocab_size = self._tokens.randrange, self.vocab_size
+        return [randrange(vocab_size) for _ in range(num_samples)]
+
+    def record_run(self, seconds: list[float], threads: int | None) -> None:
+        """Steps run without ``execute`` (``sim.fast_forward``; their tokens from ``sample``), counted as its."""
+        self.num_steps += len(seconds)
+        self.num_fast_forwarded_steps += len(seconds)
+        self.last_step_seconds, self.last_step_threads = seconds[-1], threads
 
     def _host_copy_seconds(self) -> float:
         """The time of the blocks the host tier copied since the last step (the scheduler's promotions, demotions)."""
@@ -89,7 +107,7 @@ class ModelledRunner:
             return 0.0
         blocks = stats.num_promoted_blocks + stats.num_demoted_blocks
         copied, self._copied_blocks = blocks - self._copied_blocks, blocks
-        return copied * self.kv_cache[0].nbytes * self.cost.per_host_byte_s
+        return copied * self._block_bytes * self.cost.per_host_byte_s
 
     def forget(self, request_id: str) -> None:
         """Nothing is kept per request."""

@@ -20,6 +20,7 @@ from pd.workload.stats import percentile
 from pd.workload.token_prompts import scaled, trace_prompt_token_ids
 from pd.workload.trace import TraceRequest
 from sim.clock import EventLoop
+from sim.fast_forward import DecodeRun, RunOutputs, run_length
 from sim.host import SharedHost
 
 
@@ -54,44 +55,68 @@ class SimReplica:
     """Steps one engine from the event loop, as ``AsyncLLMEngine``'s loop does, and hands on its outputs.
 
     ``on_outputs`` gets a step's ``RequestOutput``s at the end of the step
-    that made them, in the engine's order. ``busy_s`` adds up the modelled time of the steps run.
+    that made them, in the engine's order; or, for steps fast-forwarded
+    (``fast_forward``, ``sim.fast_forward``), a ``RunOutputs`` of several
+    steps' tokens with their steps' end times, no later than its last step's
+    end. ``busy_s`` adds up the modelled time of the steps run. ``engine``
+    is the engine as stepping would have it now (a run's steps begun by now applied).
     """
 
     def __init__(self, loop: EventLoop, engine: LLMEngine, replica_id: str = "replica",
-                 on_outputs: Callable[[list[RequestOutput]], None] | None = None, host: SharedHost | None = None,
-                 threads: int = 1):
+                 on_outputs: Callable[[list[RequestOutput] | RunOutputs], None] | None = None,
+                 host: SharedHost | None = None, threads: int = 1, fast_forward: bool = True):
         self.loop = loop
-        self.engine = engine
+        self._engine = engine
         self.replica_id = replica_id
         self.on_outputs = on_outputs or (lambda outputs: None)
         self.host = host  # cores shared with other processes (``sim.host``), if any
         self.threads = threads
-        self.busy_s = 0.0
+        self.fast_forward = fast_forward  # runs of decode-only steps at once; False: every step the engine's
+        self._busy_s = 0.0
         self._stepping = False
+        self._run: DecodeRun | None = None
+        self._added = False  # a request came since the engine's last step: the next step is the engine's
         if engine.runner.tier_io is not None:  # a disk tier's or shared store's call landed
             engine.runner.tier_io.on_event = self.wake
 
+    @property
+    def engine(self) -> LLMEngine:
+        self._catch_up()
+        return self._engine
+
+    @property
+    def busy_s(self) -> float:
+        self._catch_up()
+        return self._busy_s
+
     def add(self, request_id: str, prompt: list[int], params: SamplingParams, **options) -> None:
         """``LLMEngine.add_request`` now; it runs from the next step."""
-        self.engine.add_request(request_id, prompt, params, **options)
+        self._interrupt()
+        self._engine.add_request(request_id, prompt, params, **options)
+        self._added = True
         self.wake()
 
     def wake(self) -> None:
         """Step now unless a step is under way (new work, a finished read, a notice)."""
+        self._interrupt()
         if not self._stepping:
             self._step()
 
     def _step(self) -> None:
-        steps_before = self.engine.runner.num_steps
-        results = self.engine.step()
-        ran = self.engine.runner.num_steps > steps_before
+        if self.fast_forward and self.host is None and not self._added and self._start_run():
+            return
+        engine = self._engine
+        steps_before = engine.runner.num_steps
+        results = engine.step()
+        self._added = False
+        ran = engine.runner.num_steps > steps_before
         if not ran and not results:
             self._stepping = False  # idle, or nothing schedulable now: the next arrival or notice wakes it
             return
-        seconds = self.engine.runner.last_step_seconds if ran else 0.0
+        seconds = engine.runner.last_step_seconds if ran else 0.0
         if ran and self.host is not None:
-            seconds *= self.host.begin(self.replica_id, self.engine.runner.last_step_threads or self.threads)
-        self.busy_s += seconds
+            seconds *= self.host.begin(self.replica_id, engine.runner.last_step_threads or self.threads)
+        self._busy_s += seconds
         self._stepping = True
         self.loop.at(self.loop.now + seconds, lambda: self._land(results))
 
@@ -102,17 +127,65 @@ class SimReplica:
             self.on_outputs(results)
         self._step()
 
+    # Fast-forwarded runs (sim.fast_forward) ----------------------------------------
 
-def replay(trace: Sequence[TraceRequest], engine: LLMEngine, block_tokens: int) -> list[RequestRecord]:
+    def _start_run(self) -> bool:
+        num_steps = run_length(self._engine)
+        if num_steps == 0:
+            return False
+        run = self._run = DecodeRun(self._engine, self.loop.now, num_steps)
+        self._stepping = True
+        self.loop.at(run.ends_s[-1], lambda: self._end_run(run, num_steps))
+        return True
+
+    def _end_run(self, run: DecodeRun, num_steps: int) -> None:
+        if run is not self._run or run.num_steps != num_steps:
+            return  # cut short: its own end comes earlier
+        self._apply(run.num_steps)
+        self._run = None
+        self._step()
+
+    def _catch_up(self) -> None:
+        """Apply the steps of the run begun by now (as stepping has them applied at their start)."""
+        if self._run is not None:
+            self._apply(self._run.num_begun(self.loop.now))
+
+    def _interrupt(self) -> None:
+        """Something reaches the engine mid-run: the run ends with the step in progress."""
+        run = self._run
+        if run is None:
+            return
+        num_begun = run.num_begun(self.loop.now)
+        self._apply(num_begun)
+        if num_begun < run.num_steps:
+            run.truncate(num_begun)
+            self.loop.at(run.ends_s[-1], lambda: self._end_run(run, num_begun))
+
+    def _apply(self, upto: int) -> None:
+        run = self._run
+        first = run.num_applied
+        outputs = run.apply(self._engine, upto)
+        if outputs is not None:
+            for seconds in run.seconds[first:upto]:
+                self._busy_s += seconds
+            self.on_outputs(outputs)
+
+
+def replay(trace: Sequence[TraceRequest], engine: LLMEngine, block_tokens: int,
+           fast_forward: bool = True) -> list[RequestRecord]:
     """Serve ``trace`` (arrival times as recorded) on one replica; the records in trace order."""
     loop = EventLoop()
     records: dict[str, RequestRecord] = {}
 
-    def land(results: list[RequestOutput]) -> None:
+    def land(results: list[RequestOutput] | RunOutputs) -> None:
+        if isinstance(results, RunOutputs):
+            for request_id, times_s in results.token_times():
+                records[request_id].token_times_s += times_s
+            return
         for result in results:
             records[result.request_id].add(result, loop.now)
 
-    replica = SimReplica(loop, engine, on_outputs=land)
+    replica = SimReplica(loop, engine, on_outputs=land, fast_forward=fast_forward)
     for index, request in enumerate(trace):
         prompt = trace_prompt_token_ids(request, block_tokens, engine.model_config.vocab_size)
         max_tokens = scaled(request.output_length, block_tokens) if request.output_length else 1

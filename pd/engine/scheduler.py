@@ -220,6 +220,28 @@ class Scheduler:
             self.running = [r for r in self.running if not r.is_finished]
         return results
 
+    def advance_decodes(self, sampled_rows: list[list[int]]) -> None:
+        """Run ``len(sampled_rows)`` steps of a batch of decodes only, as ``schedule`` then ``update`` run them:
+        each step allocates a slot for every running request (a new block at a block boundary), then advances
+        each by its token, caching the blocks that fill. ``sampled_rows[step][index]``: what the running
+        request at ``index`` samples in that step.
+
+        For a caller that knows nothing else happens in those steps (the simulator's fast-forward,
+        ``sim.fast_forward``): nothing waiting, every running request a decode that neither finishes nor
+        stops in them and reports no logprobs, and a free block for every boundary crossed (no preemption).
+        """
+        allocate_slots, cache_blocks = self.kv_cache.allocate_slots, self.kv_cache.cache_blocks
+        running = self.running
+        for row in sampled_rows:
+            for request in running:
+                if not allocate_slots(request, 1):
+                    raise RuntimeError(f"advance_decodes: no free block for request {request.request_id}; "
+                                       "the caller must leave one for every boundary")
+            for request, token_id in zip(running, row):
+                request.num_computed_tokens += 1
+                cache_blocks(request)
+                request.append_output(token_id, None)
+
     @staticmethod
     def _output(request: Request, token_ids: list[int], logprobs: list[float], reason: FinishReason | None,
                 error: str | None = None, top_logprobs: list | None = None) -> RequestOutput:
