@@ -1,0 +1,201 @@
+"""The prefill routers over a matrix of traces and seeds, in the cluster simulator, with medians and spreads.
+
+``python -m bench.router_matrix [--traces multi_tenant,mooncake,long_history] [--seeds 6]
+[--policies pd,round_robin,ray_prefix,latency] [--candidate latency] [--replicas 8] [--cache-blocks 256]``
+
+For every trace and every seed ``s`` (0 to ``--seeds`` - 1) it generates the
+trace with seed ``s`` (``bench.router.build_trace``) and serves it with every
+policy (``bench.router.replay``: the same simulated pool, its engines and the
+random policies seeded ``s`` too). One seed is one draw of the traffic; the
+spread over seeds says how much a difference between policies is the draw's.
+
+It prints JSON lines:
+
+- ``machine``: the CPU and its vector ISA, since decision times are wall time here;
+- one per (trace, policy): ``median``, ``min`` and ``max`` over seeds of
+  ``ttft_p99_s``, ``ttft_p50_s``, ``hit_rate``, ``max_min_load_ratio`` (null:
+  some replica got no request) and ``decide_us_p99``, as ``bench.router``
+  defines them, and the trace's ``working_set_over_pool`` (distinct blocks of
+  the trace over the blocks the pool's caches hold: above 1, caches must evict);
+- one per trace with the goals of ``--candidate`` against the best of the
+  *other* policies in the same seed: per seed and their median,
+  ``ttft_p99_ratio`` (candidate over the lowest TTFT p99, goal <= 1),
+  ``hit_rate_ratio`` (over the highest hit rate, goal >= 0.98),
+  ``max_min_load_ratio`` (its own, goal <= 1.5) and ``decide_us_p99`` (goal
+  <= 1000, meant at 16 replicas), each with whether the median meets it;
+- the wall time of the whole matrix.
+
+Each trace's default size and rate (``TRACE_DEFAULTS``) load the pool of 8
+replicas to some queueing (TTFT p50 above an unloaded prefill's) with a working
+set larger than the caches, and keep the default matrix of 4 policies x 3
+traces x 6 seeds to about 10 minutes on 2 shared cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench.router import GENERATORS, POLICIES, PolicyResult, ReplayConfig, build_trace, replay
+from pd.workload.trace import TraceRequest
+from router.policy import PolicyConfig
+
+# Per trace: (requests, arrivals per second). Mooncake-like conversations start
+# slowly (their later turns come minutes after the first), so its first
+# requests need a higher rate to queue.
+TRACE_DEFAULTS = {"multi_tenant": (800, 10.0), "mooncake": (800, 20.0), "long_history": (800, 10.0)}
+DEFAULT_TRACES = ("multi_tenant", "mooncake", "long_history")
+DEFAULT_POLICIES = ("pd", "round_robin", "ray_prefix", "latency")
+METRICS = ("ttft_p99_s", "ttft_p50_s", "hit_rate", "max_min_load_ratio", "decide_us_p99")
+# The routing goals: the candidate's TTFT p99 and hit rate against the best other policy, its own balance and cost.
+TTFT_P99_RATIO_GOAL = 1.0
+HIT_RATE_RATIO_GOAL = 0.98
+MAX_MIN_LOAD_GOAL = 1.5
+DECIDE_US_P99_GOAL = 1000.0
+
+
+def machine_info() -> dict:
+    """The CPU's model name and which of avx2 / avx512f it has (from ``/proc/cpuinfo`` where there is one)."""
+    cpuinfo = Path("/proc/cpuinfo")
+    text = cpuinfo.read_text() if cpuinfo.exists() else ""
+    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+    fields = {key.strip(): value.strip() for key, value in fields.items()}
+    flags = set(fields.get("flags", "").split())
+    return {"cpu": fields.get("model name", platform.processor() or platform.machine()),
+            "arch": platform.machine(), "isa": [isa for isa in ("avx2", "avx512f") if isa in flags],
+            "logical_cpus": text.count("processor\t:") or None, "python": platform.python_version()}
+
+
+@dataclass(frozen=True)
+class SeedRun:
+    """One trace at one seed, served by every policy."""
+
+    seed: int
+    working_set_over_pool: float
+    results: dict[str, PolicyResult]
+
+
+def working_set_over_pool(trace: list[TraceRequest], config: ReplayConfig) -> float:
+    distinct_blocks = len({block_id for request in trace for block_id in request.hash_ids})
+    return distinct_blocks / (config.num_replicas * config.cache_blocks)
+
+
+def run_seed(trace_name: str, seed: int, args: argparse.Namespace, policies: list[str]) -> SeedRun:
+    default_requests, default_rate = TRACE_DEFAULTS.get(trace_name, (0, 0.0))
+    trace_args = argparse.Namespace(trace=None, generate=trace_name, requests=args.requests or default_requests,
+                                    rate=args.rate or default_rate, seed=seed)
+    _, trace = build_trace(trace_args)
+    config = ReplayConfig(num_replicas=args.replicas, cache_blocks=args.cache_blocks, seed=seed)
+    pd_config = PolicyConfig(block_size=config.block_size, seed=seed)
+    results = {}
+    for policy in policies:
+        started = time.perf_counter()
+        results[policy] = replay(policy, trace, config, pd_config)
+        print(f"{trace_name} seed {seed} {policy}: {len(trace)} requests, {time.perf_counter() - started:.1f} s",
+              file=sys.stderr, flush=True)
+    return SeedRun(seed, working_set_over_pool(trace, config), results)
+
+
+def metric(result: PolicyResult, name: str) -> float:
+    """A result's metric; a pool where some replica got nothing has an unbounded max/min."""
+    value = getattr(result, name)
+    return float("inf") if value is None else value
+
+
+def spread(values: list[float], digits: int = 4) -> dict:
+    return {"median": finite(statistics.median(values), digits), "min": finite(min(values), digits),
+            "max": finite(max(values), digits)}
+
+
+def finite(value: float, digits: int = 4) -> float | None:
+    """JSON has no infinity: an unbounded ratio is null."""
+    return None if value == float("inf") else round(value, digits)
+
+
+def policy_summary(trace_name: str, policy: str, runs: list[SeedRun]) -> dict:
+    summary = {"trace": trace_name, "policy": policy, "seeds": [run.seed for run in runs]}
+    for name in METRICS:
+        summary[name] = spread([metric(run.results[policy], name) for run in runs], 1 if name == "decide_us_p99" else 4)
+    summary["utilization"] = spread([run.results[policy].utilization for run in runs], 3)
+    summary["working_set_over_pool"] = spread([run.working_set_over_pool for run in runs], 3)
+    return summary
+
+
+def seed_ratios(candidate: str, run: SeedRun) -> dict:
+    """The candidate against the best of the other policies in one seed."""
+    own = run.results[candidate]
+    others = [result for policy, result in run.results.items() if policy != candidate]
+    best_ttft_p99 = min(result.ttft_p99_s for result in others)
+    best_hit_rate = max(result.hit_rate for result in others)
+    return {"ttft_p99_ratio": own.ttft_p99_s / best_ttft_p99 if best_ttft_p99 > 0 else float("inf"),
+            "hit_rate_ratio": own.hit_rate / best_hit_rate if best_hit_rate > 0 else 1.0,
+            "max_min_load_ratio": metric(own, "max_min_load_ratio"),
+            "decide_us_p99": own.decide_us_p99}
+
+
+def goal_checks(trace_name: str, candidate: str, runs: list[SeedRun], num_replicas: int) -> dict:
+    per_seed = [seed_ratios(candidate, run) for run in runs]
+    goals = {"ttft_p99_ratio": ("<=", TTFT_P99_RATIO_GOAL), "hit_rate_ratio": (">=", HIT_RATE_RATIO_GOAL),
+             "max_min_load_ratio": ("<=", MAX_MIN_LOAD_GOAL), "decide_us_p99": ("<=", DECIDE_US_P99_GOAL)}
+    checks = {}
+    for name, (sense, goal) in goals.items():
+        values = [ratios[name] for ratios in per_seed]
+        median = statistics.median(values)
+        checks[name] = {"per_seed": [finite(value) for value in values], "median": finite(median),
+                        "goal": f"{sense} {goal}", "met": median <= goal if sense == "<=" else median >= goal,
+                        "seeds_met": sum(value <= goal if sense == "<=" else value >= goal for value in values)}
+    baselines = sorted(policy for policy in runs[0].results if policy != candidate)
+    return {"trace": trace_name, "candidate": candidate, "against_best_of": baselines, "replicas": num_replicas,
+            "goals": checks}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.router_matrix", description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--traces", default=",".join(DEFAULT_TRACES),
+                        help="comma-separated generators of bench.router: " + ",".join(GENERATORS))
+    parser.add_argument("--seeds", type=int, default=6, help="seeds 0 .. seeds-1, each a trace and a pool")
+    parser.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
+                        help="comma-separated subset of " + ",".join(POLICIES))
+    parser.add_argument("--candidate", default="latency", help="the policy checked against the best of the others")
+    parser.add_argument("--replicas", type=int, default=8, help="replicas in the pool (16 for the decision-cost goal)")
+    parser.add_argument("--cache-blocks", type=int, default=256, help="KV per replica, in 512-token blocks")
+    parser.add_argument("--requests", type=int, default=0, help="requests per trace (0: TRACE_DEFAULTS)")
+    parser.add_argument("--rate", type=float, default=0.0, help="arrivals per second (0: TRACE_DEFAULTS)")
+    args = parser.parse_args(argv)
+    args.trace_names = [name.strip() for name in args.traces.split(",") if name.strip()]
+    args.policy_names = [name.strip() for name in args.policies.split(",") if name.strip()]
+    for name in args.trace_names:
+        if name not in GENERATORS:
+            parser.error(f"unknown trace {name!r}; expected some of {', '.join(GENERATORS)}")
+    for name in args.policy_names:
+        if name not in POLICIES:
+            parser.error(f"unknown policy {name!r}; this bench.router has {', '.join(POLICIES)}")
+    if args.seeds < 1:
+        parser.error("--seeds must be >= 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    started = time.perf_counter()
+    print(json.dumps({"machine": machine_info(), "replicas": args.replicas, "cache_blocks": args.cache_blocks,
+                      "seeds": args.seeds, "policies": args.policy_names}), flush=True)
+    for trace_name in args.trace_names:
+        runs = [run_seed(trace_name, seed, args, args.policy_names) for seed in range(args.seeds)]
+        for policy in args.policy_names:
+            print(json.dumps(policy_summary(trace_name, policy, runs)), flush=True)
+        if args.candidate in args.policy_names and len(args.policy_names) > 1:
+            print(json.dumps(goal_checks(trace_name, args.candidate, runs, args.replicas)), flush=True)
+    print(json.dumps({"wall_s": round(time.perf_counter() - started, 1)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
