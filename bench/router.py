@@ -1,6 +1,6 @@
 """Trace-driven comparison of prefill routers, in the cluster simulator (``sim``).
 
-``python -m bench.router [--trace FILE | --generate {multi_tenant,system_prompt,mooncake}] [--replicas 8]
+``python -m bench.router [--trace FILE | --generate {multi_tenant,system_prompt,mooncake,long_history}] [--replicas 8]
 [--cache-blocks 256]`` serves one Mooncake-format trace (``pd.workload.trace``) with
 every policy and prints one JSON line per policy:
 
@@ -47,24 +47,27 @@ from pd.workload.stats import percentile, percentiles
 from pd.workload.trace import (
     MOONCAKE_LIKE,
     TRACE_BLOCK_TOKENS,
+    LongHistoryTraceConfig,
     MultiTenantTraceConfig,
     SystemPromptTraceConfig,
     TraceRequest,
     dump_trace,
+    generate_long_history,
     generate_multi_tenant,
     generate_system_prompt,
     load_trace,
 )
+from router.latency import LatencyPolicyConfig
 from router.policy import PolicyConfig
 from router.protocol import RoutingStats
 from sim.clock import EventLoop
 from sim.cluster import ClusterSpec, PoolSpec, SimCluster
 from sim.hardware import HARDWARE, MODELS, Efficiency, analytic_cost, kv_bytes_per_token, model_dir
-from sim.placement import AffinityPlacement, Arrival, Placement, PoolView
+from sim.placement import AffinityPlacement, Arrival, LatencyPlacement, Placement, PoolView
 from sim.scale import utilization
 from sim.workload import submit_trace
 
-POLICIES = ("pd", "round_robin", "pow2", "ray_prefix")
+POLICIES = ("pd", "latency", "round_robin", "pow2", "ray_prefix")
 DEFAULT_REPORT_INTERVAL_S = 1.0
 
 
@@ -120,9 +123,13 @@ class Timed:
         self.placement.report(replica_id, stats)
 
 
-def make_placement(policy: str, config: ReplayConfig, pd_config: PolicyConfig) -> Placement:
+def make_placement(policy: str, config: ReplayConfig, pd_config: PolicyConfig, loop: EventLoop) -> Placement:
     if policy == "pd":
         return AffinityPlacement(pd_config, config.num_ingress)
+    if policy == "latency":
+        latency_config = LatencyPolicyConfig(**{**vars(pd_config), "max_num_batched_tokens":
+                                                config.max_num_batched_tokens})
+        return LatencyPlacement(latency_config, loop.time, config.num_ingress)
     if policy == "round_robin":
         return RoundRobin()
     if policy == "pow2":
@@ -157,9 +164,10 @@ class PolicyResult:
 
 def replay(policy: str, trace: list[TraceRequest], config: ReplayConfig, pd_config: PolicyConfig) -> PolicyResult:
     """Serve ``trace`` in the simulator, every prompt placed by ``policy``."""
-    placement = make_placement(policy, config, pd_config)
+    loop = EventLoop()
+    placement = make_placement(policy, config, pd_config, loop)
     timed = Timed(placement)
-    cluster = SimCluster(EventLoop(), config.cluster_spec(), timed)
+    cluster = SimCluster(loop, config.cluster_spec(), timed)
     submit_trace(cluster, trace, time_scale=config.time_scale)
     cluster.loop.run()
     records = list(cluster.records.values())
@@ -182,7 +190,7 @@ def replay(policy: str, trace: list[TraceRequest], config: ReplayConfig, pd_conf
     )
 
 
-GENERATORS = ("multi_tenant", "system_prompt", "mooncake")
+GENERATORS = ("multi_tenant", "system_prompt", "mooncake", "long_history")
 
 
 def build_trace(args: argparse.Namespace) -> tuple[str, list[TraceRequest]]:
@@ -192,6 +200,10 @@ def build_trace(args: argparse.Namespace) -> tuple[str, list[TraceRequest]]:
         config = SystemPromptTraceConfig(num_requests=args.requests or SystemPromptTraceConfig.num_requests,
                                          rate_per_s=args.rate or SystemPromptTraceConfig.rate_per_s, seed=args.seed)
         return "system_prompt", generate_system_prompt(config)
+    if args.generate == "long_history":
+        config = LongHistoryTraceConfig(num_requests=args.requests or LongHistoryTraceConfig.num_requests,
+                                        rate_per_s=args.rate or LongHistoryTraceConfig.rate_per_s, seed=args.seed)
+        return "long_history", generate_long_history(config)
     preset = MOONCAKE_LIKE if args.generate == "mooncake" else MultiTenantTraceConfig()
     config = dataclasses.replace(preset, num_requests=args.requests or preset.num_requests,
                                  rate_per_s=args.rate or preset.rate_per_s, seed=args.seed)

@@ -40,6 +40,7 @@ class DecodePolicyConfig(TierHitValues):
     max_kv_usage: float | None = 0.95
     max_active_requests: int | None = None
     index_max_blocks: int = 1 << 20  # (block hash, replica) entries in the decode pool's prefix index
+    max_num_batched_tokens: int = 8192  # the engines' (the app sets it): a local prefill's chunk
     seed: int = 0
 
     def __post_init__(self) -> None:

@@ -196,13 +196,75 @@ class _Queue:
     decode_context: int = 0
 
 
+class TransferFit:
+    """Seconds per KV block pulled, from the decode replicas' cumulative pulls, decayed as the step sums are."""
+
+    def __init__(self, half_life_s: float) -> None:
+        self.half_life_s = half_life_s
+        self._last: dict[str, tuple[int, float]] = {}
+        self._blocks = self._seconds = self._at_s = 0.0
+
+    def observe(self, replica_id: str, stats: RoutingStats, now_s: float) -> None:
+        blocks, seconds = stats.num_pulled_blocks, stats.pull_seconds_total
+        last_blocks, last_seconds = self._last.get(replica_id, (0, 0.0))
+        self._last[replica_id] = (blocks, seconds)
+        if blocks >= last_blocks:
+            blocks, seconds = blocks - last_blocks, seconds - last_seconds
+        if blocks <= 0:
+            return
+        decay = 0.5 ** (max(0.0, now_s - self._at_s) / self.half_life_s)
+        self._blocks = self._blocks * decay + blocks
+        self._seconds = self._seconds * decay + max(0.0, seconds)
+        self._at_s = now_s
+
+    def seconds(self, num_blocks: int) -> float | None:
+        """A pull of ``num_blocks`` blocks; None before any pull was reported."""
+        return num_blocks * self._seconds / self._blocks if self._blocks > 0 else None
+
+    def forget(self, replica_id: str) -> None:
+        self._last.pop(replica_id, None)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """A pool's best replica for a prompt: least predicted time to first token (``LatencyPredictor.best``)."""
+
+    replica_id: str
+    ttft_s: float  # its wait and the prefill
+    compute_s: float  # the prefill alone
+    num_decoding: int  # decodes running there, which a prefill there would slow
+    matched_tokens: int  # prompt tokens it holds
+
+
 class LatencyPredictor:
     """Each replica's predicted prompt wait and compute, from its reports and this router's own sends."""
 
     def __init__(self, config: LatencyPolicyConfig) -> None:
         self.config = config
         self.fit = StepCostFit(config.half_life_s, config.min_steps, config.min_replica_steps, config.prior)
+        self.transfer = TransferFit(config.half_life_s)
+        self.hit_values = config.hit_values()
         self._queues: dict[str, _Queue] = {}
+
+    def best(self, runs, num_prompt_tokens: int, replica_ids: Sequence[str], now_s: float) -> Prediction | None:
+        """The replica of least predicted time to first token; None before data or with no replica.
+
+        ``runs`` are the pool index's leading runs of the prompt's blocks (``PrefixIndex.match_tiers``).
+        """
+        if not replica_ids or not self.ready():
+            return None
+        best = None
+        for replica_id in replica_ids:
+            run = runs.get(replica_id)
+            matched, valued = valued_tokens(run, self.hit_values, self.config.block_size, num_prompt_tokens) \
+                if run else (0, 0.0)
+            compute = self.compute_s(replica_id, num_prompt_tokens - valued,
+                                     prefill_pairs(num_prompt_tokens - matched, matched))
+            ttft = self.wait_s(replica_id, now_s) + compute
+            if best is None or ttft < best.ttft_s:
+                queue = self._queues.get(replica_id)
+                best = Prediction(replica_id, ttft, compute, queue.decoding if queue else 0, matched)
+        return best
 
     def ready(self) -> bool:
         return self.fit.coefficients() is not None
@@ -221,6 +283,7 @@ class LatencyPredictor:
     def observe(self, replica_id: str, stats: RoutingStats, now_s: float) -> None:
         """A replica's report: its fit, its decodes, and its backlog, which replaces what this router estimated."""
         self.fit.observe(replica_id, stats, now_s)
+        self.transfer.observe(replica_id, stats, now_s)
         queue = self._queues.setdefault(replica_id, _Queue())
         queue.decoding, queue.decode_context = stats.num_decoding, stats.num_decode_context_tokens
         backlog = self.compute_s(replica_id, stats.num_waiting_tokens, stats.num_waiting_pairs) if self.ready() else 0.0
@@ -235,6 +298,7 @@ class LatencyPredictor:
 
     def forget(self, replica_id: str) -> None:
         self.fit.forget(replica_id)
+        self.transfer.forget(replica_id)
         self._queues.pop(replica_id, None)
 
 

@@ -59,6 +59,9 @@ class RoutingStats(WireMessage, frozen=True, kw_only=True):
     num_decode_context_tokens: NonNegativeInt = 0  # the tokens those attend to, each step
     kv_usage: float = 0.0
     num_free_blocks: NonNegativeInt = 0
+    # KV pulled from prefill replicas, cumulative: what a router prices a transfer from.
+    num_pulled_blocks: NonNegativeInt = 0
+    pull_seconds_total: float = 0.0
     # The engine's step sums (router.step_cost.StepSums), cumulative: what a router fits its step cost from.
     step_gram: tuple[float, ...] = ()
     step_moments: tuple[float, ...] = ()
@@ -69,6 +72,8 @@ class RoutingStats(WireMessage, frozen=True, kw_only=True):
     def validate(self) -> None:
         if not 0.0 <= self.kv_usage <= 1.0:
             raise ValueError(f"kv_usage must be in [0, 1], got {self.kv_usage}")
+        if not (math.isfinite(self.pull_seconds_total) and self.pull_seconds_total >= 0):
+            raise ValueError(f"pull_seconds_total must be finite and >= 0, got {self.pull_seconds_total}")
         if self.step_gram or self.step_moments:
             if (len(self.step_gram), len(self.step_moments)) != (GRAM_SIZE, NUM_TERMS):
                 raise ValueError(f"step_gram and step_moments need {GRAM_SIZE} and {NUM_TERMS} entries, got "

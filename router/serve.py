@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import random
+import time
 from collections import OrderedDict
 from typing import Any, Callable, ClassVar
 
@@ -25,6 +26,7 @@ from ray.util import metrics
 
 from router.cache_feed import CacheEventFeed
 from router.decode_policy import DecodePolicy, DecodePolicyConfig
+from router.latency import LatencyPolicyConfig, LatencyPredictor, PredictedLatencyPolicy
 from router.policy import PolicyConfig, PrefixAffinityPolicy, ReplicaLoad, RoutingDecision
 from router.prefix_index import PrefixIndex
 from router.protocol import NO_STATS, ROUTING_STATS_KEY, RouteHints, RoutingStats, read_route_hints, replica_load
@@ -32,6 +34,8 @@ from router.shared import MAX_REMEMBERED, PoolRouting, RoutingScopes
 from transfer.wire import WireError
 
 logger = logging.getLogger(__name__)
+
+PREDICTED_S_BOUNDARIES = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
 
 
 def caller_pool_routing(scope: str) -> PoolRouting:
@@ -51,7 +55,7 @@ class ReplicaReports:
 
     def __init__(self) -> None:
         self._reports: dict[str, tuple[bytes, RoutingStats]] = {}
-        self.on_new: Callable[[str], None] = lambda replica_id: None
+        self.on_new: Callable[[str, RoutingStats], None] = lambda replica_id, stats: None
 
     def get(self, replica: RunningReplica) -> RoutingStats:
         raw = (replica.routing_stats or {}).get(ROUTING_STATS_KEY)
@@ -67,7 +71,7 @@ class ReplicaReports:
             logger.warning("replica %s published unreadable routing stats: %s", replica_id, exc)
             stats = NO_STATS
         self._reports[replica_id] = (raw, stats)
-        self.on_new(replica_id)
+        self.on_new(replica_id, stats)
         return stats
 
     def load(self, replica: RunningReplica) -> ReplicaLoad:
@@ -169,9 +173,16 @@ class _DecisionMetrics:
             "pd_router_decisions_total", description="routing decisions by reason", tag_keys=("pool", "reason"),
         )
         self.decisions.set_default_tags({"pool": pool})
+        self.predicted = metrics.Histogram(
+            "pd_router_predicted_ttft_seconds", description="the chosen replica's predicted time to first token",
+            boundaries=PREDICTED_S_BOUNDARIES, tag_keys=("pool", "reason"),
+        )
+        self.predicted.set_default_tags({"pool": pool})
 
     def record(self, decision: RoutingDecision) -> None:
         self.decisions.inc(tags={"reason": decision.reason.value})
+        if decision.predicted_s is not None:
+            self.predicted.observe(decision.predicted_s, tags={"reason": decision.reason.value})
 
 
 class PrefixAffinityRouter(PinnedRequestRouter):
@@ -182,7 +193,7 @@ class PrefixAffinityRouter(PinnedRequestRouter):
     def initialize_policy(self, **policy_kwargs: Any) -> None:
         config = PolicyConfig(**policy_kwargs)
         self.policy = PrefixAffinityPolicy(config)
-        self.reports.on_new = self.policy.reported
+        self.reports.on_new = lambda replica_id, stats: self.policy.reported(replica_id)
         self.feed = CacheEventFeed(self.policy.index)
         self.pool.share_index(self.policy.index, config.block_size)
         self.metrics = _DecisionMetrics("prefill")
@@ -192,8 +203,7 @@ class PrefixAffinityRouter(PinnedRequestRouter):
         if hints is None:
             return super().rank(replicas, hints)
         self.update_feed(self.feed)
-        decision = self.policy.choose(hints.block_hashes, hints.num_prompt_tokens,
-                                      [self.reports.load(r) for r in replicas])
+        decision = self.decide(hints, [self.reports.load(r) for r in replicas])
         self._decisions[hints.request_id] = (decision, hints.block_hashes)
         while len(self._decisions) > MAX_REMEMBERED:
             self._decisions.popitem(last=False)
@@ -207,8 +217,40 @@ class PrefixAffinityRouter(PinnedRequestRouter):
         decision, hashes = self._decisions.pop(hints.request_id)
         if decision.replica_id != replica_id.unique_id:
             decision = dataclasses.replace(decision, replica_id=replica_id.unique_id)
-        self.policy.record_routed(decision, hashes)
+        self.record(decision, hashes)
         self.metrics.record(decision)
+
+    def decide(self, hints: RouteHints, loads: list[ReplicaLoad]) -> RoutingDecision:
+        return self.policy.choose(hints.block_hashes, hints.num_prompt_tokens, loads)
+
+    def record(self, decision: RoutingDecision, hashes: tuple[bytes, ...]) -> None:
+        self.policy.record_routed(decision, hashes)
+
+
+class PredictedLatencyRouter(PrefixAffinityRouter):
+    """Prefill placement by predicted time to first token (``router.latency``), within the same bounds.
+
+    Its predictor is shared with the ingress (``router.shared``), whose
+    predicted remote-prefill rule asks it what a remote prefill would take.
+    """
+
+    policy_config = LatencyPolicyConfig
+
+    def initialize_policy(self, **policy_kwargs: Any) -> None:
+        config = LatencyPolicyConfig(**policy_kwargs)
+        self.policy = PredictedLatencyPolicy(config)
+        self.reports.on_new = lambda replica_id, stats: self.policy.observe(replica_id, stats, time.monotonic())
+        self.feed = CacheEventFeed(self.policy.index)
+        self.pool.share_index(self.policy.index, config.block_size)
+        self.pool.share_predictor(self.policy.predictor)
+        self.metrics = _DecisionMetrics("prefill")
+        self._decisions: OrderedDict[str, tuple[RoutingDecision, tuple[bytes, ...]]] = OrderedDict()
+
+    def decide(self, hints: RouteHints, loads: list[ReplicaLoad]) -> RoutingDecision:
+        return self.policy.choose(hints.block_hashes, hints.num_prompt_tokens, loads, time.monotonic())
+
+    def record(self, decision: RoutingDecision, hashes: tuple[bytes, ...]) -> None:
+        self.policy.record_routed(decision, hashes, time.monotonic())
 
 
 class DecodeLoadRouter(PinnedRequestRouter):
@@ -222,6 +264,11 @@ class DecodeLoadRouter(PinnedRequestRouter):
         self.index = PrefixIndex(max_blocks=config.index_max_blocks)
         self.feed = CacheEventFeed(self.index)
         self.pool.share_index(self.index, config.block_size)
+        # What a local prefill would take on each replica, for the ingress's predicted remote-prefill rule.
+        self.predictor = LatencyPredictor(LatencyPolicyConfig(
+            block_size=config.block_size, max_num_batched_tokens=config.max_num_batched_tokens))
+        self.reports.on_new = lambda replica_id, stats: self.predictor.observe(replica_id, stats, time.monotonic())
+        self.pool.share_predictor(self.predictor)
         self.metrics = _DecisionMetrics("decode")
 
     def rank(self, replicas: list[RunningReplica], hints: RouteHints | None) -> list[list[RunningReplica]]:

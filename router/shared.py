@@ -15,8 +15,10 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Sequence
 
+from router.latency import LatencyPredictor
 from router.policy import uncached_tokens
 from router.prefix_index import PrefixIndex
+from router.remote_prefill import PoolPredictions
 
 # Request ids whose routed replica is remembered, per pool.
 MAX_REMEMBERED = 4096
@@ -33,6 +35,7 @@ class PoolRouting:
         self._index: PrefixIndex | None = None
         self._block_size = 0
         self._live: set[str] | None = None  # None until a router has seen the pool
+        self._predictor: LatencyPredictor | None = None
 
     def set_replicas(self, replica_ids) -> None:
         """The pool's running replicas, as Serve last told the router."""
@@ -59,6 +62,17 @@ class PoolRouting:
     def routed_replica(self, request_id: str) -> str | None:
         """The replica the last call for ``request_id`` was routed to."""
         return self._routed.get(request_id)
+
+    def share_predictor(self, predictor: LatencyPredictor) -> None:
+        """A router's latency predictor of this pool (``router.latency``), fed by that router's reports."""
+        self._predictor = predictor
+
+    def predictions(self) -> PoolPredictions | None:
+        """The pool's predictor, index and live replicas, for the predicted remote-prefill rule; None until a
+        router shared a predictor and an index and has seen the pool."""
+        if self._predictor is None or self._index is None or not self._live:
+            return None
+        return PoolPredictions(self._predictor, self._index, sorted(self._live))
 
     def share_index(self, index: PrefixIndex, block_size: int) -> None:
         """A router's prefix index of this pool, kept up to date by that router."""

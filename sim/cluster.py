@@ -33,13 +33,15 @@ from pd.engine.outputs import RequestOutput
 from pd.sampling_params import SamplingParams
 from router.decode_policy import DecodePolicy, DecodePolicyConfig
 from router.hashing import hash_block_tokens
+from router.latency import LatencyPolicyConfig, LatencyPredictor
 from router.policy import PolicyConfig, RoutingDecision
-from router.remote_prefill import RemotePrefillRule
+from router.remote_prefill import PoolPredictions, RemotePrefillRule, predicted_remote
 from router.shared import PoolRouting
+from router.step_cost import prefill_pairs
 from sim.clock import EventLoop
 from sim.fast_forward import RunOutputs
 from sim.host import HostModel, SharedHost
-from sim.placement import AffinityPlacement, Arrival, Placement
+from sim.placement import AffinityPlacement, Arrival, LatencyPlacement, Placement
 from sim.pool import PoolSpec, SimPool
 from sim.replica import RequestRecord
 from sim.tiers import ModelledStore, TierModels
@@ -52,7 +54,7 @@ class ClusterSpec:
 
     decode: PoolSpec
     prefill: PoolSpec | None = None
-    rule: RemotePrefillRule = RemotePrefillRule()
+    rule: RemotePrefillRule = RemotePrefillRule()  # with ``predicted``, the prefill router is the latency one
     prefill_policy: dict = field(default_factory=dict)  # PolicyConfig fields beyond block_size
     decode_policy: dict = field(default_factory=dict)  # DecodePolicyConfig fields beyond block_size
     transfer: TransferModel = LINKS["loopback"]
@@ -111,13 +113,34 @@ class SimCluster:
         if spec.prefill is not None:
             self.prefill = SimPool("prefill", spec.prefill, loop, self.network, spec.seed + 1, self._prefill_outputs,
                                    self.host, spec.tiers, self.shared_store)
-            self.prefill.placement = placement or AffinityPlacement(
-                PolicyConfig(block_size=block_size, seed=spec.seed, **spec.prefill_policy))
+            self.prefill.placement = placement or self._prefill_placement()
         else:
             self.decode.placement = placement
+        # The predicted rule's views of the pools: the prefill router's predictor, and the ingress's own of
+        # the decode pool, fed by its reports and told of each local prefill.
+        self.rule_views: dict[str, PoolPredictions] = {}
+        if self.prefill is not None and spec.rule.predicted:
+            if not isinstance(self.prefill.placement, LatencyPlacement):
+                raise ValueError("the predicted remote-prefill rule needs the predicted-latency prefill router")
+            decode_predictor = LatencyPredictor(self._latency_config(spec.decode, {}))
+            self.rule_views = {
+                "prefill": PoolPredictions(self.prefill.placement.policies[0].predictor, self.prefill.index,
+                                    self.prefill.replica_ids),
+                "decode": PoolPredictions(decode_predictor, self.decode.index, self.decode.replica_ids)}
         self.records: dict[str, RequestRecord] = {}
         self._flows: dict[str, _Flow] = {}
         self._reporting = False
+
+    def _latency_config(self, pool: PoolSpec, fields: dict) -> LatencyPolicyConfig:
+        return LatencyPolicyConfig(block_size=self.spec.block_size, seed=self.spec.seed,
+                                   max_num_batched_tokens=pool.engine.max_num_batched_tokens, **fields)
+
+    def _prefill_placement(self) -> Placement:
+        """The app's prefill router: the predicted-latency one under the predicted rule."""
+        if self.spec.rule.predicted:
+            return LatencyPlacement(self._latency_config(self.spec.prefill, self.spec.prefill_policy), self.loop.time)
+        return AffinityPlacement(PolicyConfig(block_size=self.spec.block_size, seed=self.spec.seed,
+                                              **self.spec.prefill_policy))
 
     # The ingress ------------------------------------------------------------
 
@@ -150,14 +173,25 @@ class SimCluster:
 
     def _place(self, request_id: str, flow: _Flow) -> None:
         """The ingress's decision: prefill remotely or on the decode replica."""
-        prompt = flow.prompt
         if self.prefill is not None:
-            uncached = self.decode_routing.estimate_uncached_tokens(flow.hashes, len(prompt))
-            flow.remote = self.spec.rule.wants_remote(len(prompt), uncached, self.prefill.total_in_flight)
+            flow.remote = self._wants_remote(flow)
         if flow.remote:
             self._send_prefill(request_id, flow)
         else:
             self._send_decode(request_id, flow)
+
+    def _wants_remote(self, flow: _Flow) -> bool:
+        """The rule: by predicted seconds once they have data (``predicted``), by the threshold until then."""
+        prompt, rule = flow.prompt, self.spec.rule
+        if self.rule_views:
+            views = self.rule_views
+            views["prefill"].replica_ids, views["decode"].replica_ids = self.prefill.replica_ids, self.decode.replica_ids
+            remote = predicted_remote(rule, views["decode"], views["prefill"], flow.hashes, len(prompt),
+                                      self.spec.block_size, 2 * self.spec.call_s, self.loop.now)
+            if remote is not None:
+                return remote
+        uncached = self.decode_routing.estimate_uncached_tokens(flow.hashes, len(prompt))
+        return rule.wants_remote(len(prompt), uncached, self.prefill.total_in_flight)
 
     def _arrival(self, request_id: str, flow: _Flow) -> Arrival:
         return Arrival(request_id, flow.hashes, len(flow.prompt), self.loop.now)
@@ -204,6 +238,10 @@ class SimCluster:
             decision: RoutingDecision = self.decode_policy.choose(loads, runs, len(flow.prompt))
             self.decode_policy.record_routed(decision)
             replica_id = decision.replica_id
+            if kv_handle is None and self.rule_views:  # a local prefill: it queues there
+                self.rule_views["decode"].predictor.sent(
+                    replica_id, decision.uncached_tokens, prefill_pairs(decision.uncached_tokens,
+                                                                        decision.matched_tokens), self.loop.now)
         pool.sent(replica_id)
         replica = pool.replicas[replica_id]
 
@@ -250,6 +288,10 @@ class SimCluster:
     def _report(self) -> None:
         for pool in self.pools():
             pool.report()
+        if self.rule_views:
+            predictor = self.rule_views["decode"].predictor
+            for replica_id, stats in self.decode.reports.items():
+                predictor.observe(replica_id, stats, self.loop.now)
         if self.loop.has_events():  # arrivals, steps or reads to come; with none, nothing can change
             self.loop.at(self.loop.now + self.spec.report_period_s, self._report)
         else:

@@ -48,18 +48,21 @@ from sim.workload import submit_trace
 
 ATTAINMENT = 0.9
 SEQS_PER_GPU = 256  # a decode replica's max_num_seqs, per GPU it spans
-WORKLOADS = ("long-short", "short-long", "mooncake")
+WORKLOADS = ("long-short", "short-long", "mixed", "mooncake")
 
 
 def synthetic(workload: str, num_requests: int, seed: int) -> list[TraceRequest]:
-    """A trace at 1 request/s: long prompts with short outputs, the reverse, or the multi-tenant mix."""
+    """A trace at 1 request/s: long prompts with short outputs, the reverse, half of each (mixed), or the
+    multi-tenant mix."""
     if workload == "mooncake":
         return generate_multi_tenant(MultiTenantTraceConfig(num_requests=num_requests, rate_per_s=1.0, seed=seed))
     rng = random.Random(seed)
-    prompt, output = ((6144, 10240), (32, 160)) if workload == "long-short" else ((128, 512), (512, 1536))
+    shapes = {"long-short": ((6144, 10240), (32, 160)), "short-long": ((128, 512), (512, 1536))}
     requests, now_ms = [], 0.0
     for index in range(num_requests):
         now_ms += rng.expovariate(1.0) * 1000
+        kind = workload if workload != "mixed" else rng.choice(sorted(shapes))
+        prompt, output = shapes[kind]
         length = rng.randint(*prompt)
         first = 10_000_000 * (index + 1)  # no two requests share a block
         requests.append(TraceRequest(timestamp_ms=now_ms, input_length=length, output_length=rng.randint(*output),

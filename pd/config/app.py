@@ -25,7 +25,9 @@ APP_LEVEL_ENGINE_FIELDS = ("kv_lease_s", "kv_read_timeout_s")
 # EngineConfig fields set per pool (``prefill:``, ``decode:``), not under ``engine:``.
 POOL_LEVEL_ENGINE_FIELDS = ("tensor_parallel_size", "expert_parallel_size", "num_redundant_experts")
 # Router kwargs the app sets itself: the engines' block size and the pool's routing scope.
-APP_ROUTER_KWARGS = ("block_size", "routing_scope")
+APP_ROUTER_KWARGS = ("block_size", "max_num_batched_tokens", "routing_scope")
+# The prefill router of the predicted remote-prefill rule, which shares its latency predictor with the ingress.
+LATENCY_ROUTER = "router.serve:PredictedLatencyRouter"
 # Serve's own graceful_shutdown_timeout_s, which the pools keep where nothing asks for more.
 SERVE_GRACEFUL_SHUTDOWN_S = 20.0
 
@@ -80,8 +82,12 @@ class RouterArgs(StrictModel):
         except (ImportError, AttributeError, ValueError) as exc:
             raise ValueError(f"request_router_class {path!r} cannot be imported: {exc}") from None
 
-    def router_kwargs(self, default: str, block_size: int, routing_scope: str) -> dict[str, Any]:
-        """The kwargs Serve passes the router; ``ValueError`` naming a field its policy does not take."""
+    def router_kwargs(self, default: str, block_size: int, routing_scope: str,
+                      max_num_batched_tokens: int = 2048) -> dict[str, Any]:
+        """The kwargs Serve passes the router; ``ValueError`` naming a field its policy does not take.
+
+        The app sets ``block_size`` and, where the policy takes it, ``max_num_batched_tokens`` (the engines').
+        """
         from router.serve import PinnedRequestRouter
 
         router_class = self.router_class(default)
@@ -99,11 +105,14 @@ class RouterArgs(StrictModel):
             raise ValueError(f"request_router_kwargs.{unknown[0]}: not a field of {router_class.__name__}'s policy "
                              f"(its fields: {', '.join(sorted(known)) or 'none'})")
         if config_class is not None:
+            app_set = {"block_size": block_size}
+            if "max_num_batched_tokens" in {f.name for f in dataclasses.fields(config_class)}:
+                app_set["max_num_batched_tokens"] = max_num_batched_tokens
             try:
-                config_class(**kwargs, block_size=block_size)
+                config_class(**kwargs, **app_set)
             except (TypeError, ValueError) as exc:
                 raise ValueError(f"request_router_kwargs: {exc}") from None
-            kwargs["block_size"] = block_size
+            kwargs.update(app_set)
         kwargs["routing_scope"] = routing_scope
         return kwargs
 
@@ -152,7 +161,8 @@ class PoolArgs(StrictModel):
         return self
 
     def deployment_options(self, default_router: str, block_size: int, routing_scope: str,
-                           graceful_shutdown_timeout_s: float | None = None) -> dict[str, Any]:
+                           graceful_shutdown_timeout_s: float | None = None,
+                           max_num_batched_tokens: int = 2048) -> dict[str, Any]:
         from ray.serve.config import RequestRouterConfig
 
         options: dict[str, Any] = {
@@ -161,7 +171,8 @@ class PoolArgs(StrictModel):
             "max_queued_requests": self.max_queued_requests,
             "request_router_config": RequestRouterConfig(
                 request_router_class=self.router.request_router_class or default_router,
-                request_router_kwargs=self.router.router_kwargs(default_router, block_size, routing_scope),
+                request_router_kwargs=self.router.router_kwargs(default_router, block_size, routing_scope,
+                                                                max_num_batched_tokens),
                 request_routing_stats_period_s=self.router.request_routing_stats_period_s,
             ),
         }
@@ -226,6 +237,11 @@ class AppArgs(StrictModel):
     remote_prefill_threshold_per_in_flight: float = Field(0.0, ge=0)
     # Above this many requests in flight to the prefill pool, prefill locally instead.
     prefill_queue_bound: int = Field(32, ge=1)
+    # Decide by predicted latency instead (router.remote_prefill), once the predictions have data; the
+    # threshold decides until then. Its prefill router is the predicted-latency one.
+    remote_prefill_predicted: bool = False
+    # Seconds of TTFT a second of decodes stalled by a local prefill is worth, under the predicted rule.
+    remote_prefill_stall_weight: float = Field(1.0, ge=0)
     prefill_timeout_s: float = Field(30.0, gt=0)
     kv_lease_s: float = Field(30.0, gt=0)
     kv_read_timeout_s: float = Field(10.0, gt=0)
@@ -252,9 +268,16 @@ class AppArgs(StrictModel):
     def _valid_routers(self) -> "AppArgs":
         for name, pool, default, scope in self.pools():
             try:
-                pool.router.router_kwargs(default, self.engine.block_size, scope)
+                pool.router.router_kwargs(default, self.engine.block_size, scope, self.engine.max_num_batched_tokens)
             except ValueError as exc:
                 raise ValueError(f"{name}.router.{exc}") from None
+        if self.remote_prefill_predicted:
+            from router.serve import PredictedLatencyRouter
+
+            if not issubclass(self.prefill.router.router_class(LATENCY_ROUTER), PredictedLatencyRouter):
+                raise ValueError(f"remote_prefill_predicted needs the predicted-latency prefill router: "
+                                 f"prefill.router.request_router_class {self.prefill.router.request_router_class!r} "
+                                 f"is not a PredictedLatencyRouter")
         return self
 
     @model_validator(mode="after")
@@ -291,7 +314,8 @@ class AppArgs(StrictModel):
 
     def pools(self) -> list[tuple[str, "PoolArgs", str, str]]:
         """``(name, args, default router, routing scope)`` of each pool."""
-        return [("prefill", self.prefill, PREFILL_ROUTER, PREFILL_SCOPE), ("decode", self.decode, DECODE_ROUTER, DECODE_SCOPE)]
+        prefill_router = LATENCY_ROUTER if self.remote_prefill_predicted else PREFILL_ROUTER
+        return [("prefill", self.prefill, prefill_router, PREFILL_SCOPE), ("decode", self.decode, DECODE_ROUTER, DECODE_SCOPE)]
 
     def deployment_options(self, pool: str) -> dict[str, Any]:
         """Serve options of the ``"prefill"`` or ``"decode"`` deployment, routers included."""
@@ -299,7 +323,8 @@ class AppArgs(StrictModel):
         graceful = args.graceful_shutdown_timeout_s
         if pool == "prefill" and graceful is None:
             graceful = max(SERVE_GRACEFUL_SHUTDOWN_S, self.prefill_drain_s)
-        return args.deployment_options(default, self.engine.block_size, scope, graceful)
+        return args.deployment_options(default, self.engine.block_size, scope, graceful,
+                                       self.engine.max_num_batched_tokens)
 
     @classmethod
     def parse(cls, args: dict[str, Any] | None) -> "AppArgs":
@@ -324,7 +349,9 @@ class AppArgs(StrictModel):
 
     def remote_prefill_rule(self) -> RemotePrefillRule:
         return RemotePrefillRule(threshold=self.remote_prefill_threshold, queue_bound=self.prefill_queue_bound,
-                                 threshold_per_in_flight=self.remote_prefill_threshold_per_in_flight)
+                                 threshold_per_in_flight=self.remote_prefill_threshold_per_in_flight,
+                                 predicted=self.remote_prefill_predicted,
+                                 stall_weight=self.remote_prefill_stall_weight)
 
 
 SECRET_FIELDS = ("api_keys",)

@@ -310,6 +310,8 @@ class LLMEngine:
             num_decode_context_tokens=decode_context,
             kv_usage=used / (free + used) if free + used else 0.0,
             num_free_blocks=free,
+            num_pulled_blocks=self.connector.stats.num_pulled_blocks,
+            pull_seconds_total=self.connector.stats.pull_seconds_total,
             step_gram=tuple(self.step_sums.gram),
             step_moments=tuple(self.step_sums.moments),
         )

@@ -34,6 +34,7 @@ from pd.serve.protocol import DecodeChunk, PoolControl, PoolRequest, PrefillResu
 from pd.serve.text import TextStream
 from router.hashing import hash_block_tokens
 from router.protocol import RouteHints
+from router.remote_prefill import predicted_remote
 from router.shared import DECODE_SCOPE, PREFILL_SCOPE, RoutingScopes
 from transfer.wire import decode_one_of
 
@@ -42,6 +43,8 @@ logger = logging.getLogger(__name__)
 # After a request's prefill fails on two replicas, prefill locally for this long
 # before trying the pool again, so a dead pool does not cost every request its deadline.
 PREFILL_POOL_COOLDOWN_S = 5.0
+# The remote path's extra Ray calls (the prefill call and its answer), as the predicted rule counts them.
+PREDICTED_CALL_OVERHEAD_S = 0.004
 # How often a prefill call in flight checks that its replica is still alive.
 LIVENESS_POLL_S = 0.1
 # How long a retry waits for the failed attempt's lease release to go out (see _release_before_retry).
@@ -180,10 +183,24 @@ class PoolClient:
         """
         if self.args.mode != "disaggregated" or self.prefill is None:
             return False
-        if not self.rule.may_go_remote(hints.num_prompt_tokens) or time.monotonic() < self.prefill_pool_down_until:
+        if time.monotonic() < self.prefill_pool_down_until:
             return False
+        if not self.rule.predicted and not self.rule.may_go_remote(hints.num_prompt_tokens):
+            return False
+        if self.rule.predicted:
+            remote = self.predicted_remote(hints)
+            if remote is not None:
+                return remote
         uncached = self.decode_routing.estimate_uncached_tokens(hints.block_hashes, hints.num_prompt_tokens)
         return self.rule.wants_remote(hints.num_prompt_tokens, uncached, self.prefill_in_flight)
+
+    def predicted_remote(self, hints: RouteHints) -> bool | None:
+        """The predicted rule's answer from both pools' routers' predictors; None while either lacks data."""
+        decode, prefill = self.decode_routing.predictions(), self.prefill_routing.predictions()
+        if decode is None or prefill is None:
+            return None
+        return predicted_remote(self.rule, decode, prefill, hints.block_hashes, hints.num_prompt_tokens,
+                                self.args.engine.block_size, PREDICTED_CALL_OVERHEAD_S, time.monotonic())
 
     async def remote_prefill(self, request: PoolRequest, hints: RouteHints) -> PrefillResult | None:
         """Prefill on the pool, retrying once elsewhere; None means prefill locally.

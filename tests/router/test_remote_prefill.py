@@ -23,3 +23,17 @@ def test_the_bar_rises_with_prefill_calls_in_flight():
 def test_bad_values_are_named(field, value):
     with pytest.raises(ValueError, match=field):
         RemotePrefillRule(**{field: value})
+
+
+def test_the_predicted_rule_compares_seconds_counting_the_decodes_a_local_prefill_stalls():
+    from router.latency import Prediction
+
+    rule = RemotePrefillRule(predicted=True, stall_weight=1.0)
+    remote = Prediction("p0", ttft_s=0.10, compute_s=0.10, num_decoding=0, matched_tokens=0)
+    idle = Prediction("d0", ttft_s=0.12, compute_s=0.12, num_decoding=0, matched_tokens=0)
+    busy = Prediction("d0", ttft_s=0.12, compute_s=0.12, num_decoding=8, matched_tokens=0)
+    assert not rule.prefers_remote(idle, remote, transfer_s=0.03, overhead_s=0.002)  # 0.132 >= 0.12
+    assert rule.prefers_remote(busy, remote, transfer_s=0.03, overhead_s=0.002)  # 0.132 < 0.12 + 0.12
+    assert not RemotePrefillRule(predicted=True, stall_weight=0.0).prefers_remote(busy, remote, 0.03, 0.002)
+    with pytest.raises(ValueError, match="stall_weight"):
+        RemotePrefillRule(stall_weight=-1.0)

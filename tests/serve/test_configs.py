@@ -228,3 +228,21 @@ def test_the_70b_config_shards_prefill_over_4_gpus_and_decode_over_2():
     assert args.deployment_options("prefill")["placement_group_bundles"] == [{"CPU": 4.0, "GPU": 1.0}] * 4
     gpus = sum(pool.num_replicas * pool.tensor_parallel_size for pool in (args.prefill, args.decode))
     assert gpus == 8 and args.transfer_backend == "nixl"
+
+
+def test_the_predicted_rule_routes_prefill_by_predicted_latency_with_the_engines_chunk():
+    args = {**config_args("default.yaml"), "remote_prefill_predicted": True}
+    parsed = AppArgs.parse(args)
+    options = parsed.deployment_options("prefill")["request_router_config"]
+    assert options.request_router_class == "router.serve:PredictedLatencyRouter"
+    assert options.request_router_kwargs["max_num_batched_tokens"] == parsed.engine.max_num_batched_tokens
+    assert parsed.remote_prefill_rule().predicted
+    decode = parsed.deployment_options("decode")["request_router_config"].request_router_kwargs
+    assert decode["max_num_batched_tokens"] == parsed.engine.max_num_batched_tokens
+
+
+def test_the_predicted_rule_refuses_a_prefill_router_without_a_predictor():
+    args = {**config_args("default.yaml"), "remote_prefill_predicted": True}
+    args["prefill"]["router"] = {"request_router_class": "router.serve:PrefixAffinityRouter"}
+    with pytest.raises(ValueError, match="remote_prefill_predicted needs the predicted-latency prefill router"):
+        AppArgs.parse(args)

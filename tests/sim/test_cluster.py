@@ -9,10 +9,12 @@ import pytest
 
 from pd.config import EngineConfig
 from pd.sampling_params import SamplingParams
+from router.policy import PolicyConfig
 from router.remote_prefill import RemotePrefillRule
 from sim.clock import EventLoop
 from sim.cluster import ClusterSpec, PoolSpec, SimCluster
 from sim.cost import CostModel
+from sim.placement import AffinityPlacement
 from sim.replica import summarize
 from sim.transport import TransferModel
 
@@ -138,3 +140,21 @@ def test_a_shared_store_lets_a_replica_hit_on_a_prefix_another_computed_and_the_
     assert all(len(run) == len(head) and set(run) <= {Tier.DEVICE, Tier.HOST, Tier.SHARED} for run in runs.values())
     again = run()
     assert summarize(list(cluster.records.values())) == summarize(list(again.records.values()))
+
+
+def test_the_predicted_rule_falls_back_to_the_threshold_then_decides_by_seconds():
+    """Before any report the threshold decides (every prompt here is long: remote); once the pools and the
+    transfers have reported, predictions do: over a slow link a pull costs more than a local prefill, and
+    prompts stay local, while over a fast one they keep going remote (the decodes a local prefill would
+    stall weigh against it)."""
+    rule, every = RemotePrefillRule(predicted=True), prompts(80, lengths=(300, 600))
+    slow = serve(spec(rule=rule, transfer=dataclasses.replace(LINK, bytes_per_s=2e6)), every, every_s=0.05)
+    fast = serve(spec(rule=rule), every, every_s=0.05)
+    for cluster in (slow, fast):
+        assert all(r.finished_s is not None and len(r.token_times_s) == 12 for r in cluster.records.values())
+        views = cluster.rule_views
+        assert views["decode"].predictor.transfer.seconds(1) is not None and views["prefill"].predictor.ready()
+    assert 20 <= slow.network.num_reads < 60  # the first second's, by the threshold, then while the pulls queued
+    assert fast.network.num_reads == 80
+    with pytest.raises(ValueError, match="predicted-latency prefill router"):
+        SimCluster(EventLoop(), spec(rule=rule), AffinityPlacement(PolicyConfig(block_size=16)))
