@@ -250,20 +250,19 @@ def generate_multi_tenant(config: MultiTenantTraceConfig = MultiTenantTraceConfi
 
 
 # A long-history trace's many short conversations: small contexts, few turns.
-SHORT_CHAT = MultiTenantTraceConfig(num_tenants=256, context_tokens=(256, 2048), user_tokens=(64, 512),
-                                    output_tokens=(64, 512), max_turns=4)
+SHORT_CHAT = MultiTenantTraceConfig(num_tenants=256, context_tokens=(256, 2048), user_tokens=(64, 512), max_turns=4)
 
 
 @dataclass(frozen=True)
 class LongHistoryTraceConfig:
     """A few long sessions among short traffic. Token ranges are inclusive (min, max), drawn uniformly.
 
-    ``long_share`` of the requests are turns of ``num_sessions`` Zipf-popular
-    sessions, Poisson arrivals. A turn re-sends its session's whole history
-    (prompt + answer + ``user_tokens`` of new text); a session that would pass
-    ``max_history_tokens`` starts over from ``start_tokens`` of fresh context,
-    as a client does at its context window. The rest is ``short`` traffic
-    (its ``num_requests``, ``rate_per_s`` and ``seed`` set from this config's).
+    ``long_share`` of the requests are turns of ``num_sessions`` Zipf-popular sessions,
+    Poisson arrivals over the short traffic's span (at most ``rate_per_s * long_share``).
+    A turn re-sends its session's whole history (prompt + answer + ``user_tokens`` of new
+    text); a session that would pass ``max_history_tokens`` starts over from ``start_tokens``
+    of fresh context, as a client does at its context window. The rest is ``short``
+    traffic (its ``num_requests``, ``rate_per_s`` and ``seed`` set from this config's).
     """
 
     num_requests: int = 2000
@@ -292,13 +291,14 @@ def generate_long_history(config: LongHistoryTraceConfig = LongHistoryTraceConfi
     short = generate_multi_tenant(replace(
         config.short, num_requests=config.num_requests - num_long,
         rate_per_s=config.rate_per_s * (1 - config.long_share), seed=config.seed))
-    rng = random.Random(f"{config.seed}:long-sessions")  # draws apart from the short traffic's
+    rng = random.Random(f"{config.seed}:long-sessions")
     ids = _BlockIds(first_id=1 + max(block_id for request in short for block_id in request.hash_ids))
     popularity = [1.0 / (rank + 1) ** config.zipf_s for rank in range(config.num_sessions)]
-    # Each session's last prompt: (block ids, length, answer length); none before its first turn.
-    history: dict[int, tuple[list[int], int, int]] = {}
+    history: dict[int, tuple[list[int], int, int]] = {}  # per session: last prompt's ids, length, answer length
     requests = list(short)
-    for timestamp_ms in _arrival_times_ms(num_long, config.rate_per_s * config.long_share, rng):
+    short_span_s = short[-1].timestamp_ms / 1000
+    long_rate = min(config.rate_per_s * config.long_share, num_long / short_span_s if short_span_s else math.inf)
+    for timestamp_ms in _arrival_times_ms(num_long, long_rate, rng):
         session = rng.choices(range(config.num_sessions), weights=popularity)[0]
         prefix_ids, prefix_len, answer_len = history.get(session, ([], 0, 0))
         if session not in history or prefix_len + answer_len + config.user_tokens[1] > config.max_history_tokens:
