@@ -29,6 +29,8 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
+import numpy as np
+
 from pd.engine.engine import LLMEngine
 from pd.engine.request import Request
 from pd.engine.tiers.base import NO_TIERS
@@ -104,20 +106,16 @@ class DecodeRun:
         running = engine.scheduler.running
         self.request_ids = [request.request_id for request in running]
         self.num_seqs = num_seqs = len(running)
-        first_pairs = sum(request.num_computed_tokens + 1 for request in running)
-        self.shapes = [StepShape(num_seqs, first_pairs + num_seqs * step, num_seqs, num_seqs)
-                       for step in range(num_steps)]
-        self.seconds: list[float] = []
-        self.threads: int | None = None
-        for shape in self.shapes:
-            seconds, self.threads = engine.runner.price(shape)
-            self.seconds.append(seconds)
-        self.starts_s, self.ends_s = [], []
-        now = start_s
-        for seconds in self.seconds:  # summed as the event loop sums its steps' ends
-            self.starts_s.append(now)
-            now = now + seconds
-            self.ends_s.append(now)
+        self.first_pairs = sum(request.num_computed_tokens + 1 for request in running)
+        # Every step priced at once by the runner's own cost, its pairs an array: the same float operations.
+        pairs = self.first_pairs + num_seqs * np.arange(num_steps, dtype=np.int64)
+        seconds, self.threads = engine.runner.price(StepShape(num_seqs, pairs, num_seqs, num_seqs))
+        seconds = np.broadcast_to(np.asarray(seconds, dtype=np.float64), (num_steps,))
+        # Each step ends where the event loop's sum puts it: one addition after another (accumulate is sequential).
+        ends = np.add.accumulate(np.concatenate(([start_s], seconds)))
+        self.seconds: list[float] = seconds.tolist()
+        self.starts_s: list[float] = ends[:-1].tolist()
+        self.ends_s: list[float] = ends[1:].tolist()
         self.num_applied = 0
 
     @property
@@ -130,7 +128,7 @@ class DecodeRun:
 
     def truncate(self, num_steps: int) -> None:
         """End the run after its first ``num_steps`` (at least those applied)."""
-        del self.shapes[num_steps:], self.seconds[num_steps:], self.starts_s[num_steps:], self.ends_s[num_steps:]
+        del self.seconds[num_steps:], self.starts_s[num_steps:], self.ends_s[num_steps:]
 
     def apply(self, engine: LLMEngine, upto: int) -> RunOutputs | None:
         """Apply steps ``num_applied .. upto - 1`` to ``engine``, as its own steps would; what they streamed."""
@@ -142,9 +140,9 @@ class DecodeRun:
         engine.scheduler.advance_decodes([sampled[row:row + num_seqs] for row in range(0, len(sampled), num_seqs)])
         seconds = self.seconds[first:upto]
         step_times, step_sums = engine.step_times, engine.step_sums
-        for shape, step_seconds in zip(self.shapes[first:upto], seconds):
+        for step, step_seconds in enumerate(seconds, first):
             step_times.record(step_seconds, 0, num_seqs)
-            step_sums.record(shape, step_seconds)
+            step_sums.record(StepShape(num_seqs, self.first_pairs + num_seqs * step, num_seqs, num_seqs), step_seconds)
         engine.runner.record_run(seconds, self.threads)
         return RunOutputs(self.request_ids, [sampled[index::num_seqs] for index in range(num_seqs)],
                           self.ends_s[first:upto])
