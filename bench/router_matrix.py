@@ -15,8 +15,10 @@ It prints JSON lines:
 - one per (trace, policy): ``median``, ``min`` and ``max`` over seeds of
   ``ttft_p99_s``, ``ttft_p50_s``, ``hit_rate``, ``max_min_load_ratio`` (null:
   some replica got no request) and ``decide_us_p99``, as ``bench.router``
-  defines them, and the trace's ``working_set_over_pool`` (distinct blocks of
-  the trace over the blocks the pool's caches hold: above 1, caches must evict);
+  defines them, ``utilization``, and the trace's ``working_set_over_pool``
+  (distinct blocks of the trace over the blocks the pool's caches hold: above
+  1, caches must evict) and ``cacheable_hit_rate`` (the hit rate of one
+  unbounded cache: prompt tokens in full blocks an earlier request sent);
 - one per trace with the goals of ``--candidate`` against the best of the
   *other* policies in the same seed: per seed and their median,
   ``ttft_p99_ratio`` (candidate over the lowest TTFT p99, goal <= 1),
@@ -25,10 +27,11 @@ It prints JSON lines:
   <= 1000, meant at 16 replicas), each with whether the median meets it;
 - the wall time of the whole matrix.
 
-Each trace's default size and rate (``TRACE_DEFAULTS``) load the pool of 8
-replicas to some queueing (TTFT p50 above an unloaded prefill's) with a working
-set larger than the caches, and keep the default matrix of 4 policies x 3
-traces x 6 seeds to about 10 minutes on 2 shared cores.
+Each trace's default size and time scale (``TRACE_DEFAULTS``) keep a pool of 8
+replicas about half to three quarters busy (``utilization``), as
+``bench.router``'s defaults do, over a working set at or above what the caches
+hold, and keep the default matrix of 4 policies x 3 traces x 6 seeds to about
+10 minutes on 2 shared cores.
 """
 
 from __future__ import annotations
@@ -43,13 +46,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.router import GENERATORS, POLICIES, PolicyResult, ReplayConfig, build_trace, replay
-from pd.workload.trace import TraceRequest
+from pd.workload.trace import TRACE_BLOCK_TOKENS, TraceRequest
 from router.policy import PolicyConfig
 
-# Per trace: (requests, arrivals per second). Mooncake-like conversations start
-# slowly (their later turns come minutes after the first), so its first
-# requests need a higher rate to queue.
-TRACE_DEFAULTS = {"multi_tenant": (800, 10.0), "mooncake": (800, 20.0), "long_history": (800, 10.0)}
+# Per trace: (requests, time scale). A conversation's turns come minutes apart,
+# so a trace's first few hundred requests arrive far slower than its nominal
+# rate; the time scale brings them back to a pool that queues.
+TRACE_DEFAULTS = {"multi_tenant": (800, 3.0), "mooncake": (800, 4.0), "long_history": (800, 3.0)}
 DEFAULT_TRACES = ("multi_tenant", "mooncake", "long_history")
 DEFAULT_POLICIES = ("pd", "round_robin", "ray_prefix", "latency")
 METRICS = ("ttft_p99_s", "ttft_p50_s", "hit_rate", "max_min_load_ratio", "decide_us_p99")
@@ -78,6 +81,7 @@ class SeedRun:
 
     seed: int
     working_set_over_pool: float
+    cacheable_hit_rate: float
     results: dict[str, PolicyResult]
 
 
@@ -86,12 +90,24 @@ def working_set_over_pool(trace: list[TraceRequest], config: ReplayConfig) -> fl
     return distinct_blocks / (config.num_replicas * config.cache_blocks)
 
 
+def cacheable_hit_rate(trace: list[TraceRequest]) -> float:
+    """The hit rate of one unbounded cache: prompt tokens in full blocks that an earlier request sent."""
+    seen: set[int] = set()
+    num_cacheable = 0
+    for request in trace:
+        num_full = request.input_length // TRACE_BLOCK_TOKENS
+        num_cacheable += TRACE_BLOCK_TOKENS * sum(block_id in seen for block_id in request.hash_ids[:num_full])
+        seen.update(request.hash_ids)
+    return num_cacheable / max(1, sum(request.input_length for request in trace))
+
+
 def run_seed(trace_name: str, seed: int, args: argparse.Namespace, policies: list[str]) -> SeedRun:
-    default_requests, default_rate = TRACE_DEFAULTS.get(trace_name, (0, 0.0))
+    default_requests, default_time_scale = TRACE_DEFAULTS.get(trace_name, (0, 1.0))
     trace_args = argparse.Namespace(trace=None, generate=trace_name, requests=args.requests or default_requests,
-                                    rate=args.rate or default_rate, seed=seed)
+                                    rate=args.rate, seed=seed)
     _, trace = build_trace(trace_args)
-    config = ReplayConfig(num_replicas=args.replicas, cache_blocks=args.cache_blocks, seed=seed)
+    config = ReplayConfig(num_replicas=args.replicas, cache_blocks=args.cache_blocks,
+                          time_scale=args.time_scale or default_time_scale, seed=seed)
     pd_config = PolicyConfig(block_size=config.block_size, seed=seed)
     results = {}
     for policy in policies:
@@ -99,7 +115,7 @@ def run_seed(trace_name: str, seed: int, args: argparse.Namespace, policies: lis
         results[policy] = replay(policy, trace, config, pd_config)
         print(f"{trace_name} seed {seed} {policy}: {len(trace)} requests, {time.perf_counter() - started:.1f} s",
               file=sys.stderr, flush=True)
-    return SeedRun(seed, working_set_over_pool(trace, config), results)
+    return SeedRun(seed, working_set_over_pool(trace, config), cacheable_hit_rate(trace), results)
 
 
 def metric(result: PolicyResult, name: str) -> float:
@@ -124,6 +140,7 @@ def policy_summary(trace_name: str, policy: str, runs: list[SeedRun]) -> dict:
         summary[name] = spread([metric(run.results[policy], name) for run in runs], 1 if name == "decide_us_p99" else 4)
     summary["utilization"] = spread([run.results[policy].utilization for run in runs], 3)
     summary["working_set_over_pool"] = spread([run.working_set_over_pool for run in runs], 3)
+    summary["cacheable_hit_rate"] = spread([run.cacheable_hit_rate for run in runs])
     return summary
 
 
@@ -168,7 +185,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--replicas", type=int, default=8, help="replicas in the pool (16 for the decision-cost goal)")
     parser.add_argument("--cache-blocks", type=int, default=256, help="KV per replica, in 512-token blocks")
     parser.add_argument("--requests", type=int, default=0, help="requests per trace (0: TRACE_DEFAULTS)")
-    parser.add_argument("--rate", type=float, default=0.0, help="arrivals per second (0: TRACE_DEFAULTS)")
+    parser.add_argument("--rate", type=float, default=0.0, help="generated arrivals per second (0: the generator's)")
+    parser.add_argument("--time-scale", type=float, default=0.0,
+                        help="arrivals come this many times faster (0: TRACE_DEFAULTS)")
     args = parser.parse_args(argv)
     args.trace_names = [name.strip() for name in args.traces.split(",") if name.strip()]
     args.policy_names = [name.strip() for name in args.policies.split(",") if name.strip()]

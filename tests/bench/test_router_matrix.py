@@ -4,6 +4,7 @@ import pytest
 
 from bench import router_matrix
 from bench.router import PolicyResult
+from pd.workload.trace import TraceRequest
 
 
 def result(policy: str, ttft_p99_s: float, hit_rate: float, routed: list[int]) -> PolicyResult:
@@ -13,10 +14,10 @@ def result(policy: str, ttft_p99_s: float, hit_rate: float, routed: list[int]) -
 
 def test_goal_checks_compare_the_candidate_with_the_best_other_policy_in_each_seed():
     runs = [
-        router_matrix.SeedRun(0, 1.5, {"new": result("new", 1.0, 0.72, [3, 2]), "a": result("a", 2.0, 0.8, [1, 1]),
-                                       "b": result("b", 1.25, 0.4, [2, 0])}),
-        router_matrix.SeedRun(1, 1.5, {"new": result("new", 3.0, 0.9, [4, 0]), "a": result("a", 2.0, 0.9, [1, 1]),
-                                       "b": result("b", 4.0, 0.3, [1, 1])}),
+        router_matrix.SeedRun(0, 1.5, 0.5, {"new": result("new", 1.0, 0.72, [3, 2]),
+                                            "a": result("a", 2.0, 0.8, [1, 1]), "b": result("b", 1.25, 0.4, [2, 0])}),
+        router_matrix.SeedRun(1, 1.5, 0.5, {"new": result("new", 3.0, 0.9, [4, 0]),
+                                            "a": result("a", 2.0, 0.9, [1, 1]), "b": result("b", 4.0, 0.3, [1, 1])}),
     ]
     checks = router_matrix.goal_checks("t", "new", runs, num_replicas=2)
     assert checks["against_best_of"] == ["a", "b"]
@@ -33,6 +34,12 @@ def test_goal_checks_compare_the_candidate_with_the_best_other_policy_in_each_se
     summary = router_matrix.policy_summary("t", "b", runs)
     assert summary["ttft_p99_s"] == {"median": 2.625, "min": 1.25, "max": 4.0}
     assert summary["max_min_load_ratio"] == {"median": None, "min": 1.0, "max": None}
+
+
+def test_cacheable_hit_rate_counts_full_blocks_sent_before():
+    first = TraceRequest(0, 1024, 1, (0, 1))
+    again = TraceRequest(1, 1500, 1, (0, 1, 2))  # two of its blocks were sent; its partial third never counts
+    assert router_matrix.cacheable_hit_rate([first, again]) == 1024 / 2524
 
 
 def test_main_prints_summaries_goals_and_the_machine(capsys):
