@@ -13,6 +13,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
+from router.latency import LatencyPredictor
 from router.policy import ReplicaLoad, RoutingDecision, RoutingReason, Scored, decide
 from router.recent import RecentRouted
 from router.tiers import TierHitValues, valued_tokens
@@ -63,13 +64,23 @@ class DecodePolicyConfig(TierHitValues):
 class DecodePolicy:
     """Chooses the decode replica: KV headroom and few active decodes, plus a bonus for its own prefix hits.
 
-        cost(r) = w_active * num_active_requests + w_kv_usage * kv_usage
+        cost(r) = w_active * active(r) + w_kv_usage * kv_usage
                   + w_recent * (recent_requests(r) - least)
                   - w_prefix_hit * valued_matched_tokens / num_prompt_tokens
+
+    ``active(r)`` is ``num_active_requests``; with a ``predictor`` that has
+    data (``router.latency``), it is the predicted impact on inter-token
+    latency instead, in decodes: how much longer than a lone decode of this
+    request on a replica of the pool's speed the step ``r`` would run with
+    this request among its decodes, at its measured speed, over what one more
+    such decode adds to a step. On replicas of the pool's speed whose decodes
+    attend as much as this one, that is ``num_active_requests``; a slower
+    replica, or one whose decodes attend longer contexts, counts heavier.
     """
 
-    def __init__(self, config: DecodePolicyConfig) -> None:
+    def __init__(self, config: DecodePolicyConfig, predictor: LatencyPredictor | None = None) -> None:
         self.config = config
+        self.predictor = predictor
         self.hit_values = config.hit_values()
         self.recent = RecentRouted(config.recent_window)
         self.reason_counts: Counter[RoutingReason] = Counter()
@@ -99,8 +110,9 @@ class DecodePolicy:
         least_recent = min(recent)
         w_active, w_kv_usage, w_recent, w_prefix_hit = (config.w_active, config.w_kv_usage, config.w_recent,
                                                         config.w_prefix_hit)
+        active = self._active(candidates, num_prompt_tokens)
         scored = []
-        for replica, recent_requests in zip(candidates, recent):
+        for replica, recent_requests, active_r in zip(candidates, recent, active):
             run = matches.get(replica.replica_id)
             if run:
                 matched, valued = valued_tokens(run, self.hit_values, config.block_size, num_prompt_tokens)
@@ -108,13 +120,25 @@ class DecodePolicy:
             else:  # no block held: what ``valued_tokens`` answers for an empty run
                 matched, valued, hit_fraction = 0, 0.0, 0.0
             cost = (
-                w_active * replica.num_active_requests
+                w_active * active_r
                 + w_kv_usage * replica.kv_usage
                 + w_recent * (recent_requests - least_recent)
                 - w_prefix_hit * hit_fraction
             )
             scored.append(Scored(replica.replica_id, self.is_overloaded(replica), cost, matched, valued))
         return decide(scored, num_prompt_tokens, self._rng)
+
+    def _active(self, candidates: Sequence[ReplicaLoad], num_prompt_tokens: int) -> list[float]:
+        """Each candidate's active requests, or their predicted weight on its steps (class docstring)."""
+        predictor = self.predictor
+        if predictor is None or not predictor.ready():
+            return [replica.num_active_requests for replica in candidates]
+        lone = predictor.decode_step_s(None, 1, num_prompt_tokens)
+        one_more = lone - predictor.decode_step_s(None, 0, 0)  # what one more such decode adds to a step
+        if one_more <= 0:
+            return [replica.num_active_requests for replica in candidates]
+        return [(predictor.decode_step_s(replica.replica_id, replica.num_active_requests + 1, num_prompt_tokens)
+                 - lone) / one_more for replica in candidates]
 
     def record_routed(self, decision: RoutingDecision) -> None:
         """Count the decision once the request is sent."""

@@ -54,7 +54,7 @@ import numpy as np
 
 from router.policy import PolicyConfig, PrefixAffinityPolicy, ReplicaLoad, RoutingDecision, Scored, decide
 from router.protocol import RoutingStats
-from router.step_cost import NUM_TERMS, fit_linear, gram_matrix, prefill_pairs
+from router.step_cost import GRAM_SIZE, NUM_TERMS, fit_linear, gram_matrix, prefill_pairs
 from router.tiers import valued_tokens
 
 
@@ -109,14 +109,15 @@ class StepCostFit:
         self.half_life_s = half_life_s
         self.min_steps = min_steps
         self.min_replica_steps = min_replica_steps
-        self.prior = None if prior is None else np.array(prior, dtype=float)
-        self._gram = np.zeros((NUM_TERMS, NUM_TERMS))
+        self.prior = None if prior is None else tuple(float(value) for value in prior)
+        self._gram = np.zeros(GRAM_SIZE)  # decayed, as the upper triangle the reports carry (gram_matrix)
         self._moments = np.zeros(NUM_TERMS)
         self._at_s = 0.0
         self._last: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # each replica's cumulative sums, as last seen
         self._speeds: dict[str, _Speed] = {}
-        self._coefficients: np.ndarray | None = self.prior
+        self._coefficients: tuple[float, ...] | None = self.prior
         self._dirty = False
+        self._speed_cache: dict[str, float] = {}  # each replica's speed under the current fit
 
     def _decay(self, elapsed_s: float) -> float:
         return 0.5 ** (max(0.0, elapsed_s) / self.half_life_s)
@@ -125,41 +126,51 @@ class StepCostFit:
         """A replica's report: the steps it ran since its last one join the fit."""
         if not stats.step_gram:
             return
-        gram, moments = gram_matrix(stats.step_gram), np.array(stats.step_moments)
+        gram, moments = np.array(stats.step_gram), np.array(stats.step_moments)
         last = self._last.get(replica_id)
         self._last[replica_id] = (gram, moments)
-        if last is not None and gram[0, 0] >= last[0][0, 0]:
+        if last is not None and gram[0] >= last[0][0]:
             gram, moments = gram - last[0], moments - last[1]
         elif last is not None:  # the replica restarted and its sums began again: a new process, a new speed
             self._speeds.pop(replica_id, None)
-        if gram[0, 0] <= 0:
+            self._speed_cache.pop(replica_id, None)
+        if gram[0] <= 0:
             return
         decay = self._decay(now_s - self._at_s)
         self._gram = self._gram * decay + gram
         self._moments = self._moments * decay + moments
         self._at_s = now_s
         self._dirty = True
+        self._speed_cache.clear()
         speed = self._speeds.setdefault(replica_id, _Speed(at_s=now_s))
         decay = self._decay(now_s - speed.at_s)
-        speed.totals = speed.totals * decay + gram[0]
+        speed.totals = speed.totals * decay + gram[:NUM_TERMS]  # the triangle's first row: the features' totals
         speed.seconds = speed.seconds * decay + moments[0]
         speed.at_s = speed.measured_s = now_s
 
-    def coefficients(self) -> np.ndarray | None:
-        """The pool's step cost (base, per token, per pair, per seq, per sample); the prior, or None, before data."""
+    def coefficients(self) -> tuple[float, ...] | None:
+        """The pool's step cost (base, per token, per pair, per seq, per sample); the prior, or None, before data.
+
+        Refitted at most once per batch of reports (a few microseconds of numpy), not per decision.
+        """
         if self._dirty:
             self._dirty = False
-            fitted = fit_linear(self._gram, self._moments) if self._gram[0, 0] >= self.min_steps else None
-            self._coefficients = fitted if fitted is not None else self.prior
+            fitted = fit_linear(gram_matrix(self._gram), self._moments) if self._gram[0] >= self.min_steps else None
+            self._coefficients = tuple(float(value) for value in fitted) if fitted is not None else self.prior
         return self._coefficients
 
     def speed(self, replica_id: str) -> float:
         """The replica's measured seconds over the pool fit's, recently; 1.0 until it ran enough steps."""
+        cached = self._speed_cache.get(replica_id)
+        if cached is not None and not self._dirty:
+            return cached
         speed, coefficients = self._speeds.get(replica_id), self.coefficients()
-        if speed is None or coefficients is None or speed.totals[0] < self.min_replica_steps:
-            return 1.0
-        predicted = float(coefficients @ speed.totals)
-        return speed.seconds / predicted if predicted > 0 else 1.0
+        value = 1.0
+        if speed is not None and coefficients is not None and speed.totals[0] >= self.min_replica_steps:
+            predicted = float(np.dot(coefficients, speed.totals))
+            value = speed.seconds / predicted if predicted > 0 else 1.0
+        self._speed_cache[replica_id] = value
+        return value
 
     def measured_s(self, replica_id: str) -> float:
         """When the replica's last report brought steps (-inf: never)."""
@@ -169,9 +180,10 @@ class StepCostFit:
     def forget(self, replica_id: str) -> None:
         self._last.pop(replica_id, None)
         self._speeds.pop(replica_id, None)
+        self._speed_cache.pop(replica_id, None)
 
 
-def prefill_seconds(coefficients: np.ndarray, tokens: float, pairs: float, decoding: int, decode_context: int,
+def prefill_seconds(coefficients: Sequence[float], tokens: float, pairs: float, decoding: int, decode_context: int,
                     chunk_tokens: int) -> float:
     """Prefill of ``tokens`` (attending ``pairs``) in chunks, each step also carrying ``decoding`` decodes.
 
@@ -194,6 +206,8 @@ class _Queue:
     busy_until_s: float = 0.0
     decoding: int = 0
     decode_context: int = 0
+    tokens_ahead: int = 0  # prompt tokens queued there: reported, and sent since
+    free_blocks: int | None = None  # free blocks, cached ones among them, as reported
 
 
 class TransferFit:
@@ -276,6 +290,15 @@ class LatencyPredictor:
         return self.fit.speed(replica_id) * prefill_seconds(
             coefficients, tokens, pairs, queue.decoding, queue.decode_context, self.config.max_num_batched_tokens)
 
+    def decode_step_s(self, replica_id: str | None, num_seqs: int, context_tokens: int) -> float:
+        """A decode step of ``num_seqs`` on ``replica_id`` at its speed (None: the pool's), its decodes' reported
+        context and ``context_tokens`` more attended."""
+        base, per_token, per_pair, per_seq, per_sample = self.fit.coefficients()
+        queue = self._queues.get(replica_id) if replica_id is not None else None
+        context = context_tokens + (queue.decode_context if queue is not None else 0)
+        speed = self.fit.speed(replica_id) if replica_id is not None else 1.0
+        return speed * (base + (per_token + per_seq + per_sample) * num_seqs + per_pair * context)
+
     def wait_s(self, replica_id: str, now_s: float) -> float:
         queue = self._queues.get(replica_id)
         return max(0.0, queue.busy_until_s - now_s) if queue is not None else 0.0
@@ -286,6 +309,7 @@ class LatencyPredictor:
         self.transfer.observe(replica_id, stats, now_s)
         queue = self._queues.setdefault(replica_id, _Queue())
         queue.decoding, queue.decode_context = stats.num_decoding, stats.num_decode_context_tokens
+        queue.tokens_ahead, queue.free_blocks = stats.num_waiting_tokens, stats.num_free_blocks
         backlog = self.compute_s(replica_id, stats.num_waiting_tokens, stats.num_waiting_pairs) if self.ready() else 0.0
         queue.busy_until_s = now_s + backlog
 
@@ -295,6 +319,21 @@ class LatencyPredictor:
             return
         queue = self._queues.setdefault(replica_id, _Queue())
         queue.busy_until_s = max(queue.busy_until_s, now_s) + self.compute_s(replica_id, tokens, pairs)
+        queue.tokens_ahead += int(tokens)
+
+    def survival(self, replica_id: str) -> float:
+        """The chance a cached prefix there is still cached when a prompt sent now starts.
+
+        Cached blocks nobody uses sit in the free queue, oldest first, and
+        every block allocated takes the oldest: the work queued ahead takes
+        ``tokens_ahead / block_size`` of the ``free_blocks``. With the prefix
+        anywhere in the queue, it survives with 1 - taken / free.
+        """
+        queue = self._queues.get(replica_id)
+        if queue is None or queue.free_blocks is None or queue.tokens_ahead <= 0:
+            return 1.0
+        taken = queue.tokens_ahead / self.config.block_size
+        return max(0.0, 1.0 - taken / queue.free_blocks) if queue.free_blocks > 0 else 0.0
 
     def forget(self, replica_id: str) -> None:
         self.fit.forget(replica_id)
@@ -331,6 +370,8 @@ class PredictedLatencyPolicy(PrefixAffinityPolicy):
             run = runs.get(replica_id)
             matched, valued = valued_tokens(run, self.hit_values, config.block_size, num_prompt_tokens) \
                 if run else (0, 0.0)
+            if matched:
+                valued *= predictor.survival(replica_id)
             compute = predictor.compute_s(replica_id, num_prompt_tokens - valued,
                                           prefill_pairs(num_prompt_tokens - matched, matched))
             ttfts[replica_id] = ttft = predictor.wait_s(replica_id, now_s) + compute

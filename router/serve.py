@@ -260,13 +260,14 @@ class DecodeLoadRouter(PinnedRequestRouter):
 
     def initialize_policy(self, **policy_kwargs: Any) -> None:
         config = DecodePolicyConfig(**policy_kwargs)
-        self.policy = DecodePolicy(config)
+        # Each replica's speed and decodes, for the policy's inter-token latency and the ingress's predicted
+        # remote-prefill rule (what a local prefill would take).
+        self.predictor = LatencyPredictor(LatencyPolicyConfig(
+            block_size=config.block_size, max_num_batched_tokens=config.max_num_batched_tokens))
+        self.policy = DecodePolicy(config, self.predictor)
         self.index = PrefixIndex(max_blocks=config.index_max_blocks)
         self.feed = CacheEventFeed(self.index)
         self.pool.share_index(self.index, config.block_size)
-        # What a local prefill would take on each replica, for the ingress's predicted remote-prefill rule.
-        self.predictor = LatencyPredictor(LatencyPolicyConfig(
-            block_size=config.block_size, max_num_batched_tokens=config.max_num_batched_tokens))
         self.reports.on_new = lambda replica_id, stats: self.predictor.observe(replica_id, stats, time.monotonic())
         self.pool.share_predictor(self.predictor)
         self.metrics = _DecisionMetrics("decode")

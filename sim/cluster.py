@@ -118,11 +118,13 @@ class SimCluster:
             self.decode.placement = placement
         # The predicted rule's views of the pools: the prefill router's predictor, and the ingress's own of
         # the decode pool, fed by its reports and told of each local prefill.
+        # The decode router's predictor (the app's DecodeLoadRouter keeps one), fed by the pool's reports.
+        decode_predictor = LatencyPredictor(self._latency_config(spec.decode, {}))
+        self.decode_policy.predictor = decode_predictor
         self.rule_views: dict[str, PoolPredictions] = {}
         if self.prefill is not None and spec.rule.predicted:
             if not isinstance(self.prefill.placement, LatencyPlacement):
                 raise ValueError("the predicted remote-prefill rule needs the predicted-latency prefill router")
-            decode_predictor = LatencyPredictor(self._latency_config(spec.decode, {}))
             self.rule_views = {
                 "prefill": PoolPredictions(self.prefill.placement.policies[0].predictor, self.prefill.index,
                                     self.prefill.replica_ids),
@@ -238,8 +240,8 @@ class SimCluster:
             decision: RoutingDecision = self.decode_policy.choose(loads, runs, len(flow.prompt))
             self.decode_policy.record_routed(decision)
             replica_id = decision.replica_id
-            if kv_handle is None and self.rule_views:  # a local prefill: it queues there
-                self.rule_views["decode"].predictor.sent(
+            if kv_handle is None:  # a local prefill: it queues there
+                self.decode_policy.predictor.sent(
                     replica_id, decision.uncached_tokens, prefill_pairs(decision.uncached_tokens,
                                                                         decision.matched_tokens), self.loop.now)
         pool.sent(replica_id)
@@ -288,10 +290,9 @@ class SimCluster:
     def _report(self) -> None:
         for pool in self.pools():
             pool.report()
-        if self.rule_views:
-            predictor = self.rule_views["decode"].predictor
-            for replica_id, stats in self.decode.reports.items():
-                predictor.observe(replica_id, stats, self.loop.now)
+        predictor = self.decode_policy.predictor
+        for replica_id, stats in self.decode.reports.items():
+            predictor.observe(replica_id, stats, self.loop.now)
         if self.loop.has_events():  # arrivals, steps or reads to come; with none, nothing can change
             self.loop.at(self.loop.now + self.spec.report_period_s, self._report)
         else:

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from router.hashing import hash_block_tokens
-from router.latency import LatencyPolicyConfig, PredictedLatencyPolicy, prefill_seconds
+from router.latency import LatencyPolicyConfig, LatencyPredictor, PredictedLatencyPolicy, prefill_seconds
 from router.policy import PolicyConfig, PrefixAffinityPolicy, ReplicaLoad
 from router.protocol import RoutingStats
 from router.step_cost import StepShape, StepSums, linear_seconds
@@ -73,7 +73,8 @@ def test_it_ranks_replicas_by_predicted_wait_plus_compute():
     prompt = list(range(64 * BLOCK))
     hashes = hash_block_tokens(prompt, BLOCK)
     replicas = [Replica(name, seed) for seed, name in enumerate("abc")]
-    _warm(policy, replicas, loads={"b": dict(num_waiting_tokens=20_000, num_waiting_pairs=20_000 * 10_000)})
+    _warm(policy, replicas, loads={"b": dict(num_waiting_tokens=20_000, num_waiting_pairs=20_000 * 10_000,
+                                                 num_free_blocks=10_000)})
     policy.index.insert("b", hashes)
     decision = policy.choose(hashes, len(prompt), _candidates("a", "b"), now_s=0.0)
     assert decision.replica_id == "a"  # recomputing 1,024 tokens beats waiting behind 20,000
@@ -177,3 +178,22 @@ def test_bad_step_sums_are_refused():
         RoutingStats(step_gram=(1.0,) * 3, step_moments=(1.0,) * 5)
     with pytest.raises(ValueError, match="finite"):
         RoutingStats(step_gram=(float("nan"),) * 15, step_moments=(1.0,) * 5)
+
+
+def test_decode_placement_weighs_each_replicas_decodes_by_its_measured_speed():
+    """Without data the decode policy counts active requests; with it, a replica three times slower counts
+    its decodes three times, so a fast replica with more of them still wins."""
+    from router.decode_policy import DecodePolicy, DecodePolicyConfig
+
+    policy = _policy(half_life_s=10.0)
+    fast, slow = Replica("fast", 0), Replica("slow", 1)
+    decode = DecodePolicy(DecodePolicyConfig(block_size=BLOCK, w_kv_usage=0.0, w_recent=0.0),
+                          LatencyPredictor(policy.config))
+    candidates = [ReplicaLoad("fast", num_active_requests=6), ReplicaLoad("slow", num_active_requests=3)]
+    assert decode.choose(candidates, {}, 256).replica_id == "slow"  # no data yet: fewer active requests
+    for second in range(20):
+        for replica, speed in ((fast, 1.0), (slow, 3.0)):
+            replica.run(50, speed)
+            decode.predictor.observe(replica.replica_id, replica.report(num_decoding=6 if speed == 1.0 else 3,
+                                                                       num_decode_context_tokens=600), float(second))
+    assert decode.choose(candidates, {}, 256).replica_id == "fast"
