@@ -11,14 +11,17 @@ spread over seeds says how much a difference between policies is the draw's.
 
 It prints JSON lines:
 
-- ``machine``: the CPU and its vector ISA, since decision times are wall time here;
+- ``machine``: the CPU and its vector ISA, since decision times are wall time
+  here (on a loaded machine a decision's p99 is the odd one the OS preempted;
+  its p50 is the decision's own cost);
 - one per (trace, policy): ``median``, ``min`` and ``max`` over seeds of
   ``ttft_p99_s``, ``ttft_p50_s``, ``hit_rate``, ``max_min_load_ratio`` (null:
-  some replica got no request) and ``decide_us_p99``, as ``bench.router``
-  defines them, ``utilization``, and the trace's ``working_set_over_pool``
-  (distinct blocks of the trace over the blocks the pool's caches hold: above
-  1, caches must evict) and ``cacheable_hit_rate`` (the hit rate of one
-  unbounded cache: prompt tokens in full blocks an earlier request sent);
+  some replica got no request), ``decide_us_p50`` and ``decide_us_p99``, as
+  ``bench.router`` defines them, ``utilization``, and the trace's
+  ``working_set_over_pool`` (distinct blocks of the trace over the blocks the
+  pool's caches hold: above 1, caches must evict) and ``cacheable_hit_rate``
+  (the hit rate of one unbounded cache: prompt tokens in full blocks an
+  earlier request sent);
 - one per trace with the goals of ``--candidate`` against the best of the
   *other* policies in the same seed: per seed and their median,
   ``ttft_p99_ratio`` (candidate over the lowest TTFT p99, goal <= 1),
@@ -55,7 +58,7 @@ from router.policy import PolicyConfig
 TRACE_DEFAULTS = {"multi_tenant": (800, 3.0), "mooncake": (800, 4.0), "long_history": (800, 3.0)}
 DEFAULT_TRACES = ("multi_tenant", "mooncake", "long_history")
 DEFAULT_POLICIES = ("pd", "round_robin", "ray_prefix", "latency")
-METRICS = ("ttft_p99_s", "ttft_p50_s", "hit_rate", "max_min_load_ratio", "decide_us_p99")
+METRICS = ("ttft_p99_s", "ttft_p50_s", "hit_rate", "max_min_load_ratio", "decide_us_p50", "decide_us_p99")
 # The routing goals: the candidate's TTFT p99 and hit rate against the best other policy, its own balance and cost.
 TTFT_P99_RATIO_GOAL = 1.0
 HIT_RATE_RATIO_GOAL = 0.98
@@ -137,7 +140,8 @@ def finite(value: float, digits: int = 4) -> float | None:
 def policy_summary(trace_name: str, policy: str, runs: list[SeedRun]) -> dict:
     summary = {"trace": trace_name, "policy": policy, "seeds": [run.seed for run in runs]}
     for name in METRICS:
-        summary[name] = spread([metric(run.results[policy], name) for run in runs], 1 if name == "decide_us_p99" else 4)
+        digits = 1 if name.startswith("decide_us") else 4
+        summary[name] = spread([metric(run.results[policy], name) for run in runs], digits)
     summary["utilization"] = spread([run.results[policy].utilization for run in runs], 3)
     summary["working_set_over_pool"] = spread([run.working_set_over_pool for run in runs], 3)
     summary["cacheable_hit_rate"] = spread([run.cacheable_hit_rate for run in runs])
