@@ -118,6 +118,7 @@ class StepCostFit:
         self._coefficients: tuple[float, ...] | None = self.prior
         self._dirty = False
         self._speed_cache: dict[str, float] = {}  # each replica's speed under the current fit
+        self._fastest: float | None = None
 
     def _decay(self, elapsed_s: float) -> float:
         return 0.5 ** (max(0.0, elapsed_s) / self.half_life_s)
@@ -134,6 +135,7 @@ class StepCostFit:
         elif last is not None:  # the replica restarted and its sums began again: a new process, a new speed
             self._speeds.pop(replica_id, None)
             self._speed_cache.pop(replica_id, None)
+            self._fastest = None
         if gram[0] <= 0:
             return
         decay = self._decay(now_s - self._at_s)
@@ -142,6 +144,7 @@ class StepCostFit:
         self._at_s = now_s
         self._dirty = True
         self._speed_cache.clear()
+        self._fastest = None
         speed = self._speeds.setdefault(replica_id, _Speed(at_s=now_s))
         decay = self._decay(now_s - speed.at_s)
         speed.totals = speed.totals * decay + gram[:NUM_TERMS]  # the triangle's first row: the features' totals
@@ -172,6 +175,12 @@ class StepCostFit:
         self._speed_cache[replica_id] = value
         return value
 
+    def fastest(self) -> float:
+        """The least speed of any replica measured (1.0 before any): the pool's fastest."""
+        if self._fastest is None or self._dirty:
+            self._fastest = min((self.speed(replica_id) for replica_id in self._speeds), default=1.0) or 1.0
+        return self._fastest
+
     def measured_s(self, replica_id: str) -> float:
         """When the replica's last report brought steps (-inf: never)."""
         speed = self._speeds.get(replica_id)
@@ -181,6 +190,7 @@ class StepCostFit:
         self._last.pop(replica_id, None)
         self._speeds.pop(replica_id, None)
         self._speed_cache.pop(replica_id, None)
+        self._fastest = None
 
 
 def prefill_seconds(coefficients: Sequence[float], tokens: float, pairs: float, decoding: int, decode_context: int,
@@ -379,6 +389,15 @@ class PredictedLatencyPolicy(PrefixAffinityPolicy):
             scored.append(Scored(replica_id, self.is_overloaded(replica, routed_limit), cost, matched, valued))
         decision = decide(scored, num_prompt_tokens, self._rng)
         return dataclasses.replace(decision, predicted_s=ttfts[decision.replica_id])
+
+    def routed(self, replica_id: str) -> float:
+        """Recent requests, each weighing the replica's speed over the pool's fastest: the relative bound
+        holds the replicas to within ``max_routed_ratio`` of each other's work, not of each other's count,
+        so a replica measured three times slower may be sent a third as many requests."""
+        fit = self.predictor.fit
+        if not self.predictor.ready():
+            return self.recent.requests(replica_id)
+        return self.recent.requests(replica_id) * fit.speed(replica_id) / fit.fastest()
 
     def _exploration(self, replica_id: str, now_s: float) -> float:
         age = now_s - self.predictor.fit.measured_s(replica_id)

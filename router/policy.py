@@ -246,11 +246,15 @@ class PrefixAffinityPolicy:
             for replica in candidates
         }
 
+    def routed(self, replica_id: str) -> float:
+        """The recent requests sent ``replica_id``, as the relative bound counts them."""
+        return self.recent.requests(replica_id)
+
     def routed_limit(self, candidates: Sequence[ReplicaLoad]) -> float:
         """The most recent requests a candidate may have been sent and stay within bounds."""
         if self.config.max_routed_ratio is None or len(candidates) < 2:
             return math.inf
-        least = min(self.recent.requests(replica.replica_id) for replica in candidates)
+        least = min(self.routed(replica.replica_id) for replica in candidates)
         return self.config.max_routed_ratio * least + _ROUTED_SLACK
 
     def is_overloaded(self, replica: ReplicaLoad, routed_limit: float = math.inf) -> bool:
@@ -262,7 +266,7 @@ class PrefixAffinityPolicy:
             return True
         if config.max_kv_usage is not None and replica.kv_usage > config.max_kv_usage:
             return True
-        return self.recent.requests(replica.replica_id) > routed_limit
+        return self.routed(replica.replica_id) > routed_limit
 
     def choose(
         self, block_hashes: Sequence[bytes], num_prompt_tokens: int, candidates: Sequence[ReplicaLoad]
