@@ -22,6 +22,7 @@ from pd.workload.trace import (
     read_trace,
 )
 from router.policy import PolicyConfig
+from sim.clock import EventLoop
 
 SMALL_MULTI_TENANT = MultiTenantTraceConfig(num_requests=300, num_tenants=12, rate_per_s=10.0, think_time_s=5.0)
 SMALL_SYSTEM_PROMPT = SystemPromptTraceConfig(num_requests=200)
@@ -224,7 +225,7 @@ def test_replay_with_several_ingress_routers_still_finds_prefixes_and_balances()
     trace = generate_multi_tenant(SMALL_MULTI_TENANT)
     config = bench_router.ReplayConfig(num_replicas=4, cache_blocks=96, num_ingress=3)
     pd_config = PolicyConfig(block_size=config.block_size)
-    assert len(bench_router.make_placement("pd", config, pd_config).policies) == 3
+    assert len(bench_router.make_placement("pd", config, pd_config, EventLoop()).policies) == 3
     several = bench_router.replay("pd", trace, config, pd_config)
     round_robin = bench_router.replay("round_robin", trace, config, pd_config)
     assert several.hit_rate > round_robin.hit_rate + 0.2
