@@ -36,9 +36,22 @@ clearly better.
 and with no ``prior`` coefficients, ``PrefixAffinityPolicy``'s token cost
 decides; such a decision has no ``predicted_s``.
 
-The overload bounds (``PolicyConfig``) hold as in ``router.policy``: with
-``max_routed_ratio``, no replica is sent more than that many times the
-least-routed one's recent requests, whatever the predictions say.
+**Bounds.** The absolute overload bounds (``PolicyConfig``) hold as in
+``router.policy``. The relative bound (recent requests, each weighed by the
+replica's measured speed, over the least-routed candidate's) depends on
+what the request has to lose:
+
+- a *cold* request, whose prompt no replica holds ``bound_exempt_tokens``
+  of (valued as they would survive), is held to ``cold_routed_ratio``: the
+  short traffic moves off a busy replica first;
+- a *hot* one may go to a replica holding that much of it up to
+  ``hot_routed_ratio``, and elsewhere up to ``max_routed_ratio``.
+
+One bound for all (``router.policy``'s) moved long histories off the
+replica holding them to even out request counts, and each such move
+recomputed tens of thousands of tokens and copied them into a second
+cache; with the cold traffic kept off their holders first, they rarely
+need to move (``python -m bench.router_matrix``).
 Pure Python and numpy, no Ray; not thread-safe (a router calls it from its
 one event loop).
 """
@@ -52,7 +65,15 @@ from typing import Sequence
 
 import numpy as np
 
-from router.policy import PolicyConfig, PrefixAffinityPolicy, ReplicaLoad, RoutingDecision, Scored, decide
+from router.policy import (
+    ROUTED_SLACK,
+    PolicyConfig,
+    PrefixAffinityPolicy,
+    ReplicaLoad,
+    RoutingDecision,
+    Scored,
+    decide,
+)
 from router.protocol import RoutingStats
 from router.step_cost import GRAM_SIZE, NUM_TERMS, fit_linear, gram_matrix, prefill_pairs
 from router.tiers import valued_tokens
@@ -70,6 +91,11 @@ class LatencyPolicyConfig(PolicyConfig):
     min_steps: float = 32.0  # the pool's recent steps before its fit is trusted
     min_replica_steps: float = 8.0  # a replica's recent steps before its speed is its own (the pool's until then)
     w_compute: float = 1.0  # prefill compute seconds charged beyond the request's own wait
+    # The relative bound by what a request has to lose (module docstring): a cold request's ratio, and a hot
+    # one's on a replica holding at least ``bound_exempt_tokens`` of it. None: ``max_routed_ratio`` for all.
+    bound_exempt_tokens: int | None = 4096
+    cold_routed_ratio: float = 1.15
+    hot_routed_ratio: float = 1.8
     explore_fraction: float = 0.1  # the most a stale replica's cost is discounted
     explore_after_s: float = 30.0  # the age of a replica's last measurement at which the discount is whole
     # Step cost coefficients (base, per token, per pair, per seq, per sample) before the fit has data; None: none.
@@ -77,6 +103,11 @@ class LatencyPolicyConfig(PolicyConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.bound_exempt_tokens is not None and self.bound_exempt_tokens < 1:
+            raise ValueError(f"bound_exempt_tokens must be >= 1 or None, got {self.bound_exempt_tokens}")
+        for name in ("cold_routed_ratio", "hot_routed_ratio"):
+            if getattr(self, name) < 1.0:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         for name in ("half_life_s", "explore_after_s"):
@@ -373,7 +404,7 @@ class PredictedLatencyPolicy(PrefixAffinityPolicy):
         if not predictor.ready():
             return super().choose(block_hashes, num_prompt_tokens, candidates)
         runs = self.index.match_tiers(block_hashes, [replica.replica_id for replica in candidates])
-        routed_limit = self.routed_limit(candidates)
+        routed_limit, cold_limit, hot_limit = self.routed_limits(candidates)
         scored, ttfts = [], {}
         for replica in candidates:
             replica_id = replica.replica_id
@@ -386,9 +417,29 @@ class PredictedLatencyPolicy(PrefixAffinityPolicy):
                                           prefill_pairs(num_prompt_tokens - matched, matched))
             ttfts[replica_id] = ttft = predictor.wait_s(replica_id, now_s) + compute
             cost = (ttft + config.w_compute * compute) * self._exploration(replica_id, now_s)
-            scored.append(Scored(replica_id, self.is_overloaded(replica, routed_limit), cost, matched, valued))
+            scored.append((replica, cost, matched, valued))
+        exempt = config.bound_exempt_tokens if config.bound_exempt_tokens is not None else math.inf
+        cold = max(entry[3] for entry in scored) < exempt
+
+        def limit(valued: float) -> float:
+            return cold_limit if cold else hot_limit if valued >= exempt else routed_limit
+
+        scored = [Scored(replica.replica_id, self.is_overloaded(replica, limit(valued)), cost, matched, valued)
+                  for replica, cost, matched, valued in scored]
         decision = decide(scored, num_prompt_tokens, self._rng)
         return dataclasses.replace(decision, predicted_s=ttfts[decision.replica_id])
+
+    def routed_limits(self, candidates: Sequence[ReplicaLoad]) -> tuple[float, float, float]:
+        """The relative bound's limits: ``max_routed_ratio``'s, a cold request's and a holder's of a hot one."""
+        config = self.config
+        if config.max_routed_ratio is None or len(candidates) < 2:
+            return math.inf, math.inf, math.inf
+        least = min(self.routed(replica.replica_id) for replica in candidates)
+        limit = config.max_routed_ratio * least + ROUTED_SLACK
+        if config.bound_exempt_tokens is None:
+            return limit, limit, limit
+        return (limit, min(limit, config.cold_routed_ratio * least + ROUTED_SLACK),
+                max(limit, config.hot_routed_ratio * least + ROUTED_SLACK))
 
     def routed(self, replica_id: str) -> float:
         """Recent requests, each weighing the replica's speed over the pool's fastest: the relative bound

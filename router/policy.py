@@ -67,7 +67,7 @@ from router.tiers import TierHitValues, matched_tokens, valued_tokens
 _TIE_TOLERANCE = 1e-9
 # Recent requests a replica may have beyond max_routed_ratio x the least-routed
 # candidate's, so that a handful of decisions cannot trip the bound.
-_ROUTED_SLACK = 1.0
+ROUTED_SLACK = 1.0
 
 
 class RoutingReason(str, enum.Enum):
@@ -255,7 +255,7 @@ class PrefixAffinityPolicy:
         if self.config.max_routed_ratio is None or len(candidates) < 2:
             return math.inf
         least = min(self.routed(replica.replica_id) for replica in candidates)
-        return self.config.max_routed_ratio * least + _ROUTED_SLACK
+        return self.config.max_routed_ratio * least + ROUTED_SLACK
 
     def is_overloaded(self, replica: ReplicaLoad, routed_limit: float = math.inf) -> bool:
         """Whether ``replica`` is over any bound; ``routed_limit`` comes from ``routed_limit``."""

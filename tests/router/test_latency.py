@@ -197,3 +197,28 @@ def test_decode_placement_weighs_each_replicas_decodes_by_its_measured_speed():
             decode.predictor.observe(replica.replica_id, replica.report(num_decoding=6 if speed == 1.0 else 3,
                                                                        num_decode_context_tokens=600), float(second))
     assert decode.choose(candidates, {}, 256).replica_id == "fast"
+
+
+def test_a_long_history_stays_on_its_holder_past_the_bound_that_moves_cold_traffic():
+    """The holder of a long history has been sent 1.6x the least-routed replica's recent requests: over
+    max_routed_ratio (1.45), within hot_routed_ratio (1.8). The history's next turn still goes there; a
+    prompt nobody holds does not, and neither does one once the holder passes 1.8x."""
+    policy = _policy(max_routed_ratio=1.45, cold_routed_ratio=1.15, hot_routed_ratio=1.8, bound_exempt_tokens=1024)
+    _warm(policy, [Replica("a", 0), Replica("b", 1)])
+    history = list(range(256 * BLOCK))  # 4,096 tokens
+    turn = history + list(range(50_000, 50_000 + 4 * BLOCK))
+    policy.index.insert("a", hash_block_tokens(history, BLOCK))
+    recent = policy.recent
+    recent.requests_of(["a", "b"])  # both known before any is recorded
+    for _ in range(30):
+        recent.record("b", 0)
+    for _ in range(48):
+        recent.record("a", 0)
+    assert 1.45 < recent.requests("a") / recent.requests("b") < 1.8
+    hashes = hash_block_tokens(turn, BLOCK)
+    assert policy.choose(hashes, len(turn), _candidates("a", "b")).replica_id == "a"
+    cold = [token + 100_000 for token in turn]
+    assert policy.choose(hash_block_tokens(cold, BLOCK), len(cold), _candidates("a", "b")).replica_id == "b"
+    for _ in range(20):
+        recent.record("a", 0)
+    assert policy.choose(hashes, len(turn), _candidates("a", "b")).replica_id == "b"
