@@ -129,16 +129,23 @@ class DecodePolicy:
         return decide(scored, num_prompt_tokens, self._rng)
 
     def _active(self, candidates: Sequence[ReplicaLoad], num_prompt_tokens: int) -> list[float]:
-        """Each candidate's active requests, or their predicted weight on its steps (class docstring)."""
+        """Each candidate's active requests, or their predicted weight on its steps (class docstring).
+
+        ``LatencyPredictor.decode_step_s`` written out over the candidates: a pool of 1,000 is scored per request.
+        """
         predictor = self.predictor
         if predictor is None or not predictor.ready():
             return [replica.num_active_requests for replica in candidates]
-        lone = predictor.decode_step_s(None, 1, num_prompt_tokens)
-        one_more = lone - predictor.decode_step_s(None, 0, 0)  # what one more such decode adds to a step
+        base, per_token, per_pair, per_seq, per_sample = predictor.fit.coefficients()
+        per_decode = per_token + per_seq + per_sample
+        one_more = per_decode + per_pair * num_prompt_tokens  # what one more such decode adds to a step
         if one_more <= 0:
             return [replica.num_active_requests for replica in candidates]
-        return [(predictor.decode_step_s(replica.replica_id, replica.num_active_requests + 1, num_prompt_tokens)
-                 - lone) / one_more for replica in candidates]
+        lone = base + one_more
+        speed, context = predictor.fit.speed, predictor.decode_context
+        return [(speed(replica.replica_id) * (base + per_decode * (replica.num_active_requests + 1) + per_pair
+                                              * (context(replica.replica_id) + num_prompt_tokens)) - lone) / one_more
+                for replica in candidates]
 
     def record_routed(self, decision: RoutingDecision) -> None:
         """Count the decision once the request is sent."""

@@ -340,6 +340,11 @@ class LatencyPredictor:
         speed = self.fit.speed(replica_id) if replica_id is not None else 1.0
         return speed * (base + (per_token + per_seq + per_sample) * num_seqs + per_pair * context)
 
+    def decode_context(self, replica_id: str) -> int:
+        """The tokens the replica's decodes attend to each step, as it last reported."""
+        queue = self._queues.get(replica_id)
+        return queue.decode_context if queue is not None else 0
+
     def wait_s(self, replica_id: str, now_s: float) -> float:
         queue = self._queues.get(replica_id)
         return max(0.0, queue.busy_until_s - now_s) if queue is not None else 0.0
