@@ -60,10 +60,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
-
-import numpy as np
 
 from router.policy import (
     ROUTED_SLACK,
@@ -75,7 +73,8 @@ from router.policy import (
     decide,
 )
 from router.protocol import RoutingStats
-from router.step_cost import GRAM_SIZE, NUM_TERMS, fit_linear, gram_matrix, prefill_pairs
+from router.step_cost import NUM_TERMS, prefill_pairs
+from router.step_fit import StepCostFit, TransferFit
 from router.tiers import valued_tokens
 
 
@@ -122,108 +121,6 @@ class LatencyPolicyConfig(PolicyConfig):
             raise ValueError(f"prior needs {NUM_TERMS} coefficients, none negative; got {self.prior}")
 
 
-@dataclass
-class _Speed:
-    """One replica's decayed step totals: the features' sums (a Gram matrix's first row) and seconds."""
-
-    totals: np.ndarray = field(default_factory=lambda: np.zeros(NUM_TERMS))
-    seconds: float = 0.0
-    at_s: float = 0.0  # when they were last decayed
-    measured_s: float = -math.inf  # when a report last brought steps
-
-
-class StepCostFit:
-    """The pool's step cost and each replica's speed, fitted online from the replicas' cumulative step sums."""
-
-    def __init__(self, half_life_s: float, min_steps: float, min_replica_steps: float,
-                 prior: Sequence[float] | None = None) -> None:
-        self.half_life_s = half_life_s
-        self.min_steps = min_steps
-        self.min_replica_steps = min_replica_steps
-        self.prior = None if prior is None else tuple(float(value) for value in prior)
-        self._gram = np.zeros(GRAM_SIZE)  # decayed, as the upper triangle the reports carry (gram_matrix)
-        self._moments = np.zeros(NUM_TERMS)
-        self._at_s = 0.0
-        self._last: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # each replica's cumulative sums, as last seen
-        self._speeds: dict[str, _Speed] = {}
-        self._coefficients: tuple[float, ...] | None = self.prior
-        self._dirty = False
-        self._speed_cache: dict[str, float] = {}  # each replica's speed under the current fit
-        self._fastest: float | None = None
-
-    def _decay(self, elapsed_s: float) -> float:
-        return 0.5 ** (max(0.0, elapsed_s) / self.half_life_s)
-
-    def observe(self, replica_id: str, stats: RoutingStats, now_s: float) -> None:
-        """A replica's report: the steps it ran since its last one join the fit."""
-        if not stats.step_gram:
-            return
-        gram, moments = np.array(stats.step_gram), np.array(stats.step_moments)
-        last = self._last.get(replica_id)
-        self._last[replica_id] = (gram, moments)
-        if last is not None and gram[0] >= last[0][0]:
-            gram, moments = gram - last[0], moments - last[1]
-        elif last is not None:  # the replica restarted and its sums began again: a new process, a new speed
-            self._speeds.pop(replica_id, None)
-            self._speed_cache.pop(replica_id, None)
-            self._fastest = None
-        if gram[0] <= 0:
-            return
-        decay = self._decay(now_s - self._at_s)
-        self._gram = self._gram * decay + gram
-        self._moments = self._moments * decay + moments
-        self._at_s = now_s
-        self._dirty = True
-        self._speed_cache.clear()
-        self._fastest = None
-        speed = self._speeds.setdefault(replica_id, _Speed(at_s=now_s))
-        decay = self._decay(now_s - speed.at_s)
-        speed.totals = speed.totals * decay + gram[:NUM_TERMS]  # the triangle's first row: the features' totals
-        speed.seconds = speed.seconds * decay + moments[0]
-        speed.at_s = speed.measured_s = now_s
-
-    def coefficients(self) -> tuple[float, ...] | None:
-        """The pool's step cost (base, per token, per pair, per seq, per sample); the prior, or None, before data.
-
-        Refitted at most once per batch of reports (a few microseconds of numpy), not per decision.
-        """
-        if self._dirty:
-            self._dirty = False
-            fitted = fit_linear(gram_matrix(self._gram), self._moments) if self._gram[0] >= self.min_steps else None
-            self._coefficients = tuple(float(value) for value in fitted) if fitted is not None else self.prior
-        return self._coefficients
-
-    def speed(self, replica_id: str) -> float:
-        """The replica's measured seconds over the pool fit's, recently; 1.0 until it ran enough steps."""
-        cached = self._speed_cache.get(replica_id)
-        if cached is not None and not self._dirty:
-            return cached
-        speed, coefficients = self._speeds.get(replica_id), self.coefficients()
-        value = 1.0
-        if speed is not None and coefficients is not None and speed.totals[0] >= self.min_replica_steps:
-            predicted = float(np.dot(coefficients, speed.totals))
-            value = speed.seconds / predicted if predicted > 0 else 1.0
-        self._speed_cache[replica_id] = value
-        return value
-
-    def fastest(self) -> float:
-        """The least speed of any replica measured (1.0 before any): the pool's fastest."""
-        if self._fastest is None or self._dirty:
-            self._fastest = min((self.speed(replica_id) for replica_id in self._speeds), default=1.0) or 1.0
-        return self._fastest
-
-    def measured_s(self, replica_id: str) -> float:
-        """When the replica's last report brought steps (-inf: never)."""
-        speed = self._speeds.get(replica_id)
-        return speed.measured_s if speed is not None else -math.inf
-
-    def forget(self, replica_id: str) -> None:
-        self._last.pop(replica_id, None)
-        self._speeds.pop(replica_id, None)
-        self._speed_cache.pop(replica_id, None)
-        self._fastest = None
-
-
 def prefill_seconds(coefficients: Sequence[float], tokens: float, pairs: float, decoding: int, decode_context: int,
                     chunk_tokens: int) -> float:
     """Prefill of ``tokens`` (attending ``pairs``) in chunks, each step also carrying ``decoding`` decodes.
@@ -249,35 +146,6 @@ class _Queue:
     decode_context: int = 0
     tokens_ahead: int = 0  # prompt tokens queued there: reported, and sent since
     free_blocks: int | None = None  # free blocks, cached ones among them, as reported
-
-
-class TransferFit:
-    """Seconds per KV block pulled, from the decode replicas' cumulative pulls, decayed as the step sums are."""
-
-    def __init__(self, half_life_s: float) -> None:
-        self.half_life_s = half_life_s
-        self._last: dict[str, tuple[int, float]] = {}
-        self._blocks = self._seconds = self._at_s = 0.0
-
-    def observe(self, replica_id: str, stats: RoutingStats, now_s: float) -> None:
-        blocks, seconds = stats.num_pulled_blocks, stats.pull_seconds_total
-        last_blocks, last_seconds = self._last.get(replica_id, (0, 0.0))
-        self._last[replica_id] = (blocks, seconds)
-        if blocks >= last_blocks:
-            blocks, seconds = blocks - last_blocks, seconds - last_seconds
-        if blocks <= 0:
-            return
-        decay = 0.5 ** (max(0.0, now_s - self._at_s) / self.half_life_s)
-        self._blocks = self._blocks * decay + blocks
-        self._seconds = self._seconds * decay + max(0.0, seconds)
-        self._at_s = now_s
-
-    def seconds(self, num_blocks: int) -> float | None:
-        """A pull of ``num_blocks`` blocks; None before any pull was reported."""
-        return num_blocks * self._seconds / self._blocks if self._blocks > 0 else None
-
-    def forget(self, replica_id: str) -> None:
-        self._last.pop(replica_id, None)
 
 
 @dataclass(frozen=True)
@@ -310,16 +178,23 @@ class LatencyPredictor:
             return None
         best = None
         for replica_id in replica_ids:
-            run = runs.get(replica_id)
-            matched, valued = valued_tokens(run, self.hit_values, self.config.block_size, num_prompt_tokens) \
-                if run else (0, 0.0)
-            compute = self.compute_s(replica_id, num_prompt_tokens - valued,
-                                     prefill_pairs(num_prompt_tokens - matched, matched))
-            ttft = self.wait_s(replica_id, now_s) + compute
+            matched, _, compute, ttft = self.estimate(replica_id, runs.get(replica_id), num_prompt_tokens, now_s)
             if best is None or ttft < best.ttft_s:
                 queue = self._queues.get(replica_id)
                 best = Prediction(replica_id, ttft, compute, queue.decoding if queue else 0, matched)
         return best
+
+    def estimate(self, replica_id: str, run, num_prompt_tokens: int, now_s: float) -> tuple[int, float, float, float]:
+        """``(matched, valued, compute_s, ttft_s)`` of a prompt on ``replica_id``, whose leading run of the
+        prompt's blocks is ``run``: the tokens it holds; those valued by their tier and the chance they
+        survive the work queued ahead; the prefill of the rest; and that prefill after the wait."""
+        matched, valued = valued_tokens(run, self.hit_values, self.config.block_size, num_prompt_tokens) \
+            if run else (0, 0.0)
+        if matched:
+            valued *= self.survival(replica_id)
+        compute = self.compute_s(replica_id, num_prompt_tokens - valued,
+                                 prefill_pairs(num_prompt_tokens - matched, matched))
+        return matched, valued, compute, self.wait_s(replica_id, now_s) + compute
 
     def ready(self) -> bool:
         return self.fit.coefficients() is not None
@@ -413,14 +288,9 @@ class PredictedLatencyPolicy(PrefixAffinityPolicy):
         scored, ttfts = [], {}
         for replica in candidates:
             replica_id = replica.replica_id
-            run = runs.get(replica_id)
-            matched, valued = valued_tokens(run, self.hit_values, config.block_size, num_prompt_tokens) \
-                if run else (0, 0.0)
-            if matched:
-                valued *= predictor.survival(replica_id)
-            compute = predictor.compute_s(replica_id, num_prompt_tokens - valued,
-                                          prefill_pairs(num_prompt_tokens - matched, matched))
-            ttfts[replica_id] = ttft = predictor.wait_s(replica_id, now_s) + compute
+            matched, valued, compute, ttft = predictor.estimate(replica_id, runs.get(replica_id), num_prompt_tokens,
+                                                                now_s)
+            ttfts[replica_id] = ttft
             cost = (ttft + config.w_compute * compute) * self._exploration(replica_id, now_s)
             scored.append((replica, cost, matched, valued))
         exempt = config.bound_exempt_tokens if config.bound_exempt_tokens is not None else math.inf

@@ -296,25 +296,17 @@ class LLMEngine:
 
         ``after_seq``: only the events after it (for a reader known to have applied the rest).
         """
-        pool, scheduler = self.block_pool, self.scheduler
+        pool, scheduler, pulls = self.block_pool, self.scheduler, self.connector.stats
         free, used = pool.num_free_blocks, pool.num_used_blocks
         waiting_tokens, waiting_pairs, decoding, decode_context = scheduler.load_shape()
         first_seq, events = self.cache_events(after_seq)
         return RoutingStats.of(
-            first_seq, events,
-            num_running=len(scheduler.running),
-            num_waiting=len(scheduler.waiting),
-            num_waiting_tokens=waiting_tokens,
-            num_waiting_pairs=waiting_pairs,
-            num_decoding=decoding,
-            num_decode_context_tokens=decode_context,
-            kv_usage=used / (free + used) if free + used else 0.0,
-            num_free_blocks=free,
-            num_pulled_blocks=self.connector.stats.num_pulled_blocks,
-            pull_seconds_total=self.connector.stats.pull_seconds_total,
-            step_gram=tuple(self.step_sums.gram),
-            step_moments=tuple(self.step_sums.moments),
-        )
+            first_seq, events, num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
+            num_waiting_tokens=waiting_tokens, num_waiting_pairs=waiting_pairs, num_decoding=decoding,
+            num_decode_context_tokens=decode_context, kv_usage=used / (free + used) if free + used else 0.0,
+            num_free_blocks=free, num_pulled_blocks=pulls.num_pulled_blocks,
+            pull_seconds_total=pulls.pull_seconds_total, step_gram=tuple(self.step_sums.gram),
+            step_moments=tuple(self.step_sums.moments))
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model, update. Requests that ended at admission come out first."""

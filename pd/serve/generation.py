@@ -43,8 +43,7 @@ logger = logging.getLogger(__name__)
 # After a request's prefill fails on two replicas, prefill locally for this long
 # before trying the pool again, so a dead pool does not cost every request its deadline.
 PREFILL_POOL_COOLDOWN_S = 5.0
-# The remote path's extra Ray calls (the prefill call and its answer), as the predicted rule counts them.
-PREDICTED_CALL_OVERHEAD_S = 0.004
+PREDICTED_CALL_OVERHEAD_S = 0.004  # the remote path's extra Ray calls, as the predicted rule counts them
 # How often a prefill call in flight checks that its replica is still alive.
 LIVENESS_POLL_S = 0.1
 # How long a retry waits for the failed attempt's lease release to go out (see _release_before_retry).
@@ -181,26 +180,19 @@ class PoolClient:
         "Uncached" is what the decode replica would compute itself, estimated
         from the decode router's prefix index.
         """
-        if self.args.mode != "disaggregated" or self.prefill is None:
+        if self.args.mode != "disaggregated" or self.prefill is None or time.monotonic() < self.prefill_pool_down_until:
             return False
-        if time.monotonic() < self.prefill_pool_down_until:
-            return False
-        if not self.rule.predicted and not self.rule.may_go_remote(hints.num_prompt_tokens):
-            return False
-        if self.rule.predicted:
-            remote = self.predicted_remote(hints)
+        if self.rule.predicted:  # by predicted seconds, once both pools' routers have data
+            decode, prefill = self.decode_routing.predictions(), self.prefill_routing.predictions()
+            remote = None if decode is None or prefill is None else predicted_remote(
+                self.rule, decode, prefill, hints.block_hashes, hints.num_prompt_tokens,
+                self.args.engine.block_size, PREDICTED_CALL_OVERHEAD_S, time.monotonic())
             if remote is not None:
                 return remote
+        elif not self.rule.may_go_remote(hints.num_prompt_tokens):
+            return False
         uncached = self.decode_routing.estimate_uncached_tokens(hints.block_hashes, hints.num_prompt_tokens)
         return self.rule.wants_remote(hints.num_prompt_tokens, uncached, self.prefill_in_flight)
-
-    def predicted_remote(self, hints: RouteHints) -> bool | None:
-        """The predicted rule's answer from both pools' routers' predictors; None while either lacks data."""
-        decode, prefill = self.decode_routing.predictions(), self.prefill_routing.predictions()
-        if decode is None or prefill is None:
-            return None
-        return predicted_remote(self.rule, decode, prefill, hints.block_hashes, hints.num_prompt_tokens,
-                                self.args.engine.block_size, PREDICTED_CALL_OVERHEAD_S, time.monotonic())
 
     async def remote_prefill(self, request: PoolRequest, hints: RouteHints) -> PrefillResult | None:
         """Prefill on the pool, retrying once elsewhere; None means prefill locally.
