@@ -1,19 +1,9 @@
 """The modelled forward pass: an engine step's time from the shape of its batch.
 
-The shape and its linear law are ``router.step_cost``'s, which the engine
-and the router share (the router fits the law online to predict latency).
-A step's batch is what the real scheduler put in it. Its shape is four numbers:
-
-    num_tokens   tokens computed (every new token of every request)
-    attn_pairs   query-key pairs attended: a chunk of n new tokens after c
-                 computed ones attends to c + 1 .. c + n keys, n * c + n * (n + 1) / 2
-    num_seqs     requests in the step (per-sequence work: sampling, metadata, a decode's KV read setup)
-    num_samples  logits rows (the LM head and the sampler)
-
-and the step's time is linear in them:
-
-    t = base_s + per_token_s * num_tokens + per_pair_s * attn_pairs
-        + per_seq_s * num_seqs + per_sample_s * num_samples
+A step's batch is what the real scheduler put in it. Its shape (tokens,
+attended pairs, sequences, sampled rows) and the linear law of its time are
+``router.step_cost``'s: the one cost model, which the engine and the routers
+share (the routers fit it online to predict latency).
 
 Dense layers scale with tokens, attention with pairs (decode reads the
 whole context once per new token: n = 1, c = context), the rest with
