@@ -116,18 +116,18 @@ class SimCluster:
             self.prefill.placement = placement or self._prefill_placement()
         else:
             self.decode.placement = placement
-        # The predicted rule's views of the pools: the prefill router's predictor, and the ingress's own of
-        # the decode pool, fed by its reports and told of each local prefill.
-        # The decode router's predictor (the app's DecodeLoadRouter keeps one), fed by the pool's reports.
+        # The decode router's predictor (the app's DecodeLoadRouter keeps one), fed by the pool's reports and,
+        # here, told of each local prefill, which the app's router cannot tell from a decode call.
         decode_predictor = LatencyPredictor(self._latency_config(spec.decode, {}))
         self.decode_policy.predictor = decode_predictor
+        # The predicted rule's views of the pools: the prefill router's predictor and the decode router's.
         self.rule_views: dict[str, PoolPredictions] = {}
         if self.prefill is not None and spec.rule.predicted:
             if not isinstance(self.prefill.placement, LatencyPlacement):
                 raise ValueError("the predicted remote-prefill rule needs the predicted-latency prefill router")
             self.rule_views = {
                 "prefill": PoolPredictions(self.prefill.placement.policies[0].predictor, self.prefill.index,
-                                    self.prefill.replica_ids),
+                                           self.prefill.replica_ids),
                 "decode": PoolPredictions(decode_predictor, self.decode.index, self.decode.replica_ids)}
         self.records: dict[str, RequestRecord] = {}
         self._flows: dict[str, _Flow] = {}
