@@ -131,7 +131,9 @@ class DecodePolicy:
     def _active(self, candidates: Sequence[ReplicaLoad], num_prompt_tokens: int) -> list[float]:
         """Each candidate's active requests, or their predicted weight on its steps (class docstring).
 
-        ``LatencyPredictor.decode_step_s`` written out over the candidates: a pool of 1,000 is scored per request.
+        A decode step of b sequences on replica r, whose decodes attend to c tokens, takes
+        speed(r) * (base + (per_token + per_seq + per_sample) * b + per_pair * c): written out over the
+        candidates, since a pool of 1,000 is scored per request.
         """
         predictor = self.predictor
         if predictor is None or not predictor.ready():

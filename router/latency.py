@@ -206,15 +206,6 @@ class LatencyPredictor:
         return self.fit.speed(replica_id) * prefill_seconds(
             coefficients, tokens, pairs, queue.decoding, queue.decode_context, self.config.max_num_batched_tokens)
 
-    def decode_step_s(self, replica_id: str | None, num_seqs: int, context_tokens: int) -> float:
-        """A decode step of ``num_seqs`` on ``replica_id`` at its speed (None: the pool's), its decodes' reported
-        context and ``context_tokens`` more attended."""
-        base, per_token, per_pair, per_seq, per_sample = self.fit.coefficients()
-        queue = self._queues.get(replica_id) if replica_id is not None else None
-        context = context_tokens + (queue.decode_context if queue is not None else 0)
-        speed = self.fit.speed(replica_id) if replica_id is not None else 1.0
-        return speed * (base + (per_token + per_seq + per_sample) * num_seqs + per_pair * context)
-
     def decode_context(self, replica_id: str) -> int:
         """The tokens the replica's decodes attend to each step, as it last reported."""
         queue = self._queues.get(replica_id)

@@ -34,7 +34,7 @@ from typing import Sequence
 
 import numpy as np
 
-from router.step_cost import FEATURES, StepShape  # noqa: F401  (the one cost model's shape: re-exported)
+from router.step_cost import FEATURES, StepShape, StepSums, fit_linear, gram_matrix  # noqa: F401  (FEATURES, StepShape: re-exported)
 
 
 @dataclass(frozen=True)
@@ -146,22 +146,17 @@ class CostModel:
 
     @classmethod
     def fit(cls, shapes: Sequence[StepShape], seconds: Sequence[float], source: str) -> CostModel:
-        """Least squares over measured steps, with no coefficient negative (a negative one is dropped, and refit).
+        """Least squares over measured steps, with no coefficient negative (a negative one is dropped, and
+        refit): ``router.step_cost.fit_linear``, as the routers fit the same law online.
 
         The linear terms only: the result has no ``experts`` or ``collectives`` term.
         """
         if len(shapes) != len(seconds) or not shapes:
             raise ValueError(f"need as many step times as shapes, and some: got {len(shapes)} and {len(seconds)}")
-        x = np.array([shape.vector() for shape in shapes])
-        y = np.array(seconds, dtype=float)
-        active = list(range(x.shape[1]))
-        while True:
-            solution, *_ = np.linalg.lstsq(x[:, active], y, rcond=None)
-            if (solution >= 0).all():
-                break
-            del active[int(np.argmin(solution))]
-        coefficients = np.zeros(x.shape[1])
-        coefficients[active] = solution
+        sums = StepSums()
+        for shape, step_s in zip(shapes, seconds):
+            sums.record(shape, float(step_s))
+        coefficients = fit_linear(gram_matrix(sums.gram), np.array(sums.moments))
         return cls(*map(float, coefficients), source=source)
 
     def with_overhead(self, step_s: float, sample_s: float, why: str) -> CostModel:

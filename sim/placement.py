@@ -68,11 +68,13 @@ class AffinityPlacement:
     decisions and the reports, as several ingress replicas of a Serve app do.
     """
 
+    policy_class: type[PrefixAffinityPolicy] = PrefixAffinityPolicy
+
     def __init__(self, config: PolicyConfig, num_ingress: int = 1) -> None:
         if num_ingress < 1:
             raise ValueError(f"num_ingress must be >= 1, got {num_ingress}")
-        self.policies = [PrefixAffinityPolicy(dataclasses.replace(config, seed=config.seed + i),
-                                              PrefixIndex(config.index_max_blocks)) for i in range(num_ingress)]
+        self.policies = [self.policy_class(dataclasses.replace(config, seed=config.seed + i),
+                                           PrefixIndex(config.index_max_blocks)) for i in range(num_ingress)]
         self._feeds = [CacheEventFeed(policy.index) for policy in self.policies]
         self._next = 0
 
@@ -99,23 +101,17 @@ class LatencyPlacement(AffinityPlacement):
     ``clock`` is the simulated time, which the predictions are made in and reports arrive at.
     """
 
+    policy_class = PredictedLatencyPolicy
+
     def __init__(self, config: LatencyPolicyConfig, clock: Callable[[], float], num_ingress: int = 1) -> None:
-        if num_ingress < 1:
-            raise ValueError(f"num_ingress must be >= 1, got {num_ingress}")
+        super().__init__(config, num_ingress)
         self.clock = clock
-        self.policies = [PredictedLatencyPolicy(dataclasses.replace(config, seed=config.seed + i),
-                                                PrefixIndex(config.index_max_blocks)) for i in range(num_ingress)]
-        self._feeds = [CacheEventFeed(policy.index) for policy in self.policies]
-        self._next = 0
-        self.predicted_s: list[tuple[str, float]] = []  # (request id, predicted seconds) of each predicted decision
 
     def place(self, arrival: Arrival, pool: PoolView) -> str:
         policy = self.policies[self._next]
         self._next = (self._next + 1) % len(self.policies)
         decision = policy.choose(arrival.block_hashes, arrival.num_prompt_tokens, pool.loads(), arrival.now_s)
         policy.record_routed(decision, arrival.block_hashes, arrival.now_s)
-        if decision.predicted_s is not None:
-            self.predicted_s.append((arrival.request_id, decision.predicted_s))
         return decision.replica_id
 
     def report(self, replica_id: str, stats: RoutingStats) -> None:
