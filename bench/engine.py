@@ -20,7 +20,7 @@ Times are medians over ``--repeats`` alternating runs.
 
 ``smollm2`` is the trained default model (``builtin:smollm2-135m-instruct``): every engine loads the
 same checkpoint, the one dequantized from the shipped GGUF. The peaks line names the CPU and the ISA
-the run used (``kernels.cpu.isa()``, and whether oneDNN has native bf16 here): on a host without it a
+the run used (``pd_kernels.cpu.isa()``, and whether oneDNN has native bf16 here): on a host without it a
 bf16 engine's dense layers are plain matmuls (``pd.model.linear``).
 """
 
@@ -339,10 +339,10 @@ def main() -> None:
 
 def isa_info() -> dict:
     """The vector ISA this run's kernels use, and whether oneDNN multiplies bf16 natively here."""
-    import kernels.cpu
+    import pd_kernels.cpu
     from pd.model.linear import bf16_supported
 
-    return {"isa": kernels.cpu.isa(), "onednn_bf16": bf16_supported(), "cpu_flags": cpu_flags()}
+    return {"isa": pd_kernels.cpu.isa(), "onednn_bf16": bf16_supported(), "cpu_flags": cpu_flags()}
 
 
 if __name__ == "__main__":

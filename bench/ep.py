@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-import kernels.cpu
+import pd_kernels.cpu
 from pd import LLM, SamplingParams
 from pd.engine.ep.placement import balancedness, static_placement
 from pd.workload.host import cpu_flags, cpu_name
@@ -228,7 +228,7 @@ def main() -> None:
     torch.set_num_threads(1)
     prompts = workload(args.requests, args.prompt_len)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
-    host = {"cpu": cpu_name(), "cpu_flags": cpu_flags(), "isa": kernels.cpu.isa()}
+    host = {"cpu": cpu_name(), "cpu_flags": cpu_flags(), "isa": pd_kernels.cpu.isa()}
     with tempfile.TemporaryDirectory() as tmp:
         path, share = make_checkpoint(Path(tmp) / "skewed-moe", args.hot_share, prompts)
         phases = {"prefill": (workload(args.requests, 256, seed=2), SamplingParams(max_tokens=1, temperature=0)),

@@ -8,7 +8,7 @@
    a pool larger than the caches. Times alternate between the page types; one JSON line per shape
    with medians in ms, each type's ratio to bf16 pages, its KV GB/s against the copy bandwidth measured
    in the same run (the step's physical limit), and ``bf16_queries``: a bf16 model's call, through
-   ``kernels.unified_attention`` (its queries made fp32 for the same kernel, and its output back).
+   ``pd_kernels.unified_attention`` (its queries made fp32 for the same kernel, and its output back).
 2. ``transfer``: a remote prefill between two engines in this process over NIXL, bf16 pages against
    FP8 ones of the same model: the bytes NIXL's telemetry says the decode engine's reads moved.
 """
@@ -21,8 +21,8 @@ import time
 
 import torch
 
-import kernels
-import kernels.cpu
+import pd_kernels
+import pd_kernels.cpu
 from bench.engine import measure_peaks
 from pd.workload.host import cpu_flags, cpu_name
 from pd.workload.stats import percentile
@@ -46,12 +46,12 @@ def decode_case(name: str, heads: int, kv_heads: int, head_dim: int, context: in
     cu = torch.arange(batch + 1, dtype=torch.int32)
     lens = torch.full((batch,), context, dtype=torch.int32)
     # The C++ kernel itself for every page type (the public entry ties unquantized pages to q's dtype).
-    rows, out, ours = cu[:-1].long(), torch.empty_like(q), kernels.cpu.build().paged_decode_attention
+    rows, out, ours = cu[:-1].long(), torch.empty_like(q), pd_kernels.cpu.build().paged_decode_attention
     calls = {kind: (lambda k=k, v=v: ours(q, k, v, table, lens, rows, head_dim**-0.5, 0, 0.0, 1.0, 1.0, out))
              for kind, (k, v) in pools.items()}
     q16 = q.bfloat16()
     k16, v16 = pools["bf16"]
-    calls["bf16_queries"] = lambda: kernels.unified_attention(q16, k16, v16, cu, lens, table, head_dim**-0.5,
+    calls["bf16_queries"] = lambda: pd_kernels.unified_attention(q16, k16, v16, cu, lens, table, head_dim**-0.5,
                                                                   backend="cpu")
     times = {kind: [] for kind in calls}
     for _ in range(repeats + 1):  # alternating, so a slow moment of the host falls on every kind alike

@@ -35,9 +35,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-KERNEL_TESTS = ["tests/kernels/test_triton_attention.py", "tests/kernels/test_triton_rowwise.py",
-                "tests/kernels/test_triton_fp8_kv.py", "tests/kernels/test_reference_attention.py",
-                "tests/kernels/test_fused_moe.py"]
+KERNEL_TESTS = ["tests/pd_kernels/test_triton_attention.py", "tests/pd_kernels/test_triton_rowwise.py",
+                "tests/pd_kernels/test_triton_fp8_kv.py", "tests/pd_kernels/test_reference_attention.py",
+                "tests/pd_kernels/test_fused_moe.py"]
 PARTS = [
     ("kernels", [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *KERNEL_TESTS], 180),
     ("bench_kernels", [sys.executable, "-m", "bench.kernels"], 90),

@@ -89,8 +89,8 @@ def bench_copy() -> float:
 
 def bench_decode(copy_gbps: float) -> None:
     """bf16 pages, then the same keys and values stored as float8_e4m3fn pages."""
-    from kernels import fp8, reference
-    from kernels.triton import unified_attention
+    from pd_kernels import fp8, reference
+    from pd_kernels.triton import unified_attention
 
     args = _paged_batch([(1, 4096)] * 64)
     out = torch.empty_like(args["q"])
@@ -115,10 +115,10 @@ def bench_decode(copy_gbps: float) -> None:
 
 
 def bench_decode_few_seqs(copy_gbps: float) -> None:
-    from kernels import reference
-    from kernels.triton import choose_num_splits, unified_attention
-    from kernels.triton.launch import device_sm_count
-    from kernels.triton.paged_attention import choose_tiles, launch_paged_attention
+    from pd_kernels import reference
+    from pd_kernels.triton import choose_num_splits, unified_attention
+    from pd_kernels.triton.launch import device_sm_count
+    from pd_kernels.triton.paged_attention import choose_tiles, launch_paged_attention
 
     num_seqs, context = 4, 32768
     args = _paged_batch([(1, context)] * num_seqs)
@@ -144,8 +144,8 @@ def bench_prefill() -> None:
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from kernels import reference
-    from kernels.triton import unified_attention
+    from pd_kernels import reference
+    from pd_kernels.triton import unified_attention
 
     num_seqs, prompt_len = 4, 2048
     args = _paged_batch([(prompt_len, prompt_len)] * num_seqs)
@@ -172,8 +172,8 @@ def bench_prefill() -> None:
 
 
 def bench_rms_norm() -> None:
-    from kernels import reference
-    from kernels.triton import rms_norm
+    from pd_kernels import reference
+    from pd_kernels.triton import rms_norm
 
     x = torch.randn(8192, 4096, device="cuda", dtype=DTYPE)
     residual = torch.randn_like(x)
@@ -186,8 +186,8 @@ def bench_rms_norm() -> None:
 
 
 def bench_rotary() -> None:
-    from kernels import reference
-    from kernels.triton import rotary_embedding
+    from pd_kernels import reference
+    from pd_kernels.triton import rotary_embedding
 
     num_tokens, max_positions = 8192, 8192
     q = torch.randn(num_tokens, HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)

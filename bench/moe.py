@@ -4,9 +4,9 @@
 [--dtype float32|bfloat16] [--configs 8x2 16x4] [--repeats 15]``
 
 For each (experts E, top-k k) config and token count T it times, alternating,
-with the same routing (``kernels.select_experts`` on random router logits):
+with the same routing (``pd_kernels.select_experts`` on random router logits):
 
-- ``ours``: ``kernels.fused_moe(..., backend="cpu")``;
+- ``ours``: ``pd_kernels.fused_moe(..., backend="cpu")``;
 - ``hf``: transformers' ``Qwen3MoeExperts`` with ``experts_implementation="eager"``
   (HF's loop over the experts hit), on the same weights;
 - ``dense``: a dense SwiGLU MLP of one expert's shape on ``T * k`` rows, as the
@@ -36,12 +36,12 @@ import time
 
 import torch
 
-import kernels
-import kernels.cpu
-from kernels import reference
+import pd_kernels
+import pd_kernels.cpu
 from pd.model.linear import make_linear
 from pd.workload.host import cpu_flags, cpu_name
 from pd.workload.stats import percentile
+from pd_kernels import reference
 
 # Each form's weight copies add up to at least this: past a 32 MiB last-level cache, twice.
 CYCLE_BYTES = 96 * 1024**2
@@ -113,14 +113,14 @@ def bench_config(num_experts: int, top_k: int, tokens_list: list[int], hidden: i
     for tokens in tokens_list:
         x = torch.randn(tokens, hidden, generator=generator).to(dtype)
         logits = torch.randn(tokens, num_experts, generator=generator)
-        weights, ids = kernels.select_experts(logits, top_k, renormalize=True)
+        weights, ids = pd_kernels.select_experts(logits, top_k, renormalize=True)
         weights = weights.to(dtype)
         dense_x = torch.randn(tokens * top_k, hidden, generator=generator).to(dtype)
         with torch.no_grad():
-            ours = kernels.fused_moe(x, w13, w2, ids, weights, backend="cpu")
+            ours = pd_kernels.fused_moe(x, w13, w2, ids, weights, backend="cpu")
             error = (ours.float() - reference.fused_moe(x, w13, w2, ids, weights).float()).abs().max().item()
             medians = timed({
-                "ours": [lambda a=a, b=b: kernels.fused_moe(x, a, b, ids, weights, backend="cpu")
+                "ours": [lambda a=a, b=b: pd_kernels.fused_moe(x, a, b, ids, weights, backend="cpu")
                          for a, b in moe_weights],
                 "hf": [lambda e=e: e(x, ids, weights) for e in hf_copies],
                 "dense": [lambda a=a, b=b: b(reference.silu_and_mul(a(dense_x))) for a, b in dense_weights],
@@ -143,12 +143,12 @@ def bench(tokens: list[int], hidden: int, inter: int, threads: int, dtype: str, 
           repeats: int) -> dict:
     torch.set_num_threads(threads)
     torch_dtype = getattr(torch, dtype)
-    kernels.cpu.build()
+    pd_kernels.cpu.build()
     bandwidth = stream_bandwidth()
     results = [line for num_experts, top_k in configs
                for line in bench_config(num_experts, top_k, tokens, hidden, inter, torch_dtype, repeats, bandwidth)]
     return {
-        "case": "fused_moe", "cpu": cpu_name(), "cpu_flags": cpu_flags(), "isa": kernels.cpu.isa(),
+        "case": "fused_moe", "cpu": cpu_name(), "cpu_flags": cpu_flags(), "isa": pd_kernels.cpu.isa(),
         "threads": threads, "dtype": dtype, "hidden": hidden, "inter": inter, "repeats": repeats,
         "stream_gb_s": round(bandwidth / 1e9, 2), "results": results,
     }

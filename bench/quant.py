@@ -10,8 +10,8 @@ reads them) in four forms and times them, alternating, at each row count (tokens
 - ``engine_fp32``: the unquantized engine's own layers on the cpu backend (``pd.model.linear.make_linear``:
   oneDNN-packed, and the few-row kernel up to 8 rows);
 - ``int8``: W8A8 INT8 as the cpu backend runs it (``pd.model.quant_linear.Int8Linear``: per-token int8
-  activations and the output's scaling in ``kernels/cpu/int8.cpp``, the GEMM ``torch._int_mm``);
-- ``int8_aten``: the same with the passes around the GEMM as aten ops (``kernels.int8`` without the extension);
+  activations and the output's scaling in ``pd_kernels/cpu/int8.cpp``, the GEMM ``torch._int_mm``);
+- ``int8_aten``: the same with the passes around the GEMM as aten ops (``pd_kernels.int8`` without the extension);
 - ``fp8``: an FP8 checkpoint's layers as a CPU runs them (``make_quantized_linear``: dequantized at load).
 
 One JSON object per row count: medians in ms, each form's speed-up over ``fp32`` and ``engine_fp32``,
@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-import kernels.cpu
+import pd_kernels.cpu
 from pd.model.config import load_model_config
 from pd.model.linear import make_linear
 from pd.model.paths import resolve_model_path
@@ -99,7 +99,7 @@ def time_pass(layers: list, inputs: list[torch.Tensor], run) -> float:
 
 def bench(model: str, rows_list: list[int], repeats: int) -> list[dict]:
     shapes = layer_shapes(model)
-    kernels.cpu.build()
+    pd_kernels.cpu.build()
     forms, sizes, dequantizing = build(shapes)
     results = []
     for rows in rows_list:

@@ -35,7 +35,6 @@ from pathlib import Path
 import torch
 
 import pd.model.loader as loader
-from kernels.triton.scaled_mm import scaled_mm_reference
 from pd.config import EngineConfig
 from pd.engine.engine import LLMEngine
 from pd.model.attention import AttentionMetadata
@@ -45,6 +44,7 @@ from pd.model.quant_scheme import WeightFormat
 from pd.model.quantize import SCHEMES, quantize_checkpoint
 from pd.model.tokenizer import Tokenizer
 from pd.workload.host import cpu_flags, cpu_name
+from pd_kernels.triton.scaled_mm import scaled_mm_reference
 
 ROOT = Path(__file__).resolve().parent.parent
 PASSAGES = [

@@ -9,8 +9,8 @@ Parts are timed where the engine calls them (nested parts are subtracted from
 the part around them, so the shares add up to 1):
 
 - ``dense``: every ``Linear`` (QKV, o_proj, gate/up, down, LM head);
-- ``attention``: ``kernels.unified_attention``, less the gathers inside it;
-- ``gather``: ``kernels.reference._gather_pages``, copying pages out of the pool;
+- ``attention``: ``pd_kernels.unified_attention``, less the gathers inside it;
+- ``gather``: ``pd_kernels.reference._gather_pages``, copying pages out of the pool;
 - ``kv_store``, ``norms``, ``rotary``: those kernels;
 - ``prepare``: flattening the schedule into tensors; ``sampling``;
 - ``other``: the rest of the step (scheduling, embedding, SiLU and mul, outputs).
@@ -31,10 +31,10 @@ from pathlib import Path
 
 import torch
 
-import kernels
-import kernels.reference
 import pd.model.linear
 import pd.model.llama
+import pd_kernels
+import pd_kernels.reference
 from bench.engine import MODELS, make_checkpoint, run_ours
 from pd import LLM
 from pd.workload.host import cpu_name
@@ -74,11 +74,11 @@ def wrap(timers: Timers, name: str, fn):
 
 def instrument(timers: Timers, llm: LLM) -> None:
     """Put a timer around each part, where the engine looks it up."""
-    kernels_module = pd.model.llama.kernels
+    kernels_module = pd.model.llama.pd_kernels
     for attr, name in (("unified_attention", "attention"), ("store_kv", "kv_store"), ("rms_norm", "norms"),
                        ("rotary_embedding", "rotary")):
-        setattr(kernels_module, attr, wrap(timers, name, getattr(kernels, attr)))
-    kernels.reference._gather_pages = wrap(timers, "gather", kernels.reference._gather_pages)
+        setattr(kernels_module, attr, wrap(timers, name, getattr(pd_kernels, attr)))
+    pd_kernels.reference._gather_pages = wrap(timers, "gather", pd_kernels.reference._gather_pages)
     pd.model.linear.Linear.__call__ = wrap(timers, "dense", pd.model.linear.Linear.__call__)
     runner = llm.engine.runner
     runner.prepare = wrap(timers, "prepare", runner.prepare)

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-import kernels.cpu as cpu_kernels
+import pd_kernels.cpu as cpu_kernels
 from pd.engine.tiers.block_store import NixlBlockStore
 from pd.engine.tiers.host import HostTier
 from pd.engine.tiers.io import NixlRecords

@@ -5,7 +5,7 @@
     pd bench NAME [ARGS...]          a benchmark: bench.NAME          (pd bench --list)
     pd sim NAME [ARGS...]            the simulator and planner: sim.NAME (run, plan, scale, validate, profile)
     pd loadtest NAME [ARGS...]       load tests: run (locust on loadtest/locustfile.py), report, sweep
-    pd kernels {build,aot} [ARGS...] the C++ CPU kernels' build (kernels.cpu), Triton's AOT check (kernels.aot)
+    pd kernels {build,aot} [ARGS...] the C++ CPU kernels' build (pd_kernels.cpu), Triton's AOT check (pd_kernels.aot)
 
 Serving stays Ray Serve's own CLI, ``serve run serve_configs/default.yaml``;
 ``pd serve`` says so.
@@ -104,8 +104,8 @@ GROUPS = {
         "run": Command("locust", "one locust run on loadtest/locustfile.py (locust's own options)",
                        ("-f", "<locustfile>"))}),
     "kernels": Group("the kernels' build and checks", fixed={
-        "build": Command("kernels.cpu", "build the C++ CPU kernels for this host's ISA (make venv runs it)"),
-        "aot": Command("kernels.aot", "compile every Triton kernel specialisation for real GPUs (no GPU needed)")}),
+        "build": Command("pd_kernels.cpu", "build the C++ CPU kernels for this host's ISA (make venv runs it)"),
+        "aot": Command("pd_kernels.aot", "compile every Triton kernel specialisation for real GPUs (no GPU needed)")}),
 }
 
 

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch
 
-from kernels.fp8 import FP8_NAMES, fp8_max
 from pd.llm import LLM
 from pd.sampling_params import SamplingParams
+from pd_kernels.fp8 import FP8_NAMES, fp8_max
 
 
 def calibrate(llm: LLM, prompts: list[list[int]], kv_cache_dtype: str, margin: float = 1.0) -> dict:

@@ -8,6 +8,10 @@ import os
 # Nothing in the suite reaches the network: hub ids resolve from local caches only. Read by huggingface_hub
 # when imported, so set before anything imports it.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Triton kernels run in its interpreter on CPU (tests/pd_kernels/conftest.py). TRITON_INTERPRET is read when
+# ``@triton.jit`` decorates a function, so it is set before collection imports any module that decorates one.
+if os.environ.get("PD_TEST_DEVICE", "cpu") == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -15,14 +15,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from kernels import BACKENDS as ATTENTION_BACKENDS
+from pd_kernels import BACKENDS as ATTENTION_BACKENDS
 
 # The dtypes a KV pool and weights may have; "auto" takes the checkpoint's.
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 DTYPES = ("auto", *DTYPE_NAMES)
 Dtype = Literal[DTYPES]
 # The KV pool's element type: "auto" is the model's dtype; FP8 stores each layer's K and V scaled
-# (kernels.fp8), half the bytes of bf16.
+# (pd_kernels.fp8), half the bytes of bf16.
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
 KvCacheDtype = Literal[KV_CACHE_DTYPES]
 AttentionBackend = Literal[ATTENTION_BACKENDS]

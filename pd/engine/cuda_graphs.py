@@ -29,9 +29,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import PAD_SLOT_ID
 from pd.engine.outputs import ForwardInput
 from pd.model.attention import PAD_BLOCK_ID, AttentionMetadata
+from pd_kernels import PAD_SLOT_ID
 
 logger = logging.getLogger(__name__)
 

@@ -7,7 +7,6 @@ import os
 
 import torch
 
-from kernels.fp8 import is_fp8
 from pd.config import EngineConfig
 from pd.engine.ep.dispatch import check_ep
 from pd.engine.kv_layout import BLOCK_LAYOUT, kv_block_bytes, kv_dtype
@@ -15,6 +14,7 @@ from pd.model import kv_scales
 from pd.model.config import ModelConfig
 from pd.model.loader import resolve_dtype
 from pd.model.tp import check_tp
+from pd_kernels.fp8 import is_fp8
 from transfer.base import KVTransport
 from transfer.wire import LayoutFingerprint, TransportKind
 

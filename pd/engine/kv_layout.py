@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels.fp8 import FP8_NAMES
 from pd.model.config import ModelConfig
 from pd.model.tp import TPShard
+from pd_kernels.fp8 import FP8_NAMES
 
 # Named in the layout fingerprint: pools of other layouts never exchange bytes.
 BLOCK_LAYOUT = "heads-outer"

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-import kernels
+import pd_kernels
 from pd.config import EngineConfig
 from pd.engine.cuda_graphs import DecodeGraphs
 from pd.engine.ep.control import ExpertsControl
@@ -115,7 +115,7 @@ class ModelRunner:
         self.kv_dtype = kv_dtype(config.kv_cache_dtype, self.dtype)  # the pool's: the model's, or FP8
         self.kv_scales, self.kv_scales_source = kv_scales.for_pool(model_dir, model_config.num_layers, config)
         self.block_size = config.block_size
-        self.backend = kernels.resolve_backend(config.attention_backend, self.device)
+        self.backend = pd_kernels.resolve_backend(config.attention_backend, self.device)
         if config.linear_form == "auto":  # resolved here, so every rank takes the driver's choice
             config = self.config = dataclasses.replace(config, linear_form=self._choose_linear_form(config, model_config))
         self.linear_form = config.linear_form

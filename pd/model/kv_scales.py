@@ -1,7 +1,7 @@
 """Each layer's FP8 KV scales: where they come from, and their digest.
 
 An FP8 KV pool stores ``Q(x / scale)`` with one ``k_scale`` and one
-``v_scale`` per layer (``kernels.fp8``). They come from, in this order:
+``v_scale`` per layer (``pd_kernels.fp8``). They come from, in this order:
 
 1. a scales file the user names (``EngineConfig.kv_cache_scales``), as
    ``pd.kv_calibrate`` writes it: ``{"k_scale": [...], "v_scale": [...]}``,

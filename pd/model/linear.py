@@ -4,9 +4,9 @@ Two forms:
 
 - ``onednn``: pre-packed once for oneDNN's GEMM, fp32 accumulation throughout.
   With ``few_rows`` (fp32 on CPU, where the ``cpu`` kernels run), the layer
-  also keeps its weight as ``kernels.cpu.pack_rows_weight``'s panels, and a
+  also keeps its weight as ``pd_kernels.cpu.pack_rows_weight``'s panels, and a
   batch of at most ``FEW_ROWS`` rows (a decode step of a small batch) runs in
-  ``kernels.cpu.linear_rows``, which reads them once as sequential streams.
+  ``pd_kernels.cpu.linear_rows``, which reads them once as sequential streams.
   On the built-in model's 32 layers and LM head (24 MiB, past the caches;
   AMD EPYC, ``python -m bench.dense_rows``) oneDNN's packed GEMM took
   1.4-2.2x as long from one row to eight, on one thread or two. The cost is
@@ -37,9 +37,9 @@ from dataclasses import dataclass
 
 import torch
 
-import kernels.cpu
-from kernels.onednn import BUCKETS_PER_OCTAVE, EXACT_ROWS, bf16_supported, padded_rows  # noqa: F401 (dense layers')
-from kernels.onednn import linear_pointwise as _linear_pointwise
+import pd_kernels.cpu
+from pd_kernels.onednn import BUCKETS_PER_OCTAVE, EXACT_ROWS, bf16_supported, padded_rows  # noqa: F401 (dense layers')
+from pd_kernels.onednn import linear_pointwise as _linear_pointwise
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ class Linear:
     weight: torch.Tensor  # oneDNN-packed [out, in] when ``packed``, else dense [in, out]
     bias: torch.Tensor | None  # [out]
     packed: bool
-    # The few-row path: the weight's panels (kernels.cpu.pack_rows_weight), the kernel that multiplies a
+    # The few-row path: the weight's panels (pd_kernels.cpu.pack_rows_weight), the kernel that multiplies a
     # few rows by them, and the layer's output features; all or none.
     rows_weight: torch.Tensor | None = None
     rows_kernel: Callable | None = None
@@ -117,7 +117,7 @@ FORMS = ("onednn", "dense")
 
 
 def few_rows_available(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether ``kernels.cpu.linear_rows`` runs this device and dtype (it is built by the ``cpu`` backend)."""
+    """Whether ``pd_kernels.cpu.linear_rows`` runs this device and dtype (it is built by the ``cpu`` backend)."""
     return device.type == "cpu" and dtype == torch.float32
 
 
@@ -127,7 +127,7 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, form: str = "on
 
     ``form`` is ``"onednn"`` (where oneDNN runs this device and dtype; else dense) or ``"dense"``.
     ``few_rows``: an ``onednn`` layer keeps ``weight``'s panels for batches of up to ``FEW_ROWS`` rows
-    too, where ``few_rows_available``; the caller has built ``kernels.cpu``. A half-precision weight with
+    too, where ``few_rows_available``; the caller has built ``pd_kernels.cpu``. A half-precision weight with
     no native GEMM here is held in fp32 (``compute_dtype``).
     """
     if form not in FORMS:
@@ -142,8 +142,8 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, form: str = "on
         packed = torch.ops.mkldnn._reorder_linear_weight(weight)
         if few_rows and few_rows_available(weight.device, weight.dtype):
             bias = None if bias is None else bias.contiguous()
-            return Linear(packed, bias, packed=True, rows_weight=kernels.cpu.pack_rows_weight(weight),
-                          rows_kernel=kernels.cpu.build().linear_rows, out_features=weight.shape[0])
+            return Linear(packed, bias, packed=True, rows_weight=pd_kernels.cpu.pack_rows_weight(weight),
+                          rows_kernel=pd_kernels.cpu.build().linear_rows, out_features=weight.shape[0])
         return Linear(packed, bias, packed=True)
     return Linear(weight.t().contiguous(), bias, packed=False)
 

@@ -3,7 +3,7 @@
 Dense layers are ``Linear`` objects (QKV and gate/up fused at load time), in
 the fastest form for the device (see ``pd.model.linear``). Each phase is a
 small function. Attention, the KV store, RMSNorm and rotary go through
-``kernels`` so that the backend chosen per step is the one the model runs.
+``pd_kernels`` so that the backend chosen per step is the one the model runs.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-import kernels
+import pd_kernels
 from pd.model.attention import AttentionMetadata
 from pd.model.config import ModelConfig
 from pd.model.linear import Linear, padded_rows
@@ -108,18 +108,18 @@ class CausalLM:
         for layer, weights in enumerate(self.weights.layers):
             if residual is None:
                 residual = hidden
-                hidden = kernels.rms_norm(hidden, weights.input_norm, self.config.rms_norm_eps, backend=attn.backend)
+                hidden = pd_kernels.rms_norm(hidden, weights.input_norm, self.config.rms_norm_eps, backend=attn.backend)
             else:
-                hidden, residual = kernels.rms_norm(
+                hidden, residual = pd_kernels.rms_norm(
                     hidden, weights.input_norm, self.config.rms_norm_eps, residual, backend=attn.backend
                 )
             hidden = self._attention(layer, weights, hidden, positions, attn, kv_caches[layer], num_tokens, attn_out)
-            hidden, residual = kernels.rms_norm(
+            hidden, residual = pd_kernels.rms_norm(
                 hidden, weights.post_attention_norm, self.config.rms_norm_eps, residual, backend=attn.backend
             )
             hidden = self._mlp(layer, weights, hidden, num_tokens, attn.backend)
         hidden = (hidden + residual)[logits_indices]
-        hidden = kernels.rms_norm(hidden, self.weights.norm, self.config.rms_norm_eps, backend=attn.backend)
+        hidden = pd_kernels.rms_norm(hidden, self.weights.norm, self.config.rms_norm_eps, backend=attn.backend)
         logits = self.weights.lm_head(hidden).float()
         if self.collectives is None:
             return logits
@@ -146,7 +146,7 @@ class CausalLM:
             return self.experts.moe_block(layer, weights.moe, self.config.moe, hidden, num_tokens, backend)
         if weights.moe is not None:
             return self._reduced(moe_block(weights.moe, self.config.moe, hidden, num_tokens, backend), None)
-        return self._reduced(weights.down_proj(kernels.silu_and_mul(weights.gate_up_proj(hidden), backend=backend)),
+        return self._reduced(weights.down_proj(pd_kernels.silu_and_mul(weights.gate_up_proj(hidden), backend=backend)),
                              weights.down_bias)
 
     def _reduced(self, partial: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -173,14 +173,14 @@ class CausalLM:
         k = k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
         v = v.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
         if weights.q_norm is not None:
-            q = kernels.rms_norm(q, weights.q_norm, cfg.rms_norm_eps, backend=attn.backend)
-            k = kernels.rms_norm(k, weights.k_norm, cfg.rms_norm_eps, backend=attn.backend)
-        q, k = kernels.rotary_embedding(q, k, positions, self.cos_sin_cache, backend=attn.backend)
+            q = pd_kernels.rms_norm(q, weights.q_norm, cfg.rms_norm_eps, backend=attn.backend)
+            k = pd_kernels.rms_norm(k, weights.k_norm, cfg.rms_norm_eps, backend=attn.backend)
+        q, k = pd_kernels.rotary_embedding(q, k, positions, self.cos_sin_cache, backend=attn.backend)
         k_cache, v_cache = kv_cache
         k_scale, v_scale = self.kv_scales[layer]
-        kernels.store_kv(k, v, k_cache, v_cache, attn.slot_mapping, k_scale=k_scale, v_scale=v_scale,
+        pd_kernels.store_kv(k, v, k_cache, v_cache, attn.slot_mapping, k_scale=k_scale, v_scale=v_scale,
                          backend=attn.backend)
-        kernels.unified_attention(
+        pd_kernels.unified_attention(
             q, k_cache, v_cache, attn.cu_seqlens_q, attn.seq_lens, attn.block_table, self.softmax_scale,
             sliding_window=cfg.sliding_windows[layer], backend=attn.backend, out=out[:num_tokens],
             k_scale=k_scale, v_scale=v_scale,

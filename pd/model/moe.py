@@ -1,8 +1,8 @@
 """A layer's mixture-of-experts block: the router, the fused experts and Qwen2-MoE's gated shared expert.
 
-The router runs once per layer on the whole batch (``kernels.select_experts``:
+The router runs once per layer on the whole batch (``pd_kernels.select_experts``:
 HF's fp32 softmax, top-k and optional renormalisation); the experts run as one
-``kernels.fused_moe`` over the fused per-layer weights. On a tensor-parallel
+``pd_kernels.fused_moe`` over the fused per-layer weights. On a tensor-parallel
 rank the experts and the shared expert hold a slice of their intermediate
 features, so the block's output is a partial sum (the caller all-reduces it).
 """
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-import kernels
+import pd_kernels
 from pd.model.config import MoeConfig
 from pd.model.linear import Linear
 
@@ -43,14 +43,14 @@ def moe_block(weights: MoeWeights, config: MoeConfig, hidden: torch.Tensor, num_
     """
     rows = hidden.shape[0]
     router_logits = weights.gate(hidden)[:num_tokens]
-    topk_weights, topk_ids = kernels.select_experts(router_logits, config.top_k, config.renormalize)
+    topk_weights, topk_ids = pd_kernels.select_experts(router_logits, config.top_k, config.renormalize)
     # HF casts the routing weights to the activations' dtype before weighting the experts' outputs.
     topk_weights = topk_weights.to(hidden.dtype)
     compute = weights.compute_dtype
-    experts = kernels.fused_moe(hidden[:num_tokens].to(compute), weights.w13, weights.w2, topk_ids, topk_weights,
+    experts = pd_kernels.fused_moe(hidden[:num_tokens].to(compute), weights.w13, weights.w2, topk_ids, topk_weights,
                                 backend=backend).to(hidden.dtype)
     if weights.shared_gate_up is not None:
-        shared = weights.shared_down(kernels.silu_and_mul(weights.shared_gate_up(hidden), backend=backend))
+        shared = weights.shared_down(pd_kernels.silu_and_mul(weights.shared_gate_up(hidden), backend=backend))
         out = shared.mul_(torch.sigmoid(weights.shared_expert_gate(hidden)))
         out[:num_tokens] += experts
         return out

@@ -1,10 +1,10 @@
 """Dense layers of 8-bit checkpoints, in the form the device runs fastest.
 
 - INT8 W8A8 (per-channel weights, per-token activations): ``Int8Linear``, an int8 GEMM with int32
-  accumulation (``kernels.int8``, ``torch._int_mm``) on CPU and CUDA, the activations' quantization and the
+  accumulation (``pd_kernels.int8``, ``torch._int_mm``) on CPU and CUDA, the activations' quantization and the
   output's scaling in one C++ loop each where the ``cpu`` backend runs. The weights stay int8: a quarter of
   fp32's memory.
-- FP8 W8A8 on CUDA: ``Fp8Linear``, the Triton scaled product (``kernels.triton.scaled_mm``) of the FP8
+- FP8 W8A8 on CUDA: ``Fp8Linear``, the Triton scaled product (``pd_kernels.triton.scaled_mm``) of the FP8
   weight and the activations quantized to FP8 per token (per token and 128 columns for block weights).
 - FP8 on CPU: no CPU here multiplies FP8, so the weight is dequantized once, at load, to the engine's
   dtype and runs as an ordinary ``Linear``: exactly the unquantized model's memory and speed, with the
@@ -20,24 +20,24 @@ from dataclasses import dataclass
 
 import torch
 
-import kernels.cpu
-from kernels.int8 import int8_linear
+import pd_kernels.cpu
 from pd.model.linear import Linear, make_linear
 from pd.model.quant_scheme import WeightFormat
 from pd.model.quant_weights import QuantizedWeight, dequantize
+from pd_kernels.int8 import int8_linear
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class Int8Linear:
-    """``y = W8A8(x) + b`` for ``x [num_tokens, in_features]`` (see ``kernels.int8``)."""
+    """``y = W8A8(x) + b`` for ``x [num_tokens, in_features]`` (see ``pd_kernels.int8``)."""
 
     weight: torch.Tensor  # int8 [out, in]
     weight_scale: torch.Tensor  # fp32 [out]
     bias: torch.Tensor | None  # [out]
     packed: bool = False  # the model pads rows only for oneDNN-packed layers
-    fused: object | None = None  # the cpu backend's extension: its loops around the GEMM (kernels.int8)
+    fused: object | None = None  # the cpu backend's extension: its loops around the GEMM (pd_kernels.int8)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return int8_linear(x, self.weight, self.weight_scale, self.bias, self.fused)
@@ -52,12 +52,12 @@ class Fp8Linear:
     block_rows: int | None  # None: per-channel scales; else rows per block scale (1 or 128)
     bias: torch.Tensor | None
     packed: bool = False
-    # The product (kernels.triton.scaled_mm's signature); None: the Triton kernel. Its torch reference
+    # The product (pd_kernels.triton.scaled_mm's signature); None: the Triton kernel. Its torch reference
     # computes the same layer on a CPU (bench.quant_accuracy's FP8 W8A8 figures).
     mm: Callable | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        from kernels.triton.scaled_mm import GROUP_K, quantize_fp8_rows, scaled_mm
+        from pd_kernels.triton.scaled_mm import GROUP_K, quantize_fp8_rows, scaled_mm
 
         xq, x_scale = quantize_fp8_rows(x, GROUP_K if self.block_rows is not None else None)
         return (self.mm or scaled_mm)(xq, self.weight, x_scale, self.weight_scale, self.block_rows, self.bias,
@@ -76,7 +76,7 @@ def make_quantized_linear(q: QuantizedWeight, bias: torch.Tensor | None, dtype: 
     device = q.weight.device
     if q.format is WeightFormat.INT8_CHANNEL:
         # few_rows means the cpu backend runs the model, its extension built (pd.model.linear.make_linear)
-        fused = kernels.cpu.build() if few_rows and device.type == "cpu" else None
+        fused = pd_kernels.cpu.build() if few_rows and device.type == "cpu" else None
         return Int8Linear(q.weight, q.scale, bias, fused=fused)
     if device.type == "cuda" and torch.cuda.get_device_capability(device) >= FP8_MIN_CAPABILITY:
         return fp8_linear(q, bias)

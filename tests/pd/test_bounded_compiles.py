@@ -28,7 +28,7 @@ from pd.model.linear import BUCKETS_PER_OCTAVE, EXACT_ROWS
 def test_a_varied_run_builds_nothing_and_reaches_few_gemm_shapes(monkeypatch, model, checkpoint):
     """Also an MoE model: its router and shared expert are dense layers, and each expert's GEMMs (the
     fused MoE's GEMM path, past its one-call kernel's slots) take bucketed row counts too."""
-    from kernels.cpu import moe
+    from pd_kernels.cpu import moe
 
     llm = LLM(model if model.startswith("builtin:") else str(checkpoint(model)), max_num_batched_tokens=256)
     assert llm.engine.runner.backend == "cpu"

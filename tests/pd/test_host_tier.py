@@ -70,7 +70,7 @@ def test_a_full_tier_drops_its_least_recently_used_but_never_a_block_being_promo
 
 
 def test_demotions_are_copied_together_later_and_whatever_touches_their_blocks_first_flushes(monkeypatch):
-    import kernels.cpu as cpu_kernels
+    import pd_kernels.cpu as cpu_kernels
 
     copies = []
     copy_blocks = cpu_kernels.copy_blocks

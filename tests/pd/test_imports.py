@@ -14,7 +14,7 @@ import sys
 for missing in ("ray", "nixl", "nixl_cu12", "nixl_cu13"):
     sys.modules[missing] = None  # import of it now raises ImportError
 from pd import LLM, SamplingParams
-import kernels
+import pd_kernels
 [out] = LLM("builtin:tiny-llama", num_blocks=64).generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0))
 assert len(out.token_ids) == 2, out
 print("ok")

@@ -1,7 +1,7 @@
 """Hosts without AVX-512: bf16 layers multiply fp32 copies, and the C++ kernels run their AVX2 build.
 
 An AVX-512 host runs the AVX2 path under ``ONEDNN_MAX_CPU_ISA=AVX2`` (oneDNN, and torch's bf16 check with it)
-and ``ATEN_CPU_CAPABILITY=avx2`` (torch's own kernels, and the level ``kernels.cpu`` builds for). Both are read
+and ``ATEN_CPU_CAPABILITY=avx2`` (torch's own kernels, and the level ``pd_kernels.cpu`` builds for). Both are read
 when a process starts, so the AVX2 path's tests run in a child pytest; on an AVX2-only host that child runs
 the same tests on the host's own path.
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import kernels.cpu
+import pd_kernels.cpu
 from pd.model import linear
 from pd.model.linear import choose_form, make_linear
 
@@ -29,8 +29,8 @@ CPU = torch.device("cpu")
 # What the child runs: bf16 and fp16 models tracking fp32, the dense layers, and every C++ kernel's
 # comparison with the reference.
 AVX2_TESTS = ["tests/pd/test_isa_fallback.py", "tests/pd/test_linear.py", "tests/pd/test_model_loading.py",
-              "tests/kernels/test_cpu_attention.py", "tests/kernels/test_cpu_dense_rows.py",
-              "tests/kernels/test_cpu_small_ops.py", "tests/kernels/test_fp8_kv.py", "tests/pd/test_reference_match.py"]
+              "tests/pd_kernels/test_cpu_attention.py", "tests/pd_kernels/test_cpu_dense_rows.py",
+              "tests/pd_kernels/test_cpu_small_ops.py", "tests/pd_kernels/test_fp8_kv.py", "tests/pd/test_reference_match.py"]
 
 
 @pytest.mark.parametrize("few_rows", [False, True])
@@ -51,19 +51,19 @@ def test_without_native_bf16_a_bf16_layer_multiplies_an_fp32_copy(monkeypatch, n
 
 
 def test_each_isa_level_builds_with_its_own_flags_and_never_for_the_build_host():
-    for level, flags in kernels.cpu.ISA_FLAGS.items():
-        built = kernels.cpu.capability_flags(level)
+    for level, flags in pd_kernels.cpu.ISA_FLAGS.items():
+        built = pd_kernels.cpu.capability_flags(level)
         assert not any(flag.startswith("-march") for flag in built)
         assert set(flags) <= set(built)
-    assert "-mavx512f" not in kernels.cpu.capability_flags("AVX2")
-    assert kernels.cpu.capability_flags("DEFAULT") == []
-    assert kernels.cpu.isa() in kernels.cpu.ISA_FLAGS
+    assert "-mavx512f" not in pd_kernels.cpu.capability_flags("AVX2")
+    assert pd_kernels.cpu.capability_flags("DEFAULT") == []
+    assert pd_kernels.cpu.isa() in pd_kernels.cpu.ISA_FLAGS
 
 
 @pytest.mark.skipif(EXPECTED_ISA not in os.environ, reason="runs in the AVX2 child only")
 def test_the_child_runs_the_avx2_path():
-    assert kernels.cpu.isa() == os.environ[EXPECTED_ISA]
-    assert kernels.cpu.build().__name__ == f"pd_cpu_kernels_{os.environ[EXPECTED_ISA].lower()}"
+    assert pd_kernels.cpu.isa() == os.environ[EXPECTED_ISA]
+    assert pd_kernels.cpu.build().__name__ == f"pd_cpu_kernels_{os.environ[EXPECTED_ISA].lower()}"
     assert not linear.bf16_supported()
     assert make_linear(torch.randn(8, 4).bfloat16(), None, "onednn").output_dtype == torch.bfloat16
 

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-import kernels.cpu
+import pd_kernels.cpu
 from pd.model import linear
 from pd.model.linear import EXACT_ROWS, FEW_ROWS, FORMS, choose_form, make_linear, padded_rows
 
@@ -45,13 +45,13 @@ def test_a_few_row_batch_runs_in_the_few_row_kernel_and_a_larger_one_in_onednn()
 
     def kernel(x, panels, b, out_features):  # the real kernel, counted
         calls.append(x.shape[0])
-        return kernels.cpu.build().linear_rows(x, panels, b, out_features)
+        return pd_kernels.cpu.build().linear_rows(x, panels, b, out_features)
 
     layer = dataclasses.replace(make_linear(weight, bias, "onednn", few_rows=True), rows_kernel=kernel)
     plain = make_linear(weight, bias, "onednn")
     for num_rows in (1, FEW_ROWS):
         x = torch.randn(num_rows, 40)
-        assert torch.equal(layer(x), kernels.cpu.linear_rows(x, weight, bias))
+        assert torch.equal(layer(x), pd_kernels.cpu.linear_rows(x, weight, bias))
     x = torch.randn(FEW_ROWS + 1, 40)
     assert torch.equal(layer(x), plain(x))
     assert calls == [1, FEW_ROWS]

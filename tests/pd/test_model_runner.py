@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.checks import check_attention_args, check_triton_attention_args
 from pd.config import EngineConfig
 from pd.engine.model_runner import PAD_BLOCK_ID, ModelRunner, copy_to_device
 from pd.engine.outputs import ScheduledRequest, SchedulerOutput
 from pd.engine.request import Request
 from pd.model.config import load_model_config
 from pd.sampling_params import SamplingParams
+from pd_kernels.checks import check_attention_args, check_triton_attention_args
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
 

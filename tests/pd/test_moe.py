@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-import kernels
+import pd_kernels
 from pd import LLM, SamplingParams
 from pd.model import moe as moe_module
 from pd.model.attention import AttentionMetadata
@@ -121,7 +121,7 @@ def test_logits_and_chosen_experts_match_hf_layer_by_layer(kind, checkpoint, hf_
         for hook in hooks:
             hook.remove()
     ours = []
-    select = kernels.select_experts
+    select = pd_kernels.select_experts
 
     def recording(logits, top_k, renormalize):
         weights, ids = select(logits, top_k, renormalize)
@@ -129,7 +129,7 @@ def test_logits_and_chosen_experts_match_hf_layer_by_layer(kind, checkpoint, hf_
         return weights, ids
 
     llm = LLM(str(path), num_blocks=16, block_size=16)
-    monkeypatch.setattr(moe_module.kernels, "select_experts", recording)
+    monkeypatch.setattr(moe_module.pd_kernels, "select_experts", recording)
     got = _forward(llm, tokens)
     monkeypatch.undo()
     assert len(ours) == len(theirs) == llm.engine.runner.model_config.moe.num_moe_layers

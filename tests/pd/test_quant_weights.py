@@ -8,9 +8,8 @@ import json
 import pytest
 import torch
 
-import kernels.cpu
+import pd_kernels.cpu
 from bench.quant_accuracy import position_logits
-from kernels.int8 import int8_linear, int8_linear_reference
 from pd import LLM, SamplingParams
 from pd.config import EngineConfig
 from pd.model.linear import Linear
@@ -19,6 +18,7 @@ from pd.model.quant_linear import Int8Linear
 from pd.model.quant_scheme import QuantScheme, WeightFormat, parse_quantization_config, quantization_config
 from pd.model.quant_weights import FP8, dequantize, fuse, quantize, read_quantized
 from pd.model.quantize import SCHEMES, quantize_checkpoint, quantize_tensors
+from pd_kernels.int8 import int8_linear, int8_linear_reference
 
 # As llm-compressor writes FP8_DYNAMIC (a hub checkpoint's config.json, its fields as serialised).
 HUB_FP8_DYNAMIC = {
@@ -145,10 +145,10 @@ def test_int8_gemm_equals_its_float_reference(num_rows):
 
 
 def test_the_cpu_backend_s_loops_around_the_gemm_compute_the_aten_chain_s_numbers():
-    """``cpu/int8.cpp``'s quantization and scaling equal ``kernels.int8``'s aten ops (exactly, but for the bias
+    """``cpu/int8.cpp``'s quantization and scaling equal ``pd_kernels.int8``'s aten ops (exactly, but for the bias
     add, which the compiler may fuse into one rounding), and a row holding a NaN or an infinity poisons its own
     outputs only (one request's fault stays that request's)."""
-    fused = kernels.cpu.build()
+    fused = pd_kernels.cpu.build()
     torch.manual_seed(0)
     x, weight, bias = torch.randn(37, 200), torch.randn(72, 200) * 0.05, torch.randn(72)
     q = quantize(weight, WeightFormat.INT8_CHANNEL)

@@ -5,7 +5,7 @@ Every rank holds the whole batch's hidden states when an MoE block starts
 ``r`` takes the ``r``-th even, contiguous slice of the batch's tokens
 (``token_slice``). For its slice it:
 
-1. routes (the router is replicated: ``kernels.select_experts``) and counts
+1. routes (the router is replicated: ``pd_kernels.select_experts``) and counts
    each expert's tokens (``ExpertLoad``, what EPLB places by);
 2. picks one replica of each (token, expert) pair's expert: replica
    ``token % replicas``, by the token's index in the batch, so the choice is
@@ -14,7 +14,7 @@ Every rank holds the whole batch's hidden states when an MoE block starts
    all-to-all, its pairs sorted by slot; an all-to-all of the counts per slot
    gave the split sizes first, and tells each receiver its rows' experts (a
    rank may send or receive nothing);
-4. runs the rows it received through its own experts (``kernels.fused_moe``,
+4. runs the rows it received through its own experts (``pd_kernels.fused_moe``,
    one expert a row);
 5. **combine**: the reverse all-to-all brings each pair's output back, in the
    order it left;
@@ -42,7 +42,7 @@ from typing import Protocol
 
 import torch
 
-import kernels
+import pd_kernels
 from pd.config import EPLB_WINDOW_BUCKETS
 from pd.engine.ep.load import ExpertLoad
 from pd.engine.ep.moves import Move, StagedMove, align, receives, sends
@@ -169,7 +169,7 @@ class ExpertParallel:
         start, stop = token_slice(num_tokens, self.group.rank, self.group.size)
         x = hidden[start:stop]
         if stop > start:
-            topk_weights, topk_ids = kernels.select_experts(weights.gate(x), config.top_k, config.renormalize)
+            topk_weights, topk_ids = pd_kernels.select_experts(weights.gate(x), config.top_k, config.renormalize)
             self.load.add(layer, topk_ids)
         else:  # no tokens here; the all-to-alls still bring this rank's experts their rows
             topk_weights = torch.empty(0, config.top_k, device=x.device)
@@ -182,7 +182,7 @@ class ExpertParallel:
             self._local_pairs(layer, weights, hidden, num_tokens, topk_ids, topk_weights.to(hidden.dtype), out,
                               backend)
         if weights.shared_gate_up is not None and stop > start:
-            shared = weights.shared_down(kernels.silu_and_mul(weights.shared_gate_up(x), backend=backend))
+            shared = weights.shared_down(pd_kernels.silu_and_mul(weights.shared_gate_up(x), backend=backend))
             out[start:stop] += shared.mul_(torch.sigmoid(weights.shared_expert_gate(x)))
         out = self.group.all_reduce(out)
         self.block_seconds += time.perf_counter() - started
@@ -238,10 +238,10 @@ class ExpertParallel:
 
     def _run_experts(self, weights: MoeWeights, rows: torch.Tensor, local_ids: torch.Tensor,
                      row_weights: torch.Tensor, backend: str) -> torch.Tensor:
-        """Each row through its one local expert, times its weight (``kernels.fused_moe``, top-1)."""
+        """Each row through its one local expert, times its weight (``pd_kernels.fused_moe``, top-1)."""
         started = time.perf_counter()
         compute = weights.compute_dtype
-        outputs = kernels.fused_moe(rows.to(compute), weights.w13, weights.w2, local_ids[:, None],
+        outputs = pd_kernels.fused_moe(rows.to(compute), weights.w13, weights.w2, local_ids[:, None],
                                     row_weights[:, None].to(compute), backend=backend).to(rows.dtype)
         self.expert_rows += outputs.shape[0]
         self.expert_seconds += time.perf_counter() - started

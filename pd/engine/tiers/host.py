@@ -11,7 +11,7 @@ match here; the blocks found are copied back into device blocks
 Each entry keeps its block's tokens, and a match verifies them, as the device
 prefix cache does. The host pool is inclusive: a promoted block stays here
 too, so evicting it from the device again copies nothing. A promotion copies
-all its blocks in one call: on CPU one memcpy per block (``kernels.cpu``),
+all its blocks in one call: on CPU one memcpy per block (``pd_kernels.cpu``),
 on a GPU one copy per run of consecutive host slots from a pinned pool.
 
 A demotion copies nothing on the allocation path: it takes and indexes a
@@ -19,7 +19,7 @@ slot, pinned, and queues the copy. ``flush`` issues every queued copy at
 once: the engine calls it after scheduling, before anything writes to the
 device blocks just reused (the step's KV stores, pulls); a promotion and a
 load's ``take_slots`` call it first. On CPU the batch is one
-``kernels.cpu.copy_blocks`` call over the engine's threads. On a GPU it is
+``pd_kernels.cpu.copy_blocks`` call over the engine's threads. On a GPU it is
 queued on a stream of its own, and the compute stream waits for it there,
 so neither the host nor a step waits for it; ``settle`` waits for it where
 the host itself reads a slot (the disk tier's write-through) or hands a slot
@@ -34,7 +34,7 @@ from typing import Callable, Sequence
 
 import torch
 
-import kernels.cpu as cpu_kernels
+import pd_kernels.cpu as cpu_kernels
 from pd.engine.tiers.stats import HostTierStats
 from router.tiers import Tier
 

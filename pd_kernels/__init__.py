@@ -1,0 +1,183 @@
+"""Attention and fused kernels over a paged, block-major KV pool.
+
+This package imports nothing from ``pd``. Every entry point checks its
+arguments on the host, then dispatches to a backend:
+
+- ``"torch"``: the reference in ``pd_kernels.reference``;
+- ``"cpu"``: decode attention straight from the pool and the small-op chains
+  in C++ (``pd_kernels.cpu``; compiled on first use), the rest the reference;
+- ``"triton"``: Triton kernels, on CUDA or on CPU under ``TRITON_INTERPRET=1``;
+- ``"auto"``: Triton for CUDA tensors, ``cpu`` otherwise (``torch`` if the C++
+  kernel cannot be built here, with a warning saying why).
+
+Backends import lazily, so ``import pd_kernels`` works without Triton. Each entry
+point's signature is spelled out here, one argument a line; every backend's
+twin takes the same arguments in the same order
+(``tests/pd_kernels/test_signatures.py`` checks it).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+
+import torch
+
+from pd_kernels import reference
+from pd_kernels.checks import (
+    PAD_SLOT_ID,
+    check_attention_args,
+    check_fused_moe_args,
+    check_select_experts_args,
+    check_store_kv_args,
+)
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "torch", "cpu", "triton")
+
+__all__ = ["BACKENDS", "PAD_SLOT_ID", "resolve_backend", "unified_attention", "store_kv", "rms_norm", "rotary_embedding",
+           "silu_and_mul", "select_experts", "fused_moe"]
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """The concrete backend (``"torch"`` or ``"triton"``) for ``backend`` on ``device``."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        if torch.device(device).type == "cuda":
+            return "triton"
+        try:
+            importlib.import_module("pd_kernels.cpu").build()
+        except Exception as exc:  # noqa: BLE001 - no compiler here: the reference still serves, said out loud
+            logger.warning("the cpu attention kernel cannot be built (%s); using the torch reference", exc)
+            return "torch"
+        return "cpu"
+    return backend
+
+
+# (backend, device type) -> its module: resolved once, since every layer of every step asks.
+_impls: dict[tuple[str, str], object] = {}
+
+
+def _impl(backend: str, device: torch.device):
+    key = (backend, device.type)
+    module = _impls.get(key)
+    if module is None:
+        module = _impls[key] = _resolve_impl(backend, device)
+    return module
+
+
+def _resolve_impl(backend: str, device: torch.device):
+    resolved = resolve_backend(backend, device)
+    if resolved == "torch":
+        return reference
+    if resolved == "cpu":
+        return importlib.import_module("pd_kernels.cpu")
+    try:
+        return importlib.import_module("pd_kernels.triton")
+    except ImportError as exc:  # pragma: no cover - depends on the install
+        raise ImportError(f"the triton backend needs the 'triton' package ({exc}); pip install triton") from exc
+
+
+def unified_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    softmax_scale: float,
+    *,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    out: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Paged attention for a mixed batch of prefill chunks and decode tokens.
+
+    q: [num_tokens, num_heads, head_dim]; k_cache, v_cache: [num_blocks,
+    block_size, num_kv_heads, head_dim] views of the block-major pool (any
+    strides, head_dim contiguous); cu_seqlens_q: int32 [num_seqs + 1];
+    seq_lens: int32 [num_seqs], each sequence's KV length including this
+    step's tokens; block_table: int32 [num_seqs, max_blocks_per_seq].
+
+    Sequence i's queries are its last ``q_len_i`` tokens; query j sits at
+    position ``seq_lens[i] - q_len_i + j`` and sees keys up to that position
+    (and, with ``sliding_window=W``, only keys ``k > position - W``). With
+    ``softcap``, scores become ``softcap * tanh(score / softcap)``.
+    The pool is of q's dtype, or FP8 (``pd_kernels.fp8``): its pages read as
+    ``float(stored) * k_scale`` (``v_scale`` for values).
+    Returns [num_tokens, num_heads, head_dim].
+    """
+    check_attention_args(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, sliding_window, softcap, out,
+                         k_scale, v_scale)
+    return _impl(backend, q.device).unified_attention(
+        q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, softmax_scale,
+        sliding_window=sliding_window, softcap=softcap, out=out, k_scale=k_scale, v_scale=v_scale,
+    )
+
+
+def store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    backend: str = "auto",
+) -> None:
+    """Write this step's K/V ``[num_tokens, kv_heads, head_dim]`` into their slots.
+
+    Slots equal to ``PAD_SLOT_ID`` are skipped. Into an FP8 pool, each value
+    is stored as ``Q(x / scale)``, saturated (``pd_kernels.fp8.quantize``).
+    """
+    check_store_kv_args(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    _impl(backend, key.device).store_kv(key, value, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
+
+
+def rms_norm(x, weight, eps: float, residual=None, *, backend: str = "auto"):
+    """RMSNorm; with ``residual`` returns ``(norm(x + residual), x + residual)``."""
+    return _impl(backend, x.device).rms_norm(x, weight, eps, residual)
+
+
+def rotary_embedding(q, k, positions, cos_sin_cache, *, backend: str = "auto"):
+    """Rotate-half rotary embedding of q and k at ``positions``; returns ``(q, k)``."""
+    return _impl(backend, q.device).rotary_embedding(q, k, positions, cos_sin_cache)
+
+
+def silu_and_mul(gate_up, *, backend: str = "auto"):
+    """``silu(gate) * up`` for ``gate_up = [gate | up]``, ``[num_tokens, 2 * n]`` -> ``[num_tokens, n]``."""
+    if gate_up.dim() != 2 or gate_up.shape[-1] % 2:
+        raise ValueError(f"gate_up must be [num_tokens, 2 * n], got {tuple(gate_up.shape)}")
+    return _impl(backend, gate_up.device).silu_and_mul(gate_up)
+
+
+def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's ``top_k`` experts and weights from ``router_logits [T, E]``, once per layer for the batch:
+    fp32 softmax, top-k, renormalised if asked. Returns ``(topk_weights fp32, topk_ids int64)``, ``[T, k]``."""
+    check_select_experts_args(router_logits, top_k)
+    return reference.select_experts(router_logits, top_k, renormalize)
+
+
+def fused_moe(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    *,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """The routed experts' SwiGLU MLPs of each token, weighted by ``topk_weights`` and summed: ``[T, H]``.
+
+    hidden: [T, H]; w13: [E, 2I, H], each expert's gate rows then up rows;
+    w2: [E, H, I]; topk_ids (int32/int64) and topk_weights: [T, k], as
+    ``select_experts`` gives them.
+    """
+    check_fused_moe_args(hidden, w13, w2, topk_ids, topk_weights)
+    return _impl(backend, hidden.device).fused_moe(hidden, w13, w2, topk_ids, topk_weights)
