@@ -2,6 +2,7 @@
 
     pd generate [--model M] [--max-tokens N] [--temperature T]   offline generation (pd.demo)
     pd prepare MODEL... [--revision REV]                          resolve a model ahead of serving (pd.model.prepare)
+    pd doctor [--json] [--config FILE] [--model M]                check this node before serving (pd.doctor)
     pd bench NAME [ARGS...]          a benchmark: bench.NAME          (pd bench --list)
     pd sim NAME [ARGS...]            the simulator and planner: sim.NAME (run, plan, scale, validate, profile)
     pd loadtest NAME [ARGS...]       load tests: run (locust on loadtest/locustfile.py), report, sweep
@@ -96,6 +97,8 @@ def _locustfile() -> str:
 TOP = {
     "generate": Command("pd.demo", "offline generation with the built-in model, no Ray"),
     "prepare": Command("pd.model.prepare", "resolve a model (built-in, GGUF, hub id) into the cache ahead of serving"),
+    "doctor": Command("pd.doctor", "check this node before serving: versions, NIXL/UCX loopback, CPU ISA and "
+                      "kernels, GPU, ports, the model"),
 }
 GROUPS = {
     "bench": Group("benchmarks, each a ratio against a peer measured in the same run", package="bench"),

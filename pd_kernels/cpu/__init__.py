@@ -159,13 +159,29 @@ def _headers_digest() -> str:
     return digest.hexdigest()[:16]
 
 
-def _build_directory(level: str) -> Path:
+def _build_directory(level: str, create: bool = True) -> Path:
     from torch.utils.cpp_extension import get_default_build_root
 
     checkout = hashlib.sha256(str(Path(__file__).resolve().parent).encode()).hexdigest()[:12]
     directory = Path(get_default_build_root()) / f"pd_cpu_kernels-{checkout}-{level.lower()}"
-    directory.mkdir(parents=True, exist_ok=True)
+    if create:
+        directory.mkdir(parents=True, exist_ok=True)
     return directory
+
+
+def build_state(level: str | None = None) -> tuple[Path, str]:
+    """Where ``build()`` keeps the library for ``level`` (default: this host's ``isa()``), and whether it is
+    ``"built"``, ``"stale"`` (older than a source or header: loading it recompiles) or ``"missing"``.
+
+    Creates nothing and compiles nothing (``pd doctor`` asks before it builds).
+    """
+    level = level or isa()
+    library = _build_directory(level, create=False) / f"pd_cpu_kernels_{level.lower()}.so"
+    if not library.is_file():
+        return library, "missing"
+    sources = Path(__file__).resolve().parent
+    newest = max(path.stat().st_mtime for pattern in ("*.cpp", "*.h") for path in sources.glob(pattern))
+    return library, "built" if library.stat().st_mtime >= newest else "stale"
 
 
 def unified_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, softmax_scale, *,
