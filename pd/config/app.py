@@ -263,6 +263,8 @@ class AppArgs(StrictModel):
     tokenizer_threads: int = Field(2, ge=1)
     # A request still running after this long is cancelled on every replica (504 or an error event).
     request_timeout_s: float = Field(600.0, gt=0)
+    # Timelines of the last this many requests, per ingress replica, for GET /debug/requests/{id} (0: none).
+    debug_requests_kept: int = Field(1000, ge=0, le=100_000)
 
     @model_validator(mode="after")
     def _valid_routers(self) -> "AppArgs":

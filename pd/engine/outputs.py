@@ -75,6 +75,25 @@ class ForwardOutput:
 
 
 @dataclass(frozen=True)
+class EngineTimings:
+    """Where one request's time went on one engine, up to its first token out of it.
+
+    ``queue_s``: arrival to first admission. ``first_token_s``: first admission
+    to the first token this engine produced, including a KV pull
+    (``pull_s``; a decode engine after a remote prefill produces the request's
+    second token first).
+    """
+
+    queue_s: float
+    first_token_s: float
+    pull_s: float = 0.0
+    num_pulled_bytes: int = 0
+    num_pulled_blocks: int = 0
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+
+
+@dataclass(frozen=True)
 class RequestOutput:
     """What one step produced for one request."""
 
@@ -92,3 +111,4 @@ class RequestOutput:
     new_top_logprobs: list[TopLogprobs] = field(default_factory=list)  # with new_logprobs, when asked for
     # On the output that carries the first sampled token, when asked for: every prompt token's score.
     prompt_logprobs: list[PromptLogprob] | None = None
+    timings: EngineTimings | None = None  # on the output that carries this engine's first token

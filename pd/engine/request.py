@@ -76,6 +76,11 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache on first admission
     num_preemptions: int = 0
+    # What this engine measured of the request (``EngineTimings``): its first token out, and its KV pull.
+    first_token_time: float | None = None
+    pull_seconds: float = 0.0
+    num_pulled_bytes: int = 0
+    num_pulled_blocks: int = 0
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     # The prompt's scores so far (see pd.engine.logprobs), when the request asks for them.

@@ -23,7 +23,7 @@ from collections import deque
 from pd.config import SchedulerConfig
 from pd.engine.block_pool import BlockPool
 from pd.engine.kv_cache_manager import NO_MATCH, KVCacheManager
-from pd.engine.outputs import ForwardOutput, RequestOutput, ScheduledRequest, SchedulerOutput
+from pd.engine.outputs import EngineTimings, ForwardOutput, RequestOutput, ScheduledRequest, SchedulerOutput
 from pd.engine.request import FinishReason, KVSource, Request, RequestStatus, finish_reason
 from pd.engine.tiers.base import NO_TIERS, Tiers
 
@@ -256,6 +256,7 @@ class Scheduler:
             queue_seconds=request.queue_seconds,
             error=error,
             new_top_logprobs=top_logprobs or [],
+            timings=_first_token_timings(request) if token_ids else None,
         )
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
@@ -278,3 +279,15 @@ class Scheduler:
 def make_scheduler(config: SchedulerConfig, pool: BlockPool, tiers: Tiers = NO_TIERS) -> Scheduler:
     """A scheduler over ``pool`` (``config.num_blocks`` blocks, fresh, as an engine starts with) and ``tiers``."""
     return Scheduler(config, KVCacheManager(pool, config.block_size, tiers=tiers))
+
+
+def _first_token_timings(request: Request) -> EngineTimings | None:
+    """The request's ``EngineTimings``, on the first output with a token (None on later ones)."""
+    if request.first_token_time is not None:
+        return None
+    request.first_token_time = now = time.monotonic()
+    return EngineTimings(
+        queue_s=request.queue_seconds, first_token_s=now - (request.first_scheduled_time or now),
+        pull_s=request.pull_seconds, num_pulled_bytes=request.num_pulled_bytes,
+        num_pulled_blocks=request.num_pulled_blocks, num_cached_tokens=request.num_cached_tokens,
+        num_preemptions=request.num_preemptions)

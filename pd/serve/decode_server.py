@@ -10,7 +10,7 @@ from typing import AsyncIterator
 from ray import serve
 
 from pd.serve.engine_server import EngineServer
-from pd.serve.protocol import DecodeChunk, PoolControl, PoolRequest
+from pd.serve.protocol import DecodeChunk, PoolControl, PoolRequest, RequestTimings
 from router.protocol import RouteHints
 
 logger = logging.getLogger(__name__)
@@ -71,4 +71,5 @@ class DecodeServer(EngineServer):
                     error=out.error or "",
                     top_logprobs=tuple(out.new_top_logprobs),
                     prompt_logprobs=tuple(out.prompt_logprobs) if out.prompt_logprobs is not None else None,
+                    timings=RequestTimings.of(out.timings),
                 ).encode()

@@ -10,9 +10,11 @@ fails or passes its deadline is retried once on another replica; after that
 the decode replica prefills locally, so a dead prefill pool slows requests
 down but never fails them.
 
-Three parts: ``PoolClient.generate`` plans and runs the calls; ``StreamTracker``
-turns tokens into text and latency metrics; ``Lease`` owns a remote prefill's
-pinned blocks and releases them exactly once.
+Three parts: ``PoolClient.generate`` plans and runs the calls;
+``pd.serve.stream.StreamTracker`` turns tokens into text and latency metrics;
+``Lease`` owns a remote prefill's pinned blocks and releases them exactly
+once. Each call is a span of the request's ``Timeline`` (``pd.serve.timeline``),
+with what the engines measured placed inside it.
 """
 
 from __future__ import annotations
@@ -20,18 +22,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from ray.exceptions import RayActorError
 
 from pd.config.app import AppArgs
-from pd.engine.logprobs import PromptLogprob, TopLogprobs
 from pd.engine.request import FinishReason, KVSource, finish_reason
 from pd.sampling_params import SamplingParams
 from pd.serve.metrics import RequestMetrics
 from pd.serve.protocol import DecodeChunk, PoolControl, PoolRequest, PrefillResult, RequestFailed
+from pd.serve.stream import GenerationEvent, StreamTracker
 from pd.serve.text import TextStream
+from pd.serve.timeline import Timeline, place_engine_timings
 from router.hashing import hash_block_tokens
 from router.protocol import RouteHints
 from router.remote_prefill import predicted_remote
@@ -56,63 +58,6 @@ class RequestFailedError(RuntimeError):
 
 class DecodeReplicaLost(RuntimeError):
     """A stream's decode replica died or dropped it; the request can continue on another."""
-
-
-@dataclass(frozen=True)
-class GenerationEvent:
-    token_ids: list[int]
-    text: str
-    logprobs: list[float]
-    finish_reason: str | None  # "stop" or "length" on the last event
-    num_prompt_tokens: int
-    num_output_tokens: int
-    top_logprobs: list[TopLogprobs] = field(default_factory=list)  # one per token, when asked for
-    prompt_logprobs: list[PromptLogprob] | None = None  # once, with the first token, when asked for
-    num_cached_tokens: int = 0  # prompt tokens the prefix cache served where the prompt ran
-
-
-class StreamTracker:
-    """One request's output: incremental text with stop strings, and its latency metrics."""
-
-    def __init__(self, metrics: RequestMetrics, text: TextStream, num_prompt_tokens: int):
-        self.metrics = metrics
-        self.text = text
-        self.num_prompt_tokens = num_prompt_tokens
-        self.num_output_tokens = 0
-        self.token_ids: list[int] = []  # every token streamed so far
-        self.started = self.last_token_at = time.monotonic()
-        self.first_token_at: float | None = None
-        self.num_cached_tokens = 0  # set by whoever learns where the prompt ran
-
-    def add(self, token_ids: list[int], logprobs: list[float], reason: FinishReason | None, *,
-            top_logprobs=(), prompt_logprobs=None) -> GenerationEvent:
-        """The event for new tokens; ``reason`` is the engine's. A stop string may end the request first."""
-        now = time.monotonic()
-        if self.first_token_at is None:
-            if token_ids:
-                self.metrics.ttft.observe(now - self.started)
-                self.first_token_at = now
-        elif token_ids:
-            self.metrics.itl.observe(now - self.last_token_at)
-        self.last_token_at = now
-        self.num_output_tokens += len(token_ids)
-        self.token_ids += token_ids
-        delta = self.text.add(token_ids)
-        text = delta.text
-        if delta.stopped:
-            out_reason = "stop"
-        elif reason is not None:
-            out_reason = "stop" if reason is FinishReason.STOP else "length"
-            text += self.text.finish().text
-        else:
-            out_reason = None
-        if out_reason is not None:
-            self.metrics.e2e.observe(now - self.started)
-            if self.first_token_at is not None:
-                self.metrics.decode.observe(now - self.first_token_at)
-        return GenerationEvent(token_ids, text, logprobs, out_reason, self.num_prompt_tokens, self.num_output_tokens,
-                               list(top_logprobs), None if prompt_logprobs is None else list(prompt_logprobs),
-                               self.num_cached_tokens)
 
 
 class Lease:
@@ -194,7 +139,8 @@ class PoolClient:
         uncached = self.decode_routing.estimate_uncached_tokens(hints.block_hashes, hints.num_prompt_tokens)
         return self.rule.wants_remote(hints.num_prompt_tokens, uncached, self.prefill_in_flight)
 
-    async def remote_prefill(self, request: PoolRequest, hints: RouteHints) -> PrefillResult | None:
+    async def remote_prefill(self, request: PoolRequest, hints: RouteHints,
+                             timeline: Timeline | None = None) -> PrefillResult | None:
         """Prefill on the pool, retrying once elsewhere; None means prefill locally.
 
         Each attempt has its own request id (``<id>-p<n>``): an abandoned one
@@ -202,27 +148,36 @@ class PoolClient:
         all, is released at once. A pool with no live replica left, or an
         attempt whose replica died, is given up at once, not at the deadline.
         """
+        timeline = timeline if timeline is not None else Timeline(request.request_id)
         excluded: list[str] = []
         for attempt in range(2):
             if not self.prefill_routing.has_live_replica(excluding=excluded):
                 logger.info("request %s: no live prefill replica; prefilling locally", request.request_id)
+                timeline.add_before("prefill.given_up", 0.0, reason="no live prefill replica")
                 return None
             attempt_id = f"{request.request_id}-p{attempt}"
-            try:
-                return await self._prefill_attempt(request.replace(request_id=attempt_id),
-                                                   hints.replace(request_id=attempt_id,
-                                                                 exclude_replica_ids=tuple(excluded)))
-            except (RequestFailedError, asyncio.CancelledError):
-                raise
-            except Exception as exc:  # noqa: BLE001 - the replica or the call failed: try elsewhere, then locally
-                failed = self.prefill_routing.routed_replica(attempt_id)
-                if failed is not None:
-                    excluded.append(failed)
-                    await self._release_before_retry(attempt_id, failed)  # in case it got pinned after all
-                logger.warning("request %s: prefill attempt %d failed on %s: %r",
-                               request.request_id, attempt + 1, failed, exc)
-                if attempt == 0:
-                    self.metrics.prefill_retries.inc()
+            with timeline.span("prefill", request_id=attempt_id) as span:
+                try:
+                    result = await self._prefill_attempt(request.replace(request_id=attempt_id),
+                                                         hints.replace(request_id=attempt_id,
+                                                                       exclude_replica_ids=tuple(excluded)))
+                except (RequestFailedError, asyncio.CancelledError):
+                    raise
+                except Exception as exc:  # noqa: BLE001 - the replica or the call failed: elsewhere, then locally
+                    failed = self.prefill_routing.routed_replica(attempt_id)
+                    span.set(replica=failed, error=repr(exc))
+                    if failed is not None:
+                        excluded.append(failed)
+                        await self._release_before_retry(attempt_id, failed)  # in case it got pinned after all
+                    logger.warning("request %s: prefill attempt %d failed on %s: %r",
+                                   request.request_id, attempt + 1, failed, exc)
+                    if attempt == 0:
+                        self.metrics.prefill_retries.inc()
+                    continue
+                span.set(replica=result.replica_id, num_cached_tokens=result.num_cached_tokens)
+            place_engine_timings(timeline, "prefill", result.timings, end_s=span.end_s)
+            return result
+        timeline.add_before("prefill.given_up", 0.0, reason="two attempts failed; prefilling locally")
         self.prefill_pool_down_until = time.monotonic() + PREFILL_POOL_COOLDOWN_S
         return None
 
@@ -288,22 +243,25 @@ class PoolClient:
 
     async def generate(
         self, request_id: str, token_ids: list[int], params: SamplingParams, stop: list[str],
-        decode_replica: str | None = None,
+        decode_replica: str | None = None, timeline: Timeline | None = None,
     ) -> AsyncIterator[GenerationEvent]:
         """Run one request; the last event carries the finish reason.
 
         ``decode_replica`` pins the request to that decode replica, prefilled
         there (it holds the prompt's KV already: see ``pd.serve.choices``).
+        Its calls are recorded in ``timeline`` (the HTTP request's).
         """
         if decode_replica is not None and not self.decode_routing.is_live(decode_replica):
             decode_replica = None  # a pinned call to a replica that is gone would wait for it forever
-        tracker = StreamTracker(self.metrics, TextStream(self.tokenizer, token_ids, stop), len(token_ids))
+        tracker = StreamTracker(self.metrics, TextStream(self.tokenizer, token_ids, stop), len(token_ids), timeline)
         hints = RouteHints(request_id=request_id, num_prompt_tokens=len(token_ids),
                            block_hashes=tuple(hash_block_tokens(token_ids, self.args.engine.block_size)),
                            target_replica_id=decode_replica)
         request = PoolRequest(request_id=request_id, token_ids=tuple(token_ids), sampling=params)
-        remote = decode_replica is None and self.wants_remote_prefill(hints)
-        prefilled = await self.remote_prefill(request, hints) if remote else None
+        with tracker.timeline.span("route", request_id=request_id, num_prompt_tokens=len(token_ids)) as route:
+            remote = decode_replica is None and self.wants_remote_prefill(hints)
+            route.set(prefill="remote" if remote else "local", pinned_decode_replica=decode_replica)
+        prefilled = await self.remote_prefill(request, hints, tracker.timeline) if remote else None
         if prefilled is None:
             async for event in self._decode(request, hints, tracker, None):
                 yield event
@@ -371,6 +329,8 @@ class PoolClient:
                            lease: Lease | None) -> AsyncIterator[GenerationEvent]:
         stream = self.decode.options(stream=True).generate.remote(hints.encode(), request.encode())
         engine_finished = first_chunk = False
+        span = tracker.timeline.begin("decode", request_id=request.request_id,
+                                      kv="remote" if request.kv_handle is not None else "local")
         try:
             async for data in stream:
                 chunk = DecodeChunk.decode(data)
@@ -381,20 +341,37 @@ class PoolClient:
                     raise RequestFailedError(chunk.error or "the request failed on its decode replica")
                 if not first_chunk:
                     first_chunk = True
-                    self.metrics.prefill_path.inc(tags={"path": chunk.kv_source.value})
-                    if lease is not None:
-                        lease.settle(chunk.kv_source)
-                    if chunk.kv_source is not KVSource.REMOTE and not tracker.token_ids:
-                        tracker.num_cached_tokens = chunk.num_cached_tokens  # the prompt ran here
+                    self._first_chunk(request, chunk, tracker, lease, span)
+                place_engine_timings(tracker.timeline, "decode", chunk.timings)
                 event = tracker.add(list(chunk.token_ids), list(chunk.logprobs), chunk.finish_reason,
                                     top_logprobs=chunk.top_logprobs, prompt_logprobs=chunk.prompt_logprobs)
                 engine_finished = chunk.finish_reason is not None
                 yield event
                 if event.finish_reason is not None:
+                    span.set(finish_reason=event.finish_reason, num_output_tokens=event.num_output_tokens)
                     return
             raise DecodeReplicaLost(f"decode stream for {request.request_id} ended without a finish reason")
         except RayActorError as exc:  # the replica died or cannot be reached
+            span.set(error=type(exc).__name__)
             raise DecodeReplicaLost(f"{type(exc).__name__}") from exc
+        except (GeneratorExit, asyncio.CancelledError):
+            span.set(cancelled=True)  # the client left, or the request's deadline passed
+            raise
+        except BaseException as exc:
+            span.set(error=f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
+            raise
         finally:
+            tracker.timeline.end(span)
             if not engine_finished:
                 stream.cancel()  # the decode replica aborts the request and frees its blocks
+
+    def _first_chunk(self, request: PoolRequest, chunk: DecodeChunk, tracker: StreamTracker, lease: Lease | None,
+                     span) -> None:
+        """What the first chunk from a decode replica settles: the path's metric, the lease, cached tokens."""
+        self.metrics.prefill_path.inc(tags={"path": chunk.kv_source.value})
+        if lease is not None:
+            lease.settle(chunk.kv_source)
+        if chunk.kv_source is not KVSource.REMOTE and not tracker.token_ids:
+            tracker.num_cached_tokens = chunk.num_cached_tokens  # the prompt ran here
+        span.set(replica=self.decode_routing.routed_replica(request.request_id), kv_source=chunk.kv_source.value,
+                 num_cached_tokens=chunk.num_cached_tokens)

@@ -1,24 +1,24 @@
 """The ingress: the OpenAI-compatible HTTP API and the handle API, over the two pools.
 
 It owns text: tokenizer, chat template, incremental detokenization and stop
-strings. The pools see token ids only.
+strings. The pools see token ids only. It keeps the last requests' timelines
+(``GET /debug/requests/{id}``; every response names its id in ``x-request-id``).
 """
 
-
+import asyncio
 import hmac
 import json
 import logging
 import os
 import threading
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 from ray import serve
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pd.config.app import AppArgs
 from pd.model.config import load_model_config
@@ -27,7 +27,8 @@ from pd.model.tokenizer import Tokenizer
 from pd.sampling_params import SamplingParams, StructuredOutput
 from pd.serve.body_limit import BodyLimit
 from pd.serve.choices import run_choices
-from pd.serve.generation import GenerationEvent, PoolClient, RequestFailedError
+from pd.serve.errors import classify, error_body, install_error_handlers
+from pd.serve.generation import GenerationEvent, PoolClient
 from pd.serve.handle_api import GenerateChunk, GenerateRequest
 from pd.serve.openai_protocol import (
     ChatCompletionRequest,
@@ -39,6 +40,8 @@ from pd.serve.openai_protocol import (
 )
 from pd.serve.openai_render import ChatRenderer, ChoiceOutput, CompletionRenderer
 from pd.serve.prompts import PromptEncoder
+from pd.serve.request_id import RequestIds
+from pd.serve.timeline import RequestRing, Timeline
 from pd.serve.tools import tool_call_mode
 from router.shared import RoutingScopes
 
@@ -46,70 +49,12 @@ logger = logging.getLogger(__name__)
 
 app = FastAPI(title="pd: disaggregated prefill/decode serving")
 app.add_middleware(BodyLimit, limit=lambda: getattr(app.state, "max_request_body_bytes", None))
-
-
-@app.exception_handler(OpenAIError)
-async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status)
-
-
-@app.exception_handler(StarletteHTTPException)
-async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-    """Starlette's own errors (unreadable bodies, unknown routes) in the OpenAI shape."""
-    message = exc.detail if isinstance(exc.detail, str) else "invalid request"
-    kind = "invalid_request_error" if exc.status_code < 500 else "internal_error"
-    code = "request_too_large" if exc.status_code == 413 else None
-    return JSONResponse(OpenAIError(exc.status_code, message, type=kind, code=code).body(), status_code=exc.status_code)
-
-
-@app.exception_handler(RequestValidationError)
-async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-    errors = exc.errors()
-    # A value that fits no member of a union fails once per member: the deepest failure says most.
-    first = max(errors, key=lambda error: len(error.get("loc", ())), default={})
-    param = _param_name(first.get("loc", ()))
-    kind = first.get("type", "")
-    if kind == "extra_forbidden":
-        message = f"unknown field {param!r}"
-    else:
-        message = f"{param}: {first.get('msg', 'invalid value')}" if param else first.get("msg", "invalid request")
-    return JSONResponse(OpenAIError(400, message, param=param).body(), status_code=400)
-
-
-def _param_name(loc) -> str | None:
-    """The request field a pydantic error location names: ``messages.0.content``, never a union member's tag."""
-    parts = []
-    for part in loc[1:] if loc and loc[0] == "body" else loc:
-        if not isinstance(part, int) and not str(part).isidentifier():
-            break  # a union member's tag, such as "list[int]" or "function-after[...]"
-        parts.append(str(part))
-    return ".".join(parts) or None
-
-
-@app.exception_handler(Exception)
-async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
-    status, message, kind = _classify(exc)
-    if status == 500:
-        logger.exception("internal error: %r", exc)
-    return JSONResponse(OpenAIError(status, message, type=kind).body(), status_code=status)
-
-
-def _classify(exc: Exception) -> tuple[int, str, str]:
-    """HTTP status for failures that are not the client's fault. No stack traces leave."""
-    from ray.serve.exceptions import BackPressureError
-
-    if isinstance(exc, BackPressureError):
-        return 503, "the server is overloaded; retry later", "overloaded_error"
-    if isinstance(exc, RequestFailedError):
-        return 500, f"this request failed: {exc}", "internal_error"
-    return 500, "internal server error", "internal_error"
+app.add_middleware(RequestIds)  # outermost: a 413 from BodyLimit is named too
+install_error_handlers(app)
 
 
 async def with_deadline(events: AsyncIterator[GenerationEvent], timeout_s: float) -> AsyncIterator[GenerationEvent]:
     """``events`` until ``timeout_s`` has passed; then they are closed (cancelling the pools' work)."""
-    import asyncio
-    import time
-
     deadline = time.monotonic() + timeout_s
     try:
         while True:
@@ -145,6 +90,7 @@ class _Call:
     num_prompt_tokens: int
     generate: bool  # False for echo with max_tokens=0: no completion tokens
     body: Any
+    timeline: Timeline
 
     def frame(self, choices: list[dict]) -> dict:
         return {"id": self.rid, "object": self.kind, "created": now(), "model": self.model, "choices": choices}
@@ -173,6 +119,7 @@ class Ingress:
         self.vocab_size = model_config.vocab_size
         self._grammar_compiler = None
         self._grammar_lock = threading.Lock()
+        self.requests = RequestRing(self.args.debug_requests_kept)
 
     # Input checks shared by every entry point --------------------------------
 
@@ -217,14 +164,16 @@ class Ingress:
     async def completions(self, body: CompletionRequest, request: Request):
         self._authorize(request)
         self._check_model(body.model)
+        timeline = self._open(request, "cmpl", "/v1/completions", body.stream)
         prompt = body.single_prompt()
-        token_ids = await self.prompts.encode(prompt)
+        with timeline.span("tokenize"):
+            token_ids = await self.prompts.encode(prompt)
         n, num_runs = self._num_choices(body.n, body.best_of)
         generate = body.max_tokens != 0  # max_tokens=0 (with echo): the prompt's scores alone
         # best_of ranks its runs by their log-probability, asked for or not.
         run_logprobs = body.logprobs if num_runs == n else (body.logprobs or 0)
         prompt_logprobs = body.logprobs if body.echo else None
-        structured = await self._check_structured(body.structured_output(), body)
+        structured = await self._check_structured(body.structured_output(), body, timeline)
         params = self._params(body, body.max_tokens if generate else 1, run_logprobs, structured, prompt_logprobs)
         self.prompts.check_lengths(token_ids, params)
         stop = self.prompts.check_stop(body.stop_strings())
@@ -232,8 +181,8 @@ class Ingress:
         if body.echo:
             echo_text = prompt if isinstance(prompt, str) else self._decode(token_ids)
         renderer = CompletionRenderer(self._token_text, body.logprobs, token_ids, echo_text, generate)
-        call = _Call(completion_id("cmpl"), body.model, "text_completion", len(token_ids), generate, body)
-        events = self._choices(call.rid, token_ids, params, stop, num_runs)
+        call = _Call(timeline.request_id, body.model, "text_completion", len(token_ids), generate, body, timeline)
+        events = self._choices(call, token_ids, params, stop, num_runs)
         if body.stream:
             return self._stream(events, renderer, call)
         return await self._collect(events, renderer, call, n)
@@ -242,17 +191,19 @@ class Ingress:
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
         self._authorize(request)
         self._check_model(body.model)
+        timeline = self._open(request, "chatcmpl", "/v1/chat/completions", body.stream)
         tools, tool_constraint = tool_call_mode(body)
-        token_ids = await self.prompts.chat(body.chat_messages())
+        with timeline.span("tokenize"):
+            token_ids = await self.prompts.chat(body.chat_messages())
         n, _ = self._num_choices(body.n, None)
-        structured = await self._check_structured(tool_constraint or body.structured_output(), body)
+        structured = await self._check_structured(tool_constraint or body.structured_output(), body, timeline)
         params = self._params(body, body.max_completion_tokens or body.max_tokens, body.logprobs_k(), structured)
         self.prompts.check_lengths(token_ids, params)
         stop = self.prompts.check_stop(body.stop_strings())
         renderer = ChatRenderer(self._token_text, body.logprobs_k(), tools)
         kind = "chat.completion.chunk" if body.stream else "chat.completion"
-        call = _Call(completion_id("chatcmpl"), body.model, kind, len(token_ids), True, body)
-        events = self._choices(call.rid, token_ids, params, stop, n)
+        call = _Call(timeline.request_id, body.model, kind, len(token_ids), True, body, timeline)
+        events = self._choices(call, token_ids, params, stop, n)
         if body.stream:
             return self._stream(events, renderer, call)
         return await self._collect(events, renderer, call, n)
@@ -265,11 +216,13 @@ class Ingress:
             raise OpenAIError(400, f"{param}={runs} is more than this server's max_n ({self.args.max_n})", param=param)
         return n, runs
 
-    async def _check_structured(self, constraint: StructuredOutput | None, body) -> StructuredOutput | None:
+    async def _check_structured(self, constraint: StructuredOutput | None, body,
+                                timeline: Timeline) -> StructuredOutput | None:
         """``constraint``, once it compiles; a bad schema or regex is the client's 400, never a replica's error."""
         if constraint is not None:
             try:
-                await self.prompts.run(self._compile, constraint)
+                with timeline.span("grammar_compile"):
+                    await self.prompts.run(self._compile, constraint)
             except ValueError as exc:
                 param = (body.constraint_fields() or ["tools"])[0]
                 raise OpenAIError(400, str(exc), param=param) from None
@@ -286,8 +239,19 @@ class Ingress:
                 self._grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.pools.eos_token_ids)
         self._grammar_compiler.compile(constraint)
 
-    def _choices(self, rid: str, token_ids: list[int], params: SamplingParams, stop: list[str], n: int):
-        return with_deadline(run_choices(self.pools, rid, token_ids, params, stop, n), self.args.request_timeout_s)
+    def _choices(self, call: "_Call", token_ids: list[int], params: SamplingParams, stop: list[str], n: int):
+        call.timeline.set(num_prompt_tokens=len(token_ids), max_tokens=params.max_tokens, n=n)
+        return with_deadline(run_choices(self.pools, call.rid, token_ids, params, stop, n, call.timeline),
+                             self.args.request_timeout_s)
+
+    def _open(self, request: Request, kind: str, endpoint: str, stream: bool) -> Timeline:
+        """The request's id (``kind-<hex>``, in place of the middleware's) and its timeline in the ring."""
+        request_id = completion_id(kind)
+        request.state.request_id = request_id
+        timeline = self.requests.open(request_id, getattr(request.state, "client_request_id", None),
+                                      endpoint=endpoint, stream=stream)
+        request.state.timeline = timeline
+        return timeline
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False) if self.tokenizer else ""
@@ -297,14 +261,19 @@ class Ingress:
 
     async def _collect(self, events, renderer, call: "_Call", n: int) -> dict:
         outputs: dict[int, ChoiceOutput] = {}
-        async for index, event in events:
-            outputs.setdefault(index, ChoiceOutput()).add(event)
+        try:
+            async for index, event in events:
+                outputs.setdefault(index, ChoiceOutput()).add(event)
+        except asyncio.CancelledError:  # the client left; an error ends the timeline in its handler
+            call.timeline.finish("cancelled")
+            raise
         runs = [outputs[i] for i in sorted(outputs)]
         if len(runs) > n:  # best_of: the n runs the model finds most likely
             runs = sorted(runs, key=lambda out: sum(out.logprobs), reverse=True)[:n]
         response = call.frame([renderer.choice(i, out) for i, out in enumerate(runs)])
         completion_tokens = sum(out.num_output_tokens for out in outputs.values()) if call.generate else 0
         response["usage"] = usage(call.num_prompt_tokens, completion_tokens, runs[0].num_cached_tokens)
+        call.timeline.finish("ok", num_output_tokens=completion_tokens)
         return response
 
     def _stream(self, events, renderer, call: "_Call") -> StreamingResponse:
@@ -320,14 +289,14 @@ class Ingress:
                         frame["usage"] = usage(call.num_prompt_tokens, sum(num_output_tokens.values()),
                                                num_cached_tokens)
                     yield _sse(frame)
-            except OpenAIError as exc:
-                yield _sse(exc.body())
-                return
+                call.timeline.finish("ok", num_output_tokens=sum(num_output_tokens.values()))
             except Exception as exc:  # noqa: BLE001 - the stream must end with an error event, not a hang
-                status, message, kind_name = _classify(exc)
-                logger.warning("stream %s failed: %r", call.rid, exc)
-                yield _sse(OpenAIError(status, message, type=kind_name).body())
+                if not isinstance(exc, OpenAIError):
+                    logger.warning("stream %s failed: %r", call.rid, exc)
+                yield _sse(error_body(classify(exc), call.rid, call.timeline))
                 return
+            finally:  # a client that left ends it here (an error or a normal end has ended it already)
+                call.timeline.finish("cancelled")
             if call.body.include_usage:
                 final = call.frame([])
                 final["usage"] = usage(call.num_prompt_tokens, sum(num_output_tokens.values()), num_cached_tokens)
@@ -335,6 +304,24 @@ class Ingress:
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(body(), media_type="text/event-stream")
+
+    @app.get("/debug/requests")
+    async def debug_requests(self, request: Request, limit: int = 100) -> dict:
+        """The newest requests this ingress replica keeps, newest first: id, status, duration."""
+        self._authorize(request)
+        return {"object": "list", "kept": len(self.requests), "capacity": self.requests.capacity,
+                "data": [timeline.summary() for timeline in self.requests.newest(max(0, min(limit, 1000)))]}
+
+    @app.get("/debug/requests/{request_id}")
+    async def debug_request(self, request_id: str, request: Request) -> dict:
+        """One request's timeline, by its id (the response's ``x-request-id``) or the client's own id."""
+        self._authorize(request)
+        timeline = self.requests.get(request_id)
+        if timeline is None:
+            raise OpenAIError(404, f"request {request_id!r} is not among the last {self.requests.capacity} requests "
+                                   "this ingress replica keeps (debug_requests_kept)",
+                              param="request_id", code="request_not_found")
+        return timeline.as_dict()
 
     # Handle API ---------------------------------------------------------------
 

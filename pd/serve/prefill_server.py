@@ -11,7 +11,7 @@ from ray import serve
 
 from pd.engine.request import FinishReason
 from pd.serve.engine_server import EngineServer
-from pd.serve.protocol import PoolControl, PoolRequest, PrefillResult, RequestFailed
+from pd.serve.protocol import PoolControl, PoolRequest, PrefillResult, RequestFailed, RequestTimings
 
 logger = logging.getLogger(__name__)
 
@@ -31,10 +31,10 @@ class PrefillServer(EngineServer):
         request = PoolRequest.decode(data)
         await self.engine.compile_constraint(request.sampling)  # off the event loop
         stream = self.engine.add_request(request.request_id, list(request.token_ids), request.sampling, pin_kv=True)
-        last = None
+        last = timings = None
         async with contextlib.aclosing(stream):
             async for out in stream:
-                last = out
+                last, timings = out, out.timings or timings
         if last is not None and last.finish_reason is FinishReason.ERROR:
             return RequestFailed(request_id=request.request_id, error=last.error or "request failed").encode()
         if last is None or last.finish_reason is FinishReason.ABORT or last.kv_handle is None:
@@ -51,6 +51,7 @@ class PrefillServer(EngineServer):
             num_cached_tokens=last.num_cached_tokens,
             first_top_logprobs=last.new_top_logprobs[0] if last.new_top_logprobs else None,
             prompt_logprobs=tuple(last.prompt_logprobs) if last.prompt_logprobs is not None else None,
+            timings=RequestTimings.of(timings),
         ).encode()
 
     async def release(self, hints: bytes, data: bytes) -> None:

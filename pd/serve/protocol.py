@@ -11,9 +11,39 @@ from __future__ import annotations
 from typing import ClassVar
 
 from pd.engine.logprobs import PromptLogprob, TopLogprobs
+from pd.engine.outputs import EngineTimings
 from pd.engine.request import FinishReason, KVSource
 from pd.sampling_params import SamplingParams
 from transfer.wire import NonNegativeInt, WireMessage
+
+
+class RequestTimings(WireMessage, frozen=True, kw_only=True):
+    """What an engine measured of one request, up to its first token out of it (``EngineTimings``).
+
+    Seconds: ``queue_s`` from arrival to admission, ``first_token_s`` from
+    admission to the first token, of which ``pull_s`` pulling KV. The
+    ingress places them in the request's timeline (``pd.serve.timeline``).
+    """
+
+    queue_s: float
+    first_token_s: float
+    pull_s: float = 0.0
+    num_pulled_bytes: NonNegativeInt = 0
+    num_pulled_blocks: NonNegativeInt = 0
+    num_preemptions: NonNegativeInt = 0
+
+    def validate(self) -> None:
+        for name in ("queue_s", "first_token_s", "pull_s"):
+            if not getattr(self, name) >= 0.0:  # NaN fails too
+                raise ValueError(f"{name} must be a non-negative number of seconds, got {getattr(self, name)}")
+
+    @classmethod
+    def of(cls, timings: EngineTimings | None) -> "RequestTimings | None":
+        if timings is None:
+            return None
+        return cls(queue_s=timings.queue_s, first_token_s=timings.first_token_s, pull_s=timings.pull_s,
+                   num_pulled_bytes=timings.num_pulled_bytes, num_pulled_blocks=timings.num_pulled_blocks,
+                   num_preemptions=timings.num_preemptions)
 
 
 class PoolRequest(WireMessage, frozen=True, kw_only=True):
@@ -63,6 +93,7 @@ class PrefillResult(WireMessage, frozen=True, kw_only=True):
     num_cached_tokens: NonNegativeInt
     first_top_logprobs: TopLogprobs | None = None
     prompt_logprobs: tuple[PromptLogprob, ...] | None = None
+    timings: RequestTimings | None = None
 
 
 class RequestFailed(WireMessage, frozen=True, kw_only=True):
@@ -93,3 +124,4 @@ class DecodeChunk(WireMessage, frozen=True, kw_only=True):
     error: str = ""
     top_logprobs: tuple[TopLogprobs, ...] = ()
     prompt_logprobs: tuple[PromptLogprob, ...] | None = None
+    timings: RequestTimings | None = None  # with the first chunk that has a token

@@ -286,12 +286,15 @@ class KVConnector:
                 continue
             del self._pulls[request_id]
             self._end_pull(pull)
+            pull.request.pull_seconds = mono - pull.started  # a failed pull's time too: the request waited
             if state is TransferState.DONE:
                 self.stats.num_pulled_blocks += len(pull.block_ids)
                 # What the transport measured it moved (NIXL's telemetry); computed where it cannot say.
                 moved = pull.handle.moved_bytes
-                self.stats.num_pulled_bytes += len(pull.block_ids) * self.block_bytes if moved is None else moved
+                moved = len(pull.block_ids) * self.block_bytes if moved is None else moved
+                self.stats.num_pulled_bytes += moved
                 self.stats.pull_seconds_total += mono - pull.started
+                pull.request.num_pulled_bytes, pull.request.num_pulled_blocks = moved, len(pull.block_ids)
                 self.scheduler.finish_remote_read(pull.request, succeeded=True)
             else:
                 reason = pull.handle.error if state is TransferState.FAILED else "timed out"

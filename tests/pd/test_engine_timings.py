@@ -1,0 +1,37 @@
+"""An engine reports where each request's time went, once, with its first token (``EngineTimings``)."""
+
+from __future__ import annotations
+
+import time
+
+from pd.config import EngineConfig
+from pd.engine.engine import LLMEngine
+from pd.sampling_params import SamplingParams
+
+
+def _run(engine: LLMEngine) -> dict[str, list]:
+    outputs: dict[str, list] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).append(out)
+    return outputs
+
+
+def test_the_first_output_with_a_token_carries_the_timings_and_no_other_does():
+    engine = LLMEngine(EngineConfig(model="builtin:tiny-llama", num_blocks=64, max_num_seqs=1))
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    started = time.monotonic()
+    engine.add_request("first", list(range(1, 40)), params)
+    engine.add_request("second", list(range(1, 40)), params)  # waits for "first" (one sequence at a time)
+    outputs = _run(engine)
+    elapsed = time.monotonic() - started
+    for request_id, outs in outputs.items():
+        with_tokens = [out for out in outs if out.new_token_ids]
+        assert with_tokens[0].timings is not None, request_id
+        assert all(out.timings is None for out in outs if out is not with_tokens[0]), request_id
+    first, second = (outputs[name][0].timings for name in ("first", "second"))
+    assert 0 < first.first_token_s < elapsed and first.queue_s < first.first_token_s
+    # The second queued behind the whole first request, then hit the prompt's blocks it left cached.
+    assert second.queue_s > first.first_token_s
+    assert second.num_cached_tokens == 32 and first.num_cached_tokens == 0
+    assert first.pull_s == 0.0 and first.num_pulled_blocks == 0

@@ -1,0 +1,110 @@
+"""Every response names its request (``x-request-id``), and ``GET /debug/requests/{id}`` shows where its time went.
+
+On the default app: a SHORT prompt prefills on its decode replica, a LONG one
+on the prefill pool, whose KV the decode replica pulls.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+import uuid
+
+import pytest
+
+from tests.serve.conftest import replica_ids
+
+pytestmark = pytest.mark.integration
+
+MODEL = "builtin:tiny-llama"
+SHORT = "Tell me about the sea."
+LONG = " ".join(f"word{i}" for i in range(150))
+
+
+def _call(url: str, method: str, body: dict | None = None, headers: dict | None = None):
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(url, data=data, method=method,
+                                     headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.status, dict(response.headers), response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, dict(exc.headers), exc.read().decode()
+
+
+def _timeline(app, request_id: str) -> dict:
+    status, _, text = _call(f"{app.url}/debug/requests/{request_id}", "GET")
+    assert status == 200, text
+    return json.loads(text)
+
+
+def _spans(timeline: dict) -> dict[str, dict]:
+    return {span["name"]: span for span in timeline["spans"]}
+
+
+def test_a_local_prefill_is_named_and_its_timeline_found_by_either_id(default_app):
+    client_id = f"client-{uuid.uuid4().hex}"
+    status, headers, text = _call(f"{default_app.url}/v1/completions", "POST",
+                                  {"model": MODEL, "prompt": SHORT, "max_tokens": 4, "temperature": 0},
+                                  {"x-request-id": client_id})
+    assert status == 200, text
+    body = json.loads(text)
+    assert headers["x-request-id"] == body["id"] and body["id"].startswith("cmpl-")
+    timeline = _timeline(default_app, body["id"])
+    assert _timeline(default_app, client_id)["request_id"] == body["id"]
+    assert timeline["status"] == "ok" and timeline["attributes"]["client_request_id"] == client_id
+    spans = _spans(timeline)
+    assert {"tokenize", "route", "decode", "decode.queue", "decode.compute"} <= set(spans)
+    assert spans["route"]["attributes"]["prefill"] == "local"
+    decode = spans["decode"]["attributes"]
+    assert decode["replica"] in replica_ids("pd", "DecodeServer") and decode["kv_source"] == "local"
+    assert decode["num_output_tokens"] == 4 and decode["finish_reason"] == "length"
+    # Where the time went adds up: the engine's spans lie inside the decode call, in order.
+    assert spans["decode"]["start_s"] <= spans["decode.queue"]["start_s"] + 1e-6
+    assert spans["decode.queue"]["end_s"] <= spans["decode.compute"]["start_s"] + 1e-6
+    assert spans["decode.compute"]["end_s"] <= timeline["duration_s"] + 1e-6
+
+
+def test_a_remote_prefill_shows_the_prefill_call_and_the_kv_pull(default_app):
+    events = []
+    status, headers, text = _call(f"{default_app.url}/v1/chat/completions", "POST",
+                                  {"model": MODEL, "stream": True, "max_tokens": 3, "temperature": 0,
+                                   "messages": [{"role": "user", "content": f"{uuid.uuid4().hex} {LONG}"}]})
+    assert status == 200, text
+    events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+    assert headers["x-request-id"] == events[0]["id"]
+    timeline = _timeline(default_app, events[0]["id"])
+    spans = _spans(timeline)
+    assert timeline["status"] == "ok" and spans["route"]["attributes"]["prefill"] == "remote"
+    assert spans["prefill"]["attributes"]["replica"] in replica_ids("pd", "PrefillServer")
+    assert {"prefill.queue", "prefill.compute", "decode.kv_pull"} <= set(spans)
+    assert spans["decode"]["attributes"]["kv"] == "remote"
+    pull = spans["decode.kv_pull"]["attributes"]
+    assert pull["blocks"] > 0 and pull["bytes"] > 0
+    assert spans["prefill"]["end_s"] <= spans["decode"]["start_s"] + 1e-6
+
+
+def test_an_error_names_the_request_and_ends_its_timeline(default_app):
+    status, headers, text = _call(f"{default_app.url}/v1/completions", "POST",
+                                  {"model": MODEL, "prompt": SHORT, "max_tokens": 4, "temperature": 0,
+                                   "stop": ["x"] * 1000})
+    assert status == 400, text
+    error = json.loads(text)["error"]
+    assert error["request_id"] == headers["x-request-id"]
+    timeline = _timeline(default_app, error["request_id"])
+    assert timeline["status"] == "error" and timeline["attributes"]["http_status"] == 400
+    # Refused before a timeline is opened (the model is wrong): still named, not kept.
+    status, headers, text = _call(f"{default_app.url}/v1/completions", "POST", {"model": "nope", "prompt": SHORT})
+    assert status == 404 and json.loads(text)["error"]["request_id"] == headers["x-request-id"]
+
+
+def test_an_unknown_id_is_a_404_naming_it_and_the_list_is_newest_first(default_app):
+    status, headers, text = _call(f"{default_app.url}/debug/requests/cmpl-unknown", "GET")
+    assert status == 404
+    error = json.loads(text)["error"]
+    assert error["code"] == "request_not_found" and "cmpl-unknown" in error["message"]
+    status, _, text = _call(f"{default_app.url}/debug/requests?limit=2", "GET")
+    listing = json.loads(text)
+    assert status == 200 and len(listing["data"]) == 2 and listing["capacity"] == 1000
+    assert listing["data"][0]["arrived_unix"] >= listing["data"][1]["arrived_unix"]
