@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import random
 import time
 from collections import OrderedDict
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar, Iterable
 
 from ray import serve
 from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
@@ -26,6 +27,7 @@ from ray.util import metrics
 
 from router.cache_feed import CacheEventFeed
 from router.decode_policy import DecodePolicy, DecodePolicyConfig
+from router.gray import GrayFailureConfig, GrayFailureDetector
 from router.latency import LatencyPolicyConfig, LatencyPredictor, PredictedLatencyPolicy
 from router.policy import PolicyConfig, PrefixAffinityPolicy, ReplicaLoad, RoutingDecision
 from router.prefix_index import PrefixIndex
@@ -35,6 +37,7 @@ from transfer.wire import WireError
 
 logger = logging.getLogger(__name__)
 
+JUDGE_PERIOD_S = 1.0  # how often a router's gray-failure detector judges its pool (reports come about as often)
 PREDICTED_S_BOUNDARIES = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
 
 
@@ -88,10 +91,18 @@ class PinnedRequestRouter(RequestRouter):
 
     policy_config: ClassVar[type | None] = None  # the config class its kwargs build, if any
 
-    def initialize_state(self, routing_scope: str = "", **policy_kwargs: Any) -> None:
+    def initialize_state(self, routing_scope: str = "", gray_failure: dict[str, float] | None = None,
+                         **policy_kwargs: Any) -> None:
         self.pool = caller_pool_routing(routing_scope)
         self.reports = ReplicaReports()
         self.initialize_policy(**policy_kwargs)
+        self.gray = None if gray_failure is None else GrayFailureWatch(
+            GrayFailureDetector(GrayFailureConfig(**gray_failure)), self.pool, routing_scope or "pool")
+        if self.gray is not None:
+            heard = self.reports.on_new
+            self.reports.on_new = lambda replica_id, stats: (heard(replica_id, stats),
+                                                             self.gray.detector.observe(replica_id, stats,
+                                                                                        time.monotonic()))
 
     def initialize_policy(self, **policy_kwargs: Any) -> None:
         if policy_kwargs:
@@ -120,6 +131,8 @@ class PinnedRequestRouter(RequestRouter):
             return [chosen] if chosen else []
         excluded = set(hints.exclude_replica_ids)
         allowed = [r for r in candidate_replicas if r.replica_id.unique_id not in excluded]
+        if self.gray is not None:
+            allowed = self.gray.allowed(allowed, self.curr_replicas.values(), self.reports)
         if not allowed:
             return []
         ranks = self.rank(allowed, hints)
@@ -148,6 +161,43 @@ class PinnedRequestRouter(RequestRouter):
             feed.apply(replica.replica_id.unique_id, self.reports.get(replica))
         feed.retain(live)
         self.reports.retain(live)
+
+
+class GrayFailureWatch:
+    """A router's gray-failure detector (``router.gray``): judged at most once a second, shared with the ingress.
+
+    The quarantine goes to the pool's routing in this process (the ingress
+    moves a quarantined replica's streams), to the log and to metrics.
+    """
+
+    def __init__(self, detector: GrayFailureDetector, pool: PoolRouting, scope: str):
+        self.detector = detector
+        self.pool = pool
+        self.scope = scope
+        self._judged_s = -math.inf
+        self._held = metrics.Gauge("pd_router_quarantined_replicas", tag_keys=("pool",),
+                                   description="replicas held back as persistently slow (gray failures)")
+        self._changes = metrics.Counter("pd_router_quarantine_changes_total", tag_keys=("pool", "kind"),
+                                        description="replicas quarantined, readmitted, or due for replacement")
+
+    def allowed(self, allowed: list[RunningReplica], every: Iterable[RunningReplica],
+                reports: ReplicaReports) -> list[RunningReplica]:
+        now = time.monotonic()
+        if now - self._judged_s >= JUDGE_PERIOD_S:
+            self._judged_s = now
+            replicas = list(every)
+            for replica in replicas:
+                reports.get(replica)  # every new report reaches the detector, not only the ranked replicas'
+            for change in self.detector.update([r.replica_id.unique_id for r in replicas], now):
+                logger.warning("%s replica %s %s (%.1fx the pool's median step time)", self.scope,
+                               change.replica_id, change.kind, change.slowness)
+                self._changes.inc(tags={"pool": self.scope, "kind": change.kind})
+            self.pool.quarantined = frozenset(self.detector.quarantined())
+            self.pool.slowness = {r.replica_id.unique_id: self.detector.slowness(r.replica_id.unique_id)
+                                  for r in replicas}
+            self._held.set(len(self.pool.quarantined), tags={"pool": self.scope})
+        keep = set(self.detector.allowed([r.replica_id.unique_id for r in allowed]))
+        return [r for r in allowed if r.replica_id.unique_id in keep]
 
 
 def _hints(pending_request: PendingRequest | None) -> RouteHints | None:

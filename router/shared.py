@@ -36,6 +36,11 @@ class PoolRouting:
         self._block_size = 0
         self._live: set[str] | None = None  # None until a router has seen the pool
         self._predictor: LatencyPredictor | None = None
+        self.quarantined: frozenset[str] = frozenset()  # slow replicas its router holds back (router.gray)
+        self.slowness: dict[str, float] = {}  # each replica's step time over the pool's median, as last judged
+
+    def is_quarantined(self, replica_id: str | None) -> bool:
+        return replica_id in self.quarantined
 
     def set_replicas(self, replica_ids) -> None:
         """The pool's running replicas, as Serve last told the router."""

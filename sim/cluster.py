@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pd.engine.outputs import RequestOutput
 from pd.sampling_params import SamplingParams
 from router.decode_policy import DecodePolicy, DecodePolicyConfig
+from router.gray import GrayFailureConfig, GrayFailureDetector, Transition
 from router.hashing import hash_block_tokens
 from router.latency import LatencyPolicyConfig, LatencyPredictor
 from router.policy import PolicyConfig, RoutingDecision
@@ -64,6 +65,8 @@ class ClusterSpec:
     host: HostModel | None = None  # every replica on one machine's cores (sim.host); None: each has its own
     tiers: TierModels = TierModels()  # the disk tier's and the shared store's I/O, for engines that have them
     seed: int = 0
+    # The decode router's gray-failure detector (router.gray), judging at each report; None: off.
+    gray_failure: GrayFailureConfig | None = None
 
     def __post_init__(self) -> None:
         if self.prefill is not None and self.prefill.engine.block_size != self.decode.engine.block_size:
@@ -129,6 +132,8 @@ class SimCluster:
                 "prefill": PoolPredictions(self.prefill.placement.policies[0].predictor, self.prefill.index,
                                            self.prefill.replica_ids),
                 "decode": PoolPredictions(decode_predictor, self.decode.index, self.decode.replica_ids)}
+        self.gray = GrayFailureDetector(spec.gray_failure) if spec.gray_failure is not None else None
+        self.gray_changes: list[Transition] = []  # what it decided, in order
         self.records: dict[str, RequestRecord] = {}
         self._flows: dict[str, _Flow] = {}
         self._reporting = False
@@ -236,6 +241,9 @@ class SimCluster:
             replica_id = pool.placement.place(self._arrival(request_id, flow), pool)
         else:
             loads = pool.loads()
+            if self.gray is not None:  # the quarantined take no new streams, as in the app's decode router
+                allowed = set(self.gray.allowed([load.replica_id for load in loads]))
+                loads = [load for load in loads if load.replica_id in allowed]
             runs = pool.index.match_tiers(flow.hashes, [load.replica_id for load in loads])
             decision: RoutingDecision = self.decode_policy.choose(loads, runs, len(flow.prompt))
             self.decode_policy.record_routed(decision)
@@ -293,6 +301,10 @@ class SimCluster:
         predictor = self.decode_policy.predictor
         for replica_id, stats in self.decode.reports.items():
             predictor.observe(replica_id, stats, self.loop.now)
+            if self.gray is not None:
+                self.gray.observe(replica_id, stats, self.loop.now)
+        if self.gray is not None:  # judged once a report period, as the app's routers judge once a second
+            self.gray_changes += self.gray.update(self.decode.replica_ids, self.loop.now)
         if self.loop.has_events():  # arrivals, steps or reads to come; with none, nothing can change
             self.loop.at(self.loop.now + self.spec.report_period_s, self._report)
         else:

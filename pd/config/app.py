@@ -11,7 +11,7 @@ import importlib
 import typing
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError, create_model, model_validator
+from pydantic import Field, ValidationError, create_model, field_validator, model_validator
 
 from pd.config import EngineConfig
 from pd.config.autoscaling import DecodeAutoscalingArgs, PoolAutoscalingArgs, PrefillAutoscalingArgs, StrictModel
@@ -25,7 +25,7 @@ APP_LEVEL_ENGINE_FIELDS = ("kv_lease_s", "kv_read_timeout_s")
 # EngineConfig fields set per pool (``prefill:``, ``decode:``), not under ``engine:``.
 POOL_LEVEL_ENGINE_FIELDS = ("tensor_parallel_size", "expert_parallel_size", "num_redundant_experts")
 # Router kwargs the app sets itself: the engines' block size and the pool's routing scope.
-APP_ROUTER_KWARGS = ("block_size", "max_num_batched_tokens", "routing_scope")
+APP_ROUTER_KWARGS = ("block_size", "max_num_batched_tokens", "routing_scope", "gray_failure")
 # The prefill router of the predicted remote-prefill rule, which shares its latency predictor with the ingress.
 LATENCY_ROUTER = "router.serve:PredictedLatencyRouter"
 # Serve's own graceful_shutdown_timeout_s, which the pools keep where nothing asks for more.
@@ -73,6 +73,21 @@ class RouterArgs(StrictModel):
     )
     request_router_kwargs: dict[str, Any] = Field(default_factory=dict)
     request_routing_stats_period_s: float = Field(1.0, gt=0)
+    # Quarantine replicas that are alive but persistently slow (``router.gray.GrayFailureConfig``'s
+    # fields; {} takes its defaults: 3x the pool's median over 10 s). Off when absent.
+    gray_failure: dict[str, float] | None = None
+
+    @field_validator("gray_failure")
+    @classmethod
+    def _valid_gray_failure(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if value is not None:
+            from router.gray import GrayFailureConfig
+
+            try:
+                GrayFailureConfig(**value)
+            except TypeError as exc:
+                raise ValueError(f"gray_failure: {exc}") from None
+        return value
 
     def router_class(self, default: str) -> type:
         path = self.request_router_class or default
@@ -114,6 +129,8 @@ class RouterArgs(StrictModel):
                 raise ValueError(f"request_router_kwargs: {exc}") from None
             kwargs.update(app_set)
         kwargs["routing_scope"] = routing_scope
+        if self.gray_failure is not None:
+            kwargs["gray_failure"] = dict(self.gray_failure)
         return kwargs
 
 

@@ -30,6 +30,7 @@ from pd.config.app import AppArgs
 from pd.engine.request import FinishReason, KVSource, finish_reason
 from pd.sampling_params import SamplingParams
 from pd.serve.metrics import RequestMetrics
+from pd.serve.probes import QuarantineProbes, probe_interval_s
 from pd.serve.protocol import DecodeChunk, PoolControl, PoolRequest, PrefillResult, RequestFailed
 from pd.serve.stream import GenerationEvent, StreamTracker
 from pd.serve.text import TextStream
@@ -118,6 +119,11 @@ class PoolClient:
         self.prefill_in_flight = 0
         self.prefill_pool_down_until = 0.0
         self.num_migrations = 0  # streams moved off a lost decode replica
+        handles = {"prefill": prefill_handle, "decode": decode_handle}
+        routings = {"prefill": self.prefill_routing, "decode": self.decode_routing}
+        self.probes = QuarantineProbes({
+            name: (routings[name], handles[name], interval) for name, pool, _, _ in args.pools()
+            if handles[name] is not None and (interval := probe_interval_s(pool.router.gray_failure)) is not None})
 
     def wants_remote_prefill(self, hints: RouteHints) -> bool:
         """``router.remote_prefill``'s rule, while the prefill pool is not cooling down after failures.
@@ -251,6 +257,7 @@ class PoolClient:
         there (it holds the prompt's KV already: see ``pd.serve.choices``).
         Its calls are recorded in ``timeline`` (the HTTP request's).
         """
+        self.probes.start()
         if decode_replica is not None and not self.decode_routing.is_live(decode_replica):
             decode_replica = None  # a pinned call to a replica that is gone would wait for it forever
         tracker = StreamTracker(self.metrics, TextStream(self.tokenizer, token_ids, stop), len(token_ids), timeline)
@@ -290,7 +297,8 @@ class PoolClient:
         prompt = request
         for migration in range(self.args.max_migrations + 1):
             try:
-                async for event in self._decode_once(request, hints, tracker, lease):
+                may_move = migration < self.args.max_migrations  # off a quarantined replica, never failing
+                async for event in self._decode_once(request, hints, tracker, lease, may_move):
                     yield event
                 return
             except DecodeReplicaLost as lost:
@@ -326,7 +334,7 @@ class PoolClient:
         return request, hints
 
     async def _decode_once(self, request: PoolRequest, hints: RouteHints, tracker: StreamTracker,
-                           lease: Lease | None) -> AsyncIterator[GenerationEvent]:
+                           lease: Lease | None, may_move: bool = False) -> AsyncIterator[GenerationEvent]:
         stream = self.decode.options(stream=True).generate.remote(hints.encode(), request.encode())
         engine_finished = first_chunk = False
         span = tracker.timeline.begin("decode", request_id=request.request_id,
@@ -342,6 +350,8 @@ class PoolClient:
                 if not first_chunk:
                     first_chunk = True
                     self._first_chunk(request, chunk, tracker, lease, span)
+                    replica = self.decode_routing.routed_replica(request.request_id)
+                    probe = self.decode_routing.is_quarantined(replica)  # sent there to measure it: stays
                 place_engine_timings(tracker.timeline, "decode", chunk.timings)
                 event = tracker.add(list(chunk.token_ids), list(chunk.logprobs), chunk.finish_reason,
                                     top_logprobs=chunk.top_logprobs, prompt_logprobs=chunk.prompt_logprobs)
@@ -350,6 +360,10 @@ class PoolClient:
                 if event.finish_reason is not None:
                     span.set(finish_reason=event.finish_reason, num_output_tokens=event.num_output_tokens)
                     return
+                if may_move and not probe and self.decode_routing.is_quarantined(replica) \
+                        and self.decode_routing.has_live_replica(excluding=(*hints.exclude_replica_ids, replica)):
+                    span.set(moved="quarantined")
+                    raise DecodeReplicaLost(f"decode replica {replica} was quarantined as persistently slow")
             raise DecodeReplicaLost(f"decode stream for {request.request_id} ended without a finish reason")
         except RayActorError as exc:  # the replica died or cannot be reached
             span.set(error=type(exc).__name__)

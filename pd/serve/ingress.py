@@ -326,10 +326,15 @@ class Ingress:
     # Handle API ---------------------------------------------------------------
 
     async def process_stats(self) -> dict:
-        """This ingress replica's resident memory (for soak tests and operators)."""
+        """This ingress replica's resident memory, migrations and quarantined replicas (for tests and operators)."""
         from pd.serve.engine_server import resident_bytes
 
-        return {"rss_bytes": resident_bytes(), "pid": os.getpid(), "num_migrations": self.pools.num_migrations}
+        quarantined = {"prefill": sorted(self.pools.prefill_routing.quarantined),
+                       "decode": sorted(self.pools.decode_routing.quarantined)}
+        slowness = {"prefill": dict(self.pools.prefill_routing.slowness),
+                    "decode": dict(self.pools.decode_routing.slowness)}
+        return {"rss_bytes": resident_bytes(), "pid": os.getpid(), "num_migrations": self.pools.num_migrations,
+                "quarantined": quarantined, "slowness": slowness}
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         """Stream ``GenerateChunk``s for a ``GenerateRequest`` (for other Ray apps)."""

@@ -246,3 +246,16 @@ def test_the_predicted_rule_refuses_a_prefill_router_without_a_predictor():
     args["prefill"]["router"] = {"request_router_class": "router.serve:PrefixAffinityRouter"}
     with pytest.raises(ValueError, match="remote_prefill_predicted needs the predicted-latency prefill router"):
         AppArgs.parse(args)
+
+
+def test_a_pools_gray_failure_settings_reach_its_router_and_bad_ones_are_refused_by_name():
+    args = config_args("default.yaml")
+    args["decode"]["router"] = {"gray_failure": {"window_s": 5.0}}
+    parsed = AppArgs.parse(args)
+    kwargs = parsed.deployment_options("decode")["request_router_config"].request_router_kwargs
+    assert kwargs["gray_failure"] == {"window_s": 5.0}
+    assert "gray_failure" not in parsed.deployment_options("prefill")["request_router_config"].request_router_kwargs
+    for bad, message in (({"window_secs": 5.0}, "window_secs"), ({"slow_factor": 1.2}, "readmit_factor")):
+        args["decode"]["router"] = {"gray_failure": bad}
+        with pytest.raises(ValueError, match=f"decode.router.gray_failure.*{message}"):
+            build_app(args)

@@ -1,0 +1,95 @@
+"""The ingress measures its pools' quarantined replicas with small requests of its own, never a user's.
+
+A quarantined replica (``router.gray``) gets no new user requests, so
+nothing it runs would show whether it recovered. Every ``probe_interval_s``
+the ingress sends each one a request pinned to it (``RouteHints.target_replica_id``):
+a short greedy generation on a decode replica, a prefill (its lease
+released at once) on a prefill replica. The steps it runs reach the
+detector through the replica's reports like any other, and readmit it once
+they are fast again. Probes bypass the ingress's latency metrics; a probe
+that fails is logged and tried again at the next interval.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+
+from pd.sampling_params import SamplingParams
+from pd.serve.protocol import DecodeChunk, PoolControl, PoolRequest, PrefillResult, RequestFailed
+from router.gray import GrayFailureConfig
+from router.protocol import RouteHints
+from router.shared import PoolRouting
+from transfer.wire import decode_one_of
+
+logger = logging.getLogger(__name__)
+
+PROBE_PROMPT = tuple(range(1, 33))  # two 16-token blocks: its prefix is cached after the first probe
+PROBE_TOKENS = 32
+PROBE_TIMEOUT_S = 60.0
+
+
+def probe_interval_s(gray_failure: dict[str, float] | None) -> float | None:
+    """A pool's probe interval, from its router's ``gray_failure`` settings; None when it has none."""
+    return None if gray_failure is None else GrayFailureConfig(**gray_failure).probe_interval_s
+
+
+class QuarantineProbes:
+    """Probes the quarantined replicas of each pool given an interval, until ``close``."""
+
+    def __init__(self, pools: dict[str, tuple[PoolRouting, object, float]]):
+        self.pools = pools  # name -> (its routing in this process, its handle, probe interval)
+        self._task: asyncio.Task | None = None
+        self._last: dict[str, float] = {}
+        self.num_probes = 0
+
+    def start(self) -> None:
+        """Start on the running event loop, once (the first request's)."""
+        if self._task is None and self.pools:
+            self._task = asyncio.ensure_future(self._run())
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _run(self) -> None:
+        period = min(interval for _, _, interval in self.pools.values())
+        while True:
+            await asyncio.sleep(period)  # a timer: the next round of probes
+            now = time.monotonic()
+            due = [(name, replica) for name, (routing, _, interval) in self.pools.items()
+                   for replica in sorted(routing.quarantined) if now - self._last.get(replica, -1e18) >= interval]
+            for name, replica in due:
+                self._last[replica] = now
+            await asyncio.gather(*(self._probe(name, replica) for name, replica in due))
+
+    async def _probe(self, pool: str, replica: str) -> None:
+        routing, handle, _ = self.pools[pool]
+        request_id = f"probe-{uuid.uuid4().hex}"
+        hints = RouteHints(request_id=request_id, num_prompt_tokens=len(PROBE_PROMPT), target_replica_id=replica)
+        params = SamplingParams(max_tokens=PROBE_TOKENS if pool == "decode" else 1, temperature=0.0, ignore_eos=True)
+        request = PoolRequest(request_id=request_id, token_ids=PROBE_PROMPT, sampling=params)
+        try:
+            await asyncio.wait_for(self._call(pool, handle, hints, request), PROBE_TIMEOUT_S)
+            self.num_probes += 1
+        except Exception as exc:  # noqa: BLE001 - a probe that fails is tried again next interval
+            logger.warning("probe of quarantined %s replica %s failed: %r", pool, replica, exc)
+
+    @staticmethod
+    async def _call(pool: str, handle, hints: RouteHints, request: PoolRequest) -> None:
+        if pool == "decode":
+            stream = handle.options(stream=True).generate.remote(hints.encode(), request.encode())
+            try:
+                async for data in stream:
+                    if DecodeChunk.decode(data).finish_reason is not None:
+                        return
+            finally:
+                stream.cancel()  # a no-op once finished; else the replica aborts the probe
+            return
+        answer = decode_one_of(await handle.prefill.remote(hints.encode(), request.encode()),
+                               (PrefillResult, RequestFailed))
+        if isinstance(answer, PrefillResult):
+            await handle.release.remote(hints.encode(), PoolControl(request_id=answer.request_id).encode())
