@@ -8,7 +8,8 @@ the ingress replica's own HTTP port instead of Serve's proxy;
 ``colocated_haproxy``: on a Ray started with ``RAY_SERVE_ENABLE_HA_PROXY``,
 Serve's HAProxy on the app's port in front of that replica port; and
 ``colocated_haproxy_throughput``: the same with ``RAY_SERVE_THROUGHPUT_OPTIMIZED``
-too), sends the same
+too; ``disaggregated_traced``: the default app tracing every request over OTLP to
+a collector in this process, ``bench.otlp_collector``), sends the same
 streamed completions to each (a mix of short prompts, prefilled locally, and
 long ones, prefilled remotely), and prints one JSON line per mode with TTFT
 and inter-token latency p50/p90 and output tokens/s, then one line with the
@@ -41,6 +42,7 @@ from queue import Empty, SimpleQueue
 import requests
 
 from bench.configs import BENCH_MODEL, bench_app_args, load_config
+from bench.otlp_collector import OtlpCollector
 from bench.peer import peer_python
 from bench.process import stop_process
 from loadtest import client
@@ -49,7 +51,10 @@ from pd.workload.stats import percentile
 from pd.workload.workloads import LoadRequest
 
 CONFIGS = {"disaggregated": "default.yaml", "colocated": "colocated.yaml", "colocated_direct": "colocated.yaml",
-           "colocated_haproxy": "colocated.yaml", "colocated_haproxy_throughput": "colocated.yaml"}
+           "colocated_haproxy": "colocated.yaml", "colocated_haproxy_throughput": "colocated.yaml",
+           "disaggregated_traced": "default.yaml"}
+# Modes whose app traces every request (otlp_traces_endpoint) to a collector in this process (bench.otlp_collector).
+TRACED_MODES = {"disaggregated_traced"}
 # Modes served without Serve's Python proxy, on a Ray started with Serve's variables for it: by the ingress
 # replica's own HTTP server (clients on its port), or by HAProxy in front of it (clients on the app's port),
 # and with Serve's throughput-optimized settings (handle calls over gRPC, user code on the replica's own loop).
@@ -83,6 +88,7 @@ class LoadResult:
     gaps: list[float] = field(default_factory=list)
     texts: dict[int, str] = field(default_factory=dict)  # prompt index -> completion text
     wall_s: float = 0.0
+    num_spans: int = 0  # the spans a traced mode's app exported
 
 
 def load(base_url: str, prompts: list[str], max_tokens: int, concurrency: int) -> LoadResult:
@@ -143,13 +149,21 @@ def run_mode(mode: str, local: LocalServe, prompts: list[str], args) -> LoadResu
     """One mode's app deployed on ``local``, a warm-up and the timed load; the app is deleted after."""
     config = load_config(CONFIGS[mode])
     port = config["http_options"]["port"]
-    deploy_args(local, bench_app_args(config))
+    app_args = bench_app_args(config)
+    collector = None
+    if mode in TRACED_MODES:
+        collector = OtlpCollector()
+        app_args["otlp_traces_endpoint"] = collector.url
+    deploy_args(local, app_args)
     if mode in DIRECT_MODES:
         port = direct_ingress_port()
     url = f"http://127.0.0.1:{port}"
     load(url, prompts[:4], args.max_tokens, args.concurrency)  # warm-up
     result = load(url, prompts[4:], args.max_tokens, args.concurrency)
     local.delete("pd")
+    if collector is not None:
+        result.num_spans = collector.count()
+        collector.close()
     return result
 
 
@@ -221,6 +235,13 @@ def ratios(loads: dict[str, LoadResult], max_tokens: int) -> list[dict]:
     """One repeat's ratios: disaggregated over colocated, and each of our modes over vLLM's server."""
     results = {mode: summarise(mode, result, max_tokens) for mode, result in loads.items()}
     lines = []
+    if {"disaggregated", "disaggregated_traced"} <= results.keys():
+        d, t = results["disaggregated"], results["disaggregated_traced"]
+        lines.append({"case": "ratio_traced_over_untraced",
+                      "output_tok_s": round(t["output_tok_s"] / d["output_tok_s"], 3),
+                      "ttft_p50": round(t["ttft_p50_ms"] / d["ttft_p50_ms"], 3),
+                      "itl_p50": round(t["itl_p50_ms"] / d["itl_p50_ms"], 3),
+                      "spans": loads["disaggregated_traced"].num_spans})
     if {"disaggregated", "colocated"} <= results.keys():
         d, c = results["disaggregated"], results["colocated"]
         lines.append({"case": "ratio_disaggregated_over_colocated",

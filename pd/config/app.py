@@ -282,6 +282,9 @@ class AppArgs(StrictModel):
     request_timeout_s: float = Field(600.0, gt=0)
     # Timelines of the last this many requests, per ingress replica, for GET /debug/requests/{id} (0: none).
     debug_requests_kept: int = Field(1000, ge=0, le=100_000)
+    # OpenTelemetry traces of every request, over OTLP/HTTP to this collector (e.g. http://host:4318/v1/traces;
+    # vLLM's --otlp-traces-endpoint). None: off, and nothing is built.
+    otlp_traces_endpoint: str | None = Field(None, pattern=r"^https?://")
 
     @model_validator(mode="after")
     def _valid_routers(self) -> "AppArgs":

@@ -351,7 +351,7 @@ class PoolClient:
                     first_chunk = True
                     self._first_chunk(request, chunk, tracker, lease, span)
                     replica = self.decode_routing.routed_replica(request.request_id)
-                    probe = self.decode_routing.is_quarantined(replica)  # sent there to measure it: stays
+                    started_held = self.decode_routing.is_quarantined(replica)  # pinned there while held: it stays
                 place_engine_timings(tracker.timeline, "decode", chunk.timings)
                 event = tracker.add(list(chunk.token_ids), list(chunk.logprobs), chunk.finish_reason,
                                     top_logprobs=chunk.top_logprobs, prompt_logprobs=chunk.prompt_logprobs)
@@ -360,7 +360,7 @@ class PoolClient:
                 if event.finish_reason is not None:
                     span.set(finish_reason=event.finish_reason, num_output_tokens=event.num_output_tokens)
                     return
-                if may_move and not probe and self.decode_routing.is_quarantined(replica) \
+                if may_move and not started_held and self.decode_routing.is_quarantined(replica) \
                         and self.decode_routing.has_live_replica(excluding=(*hints.exclude_replica_ids, replica)):
                     span.set(moved="quarantined")
                     raise DecodeReplicaLost(f"decode replica {replica} was quarantined as persistently slow")

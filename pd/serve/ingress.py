@@ -43,6 +43,7 @@ from pd.serve.prompts import PromptEncoder
 from pd.serve.request_id import RequestIds
 from pd.serve.timeline import RequestRing, Timeline
 from pd.serve.tools import tool_call_mode
+from pd.serve.tracing import RequestTracer, client_context, tracer_provider
 from router.shared import RoutingScopes
 
 logger = logging.getLogger(__name__)
@@ -120,6 +121,8 @@ class Ingress:
         self._grammar_compiler = None
         self._grammar_lock = threading.Lock()
         self.requests = RequestRing(self.args.debug_requests_kept)
+        provider = tracer_provider(self.args.otlp_traces_endpoint)
+        self.tracer = RequestTracer(provider) if provider is not None else None
 
     # Input checks shared by every entry point --------------------------------
 
@@ -251,6 +254,9 @@ class Ingress:
         timeline = self.requests.open(request_id, getattr(request.state, "client_request_id", None),
                                       endpoint=endpoint, stream=stream)
         request.state.timeline = timeline
+        if self.tracer is not None:  # exported when it ends, under the client's traceparent if it sent one
+            parent, tracer = client_context(request.headers), self.tracer
+            timeline.on_finish = lambda finished: tracer.export(finished, parent)
         return timeline
 
     def _token_text(self, token_id: int) -> str:
@@ -322,6 +328,12 @@ class Ingress:
                                    "this ingress replica keeps (debug_requests_kept)",
                               param="request_id", code="request_not_found")
         return timeline.as_dict()
+
+    async def __del__(self) -> None:
+        """Serve calls this when it stops the replica: the probes stop, and traces still held are sent."""
+        await self.pools.probes.close()
+        if self.tracer is not None:
+            self.tracer.shutdown()
 
     # Handle API ---------------------------------------------------------------
 

@@ -15,11 +15,14 @@ each attribute's text at most ``MAX_ATTRIBUTE_CHARS``.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator
+
+logger = logging.getLogger(__name__)
 
 MAX_SPANS = 64
 MAX_ATTRIBUTE_CHARS = 256
@@ -69,6 +72,7 @@ class Timeline:
         self.finished_s: float | None = None
         self.spans: list[Span] = []
         self.num_dropped_spans = 0
+        self.on_finish: Callable[[Timeline], None] | None = None  # told once, when the request ends (tracing)
         self.set(**attributes)
 
     def set(self, **attributes: object) -> None:
@@ -115,13 +119,19 @@ class Timeline:
 
     def finish(self, status: str, **attributes: object) -> None:
         """The request's end (once): ``ok``, ``error``, ``cancelled`` or ``timeout``."""
-        if self.finished_s is None:
-            self.finished_s = self.now_s()
-            self.status = status
-            for span in self.spans:  # a span a cancellation cut short ends with the request
-                if span.end_s is None:
-                    span.end_s = self.finished_s
+        if self.finished_s is not None:
+            return
+        self.finished_s = self.now_s()
+        self.status = status
+        for span in self.spans:  # a span a cancellation cut short ends with the request
+            if span.end_s is None:
+                span.end_s = self.finished_s
         self.set(**attributes)
+        if self.on_finish is not None:
+            try:
+                self.on_finish(self)
+            except Exception:  # noqa: BLE001 - a tracing failure never fails the request
+                logger.exception("request %s: its timeline's finish hook failed", self.request_id)
 
     def summary(self) -> dict:
         return {"request_id": self.request_id, "status": self.status, "arrived_unix": self.arrived_unix,

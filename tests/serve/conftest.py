@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from bench.otlp_collector import OtlpCollector
+
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "serve_configs"
 
 # Test apps: the tiny built-in model (the configs serve a trained one), short leases, small KV pools,
@@ -25,6 +27,7 @@ CONFIG_DIR = Path(__file__).resolve().parents[2] / "serve_configs"
 TEST_OVERRIDES = {"kv_lease_s": 3.0}
 ENGINE_OVERRIDES = {"model": "builtin:tiny-llama", "kv_cache_bytes": 64 * 1024**2}
 TEST_KEYS_ENV = "PD_TEST_API_KEYS"
+COLLECTOR: OtlpCollector | None = None  # the session's OTLP receiver, while the cluster runs
 
 
 def config_args(name: str) -> dict:
@@ -35,6 +38,8 @@ def config_args(name: str) -> dict:
 def test_args(name: str, **overrides) -> dict:
     args = config_args(name)
     args.update(TEST_OVERRIDES)
+    if COLLECTOR is not None:  # every test app traces its requests to the session's collector
+        args["otlp_traces_endpoint"] = COLLECTOR.url
     args["engine"] = {**args.get("engine", {}), **ENGINE_OVERRIDES}
     args.update(overrides)
     return args
@@ -65,12 +70,16 @@ def ray_cluster(tmp_path_factory):
     ray.init(address=cluster.address, log_to_driver=False, runtime_env={"env_vars": {"PD_CACHE_DIR": os.environ["PD_CACHE_DIR"]}})
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
+    global COLLECTOR
+    COLLECTOR = OtlpCollector()
     try:
-        yield {"cluster": cluster, "url": f"http://127.0.0.1:{port}"}
+        yield {"cluster": cluster, "url": f"http://127.0.0.1:{port}", "collector": COLLECTOR}
     finally:
         serve.shutdown()
         ray.shutdown()
         cluster.shutdown()
+        COLLECTOR.close()
+        COLLECTOR = None
 
 
 class Client:

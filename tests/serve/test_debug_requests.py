@@ -13,7 +13,7 @@ import uuid
 
 import pytest
 
-from tests.serve.conftest import replica_ids
+from tests.serve.conftest import replica_ids, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -83,6 +83,29 @@ def test_a_remote_prefill_shows_the_prefill_call_and_the_kv_pull(default_app):
     pull = spans["decode.kv_pull"]["attributes"]
     assert pull["blocks"] > 0 and pull["bytes"] > 0
     assert spans["prefill"]["end_s"] <= spans["decode"]["start_s"] + 1e-6
+
+
+def test_a_request_is_one_trace_under_the_clients_traceparent(default_app, ray_cluster):
+    """Every test app exports its traces to the session's OTLP collector (tests/serve/conftest.py)."""
+    trace_id, client_span = uuid.uuid4().hex, uuid.uuid4().hex[:16]
+    status, headers, text = _call(f"{default_app.url}/v1/completions", "POST",
+                                  {"model": MODEL, "prompt": f"{uuid.uuid4().hex} {LONG}", "max_tokens": 3,
+                                   "temperature": 0}, {"traceparent": f"00-{trace_id}-{client_span}-01"})
+    assert status == 200, text
+    collector = ray_cluster["collector"]
+    spans = wait_until(lambda: {s.name: s for s in collector.spans(trace_id)}
+                       if any(s.name == "pd.request" for s in collector.spans(trace_id)) else None, timeout=30)
+    root = spans["pd.request"]
+    assert root.parent_span_id == client_span and root.attributes["pd.request_id"] == headers["x-request-id"]
+    assert root.service == "pd" and root.attributes["pd.status"] == "ok"
+    for name in ("tokenize", "route", "prefill", "decode"):
+        assert spans[name].parent_span_id == root.span_id, name
+    for name, call in (("prefill.compute", "prefill"), ("decode.kv_pull", "decode"), ("decode.compute", "decode")):
+        assert spans[name].parent_span_id == spans[call].span_id, name
+    assert spans["decode.kv_pull"].attributes["pd.bytes"] > 0
+    assert spans["prefill"].attributes["pd.replica"] in replica_ids("pd", "PrefillServer")
+    assert root.start_ns <= spans["prefill"].start_ns <= spans["prefill"].end_ns <= spans["decode"].start_ns
+    assert spans["decode"].end_ns <= root.end_ns
 
 
 def test_an_error_names_the_request_and_ends_its_timeline(default_app):
