@@ -20,7 +20,8 @@ With the peer venv (``make peer-venv``), vLLM's OpenAI server
 prefix caching on, ``VLLM_CPU_OMP_THREADS_BIND`` on two cores, and gets the
 same requests after Ray has shut down; a last line gives colocated/vLLM ratios
 (goal: output tok/s >= 1.0, TTFT p50 <= 1.2) and the share of identical texts.
-``--repeats N`` serves every mode and vLLM's server in turn N times, each line
+``--repeats N`` serves every mode and vLLM's server in turn N times (our modes
+in reverse order on odd repeats), each line
 tagged with its ``repeat``, and ends with each ratio's median over the repeats
 (``median_of``) and its values (``*_each``): on a shared VM a run's TTFT p50
 moves by a third with the hour, and only ratios within a repeat compare.
@@ -300,7 +301,9 @@ def main() -> None:
     vllm_python = peer_python(args.vllm)
     per_repeat = []
     for repeat in range(args.repeats):
-        loads = serve_modes(modes, prompts, args, repeat)
+        # Odd repeats serve the modes in reverse: a mode served second on a warm Ray ran up to 6% apart
+        # from the same mode served first, more than some differences measured here.
+        loads = serve_modes(modes if repeat % 2 == 0 else modes[::-1], prompts, args, repeat)
         if vllm_python is not None:
             loads["vllm"] = run_vllm(vllm_python, prompts, args)
             print(json.dumps({**summarise("vllm", loads["vllm"], args.max_tokens), "repeat": repeat}), flush=True)
