@@ -37,8 +37,10 @@ def error_response(request: Request, error: OpenAIError) -> JSONResponse:
     state = request.state
     body = error_body(error, getattr(state, "request_id", None), getattr(state, "timeline", None))
     request_id = body["error"].get("request_id")
-    # Also set here: a 500 is answered outside the middleware that names every other response.
-    headers = {HEADER: request_id} if request_id is not None else None
+    # A 500 is answered outside the middleware that names every other response: named here, unless the
+    # proxy in front names it (pd.serve.request_id).
+    own = request_id is not None and not getattr(state, "request_id_from_proxy", False)
+    headers = {HEADER: request_id} if own else None
     return JSONResponse(body, status_code=error.status, headers=headers)
 
 

@@ -248,10 +248,8 @@ class Ingress:
                              self.args.request_timeout_s)
 
     def _open(self, request: Request, kind: str, endpoint: str, stream: bool) -> Timeline:
-        """The request's id (``kind-<hex>``, in place of the middleware's) and its timeline in the ring."""
-        request_id = completion_id(kind)
-        request.state.request_id = request_id
-        timeline = self.requests.open(request_id, getattr(request.state, "client_request_id", None),
+        """The completion's id (``kind-<hex>``) and its timeline in the ring, found by it and by ``x-request-id``."""
+        timeline = self.requests.open(completion_id(kind), getattr(request.state, "request_id", None),
                                       endpoint=endpoint, stream=stream)
         request.state.timeline = timeline
         if self.tracer is not None:  # exported when it ends, under the client's traceparent if it sent one
@@ -299,7 +297,8 @@ class Ingress:
             except Exception as exc:  # noqa: BLE001 - the stream must end with an error event, not a hang
                 if not isinstance(exc, OpenAIError):
                     logger.warning("stream %s failed: %r", call.rid, exc)
-                yield _sse(error_body(classify(exc), call.rid, call.timeline))
+                yield _sse(error_body(classify(exc), call.timeline.attributes.get("x_request_id", call.rid),
+                                      call.timeline))
                 return
             finally:  # a client that left ends it here (an error or a normal end has ended it already)
                 call.timeline.finish("cancelled")

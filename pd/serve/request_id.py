@@ -1,12 +1,14 @@
-"""Every HTTP response names its request: an ``x-request-id`` header, and the id in an error's body.
+"""Every HTTP response names its request: an ``x-request-id`` header, and the same id in an error's body.
 
-The id is made when the request arrives (``req-<hex>``). An endpoint that
-starts a completion replaces it with the completion's own id
-(``cmpl-<hex>``, ``chatcmpl-<hex>``), so the header, the body's ``id`` and
-``GET /debug/requests/{id}`` agree. A client's own ``x-request-id`` is kept
-beside it (the debug ring finds a request by either), never used as the
+Ray Serve's proxy owns the header. It takes the client's ``x-request-id``
+(or makes one), passes it to the app in the request's headers, and adds it
+to the response. The ingress adopts that id: an error body names it
+(``error.request_id``) and ``GET /debug/requests/{id}`` finds the request by
+it, as by the completion's own ``id`` (``cmpl-…``, ``chatcmpl-…``). Where no
+proxy put one on the request (a test's app, another front), the ingress makes
+one (``req-<hex>``) and adds the header itself. Either way it is never the
 pools' request id: two clients sending the same one must not collide in an
-engine.
+engine, and the debug ring finds the newer of them.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import uuid
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 HEADER = "x-request-id"
-# A client's id is kept when it is printable ASCII of at most this many characters.
+# An id from the request is adopted when it is printable ASCII of at most this many characters.
 MAX_CLIENT_ID_CHARS = 128
 
 
@@ -24,8 +26,8 @@ def new_request_id() -> str:
     return f"req-{uuid.uuid4().hex}"
 
 
-def client_request_id(headers: list[tuple[bytes, bytes]]) -> str | None:
-    """The client's ``x-request-id``, when it is one we can echo and index: else None."""
+def incoming_request_id(headers: list[tuple[bytes, bytes]]) -> str | None:
+    """The request's ``x-request-id`` (the client's, or Serve's proxy's), when one we can echo and index."""
     for name, value in headers:
         if name.lower() == HEADER.encode():
             text = value.decode("latin-1")
@@ -36,7 +38,7 @@ def client_request_id(headers: list[tuple[bytes, bytes]]) -> str | None:
 
 
 class RequestIds:
-    """ASGI middleware: puts ``request_id`` (and ``client_request_id``) in ``request.state``, and the header out."""
+    """ASGI middleware: ``request.state.request_id`` for every request, and the header where no proxy adds it."""
 
     def __init__(self, app: ASGIApp):
         self.app = app
@@ -46,8 +48,12 @@ class RequestIds:
             await self.app(scope, receive, send)
             return
         state = scope.setdefault("state", {})
-        state["request_id"] = new_request_id()
-        state["client_request_id"] = client_request_id(scope.get("headers") or [])
+        adopted = incoming_request_id(scope.get("headers") or [])
+        state["request_id"] = adopted or new_request_id()
+        state["request_id_from_proxy"] = adopted is not None
+        if adopted is not None:  # Serve's proxy adds it to the response: a second one would read "id, id"
+            await self.app(scope, receive, send)
+            return
 
         async def named(message: Message) -> None:
             if message["type"] == "http.response.start":

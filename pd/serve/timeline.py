@@ -143,7 +143,7 @@ class Timeline:
 
 
 class RequestRing:
-    """The last ``capacity`` requests' timelines, by request id and by the client's own id.
+    """The last ``capacity`` requests' timelines, by request id and by ``x-request-id`` (``pd.serve.request_id``).
 
     ``capacity`` 0 keeps none (``/debug/requests`` then finds nothing).
     """
@@ -153,21 +153,21 @@ class RequestRing:
             raise ValueError(f"a request ring's capacity must be >= 0, got {capacity}")
         self.capacity = capacity
         self._timelines: OrderedDict[str, Timeline] = OrderedDict()
-        self._aliases: dict[str, str] = {}  # a client's x-request-id -> our request id
+        self._aliases: dict[str, str] = {}  # an x-request-id -> our request id (the newest request of that id)
 
     def __len__(self) -> int:
         return len(self._timelines)
 
-    def open(self, request_id: str, client_request_id: str | None = None, **attributes: object) -> Timeline:
-        timeline = Timeline(request_id, client_request_id=client_request_id, **attributes)
+    def open(self, request_id: str, x_request_id: str | None = None, **attributes: object) -> Timeline:
+        timeline = Timeline(request_id, x_request_id=x_request_id, **attributes)
         if self.capacity == 0:
             return timeline
         self._timelines[request_id] = timeline
-        if client_request_id:
-            self._aliases[client_request_id] = request_id
+        if x_request_id:
+            self._aliases[x_request_id] = request_id
         while len(self._timelines) > self.capacity:
             _, evicted = self._timelines.popitem(last=False)
-            alias = evicted.attributes.get("client_request_id")
+            alias = evicted.attributes.get("x_request_id")
             if alias is not None and self._aliases.get(str(alias)) == evicted.request_id:
                 del self._aliases[str(alias)]
         return timeline
@@ -177,7 +177,7 @@ class RequestRing:
         return [timeline for _, timeline in zip(range(limit), reversed(self._timelines.values()))]
 
     def get(self, key: str) -> Timeline | None:
-        """The timeline of request id ``key``, or of the newest request the client named ``key``."""
+        """The timeline of request id ``key``, or of the newest request whose ``x-request-id`` is ``key``."""
         found = self._timelines.get(key)
         if found is None and key in self._aliases:
             found = self._timelines.get(self._aliases[key])

@@ -86,7 +86,7 @@ def test_request_timings_refuse_negative_or_nan_seconds():
 def test_the_ring_keeps_the_newest_and_finds_them_by_either_id():
     ring = RequestRing(3)
     for i in range(5):
-        ring.open(f"r{i}", client_request_id=f"client-{i}")
+        ring.open(f"r{i}", x_request_id=f"client-{i}")
     assert len(ring) == 3
     assert ring.get("r1") is None and ring.get("client-1") is None  # evicted, alias too
     assert ring.get("r4").request_id == "r4" and ring.get("client-3").request_id == "r3"
@@ -96,8 +96,8 @@ def test_the_ring_keeps_the_newest_and_finds_them_by_either_id():
 
 def test_a_client_id_reused_points_at_its_newest_request_and_survives_the_older_ones_eviction():
     ring = RequestRing(2)
-    ring.open("a", client_request_id="same")
-    ring.open("b", client_request_id="same")
+    ring.open("a", x_request_id="same")
+    ring.open("b", x_request_id="same")
     ring.open("c")  # evicts "a", whose alias now belongs to "b"
     assert ring.get("same").request_id == "b"
 
@@ -126,28 +126,26 @@ def _call(app, headers: list[tuple[bytes, bytes]]) -> tuple[list[tuple[bytes, by
 
 
 async def _answer(scope, receive, send):
-    """An app that renames its request, as a completion endpoint does, and answers with a stale header."""
-    scope["state"]["request_id"] = "cmpl-123"
+    """An app that answers with a stale header of its own."""
     await send({"type": "http.response.start", "status": 200, "headers": [(b"x-request-id", b"stale")]})
     await send({"type": "http.response.body", "body": b"{}"})
 
 
-def test_every_response_names_its_request_once_and_a_clients_id_is_kept_beside_it():
+def test_an_id_on_the_request_is_adopted_and_left_to_the_proxy_that_put_it_there():
+    """Serve's proxy puts the client's x-request-id (or its own) on the request and adds it to the response."""
     headers, state = _call(_answer, [(b"x-request-id", b"my-trace-7")])
-    assert headers == [(b"x-request-id", b"cmpl-123")]
-    assert state["client_request_id"] == "my-trace-7"
+    assert state["request_id"] == "my-trace-7" and state["request_id_from_proxy"]
+    assert headers == [(b"x-request-id", b"stale")]  # the app's own, untouched: the proxy adds the id
 
 
 @pytest.mark.parametrize("value", [b"", b"has\nnewline", b"x" * (MAX_CLIENT_ID_CHARS + 1), "é".encode()])
-def test_a_client_id_that_cannot_be_echoed_is_dropped(value):
-    _, state = _call(_answer, [(b"x-request-id", value)])
-    assert state["client_request_id"] is None
+def test_an_id_that_cannot_be_echoed_is_replaced_by_ours(value):
+    headers, state = _call(_answer, [(b"x-request-id", value)])
+    assert state["request_id"].startswith("req-") and not state["request_id_from_proxy"]
+    assert headers == [(b"x-request-id", state["request_id"].encode())]
 
 
-def test_an_unnamed_request_gets_a_generated_id():
-    async def plain(scope, receive, send):
-        await send({"type": "http.response.start", "status": 404, "headers": []})
-
-    headers, state = _call(plain, [])
-    assert headers[0][0] == b"x-request-id" and headers[0][1].decode() == state["request_id"]
+def test_a_request_without_one_gets_a_generated_id_in_one_header():
+    headers, state = _call(_answer, [])
+    assert headers == [(b"x-request-id", state["request_id"].encode())]  # the stale one replaced
     assert state["request_id"].startswith("req-") and len(state["request_id"]) == 36
