@@ -67,6 +67,95 @@ def _tanh(x):
 
 
 @triton.jit
+def _key_tiles(q_block, q_len, context_len, sliding_window, split, num_splits, BLOCK_Q: tl.constexpr,
+               TILE: tl.constexpr, USE_WINDOW: tl.constexpr, SPLIT: tl.constexpr):
+    """The tiles of keys any row of this q block can see, ``[tile_start, tile_end)`` (this split's share when
+    SPLIT), and ``kv_end``, the first key past them."""
+    kv_end = context_len + tl.minimum((q_block + 1) * BLOCK_Q, q_len)
+    if USE_WINDOW:
+        kv_start = tl.maximum(context_len + q_block * BLOCK_Q - sliding_window + 1, 0)
+    else:
+        kv_start = 0
+    tile_start = kv_start // TILE
+    tile_end = tl.cdiv(kv_end, TILE)
+    if SPLIT:
+        tiles_per_split = tl.cdiv(tile_end - tile_start, num_splits)
+        tile_start = tile_start + split * tiles_per_split
+        tile_end = tl.minimum(tile_start + tiles_per_split, tile_end)
+    return tile_start, tile_end, kv_end
+
+
+@triton.jit
+def _attend_tile(q, m_i, l_i, acc, tile, kv_end, query_pos, block_table_row, k_cache_ptr, v_cache_ptr, kv_head,
+                 dims, dim_valid, stride_k_block, stride_k_slot, stride_k_head, stride_v_block, stride_v_slot,
+                 stride_v_head, softmax_scale, softcap, sliding_window, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
+                 USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, KV_FORMAT: tl.constexpr):
+    """One tile of keys through the online softmax: the rows' new running max, sum and output."""
+    key_pos = tile * TILE + tl.arange(0, TILE)
+    key_valid = key_pos < kv_end
+    block_id = tl.load(block_table_row + key_pos // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
+    slot = key_pos % BLOCK_SIZE
+    k = tl.load(
+        k_cache_ptr + block_id[None, :] * stride_k_block + slot[None, :] * stride_k_slot
+        + kv_head * stride_k_head + dims[:, None],
+        mask=key_valid[None, :] & dim_valid[:, None],
+        other=0,
+    )  # [HEAD_DIM_PAD, TILE]
+    v = tl.load(
+        v_cache_ptr + block_id[:, None] * stride_v_block + slot[:, None] * stride_v_slot
+        + kv_head * stride_v_head + dims[None, :],
+        mask=key_valid[:, None] & dim_valid[None, :],
+        other=0,
+    )  # [TILE, HEAD_DIM_PAD]
+    if KV_FORMAT != KV_NATIVE:
+        k = dequantize(k, q.dtype, KV_FORMAT)
+        v = dequantize(v, q.dtype, KV_FORMAT)
+
+    scores = tl.dot(q, k, input_precision="ieee")  # [BLOCK_M, TILE]
+    if USE_SOFTCAP:
+        scores = scores * softmax_scale
+        scores = softcap * _tanh(scores / softcap) * LOG2E
+    else:
+        scores = scores * (softmax_scale * LOG2E)
+    visible = key_pos[None, :] <= query_pos[:, None]
+    if USE_WINDOW:
+        visible = visible & (key_pos[None, :] > query_pos[:, None] - sliding_window)
+    scores = tl.where(visible, scores, float("-inf"))
+
+    # Online softmax in the log2 domain. A row that has seen no visible key
+    # yet keeps m = -inf; m_safe keeps its exponents at exp2(-inf) = 0.
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(scores - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _store_rows(acc, m_i, l_i, out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr, token, head, dims,
+                row_valid, q_mask, split, num_splits, num_heads, stride_out_token, stride_out_head,
+                HEAD_DIM_PAD: tl.constexpr, SPLIT: tl.constexpr):
+    """The rows' output: normalised into ``out``, or, when SPLIT, this split's partial max, sum and output."""
+    if SPLIT:
+        # Empty splits store m = -inf, l = 0, acc = 0; the reduction weighs them 0.
+        partial = (token * num_heads + head) * num_splits + split  # [BLOCK_M]
+        tl.store(partial_max_ptr + partial, m_i, mask=row_valid)
+        tl.store(partial_sum_ptr + partial, l_i, mask=row_valid)
+        tl.store(partial_out_ptr + partial[:, None] * HEAD_DIM_PAD + dims[None, :], acc, mask=row_valid[:, None])
+    else:
+        # Every valid row sees at least the key at its own position, so l_i > 0;
+        # padding rows (never stored) divide by 1 instead of 0.
+        result = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(
+            out_ptr + token[:, None] * stride_out_token + head[:, None] * stride_out_head + dims[None, :],
+            result.to(out_ptr.dtype.element_ty),
+            mask=q_mask,
+        )
+
+
+@triton.jit
 def _paged_attention_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim], or unused when SPLIT
     partial_out_ptr,  # fp32 [num_tokens, num_heads, num_splits, HEAD_DIM_PAD] when SPLIT
@@ -136,83 +225,22 @@ def _paged_attention_kernel(
         other=0.0,
     )  # [BLOCK_M, HEAD_DIM_PAD]
 
-    # Keys any row of this q block can see: [kv_start, kv_end).
-    kv_end = context_len + tl.minimum((q_block + 1) * BLOCK_Q, q_len)
-    if USE_WINDOW:
-        kv_start = tl.maximum(context_len + q_block * BLOCK_Q - sliding_window + 1, 0)
-    else:
-        kv_start = 0
-    tile_start = kv_start // TILE
-    tile_end = tl.cdiv(kv_end, TILE)
-    if SPLIT:
-        tiles_per_split = tl.cdiv(tile_end - tile_start, num_splits)
-        tile_start = tile_start + split * tiles_per_split
-        tile_end = tl.minimum(tile_start + tiles_per_split, tile_end)
-
+    tile_start, tile_end, kv_end = _key_tiles(q_block, q_len, context_len, sliding_window, split, num_splits,
+                                              BLOCK_Q, TILE, USE_WINDOW, SPLIT)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     block_table_row = block_table_ptr + seq.to(tl.int64) * stride_block_table
     for tile in range(tile_start, tile_end):
-        key_pos = tile * TILE + tl.arange(0, TILE)
-        key_valid = key_pos < kv_end
-        block_id = tl.load(block_table_row + key_pos // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
-        slot = key_pos % BLOCK_SIZE
-        kv_mask = key_valid[None, :] & dim_valid[:, None]
-        k = tl.load(
-            k_cache_ptr + block_id[None, :] * stride_k_block + slot[None, :] * stride_k_slot
-            + kv_head * stride_k_head + dims[:, None],
-            mask=kv_mask,
-            other=0,
-        )  # [HEAD_DIM_PAD, TILE]
-        v = tl.load(
-            v_cache_ptr + block_id[:, None] * stride_v_block + slot[:, None] * stride_v_slot
-            + kv_head * stride_v_head + dims[None, :],
-            mask=key_valid[:, None] & dim_valid[None, :],
-            other=0,
-        )  # [TILE, HEAD_DIM_PAD]
-        if KV_FORMAT != KV_NATIVE:
-            k = dequantize(k, q.dtype, KV_FORMAT)
-            v = dequantize(v, q.dtype, KV_FORMAT)
-
-        scores = tl.dot(q, k, input_precision="ieee")  # [BLOCK_M, TILE]
-        if USE_SOFTCAP:
-            scores = scores * softmax_scale
-            scores = softcap * _tanh(scores / softcap) * LOG2E
-        else:
-            scores = scores * (softmax_scale * LOG2E)
-        visible = key_pos[None, :] <= query_pos[:, None]
-        if USE_WINDOW:
-            visible = visible & (key_pos[None, :] > query_pos[:, None] - sliding_window)
-        scores = tl.where(visible, scores, float("-inf"))
-
-        # Online softmax in the log2 domain. A row that has seen no visible key
-        # yet keeps m = -inf; m_safe keeps its exponents at exp2(-inf) = 0.
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(scores - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        m_i = m_new
-
+        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, tile, kv_end, query_pos, block_table_row, k_cache_ptr,
+                                     v_cache_ptr, kv_head, dims, dim_valid, stride_k_block, stride_k_slot,
+                                     stride_k_head, stride_v_block, stride_v_slot, stride_v_head, softmax_scale,
+                                     softcap, sliding_window, BLOCK_SIZE, TILE, USE_SOFTCAP, USE_WINDOW, KV_FORMAT)
     if KV_FORMAT != KV_NATIVE:
         acc = acc * v_scale
-    if SPLIT:
-        # Empty splits store m = -inf, l = 0, acc = 0; the reduction weighs them 0.
-        partial = (token * num_heads + head) * num_splits + split  # [BLOCK_M]
-        tl.store(partial_max_ptr + partial, m_i, mask=row_valid)
-        tl.store(partial_sum_ptr + partial, l_i, mask=row_valid)
-        tl.store(partial_out_ptr + partial[:, None] * HEAD_DIM_PAD + dims[None, :], acc, mask=row_valid[:, None])
-    else:
-        # Every valid row sees at least the key at its own position, so l_i > 0;
-        # padding rows (never stored) divide by 1 instead of 0.
-        result = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        tl.store(
-            out_ptr + token[:, None] * stride_out_token + head[:, None] * stride_out_head + dims[None, :],
-            result.to(out_ptr.dtype.element_ty),
-            mask=q_mask,
-        )
+    _store_rows(acc, m_i, l_i, out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr, token, head, dims,
+                row_valid, q_mask, split, num_splits, num_heads, stride_out_token, stride_out_head, HEAD_DIM_PAD,
+                SPLIT)
 
 
 @dataclass(frozen=True)
