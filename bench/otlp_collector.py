@@ -23,6 +23,7 @@ class ReceivedSpan:
     end_ns: int
     attributes: dict
     service: str
+    resource: dict  # the exporting process's: service.instance.id (a replica's id), pd.role, process.pid
 
 
 def _value(value):
@@ -68,7 +69,7 @@ class OtlpCollector:
                     received.append(ReceivedSpan(
                         span.name, span.trace_id.hex(), span.span_id.hex(), span.parent_span_id.hex(),
                         span.start_time_unix_nano, span.end_time_unix_nano,
-                        {a.key: _value(a.value) for a in span.attributes}, resource.get("service.name", "")))
+                        {a.key: _value(a.value) for a in span.attributes}, resource.get("service.name", ""), resource))
         with self._lock:
             self._spans += received
 

@@ -89,6 +89,8 @@ class EngineTimings:
     pull_s: float = 0.0
     num_pulled_bytes: int = 0
     num_pulled_blocks: int = 0
+    num_pull_descriptors: int = 0
+    pull_error: str = ""
     num_cached_tokens: int = 0
     num_preemptions: int = 0
 

@@ -81,6 +81,8 @@ class Request:
     pull_seconds: float = 0.0
     num_pulled_bytes: int = 0
     num_pulled_blocks: int = 0
+    num_pull_descriptors: int = 0
+    pull_error: str = ""  # why its KV pull failed (the prompt was recomputed here)
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     # The prompt's scores so far (see pd.engine.logprobs), when the request asks for them.

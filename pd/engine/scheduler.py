@@ -289,5 +289,6 @@ def _first_token_timings(request: Request) -> EngineTimings | None:
     return EngineTimings(
         queue_s=request.queue_seconds, first_token_s=now - (request.first_scheduled_time or now),
         pull_s=request.pull_seconds, num_pulled_bytes=request.num_pulled_bytes,
-        num_pulled_blocks=request.num_pulled_blocks, num_cached_tokens=request.num_cached_tokens,
+        num_pulled_blocks=request.num_pulled_blocks, num_pull_descriptors=request.num_pull_descriptors,
+        pull_error=request.pull_error, num_cached_tokens=request.num_cached_tokens,
         num_preemptions=request.num_preemptions)

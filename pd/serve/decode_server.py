@@ -9,6 +9,7 @@ from typing import AsyncIterator
 
 from ray import serve
 
+from pd.engine.request import FinishReason
 from pd.serve.engine_server import EngineServer
 from pd.serve.protocol import DecodeChunk, PoolControl, PoolRequest, RequestTimings
 from router.protocol import RouteHints
@@ -42,34 +43,49 @@ class DecodeServer(EngineServer):
         used means the prompt is recomputed here. Cancelling the stream aborts
         the request and frees its blocks.
         """
+        started_ns = time.time_ns()
         request = PoolRequest.decode(data)
         token_ids = list(request.token_ids)
         remote_kv = None
         if request.kv_handle is not None:
             remote_kv = self.engine.open_kv_handle(request.kv_handle, token_ids)
         await self.engine.compile_constraint(request.sampling)  # off the event loop
+        arrived_ns = time.time_ns()
         stream = self.engine.add_request(request.request_id, token_ids, request.sampling,
                                          remote_kv=remote_kv, first_token_id=request.first_token_id,
                                          num_generated=request.num_generated)
-        last_token_at = None
-        async with contextlib.aclosing(stream):
-            async for out in stream:
-                if out.new_token_ids:
-                    now = time.monotonic()
-                    if last_token_at is not None:  # gaps after the first token here: the pull is not one
-                        self.latency_window.observe((now - last_token_at) / len(out.new_token_ids))
-                    last_token_at = now
-                if out.finished:
-                    self.metrics.queue.observe(out.queue_seconds)
-                yield DecodeChunk(
-                    request_id=request.request_id,
-                    token_ids=tuple(out.new_token_ids),
-                    logprobs=tuple(out.new_logprobs),
-                    finish_reason=out.finish_reason,
-                    num_cached_tokens=out.num_cached_tokens,
-                    kv_source=out.kv_source,
-                    error=out.error or "",
-                    top_logprobs=tuple(out.new_top_logprobs),
-                    prompt_logprobs=tuple(out.prompt_logprobs) if out.prompt_logprobs is not None else None,
-                    timings=RequestTimings.of(out.timings),
-                ).encode()
+        last_token_at = timings = last = None
+        num_tokens = 0
+        try:
+            async with contextlib.aclosing(stream):
+                async for out in stream:
+                    last, timings, num_tokens = out, timings or out.timings, num_tokens + len(out.new_token_ids)
+                    if out.new_token_ids:
+                        now = time.monotonic()
+                        if last_token_at is not None:  # gaps after the first token here: the pull is not one
+                            self.latency_window.observe((now - last_token_at) / len(out.new_token_ids))
+                        last_token_at = now
+                    yield self._chunk(request, out)
+        finally:
+            error = "" if last is not None and last.finish_reason not in (None, FinishReason.ERROR) else (
+                (last.error if last is not None else "") or "cancelled or aborted")
+            self.trace(request, started_ns, arrived_ns, timings, error, num_output_tokens=num_tokens,
+                       finish_reason=last.finish_reason.value if last is not None and last.finish_reason else None,
+                       kv_source=last.kv_source.value if last is not None else None)
+
+    def _chunk(self, request: PoolRequest, out) -> bytes:
+        """One engine output as an encoded ``DecodeChunk``."""
+        if out.finished:
+            self.metrics.queue.observe(out.queue_seconds)
+        return DecodeChunk(
+            request_id=request.request_id,
+            token_ids=tuple(out.new_token_ids),
+            logprobs=tuple(out.new_logprobs),
+            finish_reason=out.finish_reason,
+            num_cached_tokens=out.num_cached_tokens,
+            kv_source=out.kv_source,
+            error=out.error or "",
+            top_logprobs=tuple(out.new_top_logprobs),
+            prompt_logprobs=tuple(out.prompt_logprobs) if out.prompt_logprobs is not None else None,
+            timings=RequestTimings.of(out.timings),
+        ).encode()

@@ -14,7 +14,10 @@ from ray import serve
 from autoscale.serve import LatencyWindow, replica_metrics
 from pd.config.app import AppArgs
 from pd.engine.async_engine import AsyncLLMEngine
+from pd.engine.outputs import EngineTimings
 from pd.serve.metrics import ReplicaMetrics
+from pd.serve.protocol import PoolRequest
+from pd.serve.tracing import EngineTracer, tracer_provider
 from transfer import KVTransport, create_transport
 
 logger = logging.getLogger(__name__)
@@ -119,12 +122,27 @@ class EngineServer:
         # Serve counts the replica started when this returns: no request pays for a first step's costs.
         self.engine.warm_up()
         self.metrics = ReplicaMetrics(self.role, self.replica_id)
+        provider = tracer_provider(self.args.otlp_traces_endpoint,
+                                   **{"service.instance.id": self.replica_id, "pd.role": self.role})
+        self.tracer = EngineTracer(provider, self.role) if provider is not None else None
         pool = getattr(self.args, self.role, None)
         planner = getattr(pool, "autoscaling", None)
         # What the SLO planner reads (``record_autoscaling_stats``), over its period.
         self.latency_window = LatencyWindow(planner.period_s if planner else DEFAULT_LATENCY_WINDOW_S)
         self.num_prefilled = 0
         logger.info("%s replica %s ready", self.role, self.replica_id)
+
+    def trace(self, request: PoolRequest, started_ns: int, arrived_ns: int, timings: EngineTimings | None,
+              error: str = "", **attributes: object) -> None:
+        """Export this call's spans under the ingress's (``request.traceparent``), when tracing is on."""
+        if self.tracer is None or not request.traceparent:
+            return
+        try:
+            self.tracer.record(request.traceparent, started_ns, arrived_ns, timings, error,
+                               replica=self.replica_id, request_id=request.request_id,
+                               num_prompt_tokens=len(request.token_ids), **attributes)
+        except Exception:  # noqa: BLE001 - a tracing failure never fails the request
+            logger.exception("request %s: its spans could not be recorded", request.request_id)
 
     def record_routing_stats(self) -> dict[str, bytes]:
         """Reaches this deployment's request routers as ``replica.routing_stats`` (``RoutingStats``)."""
@@ -174,3 +192,6 @@ class EngineServer:
         transport = getattr(self, "transport", None)
         if transport is not None:
             transport.close()
+        tracer = getattr(self, "tracer", None)
+        if tracer is not None:
+            tracer.shutdown()  # the spans it holds go out

@@ -164,7 +164,8 @@ class PoolClient:
             attempt_id = f"{request.request_id}-p{attempt}"
             with timeline.span("prefill", request_id=attempt_id) as span:
                 try:
-                    result = await self._prefill_attempt(request.replace(request_id=attempt_id),
+                    result = await self._prefill_attempt(request.replace(request_id=attempt_id,
+                                                                         traceparent=timeline.traceparent(span)),
                                                          hints.replace(request_id=attempt_id,
                                                                        exclude_replica_ids=tuple(excluded)))
                 except (RequestFailedError, asyncio.CancelledError):
@@ -335,10 +336,11 @@ class PoolClient:
 
     async def _decode_once(self, request: PoolRequest, hints: RouteHints, tracker: StreamTracker,
                            lease: Lease | None, may_move: bool = False) -> AsyncIterator[GenerationEvent]:
-        stream = self.decode.options(stream=True).generate.remote(hints.encode(), request.encode())
-        engine_finished = first_chunk = False
         span = tracker.timeline.begin("decode", request_id=request.request_id,
                                       kv="remote" if request.kv_handle is not None else "local")
+        request = request.replace(traceparent=tracker.timeline.traceparent(span))
+        stream = self.decode.options(stream=True).generate.remote(hints.encode(), request.encode())
+        engine_finished = first_chunk = False
         try:
             async for data in stream:
                 chunk = DecodeChunk.decode(data)

@@ -252,9 +252,8 @@ class Ingress:
         timeline = self.requests.open(completion_id(kind), getattr(request.state, "request_id", None),
                                       endpoint=endpoint, stream=stream)
         request.state.timeline = timeline
-        if self.tracer is not None:  # exported when it ends, under the client's traceparent if it sent one
-            parent, tracer = client_context(request.headers), self.tracer
-            timeline.on_finish = lambda finished: tracer.export(finished, parent)
+        if self.tracer is not None:  # traced from now, under the client's traceparent if it sent one
+            self.tracer.begin(timeline, client_context(request.headers))
         return timeline
 
     def _token_text(self, token_id: int) -> str:

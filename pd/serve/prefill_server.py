@@ -27,14 +27,19 @@ class PrefillServer(EngineServer):
         (``RouteHints``) are for the request router. Cancelling the call
         aborts the request and frees its blocks.
         """
-        started = time.monotonic()
+        started, started_ns = time.monotonic(), time.time_ns()
         request = PoolRequest.decode(data)
         await self.engine.compile_constraint(request.sampling)  # off the event loop
+        arrived_ns = time.time_ns()
         stream = self.engine.add_request(request.request_id, list(request.token_ids), request.sampling, pin_kv=True)
         last = timings = None
-        async with contextlib.aclosing(stream):
-            async for out in stream:
-                last, timings = out, out.timings or timings
+        try:
+            async with contextlib.aclosing(stream):
+                async for out in stream:
+                    last, timings = out, out.timings or timings
+        finally:
+            self.trace(request, started_ns, arrived_ns, timings, _prefill_error(last),
+                       num_cached_tokens=last.num_cached_tokens if last is not None else None)
         if last is not None and last.finish_reason is FinishReason.ERROR:
             return RequestFailed(request_id=request.request_id, error=last.error or "request failed").encode()
         if last is None or last.finish_reason is FinishReason.ABORT or last.kv_handle is None:
@@ -80,3 +85,12 @@ class PrefillServer(EngineServer):
                             self.replica_id, leases)
             await engine.wait_for_leases()
         super().__del__()
+
+
+def _prefill_error(last) -> str:
+    """What went wrong with a prefill whose last output was ``last`` ("" when it pinned its KV)."""
+    if last is None:
+        return "ended before its first output"
+    if last.finish_reason is FinishReason.ERROR:
+        return last.error or "request failed"
+    return "" if last.kv_handle is not None else "aborted"

@@ -8,6 +8,7 @@ strictness, carrying enums rather than strings. Ray only carries the bytes.
 
 from __future__ import annotations
 
+import re
 from typing import ClassVar
 
 from pd.engine.logprobs import PromptLogprob, TopLogprobs
@@ -15,6 +16,8 @@ from pd.engine.outputs import EngineTimings
 from pd.engine.request import FinishReason, KVSource
 from pd.sampling_params import SamplingParams
 from transfer.wire import NonNegativeInt, WireMessage
+
+TRACEPARENT = re.compile(r"00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")
 
 
 class RequestTimings(WireMessage, frozen=True, kw_only=True):
@@ -30,6 +33,8 @@ class RequestTimings(WireMessage, frozen=True, kw_only=True):
     pull_s: float = 0.0
     num_pulled_bytes: NonNegativeInt = 0
     num_pulled_blocks: NonNegativeInt = 0
+    num_pull_descriptors: NonNegativeInt = 0
+    pull_error: str = ""  # why the KV pull failed; the prompt was recomputed
     num_preemptions: NonNegativeInt = 0
 
     def validate(self) -> None:
@@ -43,6 +48,7 @@ class RequestTimings(WireMessage, frozen=True, kw_only=True):
             return None
         return cls(queue_s=timings.queue_s, first_token_s=timings.first_token_s, pull_s=timings.pull_s,
                    num_pulled_bytes=timings.num_pulled_bytes, num_pulled_blocks=timings.num_pulled_blocks,
+                   num_pull_descriptors=timings.num_pull_descriptors, pull_error=timings.pull_error,
                    num_preemptions=timings.num_preemptions)
 
 
@@ -53,6 +59,8 @@ class PoolRequest(WireMessage, frozen=True, kw_only=True):
     prefill, and ``first_token_id`` the token that prefill sampled. A
     ``first_token_id`` without a handle means the prompt's KV cannot be had:
     the decode replica recomputes it and continues after that token.
+    ``traceparent`` (W3C trace context) is the ingress's span of this call
+    when tracing is on: the replica's own spans go under it.
     """
 
     KIND: ClassVar[str] = "pool_request"
@@ -65,6 +73,12 @@ class PoolRequest(WireMessage, frozen=True, kw_only=True):
     # The last ``num_generated`` of ``token_ids`` are output already streamed (a stream that moved
     # replicas): a structured-output grammar replays them before continuing.
     num_generated: NonNegativeInt = 0
+    traceparent: str = ""
+
+    def validate(self) -> None:
+        if self.traceparent and not TRACEPARENT.fullmatch(self.traceparent):
+            raise ValueError(f"traceparent must be a W3C trace context (00-<32 hex>-<16 hex>-<2 hex>), "
+                             f"got {self.traceparent[:80]!r}")
 
 
 class PoolControl(WireMessage, frozen=True, kw_only=True):

@@ -43,6 +43,7 @@ class Span:
     start_s: float
     end_s: float | None = None
     attributes: dict[str, Attribute] = field(default_factory=dict)
+    measured_by_engine: bool = False  # placed from an engine's ``RequestTimings``
 
     def set(self, **attributes: object) -> None:
         self.attributes.update({key: _attribute(value) for key, value in attributes.items() if value is not None})
@@ -73,6 +74,7 @@ class Timeline:
         self.spans: list[Span] = []
         self.num_dropped_spans = 0
         self.on_finish: Callable[[Timeline], None] | None = None  # told once, when the request ends (tracing)
+        self.tracing = None  # the request's open trace (``pd.serve.tracing``), when it is traced
         self.set(**attributes)
 
     def set(self, **attributes: object) -> None:
@@ -110,10 +112,15 @@ class Timeline:
         finally:
             self.end(span)
 
-    def add_before(self, name: str, duration_s: float, end_s: float | None = None, **attributes: object) -> Span:
-        """A span measured elsewhere: ``duration_s`` long, ending at ``end_s`` (default: now)."""
+    def traceparent(self, span: Span) -> str:
+        """The W3C trace context of ``span``, a call about to go to a replica, when the request is traced; else ""."""
+        return self.tracing.traceparent(span) if self.tracing is not None else ""
+
+    def add_before(self, name: str, duration_s: float, end_s: float | None = None, *, by_engine: bool = False,
+                   **attributes: object) -> Span:
+        """A span measured elsewhere (by an engine: ``by_engine``): ``duration_s`` long, ending at ``end_s`` (or now)."""
         end = self.now_s() if end_s is None else end_s
-        span = Span(name, max(0.0, end - max(0.0, duration_s)), end)
+        span = Span(name, max(0.0, end - max(0.0, duration_s)), end, measured_by_engine=by_engine)
         span.set(**attributes)
         return self._keep(span)
 
@@ -196,11 +203,21 @@ def place_engine_timings(timeline: Timeline, prefix: str, timings, end_s: float 
         return
     end = timeline.now_s() if end_s is None else end_s
     admitted = end - timings.first_token_s
-    timeline.add_before(f"{prefix}.queue", timings.queue_s, end_s=admitted, num_preemptions=timings.num_preemptions)
+    timeline.add_before(f"{prefix}.queue", timings.queue_s, end_s=admitted, by_engine=True,
+                        num_preemptions=timings.num_preemptions)
     compute_start = admitted
     if timings.pull_s > 0:
-        rate = timings.num_pulled_bytes / timings.pull_s / 1e9
-        timeline.add_before(f"{prefix}.kv_pull", timings.pull_s, end_s=admitted + timings.pull_s,
-                            bytes=timings.num_pulled_bytes, blocks=timings.num_pulled_blocks, gb_per_s=round(rate, 3))
+        timeline.add_before(f"{prefix}.kv_pull", timings.pull_s, end_s=admitted + timings.pull_s, by_engine=True,
+                            **pull_attributes(timings))
         compute_start = admitted + timings.pull_s
-    timeline.add_before(f"{prefix}.compute", end - compute_start, end_s=end)
+    timeline.add_before(f"{prefix}.compute", end - compute_start, end_s=end, by_engine=True)
+
+
+def pull_attributes(timings) -> dict[str, object]:
+    """A KV pull's attributes from its ``RequestTimings`` or ``EngineTimings``: what moved, how fast, or why not."""
+    rate = timings.num_pulled_bytes / timings.pull_s / 1e9 if timings.pull_s > 0 else 0.0
+    attributes = {"bytes": timings.num_pulled_bytes, "blocks": timings.num_pulled_blocks,
+                  "descriptors": timings.num_pull_descriptors, "gb_per_s": round(rate, 3)}
+    if timings.pull_error:
+        attributes["error"] = timings.pull_error
+    return attributes

@@ -86,7 +86,7 @@ def test_a_remote_prefill_shows_the_prefill_call_and_the_kv_pull(default_app):
     assert spans["prefill"]["end_s"] <= spans["decode"]["start_s"] + 1e-6
 
 
-def test_a_request_is_one_trace_under_the_clients_traceparent(default_app, ray_cluster):
+def test_a_request_is_one_trace_across_its_processes_under_the_clients_traceparent(default_app, ray_cluster):
     """Every test app exports its traces to the session's OTLP collector (tests/serve/conftest.py)."""
     trace_id, client_span = uuid.uuid4().hex, uuid.uuid4().hex[:16]
     status, headers, text = _call(f"{default_app.url}/v1/completions", "POST",
@@ -94,17 +94,27 @@ def test_a_request_is_one_trace_under_the_clients_traceparent(default_app, ray_c
                                    "temperature": 0}, {"traceparent": f"00-{trace_id}-{client_span}-01"})
     assert status == 200, text
     collector = ray_cluster["collector"]
+    expected = {"pd.request", "prefill.engine", "decode.engine"}  # each process exports on its own schedule
     spans = wait_until(lambda: {s.name: s for s in collector.spans(trace_id)}
-                       if any(s.name == "pd.request" for s in collector.spans(trace_id)) else None, timeout=30)
+                       if expected <= {s.name for s in collector.spans(trace_id)} else None, timeout=30)
     root = spans["pd.request"]
     assert root.parent_span_id == client_span and root.attributes["pd.x_request_id"] == headers["x-request-id"]
     assert root.service == "pd" and root.attributes["pd.status"] == "ok"
     for name in ("tokenize", "route", "prefill", "decode"):
         assert spans[name].parent_span_id == root.span_id, name
-    for name, call in (("prefill.compute", "prefill"), ("decode.kv_pull", "decode"), ("decode.compute", "decode")):
-        assert spans[name].parent_span_id == spans[call].span_id, name
-    assert spans["decode.kv_pull"].attributes["pd.bytes"] > 0
-    assert spans["prefill"].attributes["pd.replica"] in replica_ids("pd", "PrefillServer")
+    # Each replica's spans come from its own process, under the span of the ingress's call to it.
+    for role, deployment in (("prefill", "PrefillServer"), ("decode", "DecodeServer")):
+        engine = spans[f"{role}.engine"]
+        assert engine.parent_span_id == spans[role].span_id
+        assert engine.resource["pd.role"] == role and engine.resource["process.pid"] != root.resource["process.pid"]
+        assert engine.resource["service.instance.id"] == spans[role].attributes["pd.replica"]
+        assert engine.resource["service.instance.id"] in replica_ids("pd", deployment)
+    for name in ("prefill.queue", "prefill.compute"):
+        assert spans[name].parent_span_id == spans["prefill.engine"].span_id, name
+    for name in ("decode.queue", "decode.kv_pull", "decode.compute", "decode.generate"):
+        assert spans[name].parent_span_id == spans["decode.engine"].span_id, name
+    pull = spans["decode.kv_pull"].attributes
+    assert pull["pd.bytes"] > 0 and pull["pd.descriptors"] >= 1 and pull["pd.gb_per_s"] > 0
     assert root.start_ns <= spans["prefill"].start_ns <= spans["prefill"].end_ns <= spans["decode"].start_ns
     assert spans["decode"].end_ns <= root.end_ns
 

@@ -70,7 +70,7 @@ def test_engine_timings_are_placed_back_from_when_the_ingress_heard_of_them():
     spans = {span["name"]: span for span in timeline.as_dict()["spans"]}
     assert (spans["decode.queue"]["start_s"], spans["decode.queue"]["end_s"]) == (1.0, 1.5)
     assert (spans["decode.kv_pull"]["start_s"], spans["decode.kv_pull"]["end_s"]) == (1.5, 2.5)
-    assert spans["decode.kv_pull"]["attributes"] == {"bytes": 2 * 10**9, "blocks": 8, "gb_per_s": 2.0}
+    assert spans["decode.kv_pull"]["attributes"] == {"bytes": 2 * 10**9, "blocks": 8, "descriptors": 0, "gb_per_s": 2.0}
     assert (spans["decode.compute"]["start_s"], spans["decode.compute"]["end_s"]) == (2.5, 3.0)
     place_engine_timings(timeline, "decode", None)  # chunks after the first carry none
     assert len(timeline.spans) == 3

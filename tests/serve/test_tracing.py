@@ -1,12 +1,18 @@
-"""Request traces (``pd.serve.tracing``): a timeline becomes one span tree, under the client's ``traceparent``."""
+"""Request traces (``pd.serve.tracing``): one span tree per request, under the client's ``traceparent``, across the
+ingress and the replicas its calls reached."""
 
 from __future__ import annotations
 
+import time
+
+import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from pd.serve.protocol import RequestTimings
+from pd.engine.outputs import EngineTimings
+from pd.sampling_params import SamplingParams
+from pd.serve.protocol import PoolRequest, RequestTimings
 from pd.serve.timeline import Timeline, place_engine_timings
-from pd.serve.tracing import ROOT_SPAN, RequestTracer, client_context, tracer_provider
+from pd.serve.tracing import ROOT_SPAN, EngineTracer, RequestTracer, client_context, tracer_provider
 from tests.serve.test_timeline import FakeClock
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -69,3 +75,77 @@ def test_without_a_traceparent_the_root_starts_a_trace_and_an_error_is_marked():
 
 def test_tracing_off_builds_nothing():
     assert tracer_provider(None) is None
+
+
+def _engine_tracer(exporter, role: str, replica: str) -> EngineTracer:
+    """A replica's tracer: its own provider, as in its own process."""
+    return EngineTracer(tracer_provider(None, exporter, **{"service.instance.id": replica, "pd.role": role}), role)
+
+
+def test_calls_carry_their_span_to_the_replicas_whose_spans_join_the_tree():
+    """The ingress's call spans go out as ``traceparent``s; each replica's spans land under its call's span."""
+    ingress_spans, prefill_spans, decode_spans = InMemorySpanExporter(), InMemorySpanExporter(), InMemorySpanExporter()
+    tracer = RequestTracer(tracer_provider(None, ingress_spans))
+    prefill, decode = _engine_tracer(prefill_spans, "prefill", "p1"), _engine_tracer(decode_spans, "decode", "d1")
+    timeline = Timeline("cmpl-3")
+    tracer.begin(timeline, client_context({"traceparent": f"00-{TRACE_ID}-{CLIENT_SPAN}-01"}))
+    with timeline.span("route"):
+        pass
+    with timeline.span("prefill") as call:
+        traceparent = timeline.traceparent(call)
+        request = PoolRequest(request_id="cmpl-3-p0", token_ids=(1, 2, 3), sampling=SamplingParams(),
+                              traceparent=traceparent)
+        now = time.time_ns()
+        timings = EngineTimings(queue_s=0.001, first_token_s=0.002, num_cached_tokens=1)
+        prefill.record(PoolRequest.decode(request.encode()).traceparent, now - 5_000_000, now - 4_000_000, timings,
+                       replica="p1", num_cached_tokens=1)
+    place_engine_timings(timeline, "prefill", RequestTimings.of(timings), end_s=call.end_s)
+    with timeline.span("decode") as call:
+        now = time.time_ns()
+        pulled = EngineTimings(queue_s=0.0, first_token_s=0.003, pull_s=0.001, num_pulled_bytes=10**6,
+                               num_pulled_blocks=4, num_pull_descriptors=1)
+        decode.record(timeline.traceparent(call), now - 9_000_000, now - 8_000_000, pulled, num_output_tokens=5)
+    place_engine_timings(timeline, "decode", RequestTimings.of(pulled), end_s=call.end_s)
+    timeline.finish("ok")
+
+    ingress = {span.name: span for span in ingress_spans.get_finished_spans()}
+    assert set(ingress) == {ROOT_SPAN, "route", "prefill", "decode"}  # the engines' intervals are theirs to export
+    assert {span["name"] for span in timeline.as_dict()["spans"]} >= {"prefill.queue", "decode.kv_pull"}  # /debug
+    replicas = {span.name: span for span in [*prefill_spans.get_finished_spans(), *decode_spans.get_finished_spans()]}
+    assert set(replicas) == {"prefill.engine", "prefill.queue", "prefill.compute", "decode.engine", "decode.queue",
+                             "decode.kv_pull", "decode.compute", "decode.generate"}
+    every = [*ingress.values(), *replicas.values()]
+    assert {span.context.trace_id for span in every} == {int(TRACE_ID, 16)}
+    assert ingress[ROOT_SPAN].parent.span_id == int(CLIENT_SPAN, 16)
+    for role in ("prefill", "decode"):
+        call, engine = ingress[role], replicas[f"{role}.engine"]
+        assert call.parent.span_id == ingress[ROOT_SPAN].context.span_id and call.kind.name == "CLIENT"
+        assert engine.parent.span_id == call.context.span_id and engine.kind.name == "SERVER"
+        assert engine.resource.attributes["pd.role"] == role
+        assert ingress[ROOT_SPAN].start_time <= call.start_time <= call.end_time <= ingress[ROOT_SPAN].end_time
+    for name in ("decode.queue", "decode.kv_pull", "decode.compute", "decode.generate"):
+        assert replicas[name].parent.span_id == replicas["decode.engine"].context.span_id, name
+    pull = replicas["decode.kv_pull"].attributes
+    assert (pull["pd.bytes"], pull["pd.blocks"], pull["pd.descriptors"], pull["pd.gb_per_s"]) == (10**6, 4, 1, 1.0)
+    assert replicas["decode.engine"].attributes["pd.num_output_tokens"] == 5
+    assert replicas["prefill.engine"].resource.attributes["service.instance.id"] == "p1"
+
+
+def test_a_failed_pull_and_a_failed_call_are_marked_on_the_replicas_spans():
+    exporter = InMemorySpanExporter()
+    now = time.time_ns()
+    failed = EngineTimings(queue_s=0.0, first_token_s=0.004, pull_s=0.002, pull_error="timed out")
+    _engine_tracer(exporter, "decode", "d1").record(f"00-{TRACE_ID}-{CLIENT_SPAN}-01", now - 10**7, now - 10**7,
+                                                    failed, "cancelled or aborted")
+    spans = {span.name: span for span in exporter.get_finished_spans()}
+    assert spans["decode.kv_pull"].status.status_code.name == "ERROR"
+    assert spans["decode.kv_pull"].attributes["pd.error"] == "timed out"
+    assert spans["decode.engine"].status.status_code.name == "ERROR"
+    assert spans["decode.engine"].parent.span_id == int(CLIENT_SPAN, 16)
+
+
+@pytest.mark.parametrize("value", ["junk", f"00-{TRACE_ID}-{CLIENT_SPAN}", f"00-{TRACE_ID.upper()}-{CLIENT_SPAN}-01",
+                                   "x" * 10_000])
+def test_a_pool_request_refuses_a_traceparent_that_is_not_w3c(value):
+    with pytest.raises(ValueError, match="traceparent must be a W3C trace context"):
+        PoolRequest(request_id="r", token_ids=(1,), sampling=SamplingParams(), traceparent=value)

@@ -295,8 +295,10 @@ class KVConnector:
                 self.stats.num_pulled_bytes += moved
                 self.stats.pull_seconds_total += mono - pull.started
                 pull.request.num_pulled_bytes, pull.request.num_pulled_blocks = moved, len(pull.block_ids)
+                pull.request.num_pull_descriptors = getattr(pull.handle, "num_descriptors", 0)
                 self.scheduler.finish_remote_read(pull.request, succeeded=True)
             else:
                 reason = pull.handle.error if state is TransferState.FAILED else "timed out"
                 logger.warning("request %s: KV pull failed (%s); recomputing locally", request_id, reason)
+                pull.request.pull_error = str(reason)[:200]
                 self._fall_back(pull.request)
