@@ -167,7 +167,10 @@ class GrayFailureWatch:
     """A router's gray-failure detector (``router.gray``): judged at most once a second, shared with the ingress.
 
     The quarantine goes to the pool's routing in this process (the ingress
-    moves a quarantined replica's streams), to the log and to metrics.
+    moves a quarantined replica's streams), to the log and to metrics. A
+    replica quarantined past ``replace_after_s`` goes to the routing's
+    ``replace_due``: the ingress asks it to fail its health check, and Serve
+    replaces it (``pd.serve.probes``).
     """
 
     def __init__(self, detector: GrayFailureDetector, pool: PoolRouting, scope: str):
@@ -192,6 +195,12 @@ class GrayFailureWatch:
                 logger.warning("%s replica %s %s (%.1fx the pool's median step time)", self.scope,
                                change.replica_id, change.kind, change.slowness)
                 self._changes.inc(tags={"pool": self.scope, "kind": change.kind})
+                if change.kind == "replace":
+                    self.pool.replace_due[change.replica_id] = (
+                        f"persistently slow: {change.slowness:.1f}x the pool's median step time, quarantined "
+                        f"for {self.detector.config.replace_after_s:g} s")
+            live = {r.replica_id.unique_id for r in replicas}
+            self.pool.replace_due = {r: why for r, why in self.pool.replace_due.items() if r in live}
             self.pool.quarantined = frozenset(self.detector.quarantined())
             self.pool.slowness = {r.replica_id.unique_id: self.detector.slowness(r.replica_id.unique_id)
                                   for r in replicas}

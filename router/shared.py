@@ -38,6 +38,7 @@ class PoolRouting:
         self._predictor: LatencyPredictor | None = None
         self.quarantined: frozenset[str] = frozenset()  # slow replicas its router holds back (router.gray)
         self.slowness: dict[str, float] = {}  # each replica's step time over the pool's median, as last judged
+        self.replace_due: dict[str, str] = {}  # replicas quarantined too long -> why Serve should replace them
 
     def is_quarantined(self, replica_id: str | None) -> bool:
         return replica_id in self.quarantined

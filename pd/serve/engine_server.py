@@ -16,7 +16,7 @@ from pd.config.app import AppArgs
 from pd.engine.async_engine import AsyncLLMEngine
 from pd.engine.outputs import EngineTimings
 from pd.serve.metrics import ReplicaMetrics
-from pd.serve.protocol import PoolRequest
+from pd.serve.protocol import PoolRequest, ReplicaReplacement
 from pd.serve.tracing import EngineTracer, tracer_provider
 from transfer import KVTransport, create_transport
 
@@ -130,6 +130,7 @@ class EngineServer:
         # What the SLO planner reads (``record_autoscaling_stats``), over its period.
         self.latency_window = LatencyWindow(planner.period_s if planner else DEFAULT_LATENCY_WINDOW_S)
         self.num_prefilled = 0
+        self.replacement_reason = ""  # set when the ingress asks Serve to replace this replica (a gray failure)
         logger.info("%s replica %s ready", self.role, self.replica_id)
 
     def trace(self, request: PoolRequest, started_ns: int, arrived_ns: int, timings: EngineTimings | None,
@@ -182,7 +183,15 @@ class EngineServer:
         """Balancedness and loads per MoE layer, and the weight moves' times (``LLMEngine.expert_stats``)."""
         return self.engine.expert_stats()
 
+    async def request_replacement(self, hints: bytes, data: bytes) -> None:
+        """Fail every health check from now on (an encoded ``ReplicaReplacement``): Serve replaces this replica."""
+        self.replacement_reason = ReplicaReplacement.decode(data).reason
+        logger.warning("%s replica %s asked to be replaced (%s): failing its health checks", self.role,
+                       self.replica_id, self.replacement_reason)
+
     async def check_health(self) -> None:
+        if self.replacement_reason:
+            raise RuntimeError(f"{self.role} replica {self.replica_id} is to be replaced: {self.replacement_reason}")
         self.engine.check_health()
 
     def __del__(self) -> None:  # Serve calls this when it stops the replica

@@ -8,6 +8,10 @@ released at once) on a prefill replica. The steps it runs reach the
 detector through the replica's reports like any other, and readmit it once
 they are fast again. Probes bypass the ingress's latency metrics; a probe
 that fails is logged and tried again at the next interval.
+
+A replica its router marks for replacement (``PoolRouting.replace_due``:
+quarantined past ``replace_after_s``) is asked, once, to fail its health
+checks; Serve then stops it and starts a new one in its place.
 """
 
 from __future__ import annotations
@@ -18,7 +22,14 @@ import time
 import uuid
 
 from pd.sampling_params import SamplingParams
-from pd.serve.protocol import DecodeChunk, PoolControl, PoolRequest, PrefillResult, RequestFailed
+from pd.serve.protocol import (
+    DecodeChunk,
+    PoolControl,
+    PoolRequest,
+    PrefillResult,
+    ReplicaReplacement,
+    RequestFailed,
+)
 from router.gray import GrayFailureConfig
 from router.protocol import RouteHints
 from router.shared import PoolRouting
@@ -44,6 +55,7 @@ class QuarantineProbes:
         self._task: asyncio.Task | None = None
         self._last: dict[str, float] = {}
         self.num_probes = 0
+        self.replacing: set[str] = set()  # replicas asked to be replaced
 
     def start(self) -> None:
         """Start on the running event loop, once (the first request's)."""
@@ -64,7 +76,22 @@ class QuarantineProbes:
                    for replica in sorted(routing.quarantined) if now - self._last.get(replica, -1e18) >= interval]
             for name, replica in due:
                 self._last[replica] = now
-            await asyncio.gather(*(self._probe(name, replica) for name, replica in due))
+            replace = [(name, replica, why) for name, (routing, _, _) in self.pools.items()
+                       for replica, why in sorted(routing.replace_due.items()) if replica not in self.replacing]
+            await asyncio.gather(*(self._probe(name, replica) for name, replica in due),
+                                 *(self._replace(name, replica, why) for name, replica, why in replace))
+
+    async def _replace(self, pool: str, replica: str, why: str) -> None:
+        _, handle, _ = self.pools[pool]
+        hints = RouteHints(request_id=f"replace-{uuid.uuid4().hex}", target_replica_id=replica)
+        try:
+            await asyncio.wait_for(handle.request_replacement.remote(hints.encode(),
+                                                                     ReplicaReplacement(reason=why).encode()),
+                                   PROBE_TIMEOUT_S)
+            self.replacing.add(replica)
+            logger.warning("%s replica %s: asked Serve to replace it (%s)", pool, replica, why)
+        except Exception as exc:  # noqa: BLE001 - asked again next round
+            logger.warning("could not ask %s replica %s to be replaced: %r", pool, replica, exc)
 
     async def _probe(self, pool: str, replica: str) -> None:
         routing, handle, _ = self.pools[pool]

@@ -15,7 +15,7 @@ from pd.engine.logprobs import PromptLogprob, TopLogprobs
 from pd.engine.outputs import EngineTimings
 from pd.engine.request import FinishReason, KVSource
 from pd.sampling_params import SamplingParams
-from transfer.wire import NonNegativeInt, WireMessage
+from transfer.wire import NonEmptyStr, NonNegativeInt, WireMessage
 
 TRACEPARENT = re.compile(r"00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")
 
@@ -88,6 +88,14 @@ class PoolControl(WireMessage, frozen=True, kw_only=True):
 
     request_id: str = ""
     payload: bytes = b""
+
+
+class ReplicaReplacement(WireMessage, frozen=True, kw_only=True):
+    """The ingress asks a replica to be replaced: it fails its health checks from then on, naming ``reason``."""
+
+    KIND: ClassVar[str] = "replica_replacement"
+
+    reason: NonEmptyStr
 
 
 class PrefillResult(WireMessage, frozen=True, kw_only=True):

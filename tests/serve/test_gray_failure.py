@@ -1,10 +1,12 @@
-"""A decode replica made slow for real (stopped and resumed on a duty cycle) is quarantined, and readmitted.
+"""A decode replica made slow for real (stopped and resumed on a duty cycle) is quarantined, and readmitted; or,
+still slow past its deadline, replaced.
 
 Two decode replicas under a steady streaming load. One is made five times
 slower by ``SIGSTOP``/``SIGCONT`` (stopped 16 ms of every 20): alive, its
 health checks pass, only slow. Its router's gray-failure detector
 (``router.gray``) quarantines it, the ingress moves its streams to the
-other, no stream fails, and once the fault ends the probes readmit it.
+other, no stream fails, and once the fault ends the probes readmit it. A
+fault that outlasts ``replace_after_s`` has Serve replace the replica.
 
 Destructive (a stopped process): runs last, on its own app.
 """
@@ -98,6 +100,7 @@ class DutyCycle:
 
     def __init__(self, pid: int):
         self.pid = pid
+        self.gone = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -108,14 +111,18 @@ class DutyCycle:
     def __exit__(self, *exc_info) -> None:
         self._stop.set()
         self._thread.join(10)
-        os.kill(self.pid, signal.SIGCONT)
+        if not self.gone:
+            os.kill(self.pid, signal.SIGCONT)
 
     def _run(self) -> None:
-        while not self._stop.is_set():
-            os.kill(self.pid, signal.SIGSTOP)
-            self._stop.wait(STOPPED_S)
-            os.kill(self.pid, signal.SIGCONT)
-            self._stop.wait(PERIOD_S - STOPPED_S)
+        try:
+            while not self._stop.is_set():
+                os.kill(self.pid, signal.SIGSTOP)
+                self._stop.wait(STOPPED_S)
+                os.kill(self.pid, signal.SIGCONT)
+                self._stop.wait(PERIOD_S - STOPPED_S)
+        except ProcessLookupError:  # the process is gone (Serve replaced its replica)
+            self.gone = True
 
 
 def test_a_slow_decode_replica_is_quarantined_its_streams_move_and_it_is_readmitted(ray_cluster):
@@ -157,3 +164,33 @@ def test_a_slow_decode_replica_is_quarantined_its_streams_move_and_it_is_readmit
     assert not failed, failed[:5]
     assert quarantined_after <= 30.0
     assert after <= 2.0 * baseline, (after, baseline)
+
+
+def test_a_replica_still_slow_past_its_deadline_is_replaced_by_serve(ray_cluster):
+    """Quarantined past ``replace_after_s``, the replica fails its health checks on the ingress's request, and
+    Serve stops it and starts another; no stream fails."""
+    decode = {"num_replicas": 2, "ray_actor_options": {"num_cpus": 0.5}, "max_ongoing_requests": 64,
+              "health_check_period_s": 1.0, "router": {"gray_failure": {**GRAY, "replace_after_s": 4.0}}}
+    ensure_app("default.yaml", decode=decode, max_migrations=1)
+    wait_until(lambda: len(replica_ids("pd", "DecodeServer")) == 2, timeout=90)
+    with StreamingLoad(ray_cluster["url"], workers=4) as load:
+        wait_until(lambda: len(load.outcomes) >= 4, timeout=60)
+        slow = max(pool_stats("DecodeServer"), key=lambda s: s["num_running"])
+        with DutyCycle(slow["pid"]) as fault:
+            fault_at = time.monotonic()
+            wait_until(lambda: _ingress_stats()["quarantined"]["decode"] == [slow["replica_id"]], timeout=30)
+            quarantined_after = time.monotonic() - fault_at
+            try:
+                wait_until(lambda: fault.gone or slow["replica_id"] not in replica_ids("pd", "DecodeServer"),
+                           timeout=60)
+            except TimeoutError:
+                raise AssertionError(f"{slow['replica_id']} not replaced in 60 s: {_ingress_stats()}") from None
+            replaced_after = time.monotonic() - fault_at
+        wait_until(lambda: len(replica_ids("pd", "DecodeServer")) == 2, timeout=90)
+        assert slow["replica_id"] not in replica_ids("pd", "DecodeServer")
+        streams_before = len(load.outcomes)
+        wait_until(lambda: len(load.outcomes) >= streams_before + 4, timeout=60)  # the pool serves on
+    print(json.dumps({"quarantined_after_s": round(quarantined_after, 2), "replaced_after_s": round(replaced_after, 2),
+                      "streams": len(load.outcomes)}))
+    failed = [outcome for outcome in load.outcomes if outcome != "done"]
+    assert not failed, failed[:5]
