@@ -30,7 +30,7 @@ import logging
 import numbers
 import threading
 import time
-from typing import Generic, NamedTuple, Sequence, TypeVar
+from typing import Callable, Generic, NamedTuple, Sequence, TypeVar
 
 import torch
 
@@ -109,6 +109,53 @@ class FinishedHandle(TransferHandle):
 
     def quiesced(self) -> bool:
         return True
+
+
+class DelayedRead(TransferHandle):
+    """Fault injection: a read posted ``delay_s`` after it was asked for, as over a link that stalled.
+
+    ``issue`` posts the real read when the delay has passed, at a ``poll``;
+    until then the read is pending, and giving it up posts nothing.
+    """
+
+    def __init__(self, issue: Callable[[], TransferHandle], delay_s: float,
+                 clock: Callable[[], float] = time.monotonic):
+        self._issue = issue
+        self._clock = clock
+        self._post_at = clock() + delay_s
+        self._read: TransferHandle | None = None
+        self._released = False
+
+    @property
+    def moved_bytes(self) -> int | None:  # type: ignore[override]
+        return None if self._read is None else self._read.moved_bytes
+
+    @property
+    def num_descriptors(self) -> int:
+        return getattr(self._read, "num_descriptors", 0)
+
+    @property
+    def error(self) -> str | None:
+        if self._read is not None:
+            return self._read.error
+        return "given up before it was posted" if self._released else None
+
+    def poll(self) -> TransferState:
+        if self._read is None:
+            if self._released:
+                return TransferState.FAILED
+            if self._clock() < self._post_at:
+                return TransferState.PENDING
+            self._read = self._issue()
+        return self._read.poll()
+
+    def release(self) -> None:
+        self._released = True
+        if self._read is not None:
+            self._read.release()
+
+    def quiesced(self) -> bool:
+        return self._read is None or self._read.quiesced()
 
 
 P = TypeVar("P", bound=PoolMetadata)

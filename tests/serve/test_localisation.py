@@ -1,21 +1,27 @@
-"""A request slowed by a slow replica shows where: its ``/debug/requests`` timeline puts the excess in that span.
+"""A request slowed by a fault shows where: its ``/debug/requests`` timeline puts the excess in the fault's span.
 
 The default app (one prefill, one decode replica). A LONG prompt is
-prefilled on the prefill pool; a SHORT one on its decode replica. The
+prefilled on the prefill pool; a SHORT one on its decode replica. A slow
 replica is made slow for real: stopped and resumed on a duty cycle
-(``SIGSTOP``/``SIGCONT``, ``tests/serve/test_gray_failure.DutyCycle``).
+(``SIGSTOP``/``SIGCONT``, ``tests/serve/test_gray_failure.DutyCycle``). A
+stalled transfer is the decode replica's every KV read posted late
+(``PD_FAULT_KV_PULL_DELAY_S``, ``transfer.base.DelayedRead``): the engine
+waits on the pull while it steps its other requests.
 
 Destructive (a stopped process): runs last.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 import uuid
+from typing import Iterator
 
 import pytest
 
+from pd.engine.disagg.connector import FAULT_PULL_DELAY_ENV
 from tests.serve.conftest import Client, ensure_app, pool_stats
 from tests.serve.test_debug_requests import _call, _timeline
 from tests.serve.test_gray_failure import DutyCycle
@@ -27,7 +33,25 @@ LONG = " ".join(f"word{i}" for i in range(400))
 CASES = {  # the slow pool, a prompt that runs there, its tokens, and the span that must hold the excess
     "prefill": ("PrefillServer", lambda: f"{uuid.uuid4().hex} {LONG}", 2, "prefill"),
     "decode": ("DecodeServer", lambda: f"{uuid.uuid4().hex} tell me about the sea", 48, "decode"),
+    "transfer": ("DecodeServer", lambda: f"{uuid.uuid4().hex} {LONG}", 2, "decode.kv_pull"),
 }
+STALL_S = 0.4
+STALLED_DECODE = {"num_replicas": 1, "max_ongoing_requests": 64, "max_queued_requests": 128,
+                  "ray_actor_options": {"num_cpus": 0.5,
+                                        "runtime_env": {"env_vars": {FAULT_PULL_DELAY_ENV: str(STALL_S)}}}}
+
+
+@contextlib.contextmanager
+def _fault(case: str, client: Client, deployment: str) -> Iterator[None]:
+    """The slow replica (stopped and resumed on a duty cycle), or every KV read posted ``STALL_S`` late."""
+    if case == "transfer":
+        ensure_app("default.yaml", decode=STALLED_DECODE)
+        _timed(client, CASES[case][1](), 2)  # the new decode replica warm
+        yield
+        return
+    [replica] = pool_stats(deployment)
+    with DutyCycle(replica["pid"]):
+        yield
 
 
 def _timed(client: Client, prompt: str, max_tokens: int) -> dict:
@@ -48,8 +72,7 @@ def test_the_excess_time_of_a_slow_replica_is_in_its_span(ray_cluster, case):
     client = Client(ray_cluster["url"])
     _timed(client, prompt(), max_tokens)  # both pools warm
     baseline = [_timed(client, prompt(), max_tokens) for _ in range(3)]
-    [replica] = pool_stats(deployment)
-    with DutyCycle(replica["pid"]):
+    with _fault(case, client, deployment):
         slowed = [_timed(client, prompt(), max_tokens) for _ in range(3)]
     excess = statistics.median(t["duration_s"] for t in slowed) - statistics.median(t["duration_s"] for t in baseline)
     in_span = statistics.median(_in(t, span) for t in slowed) - statistics.median(_in(t, span) for t in baseline)

@@ -1,10 +1,11 @@
-"""``block_runs``: pairwise merging of block-id lists into contiguous runs."""
+"""``block_runs``: pairwise merging of block-id lists into contiguous runs; ``DelayedRead``, the stalled-link fault."""
 
 from __future__ import annotations
 
 import pytest
 
 from transfer import block_runs
+from transfer.base import DelayedRead, FinishedHandle, TransferState
 
 
 @pytest.mark.parametrize(
@@ -28,3 +29,35 @@ def test_block_runs_merge_only_where_both_sides_advance(remote_ids, local_ids, r
 def test_block_runs_refuse_unequal_lengths():
     with pytest.raises(ValueError, match="3 remote blocks but 2 local blocks"):
         block_runs([1, 2, 3], [1, 2])
+
+
+class _Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_delayed_read_is_pending_until_posted_then_is_the_read():
+    clock, posted = _Clock(), []
+
+    def issue():
+        posted.append(clock.now)
+        return FinishedHandle()
+
+    read = DelayedRead(issue, 0.4, clock)
+    assert read.poll() is TransferState.PENDING and read.error is None and not posted
+    clock.now += 0.39
+    assert read.poll() is TransferState.PENDING
+    clock.now += 0.02
+    assert read.poll() is TransferState.DONE and posted == [clock.now] and read.quiesced()
+
+
+def test_a_delayed_read_given_up_before_it_is_posted_posts_nothing():
+    clock, posted = _Clock(), []
+    read = DelayedRead(lambda: posted.append(1) or FinishedHandle(), 0.4, clock)
+    read.release()
+    clock.now += 1.0
+    assert read.poll() is TransferState.FAILED and "before it was posted" in read.error
+    assert read.quiesced() and not posted

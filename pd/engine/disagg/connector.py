@@ -24,6 +24,7 @@ expiry, so the prefill side never frees blocks that a pull still counts on.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -35,13 +36,16 @@ from pd.engine.request import Request
 from pd.engine.scheduler import Scheduler
 from pd.engine.tp.driver import TPWorkers
 from pd.model.config import ModelConfig
-from transfer.base import KVTransport, TransferHandle, TransferState
+from transfer.base import DelayedRead, KVTransport, TransferHandle, TransferState
 from transfer.wire import KVHandle, LayoutFingerprint, WireError, prompt_digest
 
 logger = logging.getLogger(__name__)
 
 # A handle whose lease ends sooner than this is not worth starting a pull for.
 MIN_LEASE_MARGIN_S = 0.5
+# Fault injection for tests (tests/serve/test_localisation.py): every pull's read is posted this many
+# seconds late (``transfer.base.DelayedRead``), as over a link that stalled. Unset in service.
+FAULT_PULL_DELAY_ENV = "PD_FAULT_KV_PULL_DELAY_S"
 
 
 @dataclass
@@ -102,6 +106,7 @@ class KVConnector:
         self.kv_cache = kv_cache
         self.scheduler = scheduler
         self.stats = ConnectorStats()
+        self.fault_pull_delay_s = float(os.environ.get(FAULT_PULL_DELAY_ENV, "0") or 0)
         # Prefill role: finished prompts whose blocks stay pinned under a lease.
         self.lease_s = lease_s
         self.leases = LeaseTable()
@@ -205,11 +210,15 @@ class KVConnector:
         started = self.clock.monotonic()
         deadline = started + min(self.read_timeout_s, max(lease_left, 0.0))
         local_size = self.tp.size if self.tp is not None else 1
-        if handle.fingerprint.tensor_parallel_size == 1 and local_size == 1:
-            transfer = transport.read_blocks(peer, remote, local, notify=handle.request_id)  # the prefill's lease
-        else:  # every rank reads its heads from the prefill ranks that hold them
-            transfer = start_split_pull(handle, self.tp.model_config, transport, self.tp.workers, local_size,
-                                        self._peer_of, list(remote), list(local), self.tp.attention_size)
+
+        def issue() -> TransferHandle:
+            if handle.fingerprint.tensor_parallel_size == 1 and local_size == 1:
+                return transport.read_blocks(peer, remote, local, notify=handle.request_id)  # the prefill's lease
+            # every rank reads its heads from the prefill ranks that hold them
+            return start_split_pull(handle, self.tp.model_config, transport, self.tp.workers, local_size,
+                                    self._peer_of, list(remote), list(local), self.tp.attention_size)
+
+        transfer = DelayedRead(issue, self.fault_pull_delay_s, self.clock.monotonic) if self.fault_pull_delay_s > 0 else issue()
         self.kv_cache.touch_blocks(local)
         self._pulls[request.request_id] = _Pull(request, transfer, started, deadline, list(local))
         self.stats.num_remote_pulls += 1
