@@ -278,6 +278,7 @@ class PrefixAffinityRouter(PinnedRequestRouter):
             decision = dataclasses.replace(decision, replica_id=replica_id.unique_id)
         self.record(decision, hashes)
         self.metrics.record(decision)
+        self.pool.note_decision(hints.request_id, decision.reason.value, decision.matched_tokens)
 
     def decide(self, hints: RouteHints, loads: list[ReplicaLoad]) -> RoutingDecision:
         return self.policy.choose(hints.block_hashes, hints.num_prompt_tokens, loads)
@@ -340,4 +341,5 @@ class DecodeLoadRouter(PinnedRequestRouter):
         decision = self.policy.choose(loads, runs, hints.num_prompt_tokens)
         self.policy.record_routed(decision)
         self.metrics.record(decision)
+        self.pool.note_decision(hints.request_id, decision.reason.value, decision.matched_tokens)
         return _ranked(replicas, decision)

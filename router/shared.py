@@ -32,6 +32,7 @@ class PoolRouting:
 
     def __init__(self) -> None:
         self._routed: OrderedDict[str, str] = OrderedDict()
+        self._decided: OrderedDict[str, tuple[str, int]] = OrderedDict()
         self._index: PrefixIndex | None = None
         self._block_size = 0
         self._live: set[str] | None = None  # None until a router has seen the pool
@@ -64,6 +65,17 @@ class PoolRouting:
         self._routed.move_to_end(request_id)
         while len(self._routed) > MAX_REMEMBERED:
             self._routed.popitem(last=False)
+
+    def note_decision(self, request_id: str, reason: str, matched_tokens: int) -> None:
+        """Why a policy router chose where ``request_id`` went, and the prompt tokens that replica held."""
+        self._decided[request_id] = (reason, matched_tokens)
+        self._decided.move_to_end(request_id)
+        while len(self._decided) > MAX_REMEMBERED:
+            self._decided.popitem(last=False)
+
+    def routed_decision(self, request_id: str) -> tuple[str, int] | None:
+        """(reason, matched prompt tokens) of the policy's decision for ``request_id``; None where none decided."""
+        return self._decided.get(request_id)
 
     def routed_replica(self, request_id: str) -> str | None:
         """The replica the last call for ``request_id`` was routed to."""

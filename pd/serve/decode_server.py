@@ -69,7 +69,7 @@ class DecodeServer(EngineServer):
         finally:
             error = "" if last is not None and last.finish_reason not in (None, FinishReason.ERROR) else (
                 (last.error if last is not None else "") or "cancelled or aborted")
-            self.trace(request, started_ns, arrived_ns, timings, error, num_output_tokens=num_tokens,
+            self._record_spans(request, started_ns, arrived_ns, timings, error, num_output_tokens=num_tokens,
                        finish_reason=last.finish_reason.value if last is not None and last.finish_reason else None,
                        kv_source=last.kv_source.value if last is not None else None)
 

@@ -133,7 +133,7 @@ class EngineServer:
         self.replacement_reason = ""  # set when the ingress asks Serve to replace this replica (a gray failure)
         logger.info("%s replica %s ready", self.role, self.replica_id)
 
-    def trace(self, request: PoolRequest, started_ns: int, arrived_ns: int, timings: EngineTimings | None,
+    def _record_spans(self, request: PoolRequest, started_ns: int, arrived_ns: int, timings: EngineTimings | None,
               error: str = "", **attributes: object) -> None:
         """Export this call's spans under the ingress's (``request.traceparent``), when tracing is on."""
         if self.tracer is None or not request.traceparent:

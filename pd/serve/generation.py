@@ -181,7 +181,8 @@ class PoolClient:
                     if attempt == 0:
                         self.metrics.prefill_retries.inc()
                     continue
-                span.set(replica=result.replica_id, num_cached_tokens=result.num_cached_tokens)
+                span.set(replica=result.replica_id, num_cached_tokens=result.num_cached_tokens,
+                         **_decision(self.prefill_routing, attempt_id))
             place_engine_timings(timeline, "prefill", result.timings, end_s=span.end_s)
             return result
         timeline.add_before("prefill.given_up", 0.0, reason="two attempts failed; prefilling locally")
@@ -390,4 +391,10 @@ class PoolClient:
         if chunk.kv_source is not KVSource.REMOTE and not tracker.token_ids:
             tracker.num_cached_tokens = chunk.num_cached_tokens  # the prompt ran here
         span.set(replica=self.decode_routing.routed_replica(request.request_id), kv_source=chunk.kv_source.value,
-                 num_cached_tokens=chunk.num_cached_tokens)
+                 num_cached_tokens=chunk.num_cached_tokens, **_decision(self.decode_routing, request.request_id))
+
+
+def _decision(routing, request_id: str) -> dict[str, object]:
+    """The routing policy's reason and the prompt tokens its chosen replica held, for a call's span."""
+    decided = routing.routed_decision(request_id)
+    return {} if decided is None else {"routing_reason": decided[0], "matched_tokens": decided[1]}

@@ -38,7 +38,7 @@ class PrefillServer(EngineServer):
                 async for out in stream:
                     last, timings = out, out.timings or timings
         finally:
-            self.trace(request, started_ns, arrived_ns, timings, _prefill_error(last),
+            self._record_spans(request, started_ns, arrived_ns, timings, _prefill_error(last),
                        num_cached_tokens=last.num_cached_tokens if last is not None else None)
         if last is not None and last.finish_reason is FinishReason.ERROR:
             return RequestFailed(request_id=request.request_id, error=last.error or "request failed").encode()

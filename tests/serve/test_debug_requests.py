@@ -102,6 +102,9 @@ def test_a_request_is_one_trace_across_its_processes_under_the_clients_tracepare
     assert root.service == "pd" and root.attributes["pd.status"] == "ok"
     for name in ("tokenize", "route", "prefill", "decode"):
         assert spans[name].parent_span_id == root.span_id, name
+    # The routing decision: why that replica, and how much of the prompt it held.
+    for role in ("prefill", "decode"):
+        assert spans[role].attributes["pd.routing_reason"] and spans[role].attributes["pd.matched_tokens"] >= 0
     # Each replica's spans come from its own process, under the span of the ingress's call to it.
     for role, deployment in (("prefill", "PrefillServer"), ("decode", "DecodeServer")):
         engine = spans[f"{role}.engine"]

@@ -13,116 +13,20 @@ Destructive (a stopped process): runs last, on its own app.
 
 from __future__ import annotations
 
-import http.client
 import json
-import os
-import signal
 import statistics
-import threading
 import time
-import urllib.parse
-import uuid
 
 import pytest
 
+from bench.gray_isolation import DutyCycle, StreamingLoad
+from bench.gray_isolation import ingress_stats as _ingress_stats
 from tests.serve.conftest import ensure_app, pool_stats, replica_ids, wait_until
 
 pytestmark = pytest.mark.destructive
 
-MODEL = "builtin:tiny-llama"
 GRAY = {"window_s": 3.0, "half_life_s": 1.0, "probe_interval_s": 2.0, "min_replica_steps": 8.0,
         "stale_after_s": 10.0}
-STOPPED_S, PERIOD_S = 0.016, 0.02  # five times slower; short, so that stops land inside steps
-
-
-def _ingress_stats() -> dict:
-    from ray import serve
-
-    return serve.get_app_handle("pd").process_stats.remote().result()
-
-
-class StreamingLoad:
-    """``workers`` clients, each streaming one short completion after another; every token's arrival time."""
-
-    def __init__(self, url: str, workers: int = 6, max_tokens: int = 48):
-        self.url, self.max_tokens = urllib.parse.urlsplit(url), max_tokens
-        self.outcomes: list[str] = []
-        self.gaps: list[tuple[float, float]] = []  # (arrival time, gap since the stream's previous token)
-        self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(workers)]
-
-    def __enter__(self) -> "StreamingLoad":
-        for thread in self._threads:
-            thread.start()
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self._stop.set()
-        for thread in self._threads:
-            thread.join(120)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.outcomes.append(self._one())
-
-    def _one(self) -> str:
-        conn = http.client.HTTPConnection(self.url.hostname, self.url.port, timeout=120)
-        try:
-            conn.request("POST", "/v1/completions", body=json.dumps({
-                "model": MODEL, "prompt": f"{uuid.uuid4().hex} tell me", "max_tokens": self.max_tokens,
-                "temperature": 0, "ignore_eos": True, "stream": True}), headers={"Content-Type": "application/json"})
-            response = conn.getresponse()
-            if response.status != 200:
-                return f"status {response.status}"
-            last, events = None, []
-            for line in response:
-                if line.startswith(b"data: {"):
-                    now = time.monotonic()
-                    if last is not None:
-                        self.gaps.append((now, now - last))
-                    last = now
-                    events.append(json.loads(line[6:]))
-            finish = events[-1]["choices"][0]["finish_reason"] if events and events[-1].get("choices") else None
-            return "done" if finish == "length" else f"ended {events[-1] if events else 'empty'}"
-        except Exception as exc:  # noqa: BLE001 - any failure is an outcome the test reports
-            return f"failed {exc!r}"
-        finally:
-            conn.close()
-
-    def itl_p99(self, since: float, until: float) -> float:
-        gaps = sorted(gap for at, gap in self.gaps if since <= at < until)
-        assert len(gaps) >= 50, f"only {len(gaps)} tokens between {since:.1f} and {until:.1f}"
-        return gaps[int(0.99 * (len(gaps) - 1))]
-
-
-class DutyCycle:
-    """Stops and resumes a process on a duty cycle until closed; the process is always left running."""
-
-    def __init__(self, pid: int):
-        self.pid = pid
-        self.gone = False
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> "DutyCycle":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self._stop.set()
-        self._thread.join(10)
-        if not self.gone:
-            os.kill(self.pid, signal.SIGCONT)
-
-    def _run(self) -> None:
-        try:
-            while not self._stop.is_set():
-                os.kill(self.pid, signal.SIGSTOP)
-                self._stop.wait(STOPPED_S)
-                os.kill(self.pid, signal.SIGCONT)
-                self._stop.wait(PERIOD_S - STOPPED_S)
-        except ProcessLookupError:  # the process is gone (Serve replaced its replica)
-            self.gone = True
 
 
 def test_a_slow_decode_replica_is_quarantined_its_streams_move_and_it_is_readmitted(ray_cluster):
@@ -173,7 +77,7 @@ def test_a_replica_still_slow_past_its_deadline_is_replaced_by_serve(ray_cluster
               "health_check_period_s": 1.0, "router": {"gray_failure": {**GRAY, "replace_after_s": 4.0}}}
     ensure_app("default.yaml", decode=decode, max_migrations=1)
     wait_until(lambda: len(replica_ids("pd", "DecodeServer")) == 2, timeout=90)
-    with StreamingLoad(ray_cluster["url"], workers=4) as load:
+    with StreamingLoad(ray_cluster["url"], clients=4) as load:
         wait_until(lambda: len(load.outcomes) >= 4, timeout=60)
         slow = max(pool_stats("DecodeServer"), key=lambda s: s["num_running"])
         with DutyCycle(slow["pid"]) as fault:

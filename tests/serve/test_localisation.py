@@ -3,7 +3,7 @@
 The default app (one prefill, one decode replica). A LONG prompt is
 prefilled on the prefill pool; a SHORT one on its decode replica. A slow
 replica is made slow for real: stopped and resumed on a duty cycle
-(``SIGSTOP``/``SIGCONT``, ``tests/serve/test_gray_failure.DutyCycle``). A
+(``SIGSTOP``/``SIGCONT``, ``bench.gray_isolation.DutyCycle``). A
 stalled transfer is the decode replica's every KV read posted late
 (``PD_FAULT_KV_PULL_DELAY_S``, ``transfer.base.DelayedRead``): the engine
 waits on the pull while it steps its other requests.
@@ -21,10 +21,10 @@ from typing import Iterator
 
 import pytest
 
+from bench.gray_isolation import DutyCycle
 from pd.engine.disagg.connector import FAULT_PULL_DELAY_ENV
 from tests.serve.conftest import Client, ensure_app, pool_stats
 from tests.serve.test_debug_requests import _call, _timeline
-from tests.serve.test_gray_failure import DutyCycle
 
 pytestmark = pytest.mark.destructive
 
