@@ -250,7 +250,10 @@ def test_the_predicted_rule_refuses_a_prefill_router_without_a_predictor():
 
 def test_a_pools_gray_failure_settings_reach_its_router_and_bad_ones_are_refused_by_name():
     args = config_args("default.yaml")
+    assert AppArgs.parse(args).deployment_options("prefill")["request_router_config"].request_router_kwargs[
+        "gray_failure"] == {}  # the default app's pools have the detector, with its defaults
     args["decode"]["router"] = {"gray_failure": {"window_s": 5.0}}
+    del args["prefill"]["router"]
     parsed = AppArgs.parse(args)
     kwargs = parsed.deployment_options("decode")["request_router_config"].request_router_kwargs
     assert kwargs["gray_failure"] == {"window_s": 5.0}
