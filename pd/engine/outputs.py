@@ -92,6 +92,7 @@ class EngineTimings:
     num_pull_descriptors: int = 0
     pull_error: str = ""
     num_cached_tokens: int = 0
+    num_prompt_chunks: int = 0
     num_preemptions: int = 0
 
 

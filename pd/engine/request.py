@@ -82,6 +82,7 @@ class Request:
     num_pulled_bytes: int = 0
     num_pulled_blocks: int = 0
     num_pull_descriptors: int = 0
+    num_prompt_chunks: int = 0  # steps that computed part of its prompt
     pull_error: str = ""  # why its KV pull failed (the prompt was recomputed here)
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)

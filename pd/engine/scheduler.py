@@ -186,6 +186,7 @@ class Scheduler:
             uncomputed_prompt = len(request.prompt_token_ids) - request.num_computed_tokens
             if uncomputed_prompt > 0:
                 self.num_computed_prompt_tokens += min(item.num_new_tokens, uncomputed_prompt)
+                request.num_prompt_chunks += 1
             request.num_computed_tokens += item.num_new_tokens
             cache_blocks(request)
             if prompt_logprobs:
@@ -291,4 +292,5 @@ def _first_token_timings(request: Request) -> EngineTimings | None:
         pull_s=request.pull_seconds, num_pulled_bytes=request.num_pulled_bytes,
         num_pulled_blocks=request.num_pulled_blocks, num_pull_descriptors=request.num_pull_descriptors,
         pull_error=request.pull_error, num_cached_tokens=request.num_cached_tokens,
+        num_prompt_chunks=request.num_prompt_chunks,
         num_preemptions=request.num_preemptions)

@@ -124,7 +124,7 @@ class EngineServer:
         self.metrics = ReplicaMetrics(self.role, self.replica_id)
         provider = tracer_provider(self.args.otlp_traces_endpoint,
                                    **{"service.instance.id": self.replica_id, "pd.role": self.role})
-        self.tracer = EngineTracer(provider, self.role) if provider is not None else None
+        self.tracer = None if provider is None else EngineTracer(provider, self.role, self.args.transfer_backend)
         pool = getattr(self.args, self.role, None)
         planner = getattr(pool, "autoscaling", None)
         # What the SLO planner reads (``record_autoscaling_stats``), over its period.

@@ -35,6 +35,7 @@ class RequestTimings(WireMessage, frozen=True, kw_only=True):
     num_pulled_blocks: NonNegativeInt = 0
     num_pull_descriptors: NonNegativeInt = 0
     pull_error: str = ""  # why the KV pull failed; the prompt was recomputed
+    num_prompt_chunks: NonNegativeInt = 0  # steps that computed part of the prompt here
     num_preemptions: NonNegativeInt = 0
 
     def validate(self) -> None:
@@ -49,6 +50,7 @@ class RequestTimings(WireMessage, frozen=True, kw_only=True):
         return cls(queue_s=timings.queue_s, first_token_s=timings.first_token_s, pull_s=timings.pull_s,
                    num_pulled_bytes=timings.num_pulled_bytes, num_pulled_blocks=timings.num_pulled_blocks,
                    num_pull_descriptors=timings.num_pull_descriptors, pull_error=timings.pull_error,
+                   num_prompt_chunks=timings.num_prompt_chunks,
                    num_preemptions=timings.num_preemptions)
 
 

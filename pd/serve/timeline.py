@@ -210,7 +210,8 @@ def place_engine_timings(timeline: Timeline, prefix: str, timings, end_s: float 
         timeline.add_before(f"{prefix}.kv_pull", timings.pull_s, end_s=admitted + timings.pull_s, by_engine=True,
                             **pull_attributes(timings))
         compute_start = admitted + timings.pull_s
-    timeline.add_before(f"{prefix}.compute", end - compute_start, end_s=end, by_engine=True)
+    timeline.add_before(f"{prefix}.compute", end - compute_start, end_s=end, by_engine=True,
+                        chunks=timings.num_prompt_chunks)
 
 
 def pull_attributes(timings) -> dict[str, object]:

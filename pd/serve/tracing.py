@@ -136,9 +136,10 @@ class _RequestTrace:
 class EngineTracer:
     """A replica's spans of the calls it served, each under the calling span that its ``traceparent`` names."""
 
-    def __init__(self, provider, role: str):
+    def __init__(self, provider, role: str, backend: str = ""):
         self.provider = provider
         self.role = role
+        self.backend = backend  # the KV transfer's ("nixl", "torch")
         self.tracer = provider.get_tracer("pd.engine")
 
     def record(self, traceparent: str, started_ns: int, arrived_ns: int, timings: EngineTimings | None,
@@ -166,8 +167,10 @@ class EngineTracer:
             compute_ns = admitted_ns
             if timings.pull_s > 0:
                 compute_ns = admitted_ns + _ns(timings.pull_s)
-                pieces.append(("kv_pull", admitted_ns, compute_ns, pull_attributes(timings)))
-            pieces.append(("compute", compute_ns, first_token_ns, {"num_cached_tokens": timings.num_cached_tokens}))
+                pulled = {**pull_attributes(timings), "backend": self.backend}
+                pieces.append(("kv_pull", admitted_ns, compute_ns, pulled))
+            pieces.append(("compute", compute_ns, first_token_ns, {"num_cached_tokens": timings.num_cached_tokens,
+                                                                   "chunks": timings.num_prompt_chunks}))
             if ended_ns > first_token_ns and self.role == "decode":
                 pieces.append(("generate", first_token_ns, ended_ns, {}))
             for name, start_ns, end_ns, values in pieces:

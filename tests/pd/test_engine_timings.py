@@ -35,3 +35,13 @@ def test_the_first_output_with_a_token_carries_the_timings_and_no_other_does():
     assert second.queue_s > first.first_token_s
     assert second.num_cached_tokens == 32 and first.num_cached_tokens == 0
     assert first.pull_s == 0.0 and first.num_pulled_blocks == 0
+
+
+def test_the_timings_count_the_steps_that_computed_the_prompt():
+    engine = LLMEngine(EngineConfig(model="builtin:tiny-llama", num_blocks=64, max_num_batched_tokens=16))
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    engine.add_request("long", list(range(1, 40)), params)  # 39 tokens in chunks of at most 16
+    long = _run(engine)["long"][0].timings
+    engine.add_request("cached", list(range(1, 40)), params)  # 32 cached: the last 7 in one step
+    cached = _run(engine)["cached"][0].timings
+    assert (long.num_prompt_chunks, cached.num_prompt_chunks) == (3, 1)

@@ -118,6 +118,7 @@ def test_a_request_is_one_trace_across_its_processes_under_the_clients_tracepare
         assert spans[name].parent_span_id == spans["decode.engine"].span_id, name
     pull = spans["decode.kv_pull"].attributes
     assert pull["pd.bytes"] > 0 and pull["pd.descriptors"] >= 1 and pull["pd.gb_per_s"] > 0
+    assert pull["pd.backend"] == "nixl" and spans["prefill.compute"].attributes["pd.chunks"] >= 1
     assert root.start_ns <= spans["prefill"].start_ns <= spans["prefill"].end_ns <= spans["decode"].start_ns
     assert spans["decode"].end_ns <= root.end_ns
 

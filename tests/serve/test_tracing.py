@@ -79,7 +79,8 @@ def test_tracing_off_builds_nothing():
 
 def _engine_tracer(exporter, role: str, replica: str) -> EngineTracer:
     """A replica's tracer: its own provider, as in its own process."""
-    return EngineTracer(tracer_provider(None, exporter, **{"service.instance.id": replica, "pd.role": role}), role)
+    return EngineTracer(tracer_provider(None, exporter, **{"service.instance.id": replica, "pd.role": role}), role,
+                        "nixl")
 
 
 def test_calls_carry_their_span_to_the_replicas_whose_spans_join_the_tree():
@@ -96,7 +97,7 @@ def test_calls_carry_their_span_to_the_replicas_whose_spans_join_the_tree():
         request = PoolRequest(request_id="cmpl-3-p0", token_ids=(1, 2, 3), sampling=SamplingParams(),
                               traceparent=traceparent)
         now = time.time_ns()
-        timings = EngineTimings(queue_s=0.001, first_token_s=0.002, num_cached_tokens=1)
+        timings = EngineTimings(queue_s=0.001, first_token_s=0.002, num_cached_tokens=1, num_prompt_chunks=2)
         prefill.record(PoolRequest.decode(request.encode()).traceparent, now - 5_000_000, now - 4_000_000, timings,
                        replica="p1", num_cached_tokens=1)
     place_engine_timings(timeline, "prefill", RequestTimings.of(timings), end_s=call.end_s)
@@ -127,6 +128,7 @@ def test_calls_carry_their_span_to_the_replicas_whose_spans_join_the_tree():
         assert replicas[name].parent.span_id == replicas["decode.engine"].context.span_id, name
     pull = replicas["decode.kv_pull"].attributes
     assert (pull["pd.bytes"], pull["pd.blocks"], pull["pd.descriptors"], pull["pd.gb_per_s"]) == (10**6, 4, 1, 1.0)
+    assert pull["pd.backend"] == "nixl" and replicas["prefill.compute"].attributes["pd.chunks"] == 2
     assert replicas["decode.engine"].attributes["pd.num_output_tokens"] == 5
     assert replicas["prefill.engine"].resource.attributes["service.instance.id"] == "p1"
 
