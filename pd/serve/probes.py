@@ -76,8 +76,11 @@ class QuarantineProbes:
                    for replica in sorted(routing.quarantined) if now - self._last.get(replica, -1e18) >= interval]
             for name, replica in due:
                 self._last[replica] = now
-            replace = [(name, replica, why) for name, (routing, _, _) in self.pools.items()
-                       for replica, why in sorted(routing.replace_due.items()) if replica not in self.replacing]
+            due_replacement = {replica: (name, why) for name, (routing, _, _) in self.pools.items()
+                               for replica, why in routing.replace_due.items()}
+            self.replacing &= due_replacement.keys()  # a replaced replica is gone from its routing's list
+            replace = [(name, replica, why) for replica, (name, why) in sorted(due_replacement.items())
+                       if replica not in self.replacing]
             await asyncio.gather(*(self._probe(name, replica) for name, replica in due),
                                  *(self._replace(name, replica, why) for name, replica, why in replace))
 

@@ -30,6 +30,7 @@ POOL = {"num_replicas": 2, "ray_actor_options": {"num_cpus": 0.5}, "max_ongoing_
         "max_queued_requests": 128, "router": {"gray_failure": {}}}
 
 
+@pytest.mark.timeout(SOAK_S + 300)
 def test_ten_minutes_of_bursty_load_without_a_fault_quarantine_nothing(ray_cluster):
     ensure_app("default.yaml", prefill=POOL, decode=POOL, max_migrations=1)
     wait_until(lambda: len(replica_ids("pd", "DecodeServer")) == 2 == len(replica_ids("pd", "PrefillServer")),
