@@ -1,18 +1,19 @@
-"""Gray failures, served: ITL p99 over time while one of two decode replicas is made slow for real, and after.
+"""Gray failures, served: ITL p99 over time while one of a pool's two replicas is made slow for real, and after.
 
     python -m bench.gray_isolation --out /tmp/gray                    # a 5x slow decode replica, 20 s to 60 s
     python -m bench.gray_isolation --no-fault --bursty --duration-s 600 --out /tmp/calm   # false positives?
 
 Starts a private Ray with Serve and deploys ``serve_configs/default.yaml``'s
-app (the built-in tiny model) with two decode replicas, the gray-failure
-detector on their router (``router.gray``; its defaults, or ``--gray`` JSON)
-and one migration per stream. Clients stream completions: ``--clients`` of
-them, each one after another (a mix of short prompts, decoded where they are
+app (the built-in tiny model) with two decode replicas (``--pool prefill``:
+two prefill replicas, and every prompt long), the gray-failure detector on
+their router (``router.gray``; its defaults, or ``--gray`` JSON) and one
+migration per stream. Clients stream completions: ``--clients`` of them,
+each one after another (a mix of short prompts, decoded where they are
 prefilled, and long ones, prefilled remotely), or with ``--bursty`` as many
 of them as the load tests' bursty profile gives at that moment
 (``BurstyTraceConfig.rate_per_s``: a diurnal ramp with a 3x step, over the
-run). With a fault, the busiest decode replica's process is stopped and
-resumed on a duty cycle (``SIGSTOP``/``SIGCONT``, 16 ms of every 20: five
+run). With a fault, the busiest replica of that pool has its process stopped
+and resumed on a duty cycle (``SIGSTOP``/``SIGCONT``, 16 ms of every 20: five
 times slower, alive, its health checks passing) from ``--fault-at`` for
 ``--fault-for`` seconds. Each second the ingress's quarantined replicas and
 their slowness are recorded.
@@ -47,6 +48,7 @@ from pd.workload.trace import BurstyTraceConfig
 
 LONG_PROMPT = " ".join(f"word{i}" for i in range(300))  # past the default remote-prefill threshold
 STOPPED_S, PERIOD_S = 0.016, 0.02  # five times slower; short, so that stops land inside steps
+DEPLOYMENTS = {"prefill": "PrefillServer", "decode": "DecodeServer"}
 
 
 class StreamingLoad:
@@ -155,25 +157,26 @@ def ingress_stats() -> dict:
     return serve.get_app_handle("pd").process_stats.remote().result()
 
 
-def decode_replicas() -> list[dict]:
-    """Each decode replica's ``stats`` (its id, pid, running requests), reached by its id."""
+def pool_replicas(pool: str) -> list[dict]:
+    """Each ``pool`` replica's ``stats`` (its id, pid, running requests), reached by its id."""
     import ray
     from ray import serve
 
     from router.protocol import RouteHints
 
-    prefix = "SERVE_REPLICA::pd#DecodeServer#"
+    deployment = DEPLOYMENTS[pool]
+    prefix = f"SERVE_REPLICA::pd#{deployment}#"
     ids = [a["name"][len(prefix):] for a in ray.util.list_named_actors(all_namespaces=True)
            if a["name"].startswith(prefix)]
-    handle = serve.get_deployment_handle("DecodeServer", "pd")
+    handle = serve.get_deployment_handle(deployment, "pd")
     return [handle.stats_of.remote(RouteHints(request_id="", target_replica_id=rid).encode()).result() for rid in ids]
 
 
-def app_args(model: str, gray: dict[str, float]) -> dict:
-    """The default app serving ``model``, with two decode replicas watched by the gray-failure detector."""
+def app_args(model: str, gray: dict[str, float], pool: str = "decode") -> dict:
+    """The default app serving ``model``, with two ``pool`` replicas watched by the gray-failure detector."""
     base = bench_app_args(load_config("default.yaml"), model)
-    decode = {**base["decode"], "num_replicas": 2, "router": {**base["decode"].get("router", {}), "gray_failure": gray}}
-    return {**base, "decode": decode, "max_migrations": 1}
+    watched = {**base[pool], "num_replicas": 2, "router": {**base[pool].get("router", {}), "gray_failure": gray}}
+    return {**base, pool: watched, "max_migrations": 1}
 
 
 def bursty_clients(clients: int, duration_s: float):
@@ -189,14 +192,14 @@ def watch(load: StreamingLoad, args) -> tuple[list[dict], dict | None]:
     fault_end = args.fault_at + args.fault_for
     while (t := time.monotonic() - load.started) < args.duration_s:
         if args.fault and fault is None and t >= args.fault_at and slow is None:
-            slow = max(decode_replicas(), key=lambda s: s["num_running"])
+            slow = max(pool_replicas(args.pool), key=lambda s: s["num_running"])
             fault = DutyCycle(slow["pid"]).__enter__()
         if fault is not None and t >= fault_end:
             fault.__exit__(None, None, None)
             fault = None
         stats = ingress_stats()
-        samples.append({"t_s": round(t, 2), "quarantined": stats["quarantined"]["decode"],
-                        "slowness": {k[-8:]: round(v, 2) for k, v in stats["slowness"]["decode"].items()}})
+        samples.append({"t_s": round(t, 2), "quarantined": stats["quarantined"][args.pool],
+                        "slowness": {k[-8:]: round(v, 2) for k, v in stats["slowness"][args.pool].items()}})
         readmitted = slow is not None and t > fault_end + 5 and not samples[-1]["quarantined"] and any(
             s["quarantined"] for s in samples)
         if readmitted and t > fault_end + args.after_s:
@@ -219,7 +222,8 @@ def summarise(load: StreamingLoad, samples: list[dict], slow: dict | None, args)
         if sample["quarantined"] != held:
             held = sample["quarantined"]
             changes.append({"t_s": sample["t_s"], "quarantined": [r[-8:] for r in held]})
-    result = {"bench": "gray_isolation", "cpu": cpu_name(), "cpu_flags": cpu_flags(), "model": args.model,
+    result = {"bench": "gray_isolation", "pool": args.pool, "cpu": cpu_name(), "cpu_flags": cpu_flags(),
+              "model": args.model,
               "fault": args.fault, "bursty": args.bursty, "duration_s": samples[-1]["t_s"],
               "streams": len(load.outcomes), "failed_streams": [o for o in load.outcomes if o != "done"][:10],
               "num_failed_streams": sum(o != "done" for o in load.outcomes),
@@ -253,7 +257,7 @@ def write_plot(path: Path, result: dict) -> None:
     ax.plot([t for t, _ in points], [v for _, v in points], marker="o", markersize=3, label="ITL p99 (ms)")
     if result.get("fault_at_s") is not None:
         ax.axvspan(result["fault_at_s"], result["fault_end_s"], color="tab:red", alpha=0.12,
-                   label="one decode replica 5x slow")
+                   label=f"one {result['pool']} replica 5x slow")
     if result.get("itl_p99_baseline_s"):
         baseline = result["itl_p99_baseline_s"] * 1000
         ax.axhline(baseline, color="gray", linestyle="--", linewidth=1, label="baseline p99")
@@ -274,6 +278,8 @@ def write_plot(path: Path, result: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=BENCH_MODEL)
+    parser.add_argument("--pool", choices=sorted(DEPLOYMENTS), default="decode",
+                        help="the pool with two replicas, one of them made slow (prefill: every prompt long)")
     parser.add_argument("--clients", type=int, default=6)
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--gray", default="{}", help="router.gray.GrayFailureConfig fields, as JSON")
@@ -293,9 +299,10 @@ def main() -> None:
     gray = json.loads(args.gray)
     with local_serve(http_port=args.port, num_cpus=args.num_cpus) as local:
         url = f"http://127.0.0.1:{args.port}"
-        deploy_args(local, app_args(args.model, gray), ready_url=url)
+        deploy_args(local, app_args(args.model, gray, args.pool), ready_url=url)
         active = bursty_clients(args.clients, args.duration_s) if args.bursty else None
-        with StreamingLoad(url, args.clients, args.max_tokens, args.model, active, long_every=4) as load:
+        long_every = 1 if args.pool == "prefill" else 4  # prefill: every prompt goes to the prefill pool
+        with StreamingLoad(url, args.clients, args.max_tokens, args.model, active, long_every) as load:
             samples, slow = watch(load, args)
     result = summarise(load, samples, slow, args)
     print(json.dumps(result))
