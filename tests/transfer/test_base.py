@@ -61,3 +61,14 @@ def test_a_delayed_read_given_up_before_it_is_posted_posts_nothing():
     clock.now += 1.0
     assert read.poll() is TransferState.FAILED and "before it was posted" in read.error
     assert read.quiesced() and not posted
+
+
+@pytest.mark.parametrize("value", ["soon", "-1", "nan"])
+def test_the_pull_delay_fault_refuses_a_value_that_is_not_seconds(monkeypatch, value):
+    from pd.engine.disagg.connector import FAULT_PULL_DELAY_ENV, _fault_pull_delay_s
+
+    monkeypatch.setenv(FAULT_PULL_DELAY_ENV, value)
+    with pytest.raises(ValueError, match=f"{FAULT_PULL_DELAY_ENV} must be a number of seconds"):
+        _fault_pull_delay_s()
+    monkeypatch.setenv(FAULT_PULL_DELAY_ENV, "0.25")
+    assert _fault_pull_delay_s() == 0.25

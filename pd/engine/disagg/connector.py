@@ -48,6 +48,18 @@ MIN_LEASE_MARGIN_S = 0.5
 FAULT_PULL_DELAY_ENV = "PD_FAULT_KV_PULL_DELAY_S"
 
 
+def _fault_pull_delay_s() -> float:
+    """``PD_FAULT_KV_PULL_DELAY_S`` in seconds (0 when unset); a value that is not a number >= 0 is refused."""
+    value = os.environ.get(FAULT_PULL_DELAY_ENV, "") or "0"
+    try:
+        delay = float(value)
+    except ValueError:
+        delay = -1.0
+    if not delay >= 0:
+        raise ValueError(f"{FAULT_PULL_DELAY_ENV} must be a number of seconds >= 0, got {value!r}")
+    return delay
+
+
 @dataclass
 class _Pull:
     request: Request
@@ -106,7 +118,7 @@ class KVConnector:
         self.kv_cache = kv_cache
         self.scheduler = scheduler
         self.stats = ConnectorStats()
-        self.fault_pull_delay_s = float(os.environ.get(FAULT_PULL_DELAY_ENV, "0") or 0)
+        self.fault_pull_delay_s = _fault_pull_delay_s()
         # Prefill role: finished prompts whose blocks stay pinned under a lease.
         self.lease_s = lease_s
         self.leases = LeaseTable()
@@ -218,7 +230,8 @@ class KVConnector:
             return start_split_pull(handle, self.tp.model_config, transport, self.tp.workers, local_size,
                                     self._peer_of, list(remote), list(local), self.tp.attention_size)
 
-        transfer = DelayedRead(issue, self.fault_pull_delay_s, self.clock.monotonic) if self.fault_pull_delay_s > 0 else issue()
+        delay = self.fault_pull_delay_s
+        transfer = DelayedRead(issue, delay, self.clock.monotonic) if delay > 0 else issue()
         self.kv_cache.touch_blocks(local)
         self._pulls[request.request_id] = _Pull(request, transfer, started, deadline, list(local))
         self.stats.num_remote_pulls += 1
