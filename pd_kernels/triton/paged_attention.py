@@ -156,45 +156,35 @@ def _store_rows(acc, m_i, l_i, out_ptr, partial_out_ptr, partial_max_ptr, partia
 
 
 @triton.jit
+def _query_rows(q_block, q_start, q_len, context_len, kv_head, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The program's rows (the module docstring's map): each one's token, query head and position, which rows
+    and head dims are real."""
+    rows = tl.arange(0, BLOCK_M)
+    q_local = q_block * BLOCK_Q + rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_valid = (rows < BLOCK_Q * GROUP) & (q_local < q_len)
+    token = (q_start + q_local).to(tl.int64)
+    query_pos = context_len + q_local  # [BLOCK_M]
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    return token, head, query_pos, row_valid, dims, dims < HEAD_DIM
+
+
+@triton.jit
 def _paged_attention_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim], or unused when SPLIT
     partial_out_ptr,  # fp32 [num_tokens, num_heads, num_splits, HEAD_DIM_PAD] when SPLIT
     partial_max_ptr,  # fp32 [num_tokens, num_heads, num_splits], log2 domain
     partial_sum_ptr,  # fp32 [num_tokens, num_heads, num_splits]
-    q_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    cu_seqlens_q_ptr,
-    seq_lens_ptr,
-    block_table_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, cu_seqlens_q_ptr, seq_lens_ptr, block_table_ptr,
     softmax_scale,  # times K's read scale for FP8 pages
     v_scale,  # V's read scale for FP8 pages, else 1
-    softcap,
-    sliding_window,
-    num_seqs,
-    num_heads,
-    stride_q_token,
-    stride_q_head,
-    stride_out_token,
-    stride_out_head,
-    stride_k_block,
-    stride_k_slot,
-    stride_k_head,
-    stride_v_block,
-    stride_v_slot,
-    stride_v_head,
-    stride_block_table,
-    HEAD_DIM: tl.constexpr,
-    HEAD_DIM_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    GROUP: tl.constexpr,
-    BLOCK_Q: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    TILE: tl.constexpr,
-    USE_SOFTCAP: tl.constexpr,
-    USE_WINDOW: tl.constexpr,
-    SPLIT: tl.constexpr,
-    KV_FORMAT: tl.constexpr,
+    softcap, sliding_window, num_seqs, num_heads,
+    stride_q_token, stride_q_head, stride_out_token, stride_out_head,
+    stride_k_block, stride_k_slot, stride_k_head, stride_v_block, stride_v_slot, stride_v_head, stride_block_table,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+    USE_WINDOW: tl.constexpr, SPLIT: tl.constexpr, KV_FORMAT: tl.constexpr,
 ):
     q_block_id = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -210,14 +200,8 @@ def _paged_attention_kernel(
     seq_len = tl.load(seq_lens_ptr + seq)
     context_len = seq_len - q_len
 
-    rows = tl.arange(0, BLOCK_M)
-    q_local = q_block * BLOCK_Q + rows // GROUP
-    head = kv_head * GROUP + rows % GROUP
-    row_valid = (rows < BLOCK_Q * GROUP) & (q_local < q_len)
-    token = (q_start + q_local).to(tl.int64)
-    query_pos = context_len + q_local  # [BLOCK_M]
-    dims = tl.arange(0, HEAD_DIM_PAD)
-    dim_valid = dims < HEAD_DIM
+    token, head, query_pos, row_valid, dims, dim_valid = _query_rows(q_block, q_start, q_len, context_len, kv_head,
+                                                                     HEAD_DIM, HEAD_DIM_PAD, GROUP, BLOCK_Q, BLOCK_M)
     q_mask = row_valid[:, None] & dim_valid[None, :]
     q = tl.load(
         q_ptr + token[:, None] * stride_q_token + head[:, None] * stride_q_head + dims[None, :],
