@@ -26,23 +26,10 @@ from concurrent.futures import ThreadPoolExecutor
 import requests
 
 from bench.configs import BENCH_MODEL, bench_app_args, load_config
-from pd.serve.local import deploy_args, local_serve
+from pd.serve.local import deploy_args, local_serve, pool_stats
 from pd.workload.host import cpu_name
 
 PROMPTS = {"local": "Tell me about the sea and the sky.", "remote": " ".join(f"word{i}" for i in range(150))}
-
-
-def pool_stats(deployment: str) -> list[dict]:
-    import ray
-    from ray import serve
-
-    from router.protocol import RouteHints
-
-    prefix = f"SERVE_REPLICA::pd#{deployment}#"
-    ids = [a["name"][len(prefix):] for a in ray.util.list_named_actors(all_namespaces=True)
-           if a["name"].startswith(prefix)]
-    handle = serve.get_deployment_handle(deployment, "pd")
-    return [handle.stats_of.remote(RouteHints(request_id="", target_replica_id=i).encode()).result() for i in ids]
 
 
 def computed_prompt_tokens() -> int:

@@ -42,7 +42,7 @@ import uuid
 from pathlib import Path
 
 from bench.configs import BENCH_MODEL, bench_app_args, load_config
-from pd.serve.local import deploy_args, local_serve
+from pd.serve.local import deploy_args, local_serve, pool_stats
 from pd.workload.host import cpu_flags, cpu_name
 from pd.workload.trace import BurstyTraceConfig
 
@@ -157,21 +157,6 @@ def ingress_stats() -> dict:
     return serve.get_app_handle("pd").process_stats.remote().result()
 
 
-def pool_replicas(pool: str) -> list[dict]:
-    """Each ``pool`` replica's ``stats`` (its id, pid, running requests), reached by its id."""
-    import ray
-    from ray import serve
-
-    from router.protocol import RouteHints
-
-    deployment = DEPLOYMENTS[pool]
-    prefix = f"SERVE_REPLICA::pd#{deployment}#"
-    ids = [a["name"][len(prefix):] for a in ray.util.list_named_actors(all_namespaces=True)
-           if a["name"].startswith(prefix)]
-    handle = serve.get_deployment_handle(deployment, "pd")
-    return [handle.stats_of.remote(RouteHints(request_id="", target_replica_id=rid).encode()).result() for rid in ids]
-
-
 def app_args(model: str, gray: dict[str, float], pool: str = "decode") -> dict:
     """The default app serving ``model``, with two ``pool`` replicas watched by the gray-failure detector."""
     base = bench_app_args(load_config("default.yaml"), model)
@@ -192,7 +177,7 @@ def watch(load: StreamingLoad, args) -> tuple[list[dict], dict | None]:
     fault_end = args.fault_at + args.fault_for
     while (t := time.monotonic() - load.started) < args.duration_s:
         if args.fault and fault is None and t >= args.fault_at and slow is None:
-            slow = max(pool_replicas(args.pool), key=lambda s: s["num_running"])
+            slow = max(pool_stats(DEPLOYMENTS[args.pool]), key=lambda s: s["num_running"])
             fault = DutyCycle(slow["pid"]).__enter__()
         if fault is not None and t >= fault_end:
             fault.__exit__(None, None, None)

@@ -6,7 +6,7 @@
     # Serve and the private Ray are shut down, also on an exception or Ctrl-C
 
 Used by the load-test sweep, the benchmarks that serve an app, and the serve
-tests. ``address="local"`` (the default) starts a private Ray for this process
+tests; ``replica_ids`` and ``pool_stats`` find and ask a deployment's replicas. ``address="local"`` (the default) starts a private Ray for this process
 with ``num_cpus`` and ``env``; on the way out Serve and Ray are shut down.
 Another address joins that cluster; on the way out only the apps deployed
 through the helper are deleted and the cluster keeps running.
@@ -111,6 +111,26 @@ def local_serve(http_port: int | None = None, num_cpus: int | None = None, env: 
         finally:
             for name in env or {}:
                 os.environ.pop(name, None)
+
+
+def replica_ids(app: str, deployment: str) -> list[str]:
+    """Ids of the live replicas of ``app``'s ``deployment``, from their named actors."""
+    import ray
+
+    prefix = f"SERVE_REPLICA::{app}#{deployment}#"
+    return [a["name"][len(prefix):] for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["name"].startswith(prefix)]
+
+
+def pool_stats(deployment: str, app: str = "pd") -> list[dict]:
+    """``stats`` of every replica of an engine pool (``PrefillServer``, ``DecodeServer``), each reached by its id."""
+    from ray import serve
+
+    from router.protocol import RouteHints
+
+    handle = serve.get_deployment_handle(deployment, app)
+    return [handle.stats_of.remote(RouteHints(request_id="", target_replica_id=rid).encode()).result()
+            for rid in replica_ids(app, deployment)]
 
 
 @contextlib.contextmanager

@@ -20,7 +20,7 @@ import time
 from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Iterator
 
 logger = logging.getLogger(__name__)
 
@@ -73,8 +73,7 @@ class Timeline:
         self.finished_s: float | None = None
         self.spans: list[Span] = []
         self.num_dropped_spans = 0
-        self.on_finish: Callable[[Timeline], None] | None = None  # told once, when the request ends (tracing)
-        self.tracing = None  # the request's open trace (``pd.serve.tracing``), when it is traced
+        self.tracing = None  # the request's open trace (``pd.serve.tracing``), ended with the request
         self.set(**attributes)
 
     def set(self, **attributes: object) -> None:
@@ -134,11 +133,11 @@ class Timeline:
             if span.end_s is None:
                 span.end_s = self.finished_s
         self.set(**attributes)
-        if self.on_finish is not None:
+        if self.tracing is not None:
             try:
-                self.on_finish(self)
+                self.tracing.finish(self)
             except Exception:  # noqa: BLE001 - a tracing failure never fails the request
-                logger.exception("request %s: its timeline's finish hook failed", self.request_id)
+                logger.exception("request %s: its trace could not be ended", self.request_id)
 
     def summary(self) -> dict:
         return {"request_id": self.request_id, "status": self.status, "arrived_unix": self.arrived_unix,

@@ -77,9 +77,7 @@ class RequestTracer:
 
     def begin(self, timeline: Timeline, parent=None) -> None:
         """Trace ``timeline`` from now, under ``parent`` (the client's context); it is exported when it finishes."""
-        trace = _RequestTrace(self.tracer, timeline, parent)
-        timeline.tracing = trace
-        timeline.on_finish = trace.finish
+        timeline.tracing = _RequestTrace(self.tracer, timeline, parent)
 
     def export(self, timeline: Timeline, parent=None) -> None:
         """A finished ``timeline`` that was not traced as it ran, as spans now."""

@@ -19,6 +19,7 @@ import pytest
 import yaml
 
 from bench.otlp_collector import OtlpCollector
+from pd.serve.local import pool_stats, replica_ids  # noqa: F401 - the tests' helpers, from here
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "serve_configs"
 
@@ -161,26 +162,6 @@ def run_app(args: dict, name: str = "pd"):
     from pd.serve.local import LocalServe, deploy_args
 
     deploy_args(LocalServe(), args, name=name, timeout_s=180)
-
-
-def pool_stats(deployment: str, app: str = "pd") -> list[dict]:
-    """Stats of every replica of a pool (calls reach each replica by its id)."""
-    from ray import serve
-
-    from router.protocol import RouteHints
-
-    handle = serve.get_deployment_handle(deployment, app)
-    ids = replica_ids(app, deployment)
-    return [handle.stats_of.remote(RouteHints(request_id="", target_replica_id=rid).encode()).result() for rid in ids]
-
-
-def replica_ids(app: str, deployment: str) -> list[str]:
-    """Ids of the live replicas of a deployment, from their named actors."""
-    import ray
-
-    actors = ray.util.list_named_actors(all_namespaces=True)
-    prefix = f"SERVE_REPLICA::{app}#{deployment}#"
-    return [a["name"][len(prefix):] for a in actors if a["name"].startswith(prefix)]
 
 
 def token_counts(usage: dict) -> dict:
