@@ -115,8 +115,8 @@ def _moe_gate_up_kernel(
         k_mask = ks < hidden_size - k0
         a = tl.load(a_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
         w_mask = k_mask[:, None] & col_mask[None, :]
-        gate = tl.dot(a, tl.load(gate_ptrs, mask=w_mask, other=0.0), gate)
-        up = tl.dot(a, tl.load(up_ptrs, mask=w_mask, other=0.0), up)
+        gate = tl.dot(a, tl.load(gate_ptrs, mask=w_mask, other=0.0), gate, input_precision="ieee")
+        up = tl.dot(a, tl.load(up_ptrs, mask=w_mask, other=0.0), up, input_precision="ieee")
         a_ptrs += BLOCK_K
         gate_ptrs += BLOCK_K
         up_ptrs += BLOCK_K
@@ -156,7 +156,8 @@ def _moe_down_kernel(
     for k0 in range(0, inter_size, BLOCK_K):
         k_mask = ks < inter_size - k0
         a = tl.load(a_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
-        acc = tl.dot(a, tl.load(w_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0), acc)
+        acc = tl.dot(a, tl.load(w_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0), acc,
+                     input_precision="ieee")
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     routed = tl.load(topk_weights_ptr + slots, mask=valid, other=0.0).to(tl.float32)

@@ -38,7 +38,7 @@ def _routed(tokens: int, num_experts: int, top_k: int, hidden: int, dtype=torch.
 def _per_token(hidden, w13, w2, ids, weights):
     """The definition, one token and slot at a time."""
     hidden, w13, w2, ids, weights = (t.cpu() for t in (hidden, w13, w2, ids, weights))
-    out = torch.zeros(hidden.shape, dtype=torch.float64)
+    out = torch.zeros(hidden.shape, dtype=torch.float64, device="cpu")  # not the test device's default
     for t in range(hidden.shape[0]):
         for j in range(ids.shape[1]):
             e = int(ids[t, j])
