@@ -3,7 +3,10 @@
 The host picks the path from sizes it already knows, so a step never waits
 on the device:
 
-- single pass (``paged_attention``): one program per (q block, KV head);
+- prefill (``prefill_attention``): steps with at least ``PREFILL_PATH_TOKENS``
+  query tokens beyond one a sequence, tiled for the tensor cores;
+- single pass (``paged_attention``): one program per (q block, KV head), for
+  decode-only batches (``decode``) and small mixed ones (``mixed``);
 - split-KV (``split_kv``): decode-only batches too small to fill the GPU,
   chosen by ``choose_num_splits``.
 """
@@ -15,6 +18,7 @@ import torch
 from pd_kernels.checks import check_attention_args, check_triton_attention_args
 from pd_kernels.triton.launch import check_launchable, device_sm_count
 from pd_kernels.triton.paged_attention import choose_tiles, launch_paged_attention
+from pd_kernels.triton.prefill_attention import choose_prefill_tiles, launch_prefill_attention, takes_prefill_path
 from pd_kernels.triton.split_kv import choose_num_splits, launch_split_kv
 
 
@@ -43,6 +47,11 @@ def unified_attention(
     if num_splits > 1:  # the arguments are checked above: launch without checking them again
         launch_split_kv(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, softmax_scale,
                         sliding_window, softcap, out, num_splits, k_scale=k_scale, v_scale=v_scale)
+        return out
+    if takes_prefill_path(num_tokens, num_seqs):
+        launch_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, softmax_scale,
+                                 sliding_window, softcap, out, choose_prefill_tiles(q, num_heads // num_kv_heads),
+                                 k_scale=k_scale, v_scale=v_scale)
         return out
     tiles = choose_tiles(q, num_heads // num_kv_heads, decode_only=num_tokens == num_seqs)
     launch_paged_attention(

@@ -25,7 +25,10 @@ block_size: key position p lives in slot p % block_size of block
 ``block_table[seq, p // block_size]``.
 
 FP8 pages (``KV_FORMAT``, see ``fp8_kv``) are loaded as bytes and converted
-to q's dtype in registers; their scales never touch an element: the host
+q's dtype in registers (by the hardware with ``FP8_HW``); under 16-bit
+queries both products run in fp16, bf16 ones too (q scaled by the softmax
+scale and cast once: a bf16 product would convert every element twice), and
+fp32 queries keep fp32. Their scales never touch an element: the host
 folds K's into ``softmax_scale`` and the kernel multiplies the output (or a
 split's partial accumulator, which the merge sums linearly) by V's.
 """
@@ -38,11 +41,12 @@ import torch
 import triton
 import triton.language as tl
 
-from pd_kernels.triton.fp8_kv import KV_NATIVE, dequantize, kv_format, kv_pages, read_scale
+from pd_kernels.triton.fp8_kv import KV_NATIVE, dequantize, hardware_fp8, kv_format, kv_pages, read_scale
 from pd_kernels.triton.launch import is_interpreted, next_power_of_2
 
 # A constexpr: a plain global compiles under the interpreter but is refused by the GPU compiler.
 LOG2E = tl.constexpr(1.4426950408889634)
+FP16_MAX = tl.constexpr(65504.0)
 
 
 @triton.jit
@@ -88,35 +92,42 @@ def _key_tiles(q_block, q_len, context_len, sliding_window, split, num_splits, B
 @triton.jit
 def _attend_tile(q, m_i, l_i, acc, tile, kv_end, query_pos, block_table_row, k_cache_ptr, v_cache_ptr, kv_head,
                  dims, dim_valid, stride_k_block, stride_k_slot, stride_k_head, stride_v_block, stride_v_slot,
-                 stride_v_head, softmax_scale, softcap, sliding_window, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
-                 USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, KV_FORMAT: tl.constexpr):
+                 stride_v_head, score_scale, softcap, sliding_window, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
+                 USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, KV_FORMAT: tl.constexpr,
+                 FP8_HW: tl.constexpr):
     """One tile of keys through the online softmax: the rows' new running max, sum and output."""
     key_pos = tile * TILE + tl.arange(0, TILE)
     key_valid = key_pos < kv_end
     block_id = tl.load(block_table_row + key_pos // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
     slot = key_pos % BLOCK_SIZE
-    k = tl.load(
-        k_cache_ptr + block_id[None, :] * stride_k_block + slot[None, :] * stride_k_slot
-        + kv_head * stride_k_head + dims[:, None],
-        mask=key_valid[None, :] & dim_valid[:, None],
-        other=0,
-    )  # [HEAD_DIM_PAD, TILE]
     v = tl.load(
         v_cache_ptr + block_id[:, None] * stride_v_block + slot[:, None] * stride_v_slot
         + kv_head * stride_v_head + dims[None, :],
         mask=key_valid[:, None] & dim_valid[None, :],
         other=0,
     )  # [TILE, HEAD_DIM_PAD]
-    if KV_FORMAT != KV_NATIVE:
-        k = dequantize(k, q.dtype, KV_FORMAT)
-        v = dequantize(v, q.dtype, KV_FORMAT)
-
-    scores = tl.dot(q, k, input_precision="ieee")  # [BLOCK_M, TILE]
-    if USE_SOFTCAP:
-        scores = scores * softmax_scale
-        scores = softcap * _tanh(scores / softcap) * LOG2E
+    if KV_FORMAT == KV_NATIVE:
+        k = tl.load(
+            k_cache_ptr + block_id[None, :] * stride_k_block + slot[None, :] * stride_k_slot
+            + kv_head * stride_k_head + dims[:, None],
+            mask=key_valid[None, :] & dim_valid[:, None],
+            other=0,
+        )  # [HEAD_DIM_PAD, TILE]
     else:
-        scores = scores * (softmax_scale * LOG2E)
+        # Bytes loaded as the pool's rows and converted there, 16 a thread: loaded transposed, each
+        # thread's operand bytes sat apart in shared memory and were read back one byte at a time.
+        k = tl.load(
+            k_cache_ptr + block_id[:, None] * stride_k_block + slot[:, None] * stride_k_slot
+            + kv_head * stride_k_head + dims[None, :],
+            mask=key_valid[:, None] & dim_valid[None, :],
+            other=0,
+        )  # [TILE, HEAD_DIM_PAD]
+        k = tl.trans(dequantize(k, q.dtype, KV_FORMAT, FP8_HW))
+        v = dequantize(v, q.dtype, KV_FORMAT, FP8_HW)
+
+    scores = tl.dot(q, k, input_precision="ieee") * score_scale  # [BLOCK_M, TILE]
+    if USE_SOFTCAP:
+        scores = softcap * _tanh(scores / softcap) * LOG2E
     visible = key_pos[None, :] <= query_pos[:, None]
     if USE_WINDOW:
         visible = visible & (key_pos[None, :] > query_pos[:, None] - sliding_window)
@@ -184,7 +195,7 @@ def _paged_attention_kernel(
     stride_k_block, stride_k_slot, stride_k_head, stride_v_block, stride_v_slot, stride_v_head, stride_block_table,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE: tl.constexpr, USE_SOFTCAP: tl.constexpr,
-    USE_WINDOW: tl.constexpr, SPLIT: tl.constexpr, KV_FORMAT: tl.constexpr,
+    USE_WINDOW: tl.constexpr, SPLIT: tl.constexpr, KV_FORMAT: tl.constexpr, FP8_HW: tl.constexpr,
 ):
     q_block_id = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -209,6 +220,15 @@ def _paged_attention_kernel(
         other=0.0,
     )  # [BLOCK_M, HEAD_DIM_PAD]
 
+    # Scores leave the product in the log2 domain (or softmax-scaled, for the softcap's tanh). Over FP8 pages
+    # 16-bit queries' products run in fp16, which holds every FP8 value: q takes the scale, saturated at fp16's
+    # range.
+    qk_scale = softmax_scale if USE_SOFTCAP else softmax_scale * LOG2E
+    if KV_FORMAT != KV_NATIVE and q.dtype != tl.float32:
+        q = tl.clamp(q.to(tl.float32) * qk_scale, -FP16_MAX, FP16_MAX).to(tl.float16)
+        score_scale = 1.0
+    else:
+        score_scale = qk_scale
     tile_start, tile_end, kv_end = _key_tiles(q_block, q_len, context_len, sliding_window, split, num_splits,
                                               BLOCK_Q, TILE, USE_WINDOW, SPLIT)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -218,8 +238,9 @@ def _paged_attention_kernel(
     for tile in range(tile_start, tile_end):
         m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, tile, kv_end, query_pos, block_table_row, k_cache_ptr,
                                      v_cache_ptr, kv_head, dims, dim_valid, stride_k_block, stride_k_slot,
-                                     stride_k_head, stride_v_block, stride_v_slot, stride_v_head, softmax_scale,
-                                     softcap, sliding_window, BLOCK_SIZE, TILE, USE_SOFTCAP, USE_WINDOW, KV_FORMAT)
+                                     stride_k_head, stride_v_block, stride_v_slot, stride_v_head, score_scale,
+                                     softcap, sliding_window, BLOCK_SIZE, TILE, USE_SOFTCAP, USE_WINDOW, KV_FORMAT,
+                                     FP8_HW)
     if KV_FORMAT != KV_NATIVE:
         acc = acc * v_scale
     _store_rows(acc, m_i, l_i, out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr, token, head, dims,
@@ -323,11 +344,12 @@ def launch_paged_attention(
         partial_out = partial_max = partial_sum = out
         num_splits = 1
     grid = (num_q_blocks_bound(num_tokens, num_seqs, tiles.block_q), num_kv_heads, num_splits)
+    fp8_hw = hardware_fp8(q.device)
     _paged_attention_kernel[grid](
         out, partial_out, partial_max, partial_sum,
         q, kv_pages(k_cache), kv_pages(v_cache), cu_seqlens_q, seq_lens, block_table,
-        float(softmax_scale) * read_scale(k_cache.dtype, k_scale),
-        read_scale(v_cache.dtype, v_scale),
+        float(softmax_scale) * read_scale(k_cache.dtype, k_scale, fp8_hw),
+        read_scale(v_cache.dtype, v_scale, fp8_hw),
         float(softcap) if softcap is not None else 0.0,
         int(sliding_window) if sliding_window is not None else 0,
         num_seqs, num_heads,
@@ -346,6 +368,7 @@ def launch_paged_attention(
         USE_WINDOW=sliding_window is not None,
         SPLIT=split,
         KV_FORMAT=kv_format(k_cache.dtype),
+        FP8_HW=fp8_hw,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
         maxnreg=tiles.max_registers,
