@@ -53,7 +53,8 @@ def unified_attention(
                                  sliding_window, softcap, out, choose_prefill_tiles(q, num_heads // num_kv_heads),
                                  k_scale=k_scale, v_scale=v_scale)
         return out
-    tiles = choose_tiles(q, num_heads // num_kv_heads, decode_only=num_tokens == num_seqs)
+    tiles = choose_tiles(q, num_heads // num_kv_heads, decode_only=num_tokens == num_seqs,
+                         kv_fp8=k_cache.dtype != q.dtype and k_cache.element_size() == 1)
     launch_paged_attention(
         q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, softmax_scale,
         sliding_window, softcap, out, tiles, k_scale=k_scale, v_scale=v_scale,

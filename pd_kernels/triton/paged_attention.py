@@ -270,7 +270,8 @@ def padded_head_dim(head_dim: int) -> int:
     return max(16, next_power_of_2(head_dim))
 
 
-def choose_tiles(q: torch.Tensor, group: int, decode_only: bool, split: bool = False) -> TileConfig:
+def choose_tiles(q: torch.Tensor, group: int, decode_only: bool, split: bool = False,
+                 kv_fp8: bool = False) -> TileConfig:
     """Tile sizes for ``q``'s device, dtype and head_dim.
 
     The interpreter pays per program and per operation, not per element, so
@@ -298,13 +299,18 @@ def choose_tiles(q: torch.Tensor, group: int, decode_only: bool, split: bool = F
     if is_interpreted(q.device):
         block_m = max(128, next_power_of_2(group))
         return TileConfig(block_m, block_m // group, 256, 4, 1)
-    return gpu_tiles(q.element_size(), q.shape[2], group, decode_only, split)
+    return gpu_tiles(q.element_size(), q.shape[2], group, decode_only, split, kv_fp8)
 
 
-def gpu_tiles(element_size: int, head_dim: int, group: int, decode_only: bool, split: bool = False) -> TileConfig:
-    """``choose_tiles`` on a GPU, from the shapes alone (the AOT check compiles exactly these)."""
+def gpu_tiles(element_size: int, head_dim: int, group: int, decode_only: bool, split: bool = False,
+              kv_fp8: bool = False) -> TileConfig:
+    """``choose_tiles`` on a GPU, from the shapes alone (the AOT check compiles exactly these). Decodes over
+    FP8 pages (``kv_fp8``) take 128-key tiles: on an H200 (``bench.attention_tiles``, batch 64 x 4,096,
+    heads 32/8 x 128) 1.29x the bf16 pages' time, against 0.99x at 64 keys and 0.79x at 256."""
     block_m = max(16 if decode_only else 64, next_power_of_2(group))
     tile = 32 if element_size > 2 or padded_head_dim(head_dim) > 128 else 64
+    if kv_fp8 and decode_only and tile == 64:
+        tile = 128
     uncapped = split or not decode_only
     return TileConfig(block_m, block_m // group, tile, num_warps=4 if decode_only else 8, num_stages=3,
                       max_registers=NO_REGISTER_CAP if uncapped else None)
