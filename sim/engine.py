@@ -36,6 +36,7 @@ from pd.engine.clock import SYSTEM_CLOCK, Clock
 from pd.engine.derived import num_pool_blocks
 from pd.engine.engine import LLMEngine
 from pd.engine.ep.control import ExpertsControl
+from pd.engine.kv_budget import sized_from_device
 from pd.engine.kv_layout import kv_dtype, kv_pool
 from pd.engine.model_runner import step_threads
 from pd.engine.outputs import ForwardOutput, SchedulerOutput
@@ -152,6 +153,10 @@ def sim_engine(config: EngineConfig, cost: CostModel, seed: int = 0, *, transpor
 def one_engine(config: EngineConfig, cost: CostModel) -> EngineConfig:
     """The one engine that simulates a replica of ``config``: itself on one device; an expert-parallel
     replica's rank 0 with the blocks every rank's pool holds (each its heads), its cost priced for its ranks."""
+    if sized_from_device(config):
+        raise ValueError(f"engine on {config.device} sizes its KV pool from the device's memory "
+                         "(gpu_memory_utilization), which the simulator has none of: give engine.kv_cache_bytes "
+                         "or num_blocks (sim.hardware.kv_cache_bytes is what a GPU leaves after the weights)")
     ranks = config.num_ranks
     if ranks == 1:
         return config

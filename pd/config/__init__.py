@@ -31,6 +31,8 @@ LINEAR_FORMS = ("auto", "onednn", "dense")
 # The sliding window of expert loads is a ring of this many partial sums (pd.engine.ep.load).
 EPLB_WINDOW_BUCKETS = 8
 LinearForm = Literal[LINEAR_FORMS]
+# The KV pool of an engine off CUDA that names neither num_blocks nor kv_cache_bytes.
+DEFAULT_KV_CACHE_BYTES = 2 * 1024**3
 
 
 @dataclass(frozen=True)
@@ -38,7 +40,10 @@ class EngineConfig:
     """What a user asks of one engine.
 
     ``num_blocks`` fixes the KV pool size; otherwise it is derived from
-    ``kv_cache_bytes``. ``max_model_len`` defaults to the model's
+    ``kv_cache_bytes``; without either, a CUDA engine's pool takes what
+    ``gpu_memory_utilization`` of its device leaves once the model is loaded
+    and profiled (``pd.engine.kv_budget``), and any other's
+    ``DEFAULT_KV_CACHE_BYTES``. ``max_model_len`` defaults to the model's
     ``max_position_embeddings``.
     """
 
@@ -50,7 +55,10 @@ class EngineConfig:
     device: str = "cpu"
     block_size: int = 16
     num_blocks: int | None = None
-    kv_cache_bytes: int = 2 * 1024**3
+    kv_cache_bytes: int | None = None
+    # CUDA only, without num_blocks or kv_cache_bytes: the share of the device's memory this engine (each
+    # rank) may take for its weights, activations, CUDA graphs and KV pool; the pool gets what is left.
+    gpu_memory_utilization: float = 0.9
     kv_cache_dtype: KvCacheDtype = "auto"
     # FP8 KV only: a JSON file of each layer's k_scale and v_scale (python -m pd.kv_calibrate
     # writes one). None: the checkpoint's scale tensors where it has them, else 1.0 (pd.model.kv_scales).
@@ -97,8 +105,9 @@ class EngineConfig:
     seed: int = 0
     # Ranks the model is sharded over (Megatron-style, see pd.model.tp): this process is rank 0 and
     # starts the others (pd.engine.tp.driver). Each rank's pool holds its KV heads for ``num_blocks``
-    # blocks: ``kv_cache_bytes`` is per rank. A collective that takes longer than the timeout (a
-    # rank died or hangs) fails the step.
+    # blocks: ``kv_cache_bytes`` is per rank, and ``gpu_memory_utilization`` a share of each rank's device
+    # (every rank takes the fewest blocks any has room for). A collective that takes longer than the
+    # timeout (a rank died or hangs) fails the step.
     tensor_parallel_size: int = 1
     tensor_parallel_timeout_s: float = 60.0
     # Ranks a mixture-of-experts model's experts are spread over (expert parallelism, pd.engine.ep):
@@ -182,7 +191,7 @@ class EngineConfig:
                              "to fp8_e4m3 or fp8_e5m2")
         if self.linear_form not in LINEAR_FORMS:
             raise ValueError(f"linear_form must be one of {LINEAR_FORMS}, got {self.linear_form!r}")
-        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "kv_cache_bytes", "cuda_graph_max_batch"):
+        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "cuda_graph_max_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("host_kv_cache_bytes", "disk_kv_cache_bytes", "disk_kv_min_free_bytes", "shared_kv_bytes",
@@ -199,7 +208,9 @@ class EngineConfig:
         for name in ("kv_lease_s", "kv_read_timeout_s", "tensor_parallel_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("num_blocks", "max_model_len", "num_threads", "decode_threads"):
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        for name in ("num_blocks", "kv_cache_bytes", "max_model_len", "num_threads", "decode_threads"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1 or None, got {value}")

@@ -29,11 +29,22 @@ from dataclasses import dataclass
 
 import torch
 
+from pd.config import EngineConfig
 from pd.engine.outputs import ForwardInput
 from pd.model.attention import PAD_BLOCK_ID, AttentionMetadata
 from pd_kernels import PAD_SLOT_ID
 
 logger = logging.getLogger(__name__)
+
+
+def captures_graphs(config: EngineConfig, device: torch.device, backend: str) -> bool:
+    """Whether a single-rank runner captures decode graphs: ``cuda_graphs`` on, on CUDA, with Triton."""
+    return config.cuda_graphs and device.type == "cuda" and backend == "triton"
+
+
+def max_graph_batch(config: EngineConfig) -> int:
+    """The largest decode batch a graph is captured for."""
+    return min(config.max_num_seqs, config.cuda_graph_max_batch)
 
 
 def bucket_sizes(max_batch: int) -> list[int]:

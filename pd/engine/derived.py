@@ -9,6 +9,7 @@ import torch
 
 from pd.config import EngineConfig
 from pd.engine.ep.dispatch import check_ep
+from pd.engine.kv_budget import DeviceShare, pool_size
 from pd.engine.kv_layout import BLOCK_LAYOUT, kv_block_bytes, kv_dtype
 from pd.model import kv_scales
 from pd.model.config import ModelConfig
@@ -19,19 +20,16 @@ from transfer.base import KVTransport
 from transfer.wire import LayoutFingerprint, TransportKind
 
 
-def num_pool_blocks(config: EngineConfig, model: ModelConfig, transport: KVTransport | None) -> int:
-    """The pool's blocks (per rank: each holds its heads), after the checks a tensor- or expert-parallel
-    split needs."""
+def num_pool_blocks(config: EngineConfig, model: ModelConfig, transport: KVTransport | None) -> int | DeviceShare:
+    """The pool's blocks (per rank: each holds its heads), or the share of each rank's device the runner fills
+    once its weights are in (``pd.engine.kv_budget``), after the checks a tensor- or expert-parallel split needs."""
     check_tp(model, config.tensor_parallel_size, experts=config.expert_parallel_size == 1)
     check_ep(model, config.expert_parallel_size, config.num_redundant_experts)
     if config.num_ranks > 1 and transport is not None and transport.kind is not TransportKind.NIXL:
         raise ValueError(f"the {transport.kind.value} transport moves whole blocks to one rank only; "
                          "tensor_parallel_size or expert_parallel_size > 1 needs the nixl transport")
-    if config.num_blocks is not None:
-        return config.num_blocks
     pool_dtype = kv_dtype(config.kv_cache_dtype, resolve_dtype(config.dtype, model))
-    block_bytes = kv_block_bytes(model, config.block_size, pool_dtype, config.tensor_parallel_size)
-    return max(1, config.kv_cache_bytes // block_bytes)
+    return pool_size(config, kv_block_bytes(model, config.block_size, pool_dtype, config.tensor_parallel_size))
 
 
 def worker_transport(transport: KVTransport, engine_id: str) -> dict:

@@ -13,7 +13,7 @@ from pd.engine.block_pool import BlockPool, Evictions
 from pd.engine.clock import SYSTEM_CLOCK, Clock
 from pd.engine.derived import layout_fingerprint, num_pool_blocks, worker_transport
 from pd.engine.disagg.connector import ConnectorTP, KVConnector
-from pd.engine.kv_layout import kv_block_bytes, pool_heads
+from pd.engine.kv_layout import kv_block_bytes, pool_blocks, pool_heads
 from pd.engine.model_runner import ModelRunner
 from pd.engine.outputs import RequestOutput, SchedulerOutput
 from pd.engine.request import FinishReason, KVSource, Request, RequestStatus, finish_reason
@@ -65,7 +65,12 @@ class LLMEngine:
             )
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         tp, ranks = config.tensor_parallel_size, config.num_ranks
-        num_blocks = num_pool_blocks(config, mc, transport)
+        runner_options = {}
+        if ranks > 1 and transport is not None:  # each rank reads and serves its own heads
+            runner_options["worker_transport"] = worker_transport(transport, self.engine_id)
+        self.runner = make_runner(config, mc, self.model_dir, num_pool_blocks(config, mc, transport),
+                                  self.max_model_len, **runner_options)
+        num_blocks = pool_blocks(self.runner.kv_cache)  # the runner sizes a share of its device once loaded
         self.scheduler_config = SchedulerConfig(
             block_size=config.block_size,
             num_blocks=num_blocks,
@@ -77,10 +82,6 @@ class LLMEngine:
         # forwarder of its evictions now, which the tiers bind to (``Evictions``).
         evictions = Evictions()
         self.block_pool = BlockPool(num_blocks, evictions=evictions)
-        runner_options = {}
-        if ranks > 1 and transport is not None:  # each rank reads and serves its own heads
-            runner_options["worker_transport"] = worker_transport(transport, self.engine_id)
-        self.runner = make_runner(config, mc, self.model_dir, num_blocks, self.max_model_len, **runner_options)
         # Expert parallelism's statistics, rebalances on demand, and what runs between steps.
         self.experts = self.runner.experts_control
         self.fingerprint = layout_fingerprint(config, mc, self.runner.kv_dtype, self.runner.kv_scales)

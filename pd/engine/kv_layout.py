@@ -78,6 +78,11 @@ def layer_views(pool: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
             for layer in range(pool.shape[2])]
 
 
+def pool_blocks(pool: torch.Tensor) -> int:
+    """The blocks a pool holds."""
+    return pool.shape[0]
+
+
 def pool_heads(pool: torch.Tensor) -> int:
     """The KV heads a pool's blocks hold (each one contiguous slice of its block)."""
     return pool.shape[1]

@@ -16,11 +16,13 @@ import torch
 
 import pd_kernels
 from pd.config import EngineConfig
-from pd.engine.cuda_graphs import DecodeGraphs
+from pd.engine.cuda_graphs import DecodeGraphs, captures_graphs, max_graph_batch
 from pd.engine.ep.control import ExpertsControl
 from pd.engine.ep.dispatch import ExpertParallel, check_ep
 from pd.engine.ep.schedule import EplbSchedule
+from pd.engine.kv_budget import DeviceShare
 from pd.engine.kv_layout import kv_dtype, kv_pool, layer_views
+from pd.engine.kv_profile import fit_pool, free_bytes
 from pd.engine.logprobs import PromptLogprob, TopLogprobs, prompt_logprobs
 from pd.engine.outputs import ForwardInput, ForwardOutput, SchedulerOutput
 from pd.engine.request import Request
@@ -103,7 +105,7 @@ class ModelRunner:
                         time.perf_counter() - started)
         return choice.form
 
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, model_dir: Path, num_blocks: int,
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, model_dir: Path, num_blocks: int | DeviceShare,
                  max_model_len: int, *, launcher: Launcher | None = None, group: TPGroup | None = None,
                  device: torch.device | None = None, worker_transport: dict | None = None):
         self.config = config
@@ -125,6 +127,7 @@ class ModelRunner:
             group, self.workers = start_driver(config, model_dir, num_blocks, max_model_len, launcher, self.device,
                                                worker_transport)
         self.group = group
+        free_at_start = free_bytes(self.device) if isinstance(num_blocks, DeviceShare) else 0  # before the weights
         tp = config.tensor_parallel_size
         # Attention (and the dense layers) split over the ranks, or whole on each expert-parallel rank.
         shard = TPShard(group.rank, tp) if tp > 1 else SINGLE
@@ -147,6 +150,8 @@ class ModelRunner:
                                   kv_scales=self.kv_scales)
             self.experts_control = ExpertsControl(self.experts, lambda layer: self.model.weights.layers[layer].moe,
                                                   config.eplb_moves_per_step, schedule, self.workers)
+            if isinstance(num_blocks, DeviceShare):  # the weights are in: the pool takes what the share leaves
+                num_blocks = fit_pool(self, num_blocks, free_at_start, max_model_len)
             # Block-major, heads outermost in a block (pd.engine.kv_layout). A tensor-parallel rank's pool
             # holds its own KV heads; block ids are the same on every rank.
             self.kv_cache = kv_pool(num_blocks, model_config.num_layers, config.block_size,
@@ -164,10 +169,9 @@ class ModelRunner:
     def _decode_graphs(self, max_model_len: int) -> DecodeGraphs | None:
         """Decode steps replayed from CUDA graphs captured now (CUDA and Triton, one rank); None elsewhere."""
         config = self.config
-        if not (config.cuda_graphs and self.device.type == "cuda" and self.backend == "triton"):
+        if not captures_graphs(config, self.device, self.backend):
             return None
-        graphs = DecodeGraphs(self.model, self.kv_views, self.backend,
-                              max_batch=min(config.max_num_seqs, config.cuda_graph_max_batch),
+        graphs = DecodeGraphs(self.model, self.kv_views, self.backend, max_batch=max_graph_batch(config),
                               max_blocks_per_seq=-(-max_model_len // config.block_size), device=self.device)
         graphs.capture()
         return graphs

@@ -229,6 +229,14 @@ def test_the_simulator_refuses_a_sharded_engine_it_cannot_price():
         sim_engine(dataclasses.replace(CONFIG, tensor_parallel_size=2), COST)
 
 
+def test_the_simulator_needs_the_bytes_of_a_cuda_pool_it_cannot_measure():
+    cuda = dataclasses.replace(CONFIG, device="cuda", num_blocks=None)
+    with pytest.raises(ValueError, match="gpu_memory_utilization.*give engine.kv_cache_bytes or num_blocks"):
+        sim_engine(cuda, COST)
+    assert sim_engine(dataclasses.replace(cuda, kv_cache_bytes=1 << 24), COST).block_pool.num_blocks == (
+        (1 << 24) // sim_engine(CONFIG, COST).runner.kv_cache[0].nbytes)
+
+
 def test_the_event_loop_keeps_the_gc_off_what_existed_and_puts_it_back_when_done():
     import gc
 

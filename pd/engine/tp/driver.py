@@ -38,11 +38,12 @@ from typing import Protocol
 import msgspec
 import torch
 
+from pd.engine.kv_budget import DeviceShare
 from pd.engine.tp.group import TPGroup
 
 logger = logging.getLogger(__name__)
 
-TP_WIRE_VERSION = 1
+TP_WIRE_VERSION = 2  # 2: a worker's pool may be a share of its device (WorkerSpec.num_blocks)
 
 
 class WorkerSpec(msgspec.Struct, frozen=True):
@@ -54,7 +55,9 @@ class WorkerSpec(msgspec.Struct, frozen=True):
     engine_config: dict  # ``EngineConfig`` fields
     model_dir: str
     device: str  # the worker's own device, as it names it
-    num_blocks: int
+    # The pool's blocks, or a share of each rank's device: every rank profiles its own, and all take the
+    # fewest blocks any has room for (pd.engine.kv_profile).
+    num_blocks: int | DeviceShare
     max_model_len: int
     driver_host: str
     driver_port: int  # the step connection
@@ -226,8 +229,8 @@ class TPWorkers:
     def port(self) -> int:
         return self._listener.getsockname()[1]
 
-    def launch(self, engine_config, model_dir: str, num_blocks: int, max_model_len: int, store_port: int,
-               device: torch.device, worker_transport: dict | None = None) -> None:
+    def launch(self, engine_config, model_dir: str, num_blocks: int | DeviceShare, max_model_len: int,
+               store_port: int, device: torch.device, worker_transport: dict | None = None) -> None:
         """Start every worker; returns once each has connected (they then join the group and load)."""
         for rank in range(1, self.size):
             self.launcher.launch(WorkerSpec(
@@ -350,7 +353,7 @@ def default_worker_threads(size: int) -> int:
     return max(1, (os.cpu_count() or 1) // size)
 
 
-def start_driver(config, model_dir, num_blocks: int, max_model_len: int, launcher: Launcher | None,
+def start_driver(config, model_dir, num_blocks: int | DeviceShare, max_model_len: int, launcher: Launcher | None,
                  device, worker_transport: dict | None = None) -> tuple[TPGroup, TPWorkers]:
     """Rank 0's group, with ranks 1..N-1 launched and joined (they load their shards meanwhile)."""
     size = config.num_ranks
