@@ -44,6 +44,7 @@ PARTS = [
     ("gpu_engine", [sys.executable, "-m", "bench.gpu_engine"], 210),
     ("gpu_engine_moe", [sys.executable, "-m", "bench.gpu_engine", "--model", "qwen3-30b-a3b", "--layers", "8",
                         "--repeats", "2"], 120),
+    ("step_syncs", [sys.executable, "-m", "bench.step_syncs"], 60),
 ]
 
 

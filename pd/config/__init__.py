@@ -102,6 +102,12 @@ class EngineConfig:
     # CUDA only: replay decode steps of up to this many sequences from CUDA graphs captured at start.
     cuda_graphs: bool = True
     cuda_graph_max_batch: int = 256
+    # Async scheduling (pd.engine.overlap): step N+1 is scheduled and launched while step N runs on the
+    # device, and N's sampled tokens are read after that, so the host's work hides behind the device's.
+    # "auto": on where the device is CUDA. One rank only (tensor_parallel_size and expert_parallel_size 1).
+    # Outputs are the synchronous engine's; a step after one with structured-output rows, or that may
+    # preempt or starts KV pulls, waits for the step before as the synchronous engine does.
+    async_scheduling: bool | Literal["auto"] = False
     seed: int = 0
     # Ranks the model is sharded over (Megatron-style, see pd.model.tp): this process is rank 0 and
     # starts the others (pd.engine.tp.driver). Each rank's pool holds its KV heads for ``num_blocks``
@@ -189,6 +195,8 @@ class EngineConfig:
         if self.kv_cache_scales is not None and self.kv_cache_dtype == "auto":
             raise ValueError(f"kv_cache_scales {self.kv_cache_scales!r} applies to an FP8 KV cache: set kv_cache_dtype "
                              "to fp8_e4m3 or fp8_e5m2")
+        if self.async_scheduling not in (True, False, "auto") or type(self.async_scheduling) not in (bool, str):
+            raise ValueError(f"async_scheduling must be true, false or \"auto\", got {self.async_scheduling!r}")
         if self.linear_form not in LINEAR_FORMS:
             raise ValueError(f"linear_form must be one of {LINEAR_FORMS}, got {self.linear_form!r}")
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "cuda_graph_max_batch"):

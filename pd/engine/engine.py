@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 import uuid
@@ -16,6 +17,7 @@ from pd.engine.disagg.connector import ConnectorTP, KVConnector
 from pd.engine.kv_layout import kv_block_bytes, pool_blocks, pool_heads
 from pd.engine.model_runner import ModelRunner
 from pd.engine.outputs import RequestOutput, SchedulerOutput
+from pd.engine.overlap import StepPipeline, launches_ahead
 from pd.engine.request import FinishReason, KVSource, Request, RequestStatus, finish_reason
 from pd.engine.scheduler import make_scheduler
 from pd.engine.stats import EngineStats
@@ -272,11 +274,24 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return (self.scheduler.has_unfinished or bool(self._finished_at_admission)
-                or self.tiers.num_waiting > 0)
+                or self.tiers.num_waiting > 0 or self.step_in_flight)
 
     def has_runnable_requests(self) -> bool:
-        """Requests the scheduler can run now (not only waiting for their KV to arrive)."""
-        return bool(self.scheduler.running or self.scheduler.waiting)
+        """Requests the scheduler can run now (not only waiting for their KV to arrive), or a step to read."""
+        return bool(self.scheduler.running or self.scheduler.waiting) or self.step_in_flight
+
+    @functools.cached_property
+    def pipeline(self) -> StepPipeline | None:
+        """With async scheduling (``EngineConfig.async_scheduling``, ``pd.engine.overlap``): the step in flight,
+        launched before the one before it is read. None: each step is read before the next is scheduled."""
+        if not launches_ahead(self.config, self.runner):
+            return None
+        return StepPipeline(self.scheduler, self.runner, self.kv_cache, self.step_times, self.step_sums)
+
+    @property
+    def step_in_flight(self) -> bool:
+        """A step launched and not yet read (async scheduling): the next ``step`` returns its outputs."""
+        return self.pipeline is not None and self.pipeline.in_flight is not None
 
     def has_pending_transfers(self) -> bool:
         """Leases to expire, pulls or tier writes to poll: they need ``poll_transfers`` calls even when idle."""
@@ -313,12 +328,26 @@ class LLMEngine:
         """Schedule, run the model, update. Requests that ended at admission come out first."""
         early, self._finished_at_admission = self._finished_at_admission, []
         self.poll_transfers()
+        if self.pipeline is not None:
+            return early + self._finish(self._step_ahead(self.pipeline, early))
         out = self.scheduler.schedule()
         self._start_transfers(out)
         if out.is_empty:
             self._wait_if_idle(early)
             return early
         return early + self._finish(self._run(out))
+
+    def _step_ahead(self, pipeline: StepPipeline, early: list[RequestOutput]) -> list[RequestOutput]:
+        """Schedule and launch the next step, then read the one in flight (``pd.engine.overlap``)."""
+        results = pipeline.drain() if pipeline.reads_before_schedule() else []
+        out = self.scheduler.schedule()
+        if out.remote_reads:  # pulls write outside the device's stream order: the step in flight lands first
+            results += pipeline.drain()
+        self._start_transfers(out)
+        results += pipeline.run(out)
+        if out.is_empty and not results and pipeline.in_flight is None:
+            self._wait_if_idle(early)
+        return results
 
     def _wait_if_idle(self, early: list[RequestOutput]) -> None:
         """With nothing to return or run, but tier loads in flight: wait for one a little, not spin."""
@@ -336,6 +365,7 @@ class LLMEngine:
         shape = StepShape.of(out.scheduled)
         started, computed = time.monotonic(), self.scheduler.num_computed_prompt_tokens
         forward = self.runner.execute(out, block_tables)
+        self.scheduler.launched(out)
         results = self.scheduler.update(out, forward)
         seconds = time.monotonic() - started if forward.modelled_seconds is None else forward.modelled_seconds
         self.step_times.record(seconds, self.scheduler.num_computed_prompt_tokens - computed, len(out.scheduled))

@@ -72,7 +72,7 @@ class KVCacheManager:
         All or nothing: returns False, changing nothing, when the pool is short.
         """
         blocks = self._blocks.get(request.request_id, [])
-        num_tokens = request.num_computed_tokens + prefix.num_tokens + num_new_tokens
+        num_tokens = request.num_scheduled_tokens + prefix.num_tokens + num_new_tokens
         num_needed = -(-num_tokens // self.block_size) - len(blocks) - len(prefix.block_ids)
         if num_needed <= 0 and not prefix.block_ids:  # a decode within its last block: most calls
             self._blocks[request.request_id] = blocks

@@ -34,16 +34,11 @@ class PromptLogprob(msgspec.Struct, frozen=True, array_like=True, forbid_unknown
     top: TopLogprobs
 
 
-def top_logprobs(logprobs: torch.Tensor, k: int) -> list[TopLogprobs]:
-    """The top ``k`` of each row of ``logprobs [rows, vocab]``."""
-    if k == 0:
-        return [TopLogprobs((), ())] * logprobs.shape[0]
-    values, ids = torch.topk(logprobs, k, dim=-1)
-    return [TopLogprobs(tuple(i), tuple(v)) for i, v in zip(ids.tolist(), values.tolist())]
-
-
-def prompt_logprobs(logits: torch.Tensor, target_ids: torch.Tensor, k: int) -> list[PromptLogprob]:
-    """Each target token's log-probability under its row of ``logits [rows, vocab]``, with the top ``k``."""
+def score_targets(logits: torch.Tensor, target_ids: torch.Tensor,
+                  k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """On the device: each target token's log-probability under its row of ``logits [rows, vocab]``
+    (fp32 ``[rows]``), and the top ``k`` of each row (ids int64 and log-probabilities ``[rows, k]``)."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
-    chosen = logprobs.gather(1, target_ids[:, None]).squeeze(1).tolist()
-    return [PromptLogprob(value, top) for value, top in zip(chosen, top_logprobs(logprobs, k))]
+    chosen = logprobs.gather(1, target_ids[:, None]).squeeze(1)
+    top_values, top_ids = torch.topk(logprobs, k, dim=-1)
+    return chosen, top_ids, top_values

@@ -23,8 +23,8 @@ from pd.engine.ep.schedule import EplbSchedule
 from pd.engine.kv_budget import DeviceShare
 from pd.engine.kv_layout import kv_dtype, kv_pool, layer_views
 from pd.engine.kv_profile import fit_pool, free_bytes
-from pd.engine.logprobs import PromptLogprob, TopLogprobs, prompt_logprobs
 from pd.engine.outputs import ForwardInput, ForwardOutput, SchedulerOutput
+from pd.engine.readback import DeviceSamples, LaunchedStep, prompt_scores
 from pd.engine.request import Request
 from pd.engine.sampler import Sampler
 from pd.engine.structured import GrammarMask
@@ -230,8 +230,13 @@ class ModelRunner:
         if self.group is not None:
             self.group.close()
 
-    def flatten(self, out: SchedulerOutput, block_tables: list[list[int]]) -> tuple[StepLists, _DriverRows]:
-        """The schedule as flat host lists (what every rank runs), and the rows only the driver reads."""
+    def flatten(self, out: SchedulerOutput, block_tables: list[list[int]],
+                previous: DeviceSamples | None = None) -> tuple[StepLists, _DriverRows]:
+        """The schedule as flat host lists (what every rank runs), and the rows only the driver reads.
+
+        A request's chunk starts after the step in flight's (``Request.num_scheduled_tokens``); a chunk
+        ending in the token that step samples takes it from ``previous``, that step's draws, on the device.
+        """
         bs = self.block_size
         token_ids: list[int] = []
         positions: list[int] = []
@@ -243,9 +248,16 @@ class ModelRunner:
         prompt_indices: list[int] = []
         for item, blocks in zip(out.scheduled, block_tables):
             request = item.request
-            start = request.num_computed_tokens
+            start = request.num_scheduled_tokens
             end = start + item.num_new_tokens
             token_ids.extend(request.token_ids[start:end])
+            if request.num_tokens < end:  # its last token is the one the step in flight samples
+                if previous is None or request not in previous.row_of:
+                    raise ValueError(f"request {request.request_id}: its token at {request.num_tokens} is "
+                                     "unread, and the step in flight does not sample it")
+                rows.unread_at.append(len(token_ids))
+                rows.unread_rows.append(previous.row_of[request])
+                token_ids.append(0)  # overwritten on the device (``to_device``)
             positions.extend(range(start, end))
             slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
             cu_seqlens.append(len(token_ids))
@@ -261,16 +273,21 @@ class ModelRunner:
                 rows.prompt_rows.append((request, len(scored)))
         max_blocks = max(len(b) for b in block_tables)
         table = list(itertools.chain.from_iterable(b + [PAD_BLOCK_ID] * (max_blocks - len(b)) for b in block_tables))
+        rows.previous_token_ids = previous.token_ids if rows.unread_at else None
         return StepLists(token_ids, positions, slots, logits_indices + prompt_indices, cu_seqlens, seq_lens, table,
                          max_blocks), rows
 
     def to_device(self, step: StepLists, rows: _DriverRows) -> ForwardInput:
-        """Copy the step's lists to the device in one transfer."""
+        """Copy the step's lists to the device in one transfer; the unread tokens come from the step before's
+        draws, device to device."""
         int64s, int32s = copy_to_device(
-            [step.token_ids, step.positions, step.slots, step.logits_indices, rows.prompt_targets],
+            [step.token_ids, step.positions, step.slots, step.logits_indices, rows.prompt_targets, rows.unread_at,
+             rows.unread_rows],
             [step.cu_seqlens, step.seq_lens, step.block_table], self.device)
-        token_ids_t, positions_t, slots_t, logits_indices_t, prompt_targets_t = int64s
+        token_ids_t, positions_t, slots_t, logits_indices_t, prompt_targets_t, unread_at_t, unread_rows_t = int64s
         cu_seqlens_t, seq_lens_t, table_t = int32s
+        if rows.previous_token_ids is not None:
+            token_ids_t.index_copy_(0, unread_at_t, rows.previous_token_ids.index_select(0, unread_rows_t))
         attn = AttentionMetadata(
             slot_mapping=slots_t,
             cu_seqlens_q=cu_seqlens_t,
@@ -304,7 +321,24 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, block_tables: list[list[int]]) -> ForwardOutput:
-        step, rows = self.flatten(out, block_tables)
+        """Run the step and read what it sampled: ``launch``, then ``collect``."""
+        return self.collect(self.launch(out, block_tables))
+
+    @property
+    def can_launch_ahead(self) -> bool:
+        """Whether a step may launch before the one in flight is read (async scheduling): one rank only, as
+        the other ranks would need the unread tokens sent."""
+        return self.workers is None
+
+    @torch.inference_mode()
+    def launch(self, out: SchedulerOutput, block_tables: list[list[int]],
+               previous: LaunchedStep | None = None) -> LaunchedStep:
+        """Queue the step's forward and sampling on the device, and the copy back of what it sampled.
+
+        ``previous``: the step in flight, not yet read; rows ending in a token it samples take it from there.
+        Nothing here waits for the device (on CUDA: ``bench.step_syncs``).
+        """
+        step, rows = self.flatten(out, block_tables, previous.samples if previous is not None else None)
         self.experts_control.before_step()
         if self.workers is not None:
             self.workers.send(step)
@@ -319,13 +353,16 @@ class ModelRunner:
             with self._step_threads(len(batch.token_ids)):
                 logits = self._forward(batch)
         num_samples = len(batch.sampling_requests)
-        scores = self._prompt_logprobs(logits[num_samples:], batch) if batch.prompt_rows else {}
-        if not batch.sampling_requests:
-            return ForwardOutput(sampled_token_ids=[], logprobs=None, prompt_logprobs=scores)
-        forward = self.sampler.sample(logits[:num_samples], batch.sampling_requests, mask)
-        if scores:
-            forward = dataclasses.replace(forward, prompt_logprobs=scores)
-        return forward if mask is None else advance_grammars(mask, forward)
+        scores = prompt_scores(logits[num_samples:], batch.prompt_targets, batch.prompt_rows) \
+            if batch.prompt_rows else None
+        samples = self.sampler.draw(logits[:num_samples], batch.sampling_requests, mask, scores)
+        return LaunchedStep(samples, mask)
+
+    @staticmethod
+    def collect(launched: LaunchedStep) -> ForwardOutput:
+        """Read a launched step's samples (its one wait for the device), its grammars fed their tokens."""
+        forward = launched.samples.read()
+        return forward if launched.mask is None else advance_grammars(launched.mask, forward)
 
     @contextlib.contextmanager
     def _step_threads(self, num_tokens: int):
@@ -355,21 +392,6 @@ class ModelRunner:
             self.experts.end_step()
         return logits
 
-    @staticmethod
-    def _prompt_logprobs(logits: torch.Tensor, batch: ForwardInput) -> dict[str, list[PromptLogprob]]:
-        """Each prompt row's score, split by request (rows are in ``batch.prompt_rows`` order)."""
-        k = max(request.sampling_params.prompt_logprobs for request, _ in batch.prompt_rows)
-        scores = prompt_logprobs(logits, batch.prompt_targets, k)
-        out, start = {}, 0
-        for request, num_rows in batch.prompt_rows:
-            want = request.sampling_params.prompt_logprobs
-            out[request.request_id] = [
-                PromptLogprob(s.logprob, TopLogprobs(s.top.token_ids[:want], s.top.logprobs[:want]))
-                for s in scores[start : start + num_rows]
-            ]
-            start += num_rows
-        return out
-
 
 @dataclass
 class _DriverRows:
@@ -378,6 +400,10 @@ class _DriverRows:
     sampling_requests: list[Request] = field(default_factory=list)
     prompt_rows: list[tuple[Request, int]] = field(default_factory=list)
     prompt_targets: list[int] = field(default_factory=list)
+    # Flat indices of tokens the step in flight samples, their rows in its draws, and those draws.
+    unread_at: list[int] = field(default_factory=list)
+    unread_rows: list[int] = field(default_factory=list)
+    previous_token_ids: torch.Tensor | None = None  # int64 [previous step's num_samples], on the device
 
 
 def _prompt_positions(request: Request, start: int, end: int) -> range:

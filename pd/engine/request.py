@@ -63,6 +63,14 @@ class Request:
     ``num_computed_tokens`` catches up with ``num_tokens``: a prefill is a
     request far behind, a decode is one exactly one token behind (the token it
     sampled last). Preemption resets it to zero.
+
+    A step launched and not yet updated holds ``num_inflight_tokens`` of the
+    request's tokens, and ``num_unread_tokens`` (0 or 1) is the token it samples
+    there, on the device until the step's one read (``pd.engine.overlap``;
+    both are 0 between synchronous steps):
+
+        | computed         | in flight          | to schedule    | unread |
+        0                  num_computed_tokens  num_scheduled    num_tokens   num_tokens_with_unread
     """
 
     request_id: str
@@ -99,6 +107,8 @@ class Request:
     # Structured output: the matcher of ``sampling_params.structured``, set by the engine at
     # admission and dropped when the request ends. The scheduler never reads it.
     grammar: RequestGrammar | None = None
+    num_inflight_tokens: int = 0
+    num_unread_tokens: int = 0
 
     def __post_init__(self) -> None:
         self.token_ids: list[int] = list(self.prompt_token_ids)
@@ -111,6 +121,16 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        """Tokens computed, or being computed by the step in flight."""
+        return self.num_computed_tokens + self.num_inflight_tokens
+
+    @property
+    def num_tokens_with_unread(self) -> int:
+        """Tokens, counting the one the step in flight samples for it."""
+        return len(self.token_ids) + self.num_unread_tokens
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -8,6 +8,11 @@ moves to another replica mid-way continues exactly as it would have.
 Each row fails alone: a row whose logits are not finite, or whose draw
 raises, gets no token and an error for its request; the rest of the batch
 is sampled as if it were not there.
+
+Nothing here reads the device: ``draw`` leaves the tokens (and the
+log-probabilities asked for) there, and the one read is ``DeviceSamples.read``
+(``pd.engine.readback``). A row's finiteness is read with its token, so a
+row that is not finite draws from zeros instead (its token is dropped).
 """
 
 from __future__ import annotations
@@ -17,8 +22,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pd.engine.logprobs import TopLogprobs, top_logprobs
 from pd.engine.outputs import ForwardOutput
+from pd.engine.readback import DeviceSamples, PromptScores
 from pd.engine.request import Request
 
 if TYPE_CHECKING:
@@ -26,7 +31,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-NON_FINITE = "the model produced non-finite logits (NaN or inf) for this request"
 _MASK64 = (1 << 64) - 1
 
 
@@ -55,44 +59,53 @@ class Sampler:
         generator = self._per_request.get(request.request_id)
         if generator is None:
             generator = self._per_request[request.request_id] = torch.Generator(device=self.device)
-        generator.manual_seed(position_seed(seed, request.num_tokens))
+        # The position drawn: with a step in flight, after the token it samples (on the device still).
+        generator.manual_seed(position_seed(seed, request.num_tokens_with_unread))
         return generator
 
     def sample(self, logits: torch.Tensor, requests: list[Request],
                grammar: GrammarMask | None = None) -> ForwardOutput:
-        """Pick one token per row of fp32 ``logits [num_requests, vocab]``, within ``grammar``'s masks if any."""
+        """``draw``, then read it at once."""
+        return self.draw(logits, requests, grammar).read()
+
+    def draw(self, logits: torch.Tensor, requests: list[Request], grammar: GrammarMask | None = None,
+             prompt: PromptScores | None = None) -> DeviceSamples:
+        """Pick one token per row of fp32 ``logits [num_requests, vocab]``, within ``grammar``'s masks if any.
+
+        The tokens stay on the device with their log-probabilities (and ``prompt``'s scores, read with them).
+        """
         # Grammar rows draw from masked logits; ``logits`` itself stays raw for the log-probabilities.
         masked = logits if grammar is None else grammar.apply(logits)
         # A row's max is NaN if any logit is, +inf if one is, -inf if all are: each unsamplable.
-        usable = torch.isfinite(logits.amax(dim=-1)).tolist()
-        errors = {row: NON_FINITE for row, ok in enumerate(usable) if not ok}
+        usable = torch.isfinite(logits.amax(dim=-1))
         token_ids = masked.argmax(dim=-1)
+        draw_errors = {}
         for row, request in enumerate(requests):
-            if row in errors or request.sampling_params.greedy:
+            if request.sampling_params.greedy:
                 continue
             try:
-                token_ids[row] = self._sample_row(masked[row], request)
+                row_logits = torch.where(usable[row], masked[row], 0.0)
+                token_ids[row] = self._sample_row(row_logits, request)
             except RuntimeError as exc:  # this request's draw alone: fail it, keep the batch
                 logger.warning("request %s: sampling failed: %s", request.request_id, exc)
-                errors[row] = f"sampling failed: {exc}"
-        logprobs, tops = self._logprobs(logits, token_ids, requests)
-        sampled = [None if row in errors else token for row, token in enumerate(token_ids.tolist())]
-        return ForwardOutput(sampled_token_ids=sampled, logprobs=logprobs, errors=errors, top_logprobs=tops)
+                draw_errors[row] = f"sampling failed: {exc}"
+        samples = DeviceSamples(requests, token_ids, usable, draw_errors, *self._logprobs(logits, token_ids, requests),
+                                prompt=prompt)
+        return samples
 
     @staticmethod
     def _logprobs(logits: torch.Tensor, token_ids: torch.Tensor, requests: list[Request]):
-        """The sampled tokens' raw log-probabilities, and each row's top alternatives where asked for."""
+        """The sampled tokens' raw log-probabilities, and the top alternatives, where any row asks for them."""
         wanted = [r.sampling_params.logprobs for r in requests]
         if all(k is None for k in wanted):
-            return None, None
+            return None, None, None
         all_logprobs = torch.log_softmax(logits, dim=-1)
-        logprobs = all_logprobs.gather(1, token_ids[:, None]).squeeze(1).tolist()
+        logprobs = all_logprobs.gather(1, token_ids[:, None]).squeeze(1)
         max_k = max(k or 0 for k in wanted)
         if max_k == 0:
-            return logprobs, None
-        top = top_logprobs(all_logprobs, max_k)
-        tops = [None if k is None else TopLogprobs(t.token_ids[:k], t.logprobs[:k]) for k, t in zip(wanted, top)]
-        return logprobs, tops
+            return logprobs, None, None
+        top_values, top_ids = torch.topk(all_logprobs, max_k, dim=-1)
+        return logprobs, top_ids, top_values
 
     def _sample_row(self, logits: torch.Tensor, request: Request) -> torch.Tensor:
         params = request.sampling_params

@@ -79,7 +79,10 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(request.num_tokens_with_unread - request.num_scheduled_tokens, budget)
+            if num_new <= 0 or self._ends_with_unread_token(request):
+                index += 1  # it ends when the step in flight is read: nothing more to compute for it
+                continue
             if not self._allocate_or_preempt(request, num_new, out):
                 break  # the request preempted itself; everything after it is gone too
             out.scheduled.append(self._scheduled(request, num_new))
@@ -88,6 +91,12 @@ class Scheduler:
         if not out.preempted:
             budget = self._admit_waiting(budget, out)
         return out
+
+    def _ends_with_unread_token(self, request: Request) -> bool:
+        """The token the step in flight samples for ``request`` ends it by length, whatever its value."""
+        unread = request.num_unread_tokens
+        return bool(unread) and (len(request.output_token_ids) + unread >= request.sampling_params.max_tokens
+                                 or request.num_tokens + unread >= self.config.max_model_len)
 
     def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
         while not self.kv_cache.allocate_slots(request, num_new):
@@ -161,8 +170,16 @@ class Scheduler:
 
     @staticmethod
     def _scheduled(request: Request, num_new: int) -> ScheduledRequest:
-        samples = request.num_computed_tokens + num_new == request.num_tokens
+        samples = request.num_scheduled_tokens + num_new == request.num_tokens_with_unread
         return ScheduledRequest(request=request, num_new_tokens=num_new, samples=samples)
+
+    @staticmethod
+    def launched(out: SchedulerOutput) -> None:
+        """``out`` went to the device: its chunks are in flight, and its samples unread until ``update``."""
+        for item in out.scheduled:
+            request = item.request
+            request.num_inflight_tokens += item.num_new_tokens
+            request.num_unread_tokens += item.samples
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache.free(request)
@@ -173,7 +190,12 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def update(self, out: SchedulerOutput, forward: ForwardOutput) -> list[RequestOutput]:
-        """Advance each scheduled request by its chunk and append sampled tokens."""
+        """Advance each scheduled request by its chunk and append sampled tokens (``launched`` ran on ``out``).
+
+        A request that finished since ``out`` was scheduled (aborted, or ended by the step before it, read
+        after this one launched) gets nothing from its row. One preempted since then (back to waiting,
+        its blocks freed) still takes its token, as it would have before the preemption, and recomputes.
+        """
         results = []
         sample_index = 0
         any_finished = False
@@ -183,22 +205,29 @@ class Scheduler:
         logprobs, top_logprobs = forward.logprobs, forward.top_logprobs
         for item in out.scheduled:
             request = item.request
-            uncomputed_prompt = len(request.prompt_token_ids) - request.num_computed_tokens
-            if uncomputed_prompt > 0:
-                self.num_computed_prompt_tokens += min(item.num_new_tokens, uncomputed_prompt)
-                request.num_prompt_chunks += 1
-            request.num_computed_tokens += item.num_new_tokens
-            cache_blocks(request)
-            if prompt_logprobs:
-                request.prompt_logprobs += prompt_logprobs.get(request.request_id, ())
+            request.num_inflight_tokens -= item.num_new_tokens
+            request.num_unread_tokens -= item.samples
+            status = request.status
+            if status is RequestStatus.RUNNING:
+                uncomputed_prompt = len(request.prompt_token_ids) - request.num_computed_tokens
+                if uncomputed_prompt > 0:
+                    self.num_computed_prompt_tokens += min(item.num_new_tokens, uncomputed_prompt)
+                    request.num_prompt_chunks += 1
+                request.num_computed_tokens += item.num_new_tokens
+                cache_blocks(request)
+                if prompt_logprobs:
+                    request.prompt_logprobs += prompt_logprobs.get(request.request_id, ())
             if not item.samples:
                 continue
-            token_id = forward.sampled_token_ids[sample_index]
-            logprob = logprobs[sample_index] if logprobs is not None else None
-            top = top_logprobs[sample_index] if top_logprobs is not None else None
-            error = errors.get(sample_index) if errors else None
-            stops = sample_index in stop_rows
+            row = sample_index
             sample_index += 1
+            if status is RequestStatus.FINISHED:
+                continue
+            token_id = forward.sampled_token_ids[row]
+            logprob = logprobs[row] if logprobs is not None else None
+            top = top_logprobs[row] if top_logprobs is not None else None
+            error = errors.get(row) if errors else None
+            stops = row in stop_rows
             if error is not None:
                 self._finish(request, FinishReason.ERROR)
                 results.append(self._output(request, [], [], FinishReason.ERROR, error))
@@ -219,6 +248,8 @@ class Scheduler:
             results.append(output)
         if any_finished:
             self.running = [r for r in self.running if not r.is_finished]
+            if any(r.is_finished for r in self.waiting):  # preempted while its last step was in flight
+                self.waiting = deque(r for r in self.waiting if not r.is_finished)
         return results
 
     def advance_decodes(self, sampled_rows: list[list[int]]) -> None:

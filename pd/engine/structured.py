@@ -317,8 +317,10 @@ class GrammarMask:
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """A masked copy of ``logits [num_rows, vocab]``, after ``fill``."""
         masked = logits.clone()
+        # Pinned on CUDA, so that the copy is queued, not waited for (pageable memory is copied synchronously).
+        bitmask = self.bitmask.pin_memory() if logits.is_cuda else self.bitmask
         # Without ``indices`` xgrammar's CPU kernel is twice as fast, and all-ones rows change nothing.
-        _xgr().apply_token_bitmask_inplace(masked, self.bitmask.to(logits.device, non_blocking=True))
+        _xgr().apply_token_bitmask_inplace(masked, bitmask.to(logits.device, non_blocking=True))
         return masked
 
     def accept(self, sampled_token_ids: Sequence[int | None], errors: dict[int, str]) -> tuple[
