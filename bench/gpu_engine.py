@@ -1,10 +1,11 @@
 """Engine decode throughput on a GPU: ours (eager and CUDA graphs) against HF ``generate``.
 
-``python -m bench.gpu_engine [--model llama3-8b|qwen3-30b-a3b] [--layers 32] [--batch 32]`` builds a
+``python -m bench.gpu_engine [--model llama3-8b|qwen3-30b-a3b] [--layers 32] [--batch 32]`` takes a
 random Llama-3-8B-shaped (or Qwen3-30B-A3B-shaped: 128 experts, 8 a token, the fused MoE's Triton
-kernels) checkpoint in bf16 on the GPU, saves it, loads it into our
-engine, and times the same greedy workload (``--batch`` prompts of 128 tokens,
-128 new tokens each) in three ways, alternating, medians of ``--repeats``:
+kernels) checkpoint in bf16 from ``bench.random_models``' cache (built and saved there on first use),
+loads it into HF on the GPU and into our engine, and times the same greedy workload (``--batch``
+prompts of 128 tokens, 128 new tokens each) in three ways, alternating, medians of ``--repeats`` after
+one short warm-up run of each:
 
 - HF ``generate`` at that batch size (the peer);
 - our engine with decode steps replayed from CUDA graphs;
@@ -21,44 +22,14 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import tempfile
 import time
-from pathlib import Path
 
 import torch
 
+from bench.random_models import load_cached
 from pd.workload.stats import percentile
 
-LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
-                 vocab_size=128256, rope_theta=500000.0, max_position_embeddings=8192, rms_norm_eps=1e-5)
-
-
-QWEN3_30B_A3B = dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
-                     num_experts_per_tok=8, norm_topk_prob=True, num_attention_heads=32, num_key_value_heads=4,
-                     head_dim=128, vocab_size=151936, rope_theta=1000000.0, max_position_embeddings=8192,
-                     rms_norm_eps=1e-6)
-
-
-def build_checkpoint(root: Path, layers: int, model: str = "llama3-8b"):
-    """A random bf16 model of ``model``'s shape on the GPU, saved to ``root``; returns (HF model, path)."""
-    import transformers
-
-    if model == "qwen3-30b-a3b":
-        config = transformers.Qwen3MoeConfig(num_hidden_layers=layers, initializer_range=0.02, **QWEN3_30B_A3B)
-        build = transformers.Qwen3MoeForCausalLM
-    else:
-        config = transformers.LlamaConfig(num_hidden_layers=layers, initializer_range=0.02, **LLAMA3_8B)
-        build = transformers.LlamaForCausalLM
-    torch.manual_seed(0)
-    default_dtype = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device("cuda"):
-            model = build(config).eval()
-    finally:
-        torch.set_default_dtype(default_dtype)
-    model.save_pretrained(root)
-    return model, root
+WARM_UP_TOKENS = 8  # compiles and captures what the timed runs use; their length adds nothing
 
 
 def run_hf(model, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
@@ -103,38 +74,41 @@ def main() -> None:
     from pd import LLM
 
     rng = random.Random(0)
-    with tempfile.TemporaryDirectory() as root:
-        started = time.monotonic()
-        hf, path = build_checkpoint(Path(root), args.layers, args.model)
-        llm = LLM(str(path), dtype="bfloat16", device="cuda", kv_cache_bytes=16 * 1024**3,
-                  cuda_graph_max_batch=max(args.batch, 8))
-        graphs = llm.engine.runner.graphs
-        setup_s = time.monotonic() - started
-        runs = {"hf": lambda p: run_hf(hf, p, args.new_tokens),
-                "graphs": lambda p: run_ours(llm, p, args.new_tokens, graphs),
-                "eager": lambda p: run_ours(llm, p, args.new_tokens, None)}
-        warm = [[rng.randrange(3, 128000) for _ in range(args.prompt_len)] for _ in range(args.batch)]
-        for run in runs.values():
-            run(warm)
-        tok_s = {key: [] for key in runs}
-        outputs = {}
-        for _ in range(args.repeats):
-            prompts = [[rng.randrange(3, 128000) for _ in range(args.prompt_len)] for _ in range(args.batch)]
-            for key, run in runs.items():
-                elapsed, outputs[key] = run(prompts)
-                tok_s[key].append(args.batch * args.new_tokens / elapsed)
-        median = {key: percentile(values, 50) for key, values in tok_s.items()}
-        print(json.dumps({
-            "case": "gpu_engine", "model": args.model, "gpu": torch.cuda.get_device_name(), "layers": args.layers, "batch": args.batch,
-            "hf_tok_s": round(median["hf"], 1), "graphs_tok_s": round(median["graphs"], 1),
-            "eager_tok_s": round(median["eager"], 1),
-            "graphs_vs_hf": round(median["graphs"] / median["hf"], 3),
-            "eager_vs_hf": round(median["eager"] / median["hf"], 3),
-            "graphs_vs_eager": round(median["graphs"] / median["eager"], 3),
-            "graph_replays": graphs.replays if graphs is not None else 0,
-            "agree_hf": agree(outputs["graphs"], outputs["hf"]), "agree_modes": agree(outputs["graphs"], outputs["eager"]),
-            "setup_s": round(setup_s, 1), "repeats": args.repeats,
-        }), flush=True)
+    started = time.monotonic()
+    path, hf = load_cached(args.model, args.layers)
+    llm = LLM(str(path), dtype="bfloat16", device="cuda", kv_cache_bytes=16 * 1024**3,
+              cuda_graph_max_batch=max(args.batch, 8))
+    graphs = llm.engine.runner.graphs
+    setup_s = time.monotonic() - started
+
+    def runs(new_tokens: int) -> dict:
+        return {"hf": lambda p: run_hf(hf, p, new_tokens),
+                "graphs": lambda p: run_ours(llm, p, new_tokens, graphs),
+                "eager": lambda p: run_ours(llm, p, new_tokens, None)}
+
+    warm = [[rng.randrange(3, 128000) for _ in range(args.prompt_len)] for _ in range(args.batch)]
+    for run in runs(WARM_UP_TOKENS).values():
+        run(warm)
+    timed = runs(args.new_tokens)
+    tok_s = {key: [] for key in timed}
+    outputs = {}
+    for _ in range(args.repeats):
+        prompts = [[rng.randrange(3, 128000) for _ in range(args.prompt_len)] for _ in range(args.batch)]
+        for key, run in timed.items():
+            elapsed, outputs[key] = run(prompts)
+            tok_s[key].append(args.batch * args.new_tokens / elapsed)
+    median = {key: percentile(values, 50) for key, values in tok_s.items()}
+    print(json.dumps({
+        "case": "gpu_engine", "model": args.model, "gpu": torch.cuda.get_device_name(), "layers": args.layers,
+        "batch": args.batch, "hf_tok_s": round(median["hf"], 1), "graphs_tok_s": round(median["graphs"], 1),
+        "eager_tok_s": round(median["eager"], 1),
+        "graphs_vs_hf": round(median["graphs"] / median["hf"], 3),
+        "eager_vs_hf": round(median["eager"] / median["hf"], 3),
+        "graphs_vs_eager": round(median["graphs"] / median["eager"], 3),
+        "graph_replays": graphs.replays if graphs is not None else 0,
+        "agree_hf": agree(outputs["graphs"], outputs["hf"]), "agree_modes": agree(outputs["graphs"], outputs["eager"]),
+        "setup_s": round(setup_s, 1), "repeats": args.repeats,
+    }), flush=True)
 
 
 if __name__ == "__main__":

@@ -12,14 +12,23 @@ machines are noise:
   in-register conversion keeps up with the memory;
 - ``decode_attention_few_seqs``: 4 sequences of 32K, where the split-KV path
   is chosen; against the single pass forced on the same inputs;
-- ``prefill_attention``: 4 whole prompts of 2048 against SDPA's flash backend
-  on the equivalent dense tensors (goal >= 0.7x);
+- ``prefill_attention``: whole causal prompts totalling 16K tokens (32 x 512,
+  8 x 2048, 2 x 8192) at head dims 64, 80 and 128, heads 32/8, against SDPA's
+  flash backend on the equivalent dense tensors (its own GQA, else K/V
+  repeated outside the timed call); TFLOP/s of each over the causal pairs
+  (``causal_attention_flops``), the ratio (goal >= 0.7x), and the max abs
+  difference from SDPA's output; a shape SDPA refuses carries its error;
+- ``prefill_attention_fp8``: 8 x 2048 at head dim 128 over float8_e4m3fn pages
+  against the same prompts over bf16 pages;
 - ``rms_norm``, ``rotary``: fused Triton against the unfused torch reference.
 
-Times are medians of ``triton.testing.do_bench`` (which flushes L2 between
-runs). Each attention case also reports its max abs error against the torch
-reference, since bf16 can only be checked on CUDA. Without CUDA it prints
-one line saying it was skipped.
+Attention runs through the public ``pd_kernels.unified_attention`` on one
+layer's views of a pool in the engine's layout (``pd.engine.kv_layout``),
+pages at random blocks. Times are medians of ``triton.testing.do_bench``
+(which flushes L2 between runs). Each attention case reports its max abs
+error (against the torch reference, or SDPA for prefill), since bf16 can
+only be checked on CUDA. A case that fails prints its error and the others
+still run. Without CUDA it prints one line saying it was skipped.
 """
 
 from __future__ import annotations
@@ -30,24 +39,43 @@ import torch
 
 DTYPE = torch.bfloat16
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
+COPY_BYTES = 1 << 30  # far past L2: the copy streams from and to HBM
+FP8_SCALE = 0.5  # randn / 0.5 stays well inside e4m3's +-448
+PREFILL_HEAD_DIMS = (64, 80, 128)
+PREFILL_SHAPES = ((32, 512), (8, 2048), (2, 8192))  # (prompts, tokens each): 16K tokens a batch
 
 
 def _emit(**fields) -> None:
     print(json.dumps(fields), flush=True)
 
 
-def _median_ms(fn) -> float:
+def _median_ms(fn, rep: int = 100) -> float:
     import triton.testing
 
-    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+    return triton.testing.do_bench(fn, warmup=10, rep=rep, return_mode="median")
 
 
-def _paged_batch(q_kv_lens: list[tuple[int, int]], seed: int = 0) -> dict:
-    """Attention inputs over a 2-layer block-major pool, pages at random blocks, layer 1's strided views."""
+def causal_attention_flops(prompt_lens: list[int], num_heads: int, head_dim: int) -> int:
+    """Multiply-adds x 2 of causal attention over whole prompts: query i sees keys 0..i, so a prompt of n
+    has n(n + 1)/2 (query, key) pairs, each a head_dim dot product for the score and one for P @ V."""
+    return sum(4 * num_heads * head_dim * n * (n + 1) // 2 for n in prompt_lens)
+
+
+def _paged_batch(q_kv_lens: list[tuple[int, int]], head_dim: int = HEAD_DIM, fp8: bool = False,
+                 seed: int = 0) -> dict:
+    """``unified_attention``'s arguments over layer 1 of a 2-layer pool in the engine's layout, pages at
+    random blocks. The same seed gives the same values; ``fp8`` stores them as float8_e4m3fn pages."""
+    from pd.engine.kv_layout import kv_pool, layer_views
+    from pd_kernels import fp8 as fp8_pages
+
     generator = torch.Generator(device="cuda").manual_seed(seed)
     pages = [-(-kv_len // BLOCK_SIZE) for _, kv_len in q_kv_lens]
     num_blocks = sum(pages)
-    pool = torch.randn(num_blocks, 2, 2, BLOCK_SIZE, KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE, generator=generator)
+    pool = kv_pool(num_blocks, 2, BLOCK_SIZE, KV_HEADS, head_dim, DTYPE, "cuda")
+    pool.normal_(generator=generator)
+    scale = 1.0
+    if fp8:
+        pool, scale = fp8_pages.quantize(pool, FP8_SCALE, torch.float8_e4m3fn), FP8_SCALE
     block_ids = torch.randperm(num_blocks, device="cuda", generator=generator).to(torch.int32)
     block_table = torch.zeros(len(q_kv_lens), max(pages), dtype=torch.int32, device="cuda")
     start = 0
@@ -55,68 +83,78 @@ def _paged_batch(q_kv_lens: list[tuple[int, int]], seed: int = 0) -> dict:
         block_table[i, :n] = block_ids[start : start + n]
         start += n
     q_lens = torch.tensor([q_len for q_len, _ in q_kv_lens], dtype=torch.int32)
-    num_tokens = int(q_lens.sum())
+    k_cache, v_cache = layer_views(pool)[1]
     return dict(
-        q=torch.randn(num_tokens, HEADS, HEAD_DIM, device="cuda", dtype=DTYPE, generator=generator),
-        k_cache=pool[:, 1, 0],
-        v_cache=pool[:, 1, 1],
+        q=torch.randn(int(q_lens.sum()), HEADS, head_dim, device="cuda", dtype=DTYPE, generator=generator),
+        k_cache=k_cache,
+        v_cache=v_cache,
         cu_seqlens_q=torch.cat([torch.zeros(1, dtype=torch.int32), q_lens.cumsum(0, dtype=torch.int32)]).cuda(),
         seq_lens=torch.tensor([kv_len for _, kv_len in q_kv_lens], dtype=torch.int32, device="cuda"),
         block_table=block_table,
-        softmax_scale=HEAD_DIM**-0.5,
+        softmax_scale=head_dim**-0.5,
+        k_scale=scale,
+        v_scale=scale,
     )
 
 
 def _kv_bytes(args: dict) -> int:
     """Bytes of K and V the batch must read at least once, plus q and the output."""
     kv_tokens = int(args["seq_lens"].sum())
+    kv_heads, head_dim = args["k_cache"].shape[2], args["k_cache"].shape[3]
     element = args["q"].element_size()
-    return 2 * kv_tokens * KV_HEADS * HEAD_DIM * args["k_cache"].element_size() + 2 * args["q"].numel() * element
+    return 2 * kv_tokens * kv_heads * head_dim * args["k_cache"].element_size() + 2 * args["q"].numel() * element
 
 
 def _max_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return (actual.float() - expected.float()).abs().max().item()
 
 
-def bench_copy() -> float:
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+def _error(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {str(exc)[:300]}"
+
+
+def measure_copy(num_bytes: int = COPY_BYTES) -> tuple[float, float]:
+    """(median ms, GB/s) of a device-to-device copy of ``num_bytes``, counting bytes read + written."""
+    src = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    ms = _median_ms(lambda: dst.copy_(src))
-    gbps = 2 * src.numel() / ms / 1e6  # read + write
-    _emit(case="copy", bytes=src.numel(), median_ms=ms, gbps=gbps)
+    ms = _median_ms(lambda: dst.copy_(src), rep=200)
+    return ms, 2 * num_bytes / ms / 1e6
+
+
+def bench_copy() -> float:
+    ms, gbps = measure_copy()
+    _emit(case="copy", bytes=COPY_BYTES, median_ms=ms, gbps=gbps)
     return gbps
 
 
 def bench_decode(copy_gbps: float) -> None:
     """bf16 pages, then the same keys and values stored as float8_e4m3fn pages."""
-    from pd_kernels import fp8, reference
-    from pd_kernels.triton import unified_attention
+    from pd_kernels import reference, unified_attention
 
-    args = _paged_batch([(1, 4096)] * 64)
+    lens = [(1, 4096)] * 64
+    args = _paged_batch(lens)
     out = torch.empty_like(args["q"])
-    ms = _median_ms(lambda: unified_attention(**args, out=out))
+    ms = _median_ms(lambda: unified_attention(**args, out=out), rep=200)
     gbps = _kv_bytes(args) / ms / 1e6
     _emit(
         case="decode_attention", batch=64, context=4096, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
         dtype="bf16", median_ms=ms, gbps=gbps, copy_gbps=copy_gbps, fraction_of_copy=gbps / copy_gbps,
         max_abs_err=_max_err(out, reference.unified_attention(**args)),
     )
-    scales = {"k_scale": 0.5, "v_scale": 0.5}  # randn / 0.5 stays well inside e4m3's +-448
-    fp8_args = dict(args, k_cache=fp8.quantize(args["k_cache"], scales["k_scale"], torch.float8_e4m3fn),
-                    v_cache=fp8.quantize(args["v_cache"], scales["v_scale"], torch.float8_e4m3fn))
-    fp8_ms = _median_ms(lambda: unified_attention(**fp8_args, **scales, out=out))
+    fp8_args = _paged_batch(lens, fp8=True)
+    fp8_ms = _median_ms(lambda: unified_attention(**fp8_args, out=out), rep=200)
     fp8_gbps = _kv_bytes(fp8_args) / fp8_ms / 1e6
     _emit(
         case="decode_attention_fp8", batch=64, context=4096, dtype="bf16", kv_dtype="float8_e4m3fn",
         median_ms=fp8_ms, bf16_pages_ms=ms, speedup_vs_bf16_pages=ms / fp8_ms, gbps=fp8_gbps,
         fraction_of_copy=fp8_gbps / copy_gbps,
-        max_abs_err=_max_err(out, reference.unified_attention(**fp8_args, **scales)),
+        max_abs_err=_max_err(out, reference.unified_attention(**fp8_args)),
     )
 
 
 def bench_decode_few_seqs(copy_gbps: float) -> None:
-    from pd_kernels import reference
-    from pd_kernels.triton import choose_num_splits, unified_attention
+    from pd_kernels import reference, unified_attention
+    from pd_kernels.triton import choose_num_splits
     from pd_kernels.triton.launch import device_sm_count
     from pd_kernels.triton.paged_attention import choose_tiles, launch_paged_attention
 
@@ -140,35 +178,75 @@ def bench_decode_few_seqs(copy_gbps: float) -> None:
     )
 
 
-def bench_prefill() -> None:
+def _sdpa_flash(args: dict, num_prompts: int, prompt_len: int):
+    """SDPA's flash backend on ``args``' prompts as dense ``[prompts, heads, len, head_dim]`` tensors: (the
+    call to time, how it takes GQA). Native GQA where this torch's flash has it, else K/V repeated here."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from pd_kernels import reference
-    from pd_kernels.triton import unified_attention
+    head_dim = args["q"].shape[-1]
+    q = args["q"].view(num_prompts, prompt_len, HEADS, head_dim).transpose(1, 2).contiguous()
+    pages = args["block_table"].long()  # [prompts, prompt_len / BLOCK_SIZE]
 
-    num_seqs, prompt_len = 4, 2048
-    args = _paged_batch([(prompt_len, prompt_len)] * num_seqs)
-    out = torch.empty_like(args["q"])
-    ms = _median_ms(lambda: unified_attention(**args, out=out))
-
-    # The same prompts as dense [batch, heads, len, head_dim] tensors, K/V repeated per query head.
-    q = args["q"].view(num_seqs, prompt_len, HEADS, HEAD_DIM).transpose(1, 2).contiguous()
-    pages = args["block_table"].long()  # [num_seqs, prompt_len / BLOCK_SIZE]
-
-    def dense(cache: torch.Tensor) -> torch.Tensor:
-        kv = cache[pages].flatten(1, 2)  # [num_seqs, prompt_len, kv_heads, head_dim]
-        return kv.transpose(1, 2).repeat_interleave(HEADS // KV_HEADS, dim=1).contiguous()
+    def dense(cache: torch.Tensor) -> torch.Tensor:  # [prompts, kv_heads, prompt_len, head_dim]
+        return cache[pages].flatten(1, 2)[:, :prompt_len].transpose(1, 2).contiguous()
 
     k, v = dense(args["k_cache"]), dense(args["v_cache"])
-    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-        sdpa_ms = _median_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=args["softmax_scale"]))
-    flops = 4 * num_seqs * HEADS * prompt_len * prompt_len * HEAD_DIM / 2  # causal: half the score matrix
-    _emit(
-        case="prefill_attention", batch=num_seqs, prompt_len=prompt_len, dtype="bf16", median_ms=ms,
-        sdpa_flash_ms=sdpa_ms, speed_vs_sdpa_flash=sdpa_ms / ms, tflops=flops / ms / 1e9,
-        max_abs_err=_max_err(out, reference.unified_attention(**args)),
-    )
+    scale = args["softmax_scale"]
+
+    def native():
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+
+    try:
+        native()
+        return native, "native"
+    except RuntimeError:
+        group = HEADS // KV_HEADS
+        k_all, v_all = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+
+        def repeated():
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                return F.scaled_dot_product_attention(q, k_all, v_all, is_causal=True, scale=scale)
+
+        return repeated, "repeated"
+
+
+def bench_prefill_case(head_dim: int, num_prompts: int, prompt_len: int) -> None:
+    from pd_kernels import unified_attention
+
+    record = dict(case="prefill_attention", head_dim=head_dim, batch=num_prompts, prompt_len=prompt_len,
+                  heads=HEADS, kv_heads=KV_HEADS, dtype="bf16")
+    args = _paged_batch([(prompt_len, prompt_len)] * num_prompts, head_dim)
+    flops = causal_attention_flops([prompt_len] * num_prompts, HEADS, head_dim)
+    out = torch.empty_like(args["q"])
+    ms = _median_ms(lambda: unified_attention(**args, out=out))
+    record.update(median_ms=ms, tflops=flops / ms / 1e9)
+    try:
+        sdpa, gqa = _sdpa_flash(args, num_prompts, prompt_len)
+        expected = sdpa().transpose(1, 2).reshape(out.shape)
+        sdpa_ms = _median_ms(sdpa)
+    except RuntimeError as exc:
+        _emit(**record, sdpa_error=_error(exc))
+        return
+    _emit(**record, sdpa_flash_ms=sdpa_ms, sdpa_tflops=flops / sdpa_ms / 1e9, sdpa_gqa=gqa,
+          speed_vs_sdpa_flash=sdpa_ms / ms, max_abs_err_vs_sdpa=_max_err(out, expected))
+
+
+def bench_prefill_fp8() -> None:
+    """8 prompts of 2048 over FP8 pages against the same values over bf16 pages."""
+    from pd_kernels import reference, unified_attention
+
+    num_prompts, prompt_len = 8, 2048
+    lens = [(prompt_len, prompt_len)] * num_prompts
+    args, fp8_args = _paged_batch(lens), _paged_batch(lens, fp8=True)
+    out = torch.empty_like(args["q"])
+    bf16_ms = _median_ms(lambda: unified_attention(**args, out=out))
+    ms = _median_ms(lambda: unified_attention(**fp8_args, out=out))
+    flops = causal_attention_flops([prompt_len] * num_prompts, HEADS, HEAD_DIM)
+    _emit(case="prefill_attention_fp8", batch=num_prompts, prompt_len=prompt_len, head_dim=HEAD_DIM, dtype="bf16",
+          kv_dtype="float8_e4m3fn", median_ms=ms, bf16_pages_ms=bf16_ms, speedup_vs_bf16_pages=bf16_ms / ms,
+          tflops=flops / ms / 1e9, max_abs_err=_max_err(out, reference.unified_attention(**fp8_args)))
 
 
 def bench_rms_norm() -> None:
@@ -202,17 +280,30 @@ def bench_rotary() -> None:
           median_ms=fused_ms, torch_ms=torch_ms, speedup_vs_torch=torch_ms / fused_ms)
 
 
+def _run(case: str, fn, *args, **fields) -> None:
+    """One case; its failure is its line (named by ``case`` and ``fields``), and the next case still runs."""
+    try:
+        fn(*args)
+    except Exception as exc:  # noqa: BLE001 - a benchmark's failure is its result
+        _emit(case=case, **fields, error=_error(exc))
+    torch.cuda.empty_cache()
+
+
 def main() -> None:
     if not torch.cuda.is_available():
         _emit(case="skipped", reason="no CUDA device")
         return
     _emit(case="device", name=torch.cuda.get_device_name())
     copy_gbps = bench_copy()
-    bench_decode(copy_gbps)
-    bench_decode_few_seqs(copy_gbps)
-    bench_prefill()
-    bench_rms_norm()
-    bench_rotary()
+    _run("decode_attention", bench_decode, copy_gbps)
+    _run("decode_attention_few_seqs", bench_decode_few_seqs, copy_gbps)
+    for head_dim in PREFILL_HEAD_DIMS:
+        for num_prompts, prompt_len in PREFILL_SHAPES:
+            _run("prefill_attention", bench_prefill_case, head_dim, num_prompts, prompt_len, head_dim=head_dim,
+                 batch=num_prompts, prompt_len=prompt_len)
+    _run("prefill_attention_fp8", bench_prefill_fp8)
+    _run("rms_norm", bench_rms_norm)
+    _run("rotary", bench_rotary)
 
 
 if __name__ == "__main__":
