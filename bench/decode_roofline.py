@@ -11,7 +11,8 @@ same run (``bench.kernels.measure_copy``: bytes read + written, the most HBM mov
 (``LLMEngine``, synchronous, on the random Llama-3-8B-shaped bf16 checkpoint that ``bench.random_models``
 caches) takes ``batch`` prompts of ``--prompt-len`` tokens; once every prompt is in, ``--steps`` decode
 steps are timed with CUDA graphs, then as many eager (after a few untimed ones each), every request
-decoding one token in each. Per step:
+decoding one token in each; with ``--async-scheduling``, the engine launches each step before reading the
+one before (``EngineConfig.async_scheduling``) and only graphs are timed (mode ``graphs_async``). Per step:
 
 - ``step_ms``: wall time of ``LLMEngine.step`` (schedule, launch, the device's work, the read-back, update);
 - ``device_ms``: CUDA events from the step's copy of its inputs to the device to the end of its forward
@@ -140,8 +141,8 @@ def measure_batch(engine, timer: DeviceTimer, graphs, batch: int, copy_gbps: flo
                 generated[out.request_id] += len(out.new_token_ids)
         else:
             raise RuntimeError(f"the prompts were not in after {MAX_PREFILL_STEPS} steps")
-        for mode in ("graphs", "eager"):
-            engine.runner.graphs = graphs if mode == "graphs" else None
+        for mode in (("graphs_async",) if args.async_scheduling else ("graphs", "eager")):
+            engine.runner.graphs = graphs if mode.startswith("graphs") else None
             timed = time_steps(engine, timer, generated, args.prompt_len, args.steps)
             weights = weight_bytes(shape, args.layers, batch)
             kv = kv_bytes(shape, args.layers, round(timed["kv_tokens"]))
@@ -172,7 +173,8 @@ def make_engine(path, args, max_batch: int, device: str = "cuda"):
     engine = LLMEngine(EngineConfig(
         model=str(path), dtype="bfloat16", device=device, kv_cache_bytes=pool_bytes, max_num_seqs=max_batch,
         max_num_batched_tokens=min(MAX_PREFILL_TOKENS, max(2048, max_batch * args.prompt_len)),
-        cuda_graph_max_batch=max_batch, max_model_len=max_model_len))
+        cuda_graph_max_batch=max_batch, max_model_len=max_model_len,
+        async_scheduling=args.async_scheduling))
     engine.warm_up()
     return engine
 
@@ -185,6 +187,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batches", default="1,32,128,256")
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--async-scheduling", action="store_true",
+                        help="the engine with async scheduling (pd.engine.overlap), graphs only: mode graphs_async")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print(json.dumps({"case": "decode_roofline", "skipped": "no CUDA device"}), flush=True)

@@ -86,12 +86,15 @@ def gemm(records: list[dict]) -> list[str]:
 
 
 def roofline(records: list[dict]) -> list[str]:
-    rows = _cases(records, "decode_roofline", "decode_roofline")
+    rows = _cases(records, "decode_roofline", "decode_roofline") + _cases(records, "decode_roofline_async",
+                                                                          "decode_roofline")
     lines = ["decode step / roofline, 8B shape (fraction of roofline by step wall, by device time; step ms):"]
     for batch in sorted({r.get("batch") for r in rows if r.get("batch") is not None}):
         cells = []
-        for mode in ("graphs", "eager"):
+        for mode in ("graphs", "eager", "graphs_async"):
             r = _first(rows, batch=batch, mode=mode)
+            if mode == "graphs_async" and not r:
+                continue
             cells.append(f"{mode} {_num(r.get('fraction_of_roofline'))} / {_num(r.get('device_fraction'))} "
                          f"({_num(r.get('step_ms'), '.1f')} ms)")
         error = _first(rows, batch=batch).get("error")
@@ -105,7 +108,10 @@ def engine_vs_hf(records: list[dict]) -> list[str]:
         r = _first(_results(records, part), case="gpu_engine")
         lines.append(f"ours/HF generate, {r.get('model', part)} {r.get('layers', '')} layers, batch "
                      f"{r.get('batch', '')}: graphs {_num(r.get('graphs_vs_hf'), '.2f', 'x')}, eager "
-                     f"{_num(r.get('eager_vs_hf'), '.2f', 'x')} (graphs/eager {_num(r.get('graphs_vs_eager'))})")
+                     f"{_num(r.get('eager_vs_hf'), '.2f', 'x')} (graphs/eager {_num(r.get('graphs_vs_eager'))})"
+                     + (f", graphs+async {_num(r.get('graphs_async_vs_hf'), '.2f', 'x')} (same tokens: "
+                        f"{r.get('agree_async')})" if "graphs_async_vs_hf" in r else "")
+                     + (f", async failed: {r['graphs_async_error'][:80]}" if "graphs_async_error" in r else ""))
     return lines
 
 

@@ -50,7 +50,7 @@ def test_a_batch_is_timed_in_both_modes_once_its_prompts_are_in(tmp_path, monkey
     pytest.importorskip("transformers")
     monkeypatch.setenv(random_models.CACHE_ENV, str(tmp_path))
     path, _ = random_models.cached_checkpoint("tiny-llama", 2, device="cpu")
-    args = argparse.Namespace(model="tiny-llama", layers=2, prompt_len=16, steps=2)
+    args = argparse.Namespace(model="tiny-llama", layers=2, prompt_len=16, steps=2, async_scheduling=False)
     engine = decode_roofline.make_engine(path, args, max_batch=4, device="cpu")
     rows = decode_roofline.measure_batch(engine, CountingTimer(), None, 4, 100.0, args, random.Random(0))
     assert [row["mode"] for row in rows] == ["graphs", "eager"]
@@ -64,4 +64,19 @@ def test_a_batch_is_timed_in_both_modes_once_its_prompts_are_in(tmp_path, monkey
         bound_ms = (row["weight_bytes"] + row["kv_bytes"]) / 100.0 / 1e6
         assert row["fraction_of_roofline"] == pytest.approx(bound_ms / row["step_ms"], rel=1e-2)
     assert not engine.has_unfinished_requests()  # its requests aborted: the next batch starts clean
+    engine.close()
+
+
+def test_async_scheduling_times_graphs_only_and_every_step_still_decodes_every_row(tmp_path, monkeypatch):
+    pytest.importorskip("transformers")
+    monkeypatch.setenv(random_models.CACHE_ENV, str(tmp_path))
+    path, _ = random_models.cached_checkpoint("tiny-llama", 2, device="cpu")
+    args = argparse.Namespace(model="tiny-llama", layers=2, prompt_len=16, steps=3, async_scheduling=True)
+    engine = decode_roofline.make_engine(path, args, max_batch=4, device="cpu")
+    assert engine.pipeline is not None
+    rows = decode_roofline.measure_batch(engine, CountingTimer(), None, 4, 100.0, args, random.Random(0))
+    assert [row["mode"] for row in rows] == ["graphs_async"]
+    assert rows[0]["every_row_decoded"] and rows[0]["step_ms"] > 0
+    assert engine.step() == []  # reads the step in flight: its requests were aborted, so it emits nothing
+    assert not engine.has_unfinished_requests()
     engine.close()

@@ -10,8 +10,8 @@ from bench import gpu_check
 from bench.gpu_check import BENCHMARKS, CHECKS, TOTAL_LIMIT_S, Part, Sink, pytest_counts, worst_case_s
 
 
-def test_the_parts_fit_in_seven_minutes_and_each_has_a_unique_name():
-    assert worst_case_s(CHECKS, BENCHMARKS) <= TOTAL_LIMIT_S < 7 * 60
+def test_the_parts_fit_in_eight_minutes_and_each_has_a_unique_name():
+    assert worst_case_s(CHECKS, BENCHMARKS) <= TOTAL_LIMIT_S <= 8 * 60  # the limit, model builds included
     names = [part.name for part in CHECKS + BENCHMARKS]
     assert len(names) == len(set(names))
     assert {"kernels", "bench_kernels", "gpu_engine", "gpu_engine_moe", "fp32_dense", "fp32_moe", "decode_roofline",
