@@ -306,12 +306,18 @@ def gpu_tiles(element_size: int, head_dim: int, group: int, decode_only: bool, s
               kv_fp8: bool = False) -> TileConfig:
     """``choose_tiles`` on a GPU, from the shapes alone (the AOT check compiles exactly these). Decodes over
     FP8 pages (``kv_fp8``) take 128-key tiles: on an H200 (``bench.attention_tiles``, batch 64 x 4,096,
-    heads 32/8 x 128) 1.29x the bf16 pages' time, against 0.99x at 64 keys and 0.79x at 256."""
+    heads 32/8 x 128) 1.29x the bf16 pages' time, against 0.99x at 64 keys and 0.79x at 256.
+
+    fp32 (IEEE products, on the FMA units: their operands sit in registers) takes 16-key tiles and, with
+    prefill chunks, 32 rows: the largest that compile without spills at every head dim, group and arch
+    the AOT check builds (32 keys spilled up to 1.2 KB in split-KV decodes on sm_90)."""
     block_m = max(16 if decode_only else 64, next_power_of_2(group))
     tile = 32 if element_size > 2 or padded_head_dim(head_dim) > 128 else 64
+    if element_size > 2:
+        block_m, tile = max(16 if decode_only else 32, next_power_of_2(group)), 16
     if kv_fp8 and decode_only and tile == 64:
         tile = 128
-    uncapped = split or not decode_only
+    uncapped = split or not decode_only or element_size > 2  # fp32: ptxas capped a decode at 80 and spilled
     return TileConfig(block_m, block_m // group, tile, num_warps=4 if decode_only else 8, num_stages=3,
                       max_registers=NO_REGISTER_CAP if uncapped else None)
 

@@ -198,14 +198,16 @@ def prefill_tiles(element_size: int, head_dim: int, group: int, capability: int 
         head dim 128:      64 rows, 64 keys, 4 warps, 3 stages  1.03x  (128 rows, 8 warps: 0.98-1.00x)
         head dim 80, 96:  128 rows, 64 keys, 8 warps, 2 stages  0.81x at 80 (padded to 128; 64 rows: 0.79x)
 
-    Elsewhere (sm_80: no wgmma, accumulators and q in registers; fp32; head dims over 128) 64 rows and 64
-    keys over 3 stages on 8 warps, 32 keys for fp32 and head dims over 128 to fit shared memory: the tiles
-    that compile without spills there."""
+    Elsewhere (sm_80: no wgmma, accumulators and q in registers; head dims over 128) 64 rows and 64 keys
+    over 3 stages on 8 warps, 32 keys for head dims over 128 to fit shared memory; fp32 (IEEE products on
+    the FMA units) 32 rows and 16 keys: the tiles that compile without spills there."""
     pad = padded_head_dim(head_dim)
-    if capability >= 90 and element_size == 2 and pad <= 128:
+    if element_size > 2:
+        block_m, tile, num_warps, num_stages = 32, 16, 8, 3
+    elif capability >= 90 and pad <= 128:
         block_m, tile, num_warps, num_stages = (64, 64, 4, 3) if head_dim == 128 else (128, 64, 8, 2)
     else:
-        block_m, tile, num_warps, num_stages = 64, 32 if element_size > 2 or pad > 128 else 64, 8, 3
+        block_m, tile, num_warps, num_stages = 64, 32 if pad > 128 else 64, 8, 3
     block_m = max(block_m, next_power_of_2(group))
     return TileConfig(block_m, block_m // group, tile, num_warps, num_stages, max_registers=NO_REGISTER_CAP)
 
