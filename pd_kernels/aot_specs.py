@@ -19,16 +19,14 @@ tiles), over fp16 and bf16, the head dims of the supported architectures (64,
 and 8, decode-only, split-KV, mixed and prefill batches, with and without a
 sliding window; the fused MoE's two GEMMs at its decode and prefill tiles;
 fp32 queries for attention and the MoE GEMMs, whose products must stay IEEE
-(``--quick``: attention's decode, mixed and prefill paths and the MoE's
-prefill tile, where fp32 does not spill: at head dims 80-128 every attention
-path spills in fp32, and so does the MoE gate/up GEMM at its decode tile, on
-both arches); and the FP8 scaled product (``scaled_mm``; sm_90 only: sm_80
-has no FP8). FP8 KV pages (``kv_dtype`` in the record): float8_e4m3fn pages
-under fp16 and bf16 queries at head dims 64 and 128 (every attention path,
-and the store), and float8_e5m2 in one of each. Both arches build them:
-without ``FP8_HW`` the kernels read and write FP8 pages as bytes with integer
-conversions (``pd_kernels.triton.fp8_kv``), which sm_80 needs (Triton refuses
-e4m3 below sm_89).
+(``--quick``: each attention path once, and the MoE's prefill tile); and the
+FP8 scaled product (``scaled_mm``; sm_90 only: sm_80 has no FP8). FP8 KV
+pages (``kv_dtype`` in the record): float8_e4m3fn pages under fp16 and bf16
+queries at head dims 64 and 128 (every attention path, and the store), and
+float8_e5m2 in one of each. Both arches build them: without ``FP8_HW`` the
+kernels read and write FP8 pages as bytes with integer conversions
+(``pd_kernels.triton.fp8_kv``), which sm_80 needs (Triton refuses e4m3 below
+sm_89).
 """
 
 from __future__ import annotations
@@ -168,7 +166,7 @@ def paged_specs(quick: bool) -> list[Spec]:
     if quick:
         grid = [("bf16", 128, 16, 4, paths[0], False), ("fp16", 80, 32, 7, paths[2], True),
                 ("bf16", 64, 32, 8, paths[1], False), ("fp32", 128, 16, 4, paths[0], False),
-                ("fp32", 64, 16, 8, paths[2], False)]  # fp32 at 64 rows: head dims over 64 spill (module doc)
+                ("fp32", 80, 16, 1, paths[1], False), ("fp32", 128, 16, 7, paths[2], False)]
     fp8_grid = fp8_kv_grid(paths)
     if quick:
         fp8_grid = [(torch.float8_e4m3fn, "bf16", 128, paths[0]), (torch.float8_e4m3fn, "fp16", 64, paths[2]),
@@ -196,7 +194,7 @@ def prefill_specs(quick: bool) -> list[Spec]:
 
     grid = itertools.product((*DTYPES, *IEEE_DTYPES), HEAD_DIMS, BLOCK_SIZES, GROUPS, (False, True))
     if quick:
-        grid = [("bf16", 128, 16, 4, False), ("fp16", 80, 32, 7, True), ("fp32", 64, 16, 8, False)]
+        grid = [("bf16", 128, 16, 4, False), ("fp16", 80, 32, 7, True), ("fp32", 128, 16, 1, False)]
     fp8_grid = fp8_kv_grid(("prefill",))
     if quick:
         fp8_grid = [(torch.float8_e4m3fn, "bf16", 128, "prefill")]
