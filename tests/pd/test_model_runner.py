@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from pd.config import EngineConfig
-from pd.engine.model_runner import PAD_BLOCK_ID, ModelRunner, copy_to_device
+from pd.engine.host_copy import copy_to_device
+from pd.engine.model_runner import PAD_BLOCK_ID, ModelRunner
 from pd.engine.outputs import ScheduledRequest, SchedulerOutput
 from pd.engine.request import Request
 from pd.model.config import load_model_config
