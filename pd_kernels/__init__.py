@@ -28,16 +28,18 @@ from pd_kernels.checks import (
     PAD_SLOT_ID,
     check_attention_args,
     check_fused_moe_args,
+    check_latent_attention_args,
     check_select_experts_args,
     check_store_kv_args,
+    check_store_latent_args,
 )
 
 logger = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "torch", "cpu", "triton")
 
-__all__ = ["BACKENDS", "PAD_SLOT_ID", "resolve_backend", "unified_attention", "store_kv", "rms_norm", "rotary_embedding",
-           "silu_and_mul", "select_experts", "fused_moe"]
+__all__ = ["BACKENDS", "PAD_SLOT_ID", "resolve_backend", "unified_attention", "store_kv", "latent_attention",
+           "store_latent", "rms_norm", "rotary_embedding", "silu_and_mul", "select_experts", "fused_moe"]
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
@@ -140,6 +142,46 @@ def store_kv(
     _impl(backend, key.device).store_kv(key, value, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
 
 
+def latent_attention(
+    q: torch.Tensor,
+    latent_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    softmax_scale: float,
+    *,
+    v_dim: int,
+    out: torch.Tensor | None = None,
+    scale: float = 1.0,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Multi-head latent attention with the weights absorbed: every query head attends over one shared
+    latent row per token, read straight from its pages.
+
+    q: [num_tokens, num_heads, latent_dim], each head's ``q_nope · W_UK`` then its rotated ``q_pe``;
+    latent_cache: [num_blocks, block_size, 1, latent_dim], a view of the latent pool (``latent_dim`` =
+    kv_lora_rank + qk_rope_head_dim, contiguous); the rest as ``unified_attention`` (causal, no window).
+    Each row is the key whole and the value in its first ``v_dim`` (kv_lora_rank) values. An FP8 pool
+    reads as ``float(stored) * scale``. Returns [num_tokens, num_heads, v_dim]: each head's output in the
+    latent space, for ``· W_UV``.
+    """
+    check_latent_attention_args(q, latent_cache, cu_seqlens_q, seq_lens, block_table, v_dim, out, scale)
+    impl = _impl(backend, q.device)
+    if not hasattr(impl, "latent_attention"):
+        raise NotImplementedError(f"the {resolve_backend(backend, q.device)} backend has no latent attention kernel "
+                                  "yet; run multi-head latent attention with attention_backend 'torch' or 'cpu'")
+    return impl.latent_attention(q, latent_cache, cu_seqlens_q, seq_lens, block_table, softmax_scale, v_dim=v_dim,
+                                 out=out, scale=scale)
+
+
+def store_latent(latent: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor, *, scale: float = 1.0) -> None:
+    """Write this step's latent rows ``[num_tokens, latent_dim]`` into their slots of ``cache`` ``[num_blocks,
+    block_size, 1, latent_dim]`` (``PAD_SLOT_ID`` skipped; FP8 as ``store_kv``). One contiguous row per
+    token, so the torch ops are the kernel on every backend."""
+    check_store_latent_args(latent, cache, slot_mapping, scale)
+    reference.store_latent(latent, cache, slot_mapping, scale=scale)
+
+
 def rms_norm(x, weight, eps: float, residual=None, *, backend: str = "auto"):
     """RMSNorm; with ``residual`` returns ``(norm(x + residual), x + residual)``."""
     return _impl(backend, x.device).rms_norm(x, weight, eps, residual)
@@ -157,11 +199,19 @@ def silu_and_mul(gate_up, *, backend: str = "auto"):
     return _impl(backend, gate_up.device).silu_and_mul(gate_up)
 
 
-def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool, *, scoring: str = "softmax",
+                   score_bias: torch.Tensor | None = None, topk_method: str = "greedy", num_groups: int = 1,
+                   topk_group: int = 1, routed_scaling_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Each token's ``top_k`` experts and weights from ``router_logits [T, E]``, once per layer for the batch:
-    fp32 softmax, top-k, renormalised if asked. Returns ``(topk_weights fp32, topk_ids int64)``, ``[T, k]``."""
+    fp32 softmax, top-k, renormalised if asked. Returns ``(topk_weights fp32, topk_ids int64)``, ``[T, k]``.
+
+    DeepSeek's routing (``pd.model.config.MoeConfig``): ``scoring`` "sigmoid", ``score_bias`` added for
+    the choice only, ``topk_method`` "noaux_tc" or "group_limited_greedy" over ``num_groups`` groups of
+    which the best ``topk_group`` are kept, and the weights times ``routed_scaling_factor``."""
     check_select_experts_args(router_logits, top_k)
-    return reference.select_experts(router_logits, top_k, renormalize)
+    return reference.select_experts(router_logits, top_k, renormalize, scoring=scoring, score_bias=score_bias,
+                                    topk_method=topk_method, num_groups=num_groups, topk_group=topk_group,
+                                    routed_scaling_factor=routed_scaling_factor)
 
 
 def fused_moe(

@@ -74,6 +74,18 @@ def check_attention_args(
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
         if cache.stride(-1) != 1:
             _fail(name, f"the head_dim axis must be contiguous, got strides {cache.stride()}")
+    check_batch_metadata(q, cu_seqlens_q, seq_lens, block_table, {"k_cache": k_cache, "v_cache": v_cache})
+    if sliding_window is not None and sliding_window < 1:
+        _fail("sliding_window", f"must be >= 1 or None, got {sliding_window}")
+    if softcap is not None and softcap <= 0:
+        _fail("softcap", f"must be > 0 or None, got {softcap}")
+    if out is not None and (out.shape != q.shape or out.dtype != q.dtype):
+        _fail("out", f"expected shape {tuple(q.shape)} and dtype {q.dtype}, got {tuple(out.shape)} {out.dtype}")
+
+
+def check_batch_metadata(q: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
+                         block_table: torch.Tensor, caches: dict[str, torch.Tensor]) -> None:
+    """A varlen batch's metadata (``AttentionMetadata``'s): int32, shapes that agree, on q's device."""
     check_dtype("cu_seqlens_q", cu_seqlens_q, torch.int32)
     check_dtype("seq_lens", seq_lens, torch.int32)
     check_dtype("block_table", block_table, torch.int32)
@@ -85,16 +97,56 @@ def check_attention_args(
         _fail("cu_seqlens_q", f"expected {num_seqs + 1} entries for {num_seqs} sequences, got {cu_seqlens_q.shape[0]}")
     if block_table.shape[0] != num_seqs:
         _fail("block_table", f"expected {num_seqs} rows, got {block_table.shape[0]}")
-    for name, tensor in (("k_cache", k_cache), ("v_cache", v_cache), ("cu_seqlens_q", cu_seqlens_q),
-                         ("seq_lens", seq_lens), ("block_table", block_table)):
+    for name, tensor in (*caches.items(), ("cu_seqlens_q", cu_seqlens_q), ("seq_lens", seq_lens),
+                         ("block_table", block_table)):
         if tensor.device != q.device:
             _fail(name, f"is on {tensor.device}, q is on {q.device}")
-    if sliding_window is not None and sliding_window < 1:
-        _fail("sliding_window", f"must be >= 1 or None, got {sliding_window}")
-    if softcap is not None and softcap <= 0:
-        _fail("softcap", f"must be > 0 or None, got {softcap}")
-    if out is not None and (out.shape != q.shape or out.dtype != q.dtype):
-        _fail("out", f"expected shape {tuple(q.shape)} and dtype {q.dtype}, got {tuple(out.shape)} {out.dtype}")
+
+
+def check_latent_pool(name: str, cache: torch.Tensor, dtype: torch.dtype, scale: float) -> None:
+    """One layer's view of an MLA latent pool: ``[num_blocks, block_size, 1, latent_dim]``, rows contiguous,
+    of ``dtype`` or FP8 (a scale only where FP8)."""
+    check_ndim(name, cache, 4)
+    if cache.shape[2] != 1:
+        _fail(name, f"a latent pool holds one row per token (axis 2 of size 1), got shape {tuple(cache.shape)}")
+    if cache.stride(-1) != 1:
+        _fail(name, f"the latent axis must be contiguous, got strides {cache.stride()}")
+    if cache.dtype != dtype and not is_fp8(cache.dtype):
+        _fail(name, f"dtype {cache.dtype} is neither the activations' {dtype} nor one of {FP8_DTYPES}")
+    check_scale("scale", scale)
+    if not is_fp8(cache.dtype) and scale != 1.0:
+        _fail("scale", f"a KV scale applies to FP8 pages only; the pool is {cache.dtype} (got {scale})")
+
+
+def check_latent_attention_args(q: torch.Tensor, latent_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                                seq_lens: torch.Tensor, block_table: torch.Tensor, v_dim: int,
+                                out: torch.Tensor | None, scale: float) -> None:
+    """Validate ``pd_kernels.latent_attention``."""
+    check_ndim("q", q, 3)
+    check_dtype("q", q)
+    check_latent_pool("latent_cache", latent_cache, q.dtype, scale)
+    if q.shape[2] != latent_cache.shape[3]:
+        _fail("q", f"its last axis ({q.shape[2]}) must be the latent row's ({latent_cache.shape[3]})")
+    if not 0 < v_dim <= q.shape[2]:
+        _fail("v_dim", f"must be within (0, {q.shape[2]}], got {v_dim}")
+    check_batch_metadata(q, cu_seqlens_q, seq_lens, block_table, {"latent_cache": latent_cache})
+    expected = (q.shape[0], q.shape[1], v_dim)
+    if out is not None and (tuple(out.shape) != expected or out.dtype != q.dtype):
+        _fail("out", f"expected shape {expected} and dtype {q.dtype}, got {tuple(out.shape)} {out.dtype}")
+
+
+def check_store_latent_args(latent: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor,
+                            scale: float) -> None:
+    """Validate ``pd_kernels.store_latent``."""
+    check_ndim("latent", latent, 2)
+    check_dtype("latent", latent)
+    check_latent_pool("cache", cache, latent.dtype, scale)
+    if latent.shape[1] != cache.shape[3]:
+        _fail("latent", f"rows of {latent.shape[1]} values do not match the pool's {cache.shape[3]}")
+    if slot_mapping.dtype not in (torch.int32, torch.int64):
+        _fail("slot_mapping", f"expected int32 or int64, got {slot_mapping.dtype}")
+    if slot_mapping.shape != (latent.shape[0],):
+        _fail("slot_mapping", f"expected shape ({latent.shape[0]},), got {tuple(slot_mapping.shape)}")
 
 
 def check_store_kv_args(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

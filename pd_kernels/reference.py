@@ -66,6 +66,35 @@ def unified_attention(
     return out
 
 
+def latent_attention(q: torch.Tensor, latent_cache: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
+                     block_table: torch.Tensor, softmax_scale: float, *, v_dim: int, out: torch.Tensor | None = None,
+                     scale: float = 1.0) -> torch.Tensor:
+    """Reference MLA attention over latent pages; see ``pd_kernels.latent_attention``.
+
+    The latent row is both the key (all of it) and the value (its first ``v_dim`` values), so this is the
+    paged attention with one KV head read as both, its output cut to ``v_dim``.
+    """
+    full = unified_attention(q, latent_cache, latent_cache, cu_seqlens_q, seq_lens, block_table, softmax_scale,
+                             k_scale=scale, v_scale=scale)
+    if out is None:
+        return full[..., :v_dim].contiguous()
+    out.copy_(full[..., :v_dim])
+    return out
+
+
+def store_latent(latent: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor, *, scale: float = 1.0) -> None:
+    """Write each token's latent row ``[num_tokens, latent_dim]`` into its slot of ``cache`` ``[num_blocks,
+    block_size, 1, latent_dim]``; negative slots are skipped; an FP8 pool stores ``quantize(x, scale)``."""
+    block_size = cache.shape[1]
+    slots = slot_mapping.long()
+    keep = slots >= 0
+    if not bool(keep.all()):
+        slots, latent = slots[keep], latent[keep]
+    if fp8.is_fp8(cache.dtype):
+        latent = fp8.quantize(latent, scale, cache.dtype)
+    cache[slots // block_size, slots % block_size, 0] = latent.to(cache.dtype)
+
+
 def decode_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, softmax_scale, decode_ids, lens,
                      sliding_window, softcap, out, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """The single-query sequences ``decode_ids`` of a batch, into ``out``: one padded gather, one SDPA."""
@@ -221,7 +250,9 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return F.linear(x, weight, bias)
 
 
-def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool, *, scoring: str = "softmax",
+                   score_bias: torch.Tensor | None = None, topk_method: str = "greedy", num_groups: int = 1,
+                   topk_group: int = 1, routed_scaling_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """The top ``top_k`` experts of each token and their weights, as HF's MoE blocks route.
 
     Softmax in fp32 over all experts, then ``torch.topk`` (HF's: the same
@@ -230,6 +261,10 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -
     ``norm_topk_prob``). Returns ``(topk_weights fp32 [T, k], topk_ids int64
     [T, k])``; the model casts the weights to its dtype, as HF does.
     """
+    if (scoring, score_bias, topk_method, num_groups, topk_group, routed_scaling_factor) != (
+            "softmax", None, "greedy", 1, 1, 1.0):
+        raise NotImplementedError("DeepSeek routing (scoring, score_bias, topk_method, groups, scaling) is not "
+                                  "built yet")
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:

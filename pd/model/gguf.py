@@ -37,6 +37,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pd.model.architectures import GGUF_ARCHITECTURES
 from pd.model.builtin import write_once
 from pd.model.gguf_tokenizer import gguf_tokenizer
 
@@ -45,12 +46,6 @@ logger = logging.getLogger(__name__)
 # Bump when the converted directory's contents change for the same file.
 CONVERTER_VERSION = 1
 
-# GGUF architecture -> (HF architecture, model_type, whether Q/K rows were permuted by llama.cpp).
-ARCHITECTURES = {
-    "llama": ("LlamaForCausalLM", "llama", True),
-    "qwen2": ("Qwen2ForCausalLM", "qwen2", False),
-    "qwen3": ("Qwen3ForCausalLM", "qwen3", False),
-}
 
 # The tensor types dequantized at load (the ``gguf`` package's numpy dequantizers).
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
@@ -149,10 +144,11 @@ def convert(gguf_path: Path, out_dir: Path) -> None:
         raise ValueError(f"cannot read GGUF file {str(gguf_path)!r}: {exc}") from exc
     meta = _Metadata(reader, gguf_path)
     arch = meta.get("general.architecture")
-    if arch not in ARCHITECTURES:
+    if arch not in GGUF_ARCHITECTURES:
         raise ValueError(f"GGUF file {gguf_path.name} has architecture {arch!r}, which is not supported; "
-                         f"supported: {', '.join(ARCHITECTURES)}")
-    hf_architecture, model_type, permuted = ARCHITECTURES[arch]
+                         f"supported: {', '.join(GGUF_ARCHITECTURES)}")
+    entry = GGUF_ARCHITECTURES[arch]  # pd.model.architectures: the HF family it converts to
+    hf_architecture, model_type, permuted = entry.name, arch, entry.gguf_permuted
     tensors = {t.name: t for t in reader.tensors}
     rope_freqs = tensors.pop(ROPE_FREQS, None)
     for name in tensors:

@@ -273,14 +273,6 @@ def _dense_mlp(w: _Weights, config: ModelConfig, shard: TPShard, mlp: str, form:
     }
 
 
-# Where each architecture keeps a layer's experts, and its names for their gate, up and down projections.
-_EXPERT_NAMES = {
-    "MixtralForCausalLM": ("block_sparse_moe.", ("w1", "w3", "w2")),
-    "Qwen2MoeForCausalLM": ("mlp.", ("gate_proj", "up_proj", "down_proj")),
-    "Qwen3MoeForCausalLM": ("mlp.", ("gate_proj", "up_proj", "down_proj")),
-}
-
-
 def load_moe(w: _Weights, config: ModelConfig, shard: TPShard, i: int, form: str, few_rows: bool,
              experts: tuple[int, ...] | None = None) -> MoeWeights:
     """Layer ``i``'s MoE block, its experts fused into ``[E, 2I, H]`` and ``[E, H, I]`` one slice at a time.
@@ -295,7 +287,8 @@ def load_moe(w: _Weights, config: ModelConfig, shard: TPShard, i: int, form: str
     """
     moe, h = config.moe, config.hidden_size
     num_experts, inter = moe.num_experts, moe.intermediate_size
-    prefix, (gate_name, up_name, down_name) = _EXPERT_NAMES[config.architecture]
+    arch = config.arch  # where the family keeps a layer's experts, and its names for their projections
+    prefix, (gate_name, up_name, down_name) = arch.experts_prefix, arch.expert_names
     p = f"model.layers.{i}.{prefix}"
     if w.quant is not None and w.quant.quantizes(f"{p}experts.0.{gate_name}"):
         raise ValueError(f"layer {i}'s MoE experts are quantized in this checkpoint ({w.quant.format.value}): "
@@ -329,11 +322,15 @@ def load_moe(w: _Weights, config: ModelConfig, shard: TPShard, i: int, form: str
                          w13=w13, w2=w2)
     if moe.shared_expert_intermediate_size:
         shared_config = dataclasses.replace(config, intermediate_size=moe.shared_expert_intermediate_size)
-        fields = _dense_mlp(w, shared_config, shard, p + "shared_expert.", form, few_rows)
+        fields = _dense_mlp(w, shared_config, shard, p + arch.shared_expert, form, few_rows)
         weights.shared_gate_up, weights.shared_down = fields["gate_up_proj"], fields["down_proj"]
         if fields["down_bias"] is not None:
-            raise ValueError(f"layer {i}'s shared expert has a down_proj bias, which Qwen2-MoE does not")
-        weights.shared_expert_gate = make_linear(w.get(p + "shared_expert_gate.weight", (1, h)), None, form, few_rows)
+            raise ValueError(f"layer {i}'s shared expert has a down_proj bias, which {arch.name} does not")
+        if moe.shared_expert_gated:
+            weights.shared_expert_gate = make_linear(w.get(p + "shared_expert_gate.weight", (1, h)), None, form,
+                                                     few_rows)
+    if moe.scoring == "sigmoid":  # DeepSeek-V3's bias on the scores, for the choice of experts only
+        weights.score_bias = w.get(p + "gate.e_score_correction_bias", (num_experts,), dtype=torch.float32)
     return weights
 
 

@@ -25,12 +25,27 @@ class MoeWeights:
     w2: torch.Tensor  # [E, H, I]
     shared_gate_up: Linear | None = None  # hidden -> 2 * shared intermediate (Qwen2-MoE)
     shared_down: Linear | None = None  # shared intermediate -> hidden
-    shared_expert_gate: Linear | None = None  # hidden -> 1
+    shared_expert_gate: Linear | None = None  # hidden -> 1; None: the shared experts are added ungated (DeepSeek)
+    score_bias: torch.Tensor | None = None  # [E] fp32: DeepSeek-V3's e_score_correction_bias, for the choice only
 
     @property
     def compute_dtype(self) -> torch.dtype:
         """The dtype the experts multiply in: the weights' (fp32 where the host has no native half GEMM)."""
         return self.w13.dtype
+
+
+def route(weights: MoeWeights, config: MoeConfig, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's experts and their weights (``pd_kernels.select_experts``), as the family's router chooses.
+
+    DeepSeek's routers score in fp32 (HF's ``F.linear`` of fp32 casts), so their logits are the router's in
+    fp32 whatever the model's dtype; the other families' are the router's output, as HF's."""
+    logits = weights.gate(hidden)
+    if config.topk_method != "greedy" or config.scoring != "softmax" or config.routed_scaling_factor != 1.0:
+        logits = logits.float()
+    return pd_kernels.select_experts(
+        logits, config.top_k, config.renormalize, scoring=config.scoring, score_bias=weights.score_bias,
+        topk_method=config.topk_method, num_groups=config.num_groups, topk_group=config.topk_group,
+        routed_scaling_factor=config.routed_scaling_factor)
 
 
 def moe_block(weights: MoeWeights, config: MoeConfig, hidden: torch.Tensor, num_tokens: int,
@@ -42,8 +57,7 @@ def moe_block(weights: MoeWeights, config: MoeConfig, hidden: torch.Tensor, num_
     bucketed counts oneDNN's GEMMs take); their padding rows are computed and never read.
     """
     rows = hidden.shape[0]
-    router_logits = weights.gate(hidden)[:num_tokens]
-    topk_weights, topk_ids = pd_kernels.select_experts(router_logits, config.top_k, config.renormalize)
+    topk_weights, topk_ids = route(weights, config, hidden[:num_tokens])
     # HF casts the routing weights to the activations' dtype before weighting the experts' outputs.
     topk_weights = topk_weights.to(hidden.dtype)
     compute = weights.compute_dtype
@@ -51,7 +65,8 @@ def moe_block(weights: MoeWeights, config: MoeConfig, hidden: torch.Tensor, num_
                                 backend=backend).to(hidden.dtype)
     if weights.shared_gate_up is not None:
         shared = weights.shared_down(pd_kernels.silu_and_mul(weights.shared_gate_up(hidden), backend=backend))
-        out = shared.mul_(torch.sigmoid(weights.shared_expert_gate(hidden)))
+        out = shared if weights.shared_expert_gate is None else shared.mul_(
+            torch.sigmoid(weights.shared_expert_gate(hidden)))
         out[:num_tokens] += experts
         return out
     if rows == num_tokens:

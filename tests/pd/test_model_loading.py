@@ -31,7 +31,9 @@ def test_rope_dialects_agree():
     assert new.rope.rope_type == "llama3" and new.rope.theta == 5e5
     plain = model_config_from_dict({**BASE, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}})
     assert plain.rope.rope_type == "default" and plain.rope.theta == 1e4
-    with pytest.raises(ValueError, match="yarn"):
+    with pytest.raises(ValueError, match="dynamic"):
+        model_config_from_dict({**BASE, "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}})
+    with pytest.raises(ValueError, match="original_max_position_embeddings"):
         model_config_from_dict({**BASE, "rope_scaling": {"rope_type": "yarn", "factor": 2.0}})
 
 

@@ -123,8 +123,8 @@ def test_logits_and_chosen_experts_match_hf_layer_by_layer(kind, checkpoint, hf_
     ours = []
     select = pd_kernels.select_experts
 
-    def recording(logits, top_k, renormalize):
-        weights, ids = select(logits, top_k, renormalize)
+    def recording(logits, top_k, renormalize, **routing):
+        weights, ids = select(logits, top_k, renormalize, **routing)
         ours.append(ids)
         return weights, ids
 

@@ -48,7 +48,7 @@ from pd.engine.ep.load import ExpertLoad
 from pd.engine.ep.moves import Move, StagedMove, align, receives, sends
 from pd.engine.ep.placement import Placement, balancedness, check_placement_args, rebalance, static_placement
 from pd.model.config import ModelConfig, MoeConfig
-from pd.model.moe import MoeWeights
+from pd.model.moe import MoeWeights, route
 
 # How an MoE block reaches the experts: each pair's row sent to its expert's rank and back (all-to-alls),
 # or run where it already is, every rank holding every token's row (the decisions all-gathered).
@@ -169,7 +169,7 @@ class ExpertParallel:
         start, stop = token_slice(num_tokens, self.group.rank, self.group.size)
         x = hidden[start:stop]
         if stop > start:
-            topk_weights, topk_ids = pd_kernels.select_experts(weights.gate(x), config.top_k, config.renormalize)
+            topk_weights, topk_ids = route(weights, config, x)
             self.load.add(layer, topk_ids)
         else:  # no tokens here; the all-to-alls still bring this rank's experts their rows
             topk_weights = torch.empty(0, config.top_k, device=x.device)
@@ -183,7 +183,8 @@ class ExpertParallel:
                               backend)
         if weights.shared_gate_up is not None and stop > start:
             shared = weights.shared_down(pd_kernels.silu_and_mul(weights.shared_gate_up(x), backend=backend))
-            out[start:stop] += shared.mul_(torch.sigmoid(weights.shared_expert_gate(x)))
+            out[start:stop] += shared if weights.shared_expert_gate is None else shared.mul_(
+                torch.sigmoid(weights.shared_expert_gate(x)))
         out = self.group.all_reduce(out)
         self.block_seconds += time.perf_counter() - started
         return out
