@@ -3,26 +3,27 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import time
 import uuid
 from typing import Callable
 
 from pd.config import EngineConfig, SchedulerConfig
+from pd.engine.admission import check_num_generated, check_request, first_token, start_grammar
 from pd.engine.block_pool import BlockPool, Evictions
 from pd.engine.clock import SYSTEM_CLOCK, Clock
 from pd.engine.derived import layout_fingerprint, num_pool_blocks, worker_transport
 from pd.engine.disagg.connector import ConnectorTP, KVConnector
 from pd.engine.kv_layout import kv_block_bytes, pool_blocks, pool_heads
 from pd.engine.model_runner import ModelRunner
-from pd.engine.outputs import RequestOutput, SchedulerOutput
-from pd.engine.overlap import StepPipeline, launches_ahead
+from pd.engine.outputs import RequestOutput
+from pd.engine.overlap import StepPipeline
 from pd.engine.request import FinishReason, KVSource, Request, RequestStatus, finish_reason
 from pd.engine.scheduler import make_scheduler
 from pd.engine.stats import EngineStats
 from pd.engine.step_times import StepTimes
-from pd.engine.structured import GrammarCompiler, RequestGrammar
+from pd.engine.stepper import Stepper
+from pd.engine.structured import GrammarCompiler
 from pd.engine.tiers.io import TierIO
 from pd.engine.tiers.tiers import build_tiers
 from pd.model.config import load_model_config
@@ -31,14 +32,11 @@ from pd.model.tokenizer import Tokenizer
 from pd.sampling_params import SamplingParams
 from router.events import CacheEvent
 from router.protocol import RoutingStats
-from router.step_cost import StepShape, StepSums
+from router.step_cost import StepSums
 from transfer.base import KVTransport
 from transfer.wire import KVHandle, WireError
 
 logger = logging.getLogger(__name__)
-
-# A step with nothing to run but tier loads in flight waits this long at most for one to land.
-LOAD_WAIT_S = 0.005
 
 
 class LLMEngine:
@@ -104,6 +102,8 @@ class LLMEngine:
             tp=(ConnectorTP(ranks, mc, self.runner.workers, lambda: self.runner.rank_transport_metadata()[:tp - 1],
                             attention_size=tp) if ranks > 1 else ConnectorTP(1, mc, None, list)),
         )
+        self.stepper = Stepper(config, self.scheduler, self.runner, self.tiers, self.connector, self.step_times,
+                               self.step_sums)
         self.eos_token_ids = mc.eos_token_ids or (
             (self.tokenizer.eos_token_id,) if self.tokenizer and self.tokenizer.eos_token_id is not None else ()
         )
@@ -128,28 +128,9 @@ class LLMEngine:
 
         A ``structured`` constraint is compiled here (then cached, so admission reuses it).
         """
-        if not prompt_token_ids:
-            raise ValueError("prompt is empty: prompt_token_ids must hold at least one token")
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(prompt_token_ids)} tokens; it must be shorter than max_model_len {self.max_model_len}"
-            )
-        if params.max_tokens > self.max_model_len:
-            raise ValueError(f"max_tokens {params.max_tokens} exceeds max_model_len {self.max_model_len}")
-        vocab = self.model_config.vocab_size
-        if set(map(type, prompt_token_ids)) == {int} and 0 <= min(prompt_token_ids) and max(prompt_token_ids) < vocab:
-            bad = []  # the common case, checked at C speed
-        else:
-            bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt_token_ids holds ids outside the vocabulary [0, {vocab}): {bad[:5]}")
-        total = min(len(prompt_token_ids) + params.max_tokens, self.max_model_len)
-        blocks = -(-total // self.config.block_size)
-        if blocks > self.block_pool.num_blocks:
-            raise ValueError(
-                f"request needs {blocks} KV blocks (prompt + max_tokens = {total} tokens) but the pool has "
-                f"{self.block_pool.num_blocks}; raise num_blocks or lower max_tokens"
-            )
+        check_request(prompt_token_ids, params, max_model_len=self.max_model_len,
+                      vocab_size=self.model_config.vocab_size, block_size=self.config.block_size,
+                      num_blocks=self.block_pool.num_blocks)
         if params.structured is not None:
             self.grammar_compiler.compile(params.structured)
 
@@ -181,16 +162,15 @@ class LLMEngine:
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         self.validate(prompt_token_ids, params)
-        if not 0 <= num_generated <= len(prompt_token_ids):
-            raise ValueError(f"num_generated {num_generated} is not in [0, {len(prompt_token_ids)}] "
-                             "(the prompt's length)")
+        check_num_generated(num_generated, len(prompt_token_ids))
         if pin_kv:
             self.connector.require_transport()
             params = params.replace(max_tokens=1)
         request = Request(request_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids, pin_kv=pin_kv)
-        first_token_id = self._first_token(remote_kv, first_token_id)
+        first_token_id = first_token(remote_kv, first_token_id, self.model_config.vocab_size)
         generated = prompt_token_ids[len(prompt_token_ids) - num_generated:]
-        grammar = self._start_grammar(params, generated, first_token_id)
+        grammar = None if params.structured is None else start_grammar(
+            self.grammar_compiler, params.structured, generated, first_token_id)
         if first_token_id is not None:
             request.append_output(first_token_id, None)
             request.kv_source = KVSource.RECOMPUTE
@@ -218,30 +198,6 @@ class LLMEngine:
         """
         if request.num_prompt_logprobs_missing or not self.tiers.begin(request):
             self.scheduler.add(request)
-
-    def _first_token(self, remote_kv: KVHandle | None, first_token_id: int | None) -> int | None:
-        """The request's first output token, sampled elsewhere: the handle's, checked against ``first_token_id``."""
-        if remote_kv is not None:
-            if first_token_id is not None and first_token_id != remote_kv.first_token_id:
-                raise ValueError(f"first_token_id {first_token_id} disagrees with the kv_handle's")
-            first_token_id = remote_kv.first_token_id
-        if first_token_id is not None and not 0 <= first_token_id < self.model_config.vocab_size:
-            raise ValueError(f"first_token_id {first_token_id} is outside the vocabulary")
-        return first_token_id
-
-    def _start_grammar(self, params: SamplingParams, generated: list[int],
-                       first_token_id: int | None) -> RequestGrammar | None:
-        """The request's matcher, past every token it has before admission; None without a constraint."""
-        if params.structured is None:
-            return None
-        grammar = self.grammar_compiler.start(params.structured)
-        grammar.replay(generated)
-        if grammar.is_terminated:
-            raise ValueError("structured output: the generated tokens already complete the grammar; "
-                             "nothing is left to generate")
-        if first_token_id is not None:
-            grammar.replay([first_token_id], first_index=len(generated))
-        return grammar
 
     def abort_request(self, request_id: str) -> Request | None:
         """Finish a request wherever it is and free its blocks (and any lease); None if unknown."""
@@ -278,20 +234,18 @@ class LLMEngine:
 
     def has_runnable_requests(self) -> bool:
         """Requests the scheduler can run now (not only waiting for their KV to arrive), or a step to read."""
-        return bool(self.scheduler.running or self.scheduler.waiting) or self.step_in_flight
+        return self.stepper.has_runnable_requests()
 
-    @functools.cached_property
+    @property
     def pipeline(self) -> StepPipeline | None:
         """With async scheduling (``EngineConfig.async_scheduling``, ``pd.engine.overlap``): the step in flight,
         launched before the one before it is read. None: each step is read before the next is scheduled."""
-        if not launches_ahead(self.config, self.runner):
-            return None
-        return StepPipeline(self.scheduler, self.runner, self.kv_cache, self.step_times, self.step_sums)
+        return self.stepper.pipeline
 
     @property
     def step_in_flight(self) -> bool:
         """A step launched and not yet read (async scheduling): the next ``step`` returns its outputs."""
-        return self.pipeline is not None and self.pipeline.in_flight is not None
+        return self.stepper.in_flight
 
     def has_pending_transfers(self) -> bool:
         """Leases to expire, pulls or tier writes to poll: they need ``poll_transfers`` calls even when idle."""
@@ -325,52 +279,11 @@ class LLMEngine:
             step_moments=tuple(self.step_sums.moments))
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model, update. Requests that ended at admission come out first."""
+        """Schedule, run the model, update (``pd.engine.stepper``). Requests that ended at admission come out
+        first."""
         early, self._finished_at_admission = self._finished_at_admission, []
         self.poll_transfers()
-        if self.pipeline is not None:
-            return early + self._finish(self._step_ahead(self.pipeline, early))
-        out = self.scheduler.schedule()
-        self._start_transfers(out)
-        if out.is_empty:
-            self._wait_if_idle(early)
-            return early
-        return early + self._finish(self._run(out))
-
-    def _step_ahead(self, pipeline: StepPipeline, early: list[RequestOutput]) -> list[RequestOutput]:
-        """Schedule and launch the next step, then read the one in flight (``pd.engine.overlap``)."""
-        results = pipeline.drain() if pipeline.reads_before_schedule() else []
-        out = self.scheduler.schedule()
-        if out.remote_reads:  # pulls write outside the device's stream order: the step in flight lands first
-            results += pipeline.drain()
-        self._start_transfers(out)
-        results += pipeline.run(out)
-        if out.is_empty and not results and pipeline.in_flight is None:
-            self._wait_if_idle(early)
-        return results
-
-    def _wait_if_idle(self, early: list[RequestOutput]) -> None:
-        """With nothing to return or run, but tier loads in flight: wait for one a little, not spin."""
-        if not early and not self.has_runnable_requests():
-            self.tiers.wait_for_loads(LOAD_WAIT_S)
-
-    def _start_transfers(self, out: SchedulerOutput) -> None:
-        """The tiers' copies into the blocks just reused, then the step's pulls, which write into blocks too."""
-        self.tiers.before_run(remote_writes=bool(out.remote_reads))
-        self.connector.start_pulls(out.remote_reads)
-
-    def _run(self, out: SchedulerOutput) -> list[RequestOutput]:
-        """Run the model on ``out`` and update the scheduler with what it sampled; time the step."""
-        block_tables = [self.kv_cache.block_ids(s.request.request_id) for s in out.scheduled]
-        shape = StepShape.of(out.scheduled)
-        started, computed = time.monotonic(), self.scheduler.num_computed_prompt_tokens
-        forward = self.runner.execute(out, block_tables)
-        self.scheduler.launched(out)
-        results = self.scheduler.update(out, forward)
-        seconds = time.monotonic() - started if forward.modelled_seconds is None else forward.modelled_seconds
-        self.step_times.record(seconds, self.scheduler.num_computed_prompt_tokens - computed, len(out.scheduled))
-        self.step_sums.record(shape, seconds)
-        return results
+        return early + self._finish(self.stepper.step(may_wait=not early))
 
     def _finish(self, results: list[RequestOutput]) -> list[RequestOutput]:
         """Forget the finished requests; a prefill's (``pin_kv``) output carries its pinned KV's handle."""
