@@ -208,7 +208,9 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool, *
     DeepSeek's routing (``pd.model.config.MoeConfig``): ``scoring`` "sigmoid", ``score_bias`` added for
     the choice only, ``topk_method`` "noaux_tc" or "group_limited_greedy" over ``num_groups`` groups of
     which the best ``topk_group`` are kept, and the weights times ``routed_scaling_factor``."""
-    check_select_experts_args(router_logits, top_k)
+    check_select_experts_args(router_logits, top_k, scoring=scoring, score_bias=score_bias, topk_method=topk_method,
+                              num_groups=num_groups, topk_group=topk_group,
+                              routed_scaling_factor=routed_scaling_factor)
     return reference.select_experts(router_logits, top_k, renormalize, scoring=scoring, score_bias=score_bias,
                                     topk_method=topk_method, num_groups=num_groups, topk_group=topk_group,
                                     routed_scaling_factor=routed_scaling_factor)

@@ -302,9 +302,44 @@ def check_fused_moe_args(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
             _fail("topk_ids", f"expert ids must be in [0, {num_experts}), got [{low}, {high}]")
 
 
-def check_select_experts_args(router_logits: torch.Tensor, top_k: int) -> None:
-    """router_logits [T, E] and 1 <= top_k <= E."""
+def check_select_experts_args(router_logits: torch.Tensor, top_k: int, *, scoring: str = "softmax",
+                              score_bias: torch.Tensor | None = None, topk_method: str = "greedy",
+                              num_groups: int = 1, topk_group: int = 1, routed_scaling_factor: float = 1.0) -> None:
+    """router_logits [T, E]; a scoring with one of its topk methods (HF's routers: softmax with greedy or
+    group_limited_greedy, sigmoid with noaux_tc); for the grouped methods, E in num_groups equal groups of
+    which the kept topk_group hold at least top_k experts; score_bias [E] fp32, with sigmoid only;
+    1 <= top_k <= E and routed_scaling_factor > 0."""
+    methods_by_scoring = {"softmax": ("greedy", "group_limited_greedy"), "sigmoid": ("noaux_tc",)}
     check_ndim("router_logits", router_logits, 2)
     check_dtype("router_logits", router_logits)
-    if not 1 <= top_k <= router_logits.shape[1]:
-        _fail("top_k", f"must be in [1, {router_logits.shape[1]}] (the number of experts), got {top_k}")
+    num_experts = router_logits.shape[1]
+    if scoring not in methods_by_scoring:
+        _fail("scoring", f"unknown scoring {scoring!r}; supported: {', '.join(methods_by_scoring)}")
+    if topk_method not in methods_by_scoring[scoring]:
+        known = [method for methods in methods_by_scoring.values() for method in methods]
+        reason = "is unknown" if topk_method not in known else f"does not route {scoring} scores"
+        _fail("topk_method", f"{topk_method!r} {reason}; {scoring} scores route by "
+                             f"{', '.join(methods_by_scoring[scoring])}")
+    max_top_k, holding = num_experts, "the number of experts"
+    if topk_method != "greedy":  # greedy ignores the groups, as HF's DeepSeek-V2 router does
+        if num_groups < 1 or num_experts % num_groups:
+            _fail("num_groups", f"{num_groups} must divide the {num_experts} experts into equal groups")
+        group_size = num_experts // num_groups
+        if topk_method == "noaux_tc" and group_size < 2:
+            _fail("num_groups", f"{num_groups} groups of {num_experts} experts hold {group_size} each; noaux_tc "
+                                f"scores a group by its best two")
+        if not 1 <= topk_group <= num_groups:
+            _fail("topk_group", f"must be in [1, {num_groups}] (num_groups), got {topk_group}")
+        max_top_k, holding = topk_group * group_size, f"the experts of the {topk_group} kept groups of {group_size}"
+    if not 1 <= top_k <= max_top_k:
+        _fail("top_k", f"must be in [1, {max_top_k}] ({holding}), got {top_k}")
+    if score_bias is not None:
+        if scoring != "sigmoid":
+            _fail("score_bias", f"is added to sigmoid scores only (noaux_tc); scoring is {scoring!r}")
+        if score_bias.shape != (num_experts,) or score_bias.dtype != torch.float32:
+            _fail("score_bias", f"expected fp32 [{num_experts}] (one per expert), got {score_bias.dtype} "
+                                f"{tuple(score_bias.shape)}")
+        if score_bias.device != router_logits.device:
+            _fail("score_bias", f"is on {score_bias.device}, router_logits is on {router_logits.device}")
+    if not 0 < routed_scaling_factor < float("inf"):
+        _fail("routed_scaling_factor", f"must be positive and finite, got {routed_scaling_factor}")

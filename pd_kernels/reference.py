@@ -253,23 +253,51 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool, *, scoring: str = "softmax",
                    score_bias: torch.Tensor | None = None, topk_method: str = "greedy", num_groups: int = 1,
                    topk_group: int = 1, routed_scaling_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """The top ``top_k`` experts of each token and their weights, as HF's MoE blocks route.
+    """The top ``top_k`` experts of each token and their weights, as HF's MoE routers choose them.
 
-    Softmax in fp32 over all experts, then ``torch.topk`` (HF's: the same
-    ties broken the same way), then, with ``renormalize``, the chosen
-    weights divided by their sum (Mixtral always; Qwen-MoE if
-    ``norm_topk_prob``). Returns ``(topk_weights fp32 [T, k], topk_ids int64
+    Scores in fp32: softmax over all experts (Mixtral, Qwen-MoE, DeepSeek-V2) or
+    sigmoid (DeepSeek-V3). ``score_bias`` ``[E]`` (V3's ``e_score_correction_bias``)
+    is added for the choice only; the weights are always the unbiased scores.
+    ``topk_method``:
+
+    - ``greedy``: ``torch.topk`` over all experts (groups ignored, as HF's V2).
+    - ``group_limited_greedy`` (V2): each of ``num_groups`` equal groups of
+      consecutive experts scored by its best; the other experts of all but the
+      best ``topk_group`` groups score 0.0, then ``torch.topk``.
+    - ``noaux_tc`` (V3): groups scored by the sum of their best two biased scores;
+      the others masked to -inf, then ``torch.topk`` over the biased scores.
+
+    With ``renormalize`` the chosen weights are divided by their sum (+ 1e-20 for
+    sigmoid scores, as V3's ``norm_topk_prob``), then all multiplied by
+    ``routed_scaling_factor``. HF picks with ``sorted=False``: the same experts,
+    here ordered best first. Returns ``(topk_weights fp32 [T, k], topk_ids int64
     [T, k])``; the model casts the weights to its dtype, as HF does.
     """
-    if (scoring, score_bias, topk_method, num_groups, topk_group, routed_scaling_factor) != (
-            "softmax", None, "greedy", 1, 1, 1.0):
-        raise NotImplementedError("DeepSeek routing (scoring, score_bias, topk_method, groups, scaling) is not "
-                                  "built yet")
-    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if scoring == "sigmoid":
+        scores = router_logits.float().sigmoid()  # [T, E]
+    else:
+        scores = torch.softmax(router_logits, dim=-1, dtype=torch.float32)  # [T, E]
+    choice = scores if score_bias is None else scores + score_bias  # [T, E]: what picks, never what weighs
+    if topk_method != "greedy":
+        num_tokens, num_experts = choice.shape
+        group_size = num_experts // num_groups
+        grouped = choice.view(num_tokens, num_groups, group_size)  # [T, G, E / G]: consecutive experts
+        if topk_method == "noaux_tc":
+            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [T, G]
+        else:
+            group_scores = grouped.amax(dim=-1)  # [T, G]
+        kept_group_ids = torch.topk(group_scores, topk_group, dim=-1).indices  # [T, topk_group]
+        kept = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept_group_ids, True)  # [T, G]
+        kept = kept[:, :, None].expand(num_tokens, num_groups, group_size).reshape(num_tokens, num_experts)
+        # V3's biased scores may be negative, so its dropped experts need -inf; V2's fill is HF's 0.0, which
+        # also decides the same ties with experts whose softmax underflowed to 0.
+        choice = choice.masked_fill(~kept, float("-inf") if topk_method == "noaux_tc" else 0.0)
+    ids = torch.topk(choice, top_k, dim=-1).indices  # [T, k]
+    weights = scores.gather(1, ids)  # [T, k]
     if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, ids
+        total = weights.sum(dim=-1, keepdim=True)
+        weights = weights / (total + 1e-20 if scoring == "sigmoid" else total)
+    return weights * routed_scaling_factor, ids
 
 
 def fused_moe(
