@@ -44,6 +44,13 @@ class LLM:
         """The KV blocks the engine allocated (per rank with tensor parallelism: each holds its heads)."""
         return self.engine.block_pool.num_blocks
 
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """The KV pool's bytes per token over all layers, measured from the pool this rank allocated: K and V
+        of each of its KV heads, or multi-head latent attention's one latent row."""
+        pool = self.engine.runner.kv_cache
+        return pool.numel() * pool.element_size() // (pool.shape[0] * self.engine.config.block_size)
+
     def close(self) -> None:
         """Stop what runs beside the engine: its tensor-parallel workers, its KV tiers' writers."""
         self.engine.close()

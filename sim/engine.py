@@ -37,7 +37,7 @@ from pd.engine.derived import num_pool_blocks
 from pd.engine.engine import LLMEngine
 from pd.engine.ep.control import ExpertsControl
 from pd.engine.kv_budget import sized_from_device
-from pd.engine.kv_layout import kv_dtype, kv_pool
+from pd.engine.kv_layout import kv_dtype, model_pool
 from pd.engine.model_runner import step_threads
 from pd.engine.outputs import ForwardOutput, SchedulerOutput
 from pd.engine.tiers.stats import HostTierStats
@@ -59,8 +59,8 @@ class ModelledRunner:
         self.kv_dtype = kv_dtype(config.kv_cache_dtype, self.dtype)
         self.kv_scales = unit_scales(model_config.num_layers)  # an FP8 pool's, as a checkpoint without any
         # The pool's shape, on the meta device: a transport checks its geometry, and no byte exists.
-        self.kv_cache = kv_pool(num_blocks, model_config.num_layers, config.block_size, model_config.num_kv_heads,
-                                model_config.head_dim, self.kv_dtype, "meta")
+        self.kv_cache = model_pool(model_config, num_blocks, config.block_size, model_config.num_kv_heads,
+                                   self.kv_dtype, "meta")
         self.vocab_size = model_config.vocab_size
         self.config = config
         self.cost = cost

@@ -53,6 +53,37 @@ def _moe_model(kind: str):
     return transformers.Qwen2MoeForCausalLM(config)
 
 
+# Tiny DeepSeek models (multi-head latent attention, DeepSeek's MoE): 4 heads of 16 + 8 rotary dims, values
+# of 16, a latent of 32 (+ 8), a dense first layer, shared experts, and YaRN with its softmax mscale.
+DEEPSEEK_COMMON = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                       num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=1024,
+                       initializer_range=0.1, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                       v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                       first_k_dense_replace=1)
+YARN_ROPE = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256, "beta_fast": 32.0,
+             "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0, "rope_theta": 10000.0}
+DEEPSEEK_KINDS = ("deepseek_v3", "deepseek_v3_full_q", "deepseek_v2")
+
+
+def _deepseek_model(kind: str):
+    import transformers
+
+    if kind == "deepseek_v3":  # a low-rank query, grouped noaux_tc routing, interleaved rotary, YaRN
+        config = transformers.DeepseekV3Config(**DEEPSEEK_COMMON, q_lora_rank=24, n_shared_experts=1, n_group=2,
+                                               topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+                                               rope_interleave=True, rope_parameters=YARN_ROPE)
+        return transformers.DeepseekV3ForCausalLM(config)
+    if kind == "deepseek_v3_full_q":  # V2-Lite's full-rank query, rotate-half rotary, no YaRN, no renorm
+        config = transformers.DeepseekV3Config(**DEEPSEEK_COMMON, q_lora_rank=None, n_shared_experts=2, n_group=4,
+                                               topk_group=2, routed_scaling_factor=1.5, norm_topk_prob=False,
+                                               rope_interleave=False)
+        return transformers.DeepseekV3ForCausalLM(config)
+    config = transformers.DeepseekV2Config(**DEEPSEEK_COMMON, q_lora_rank=None, n_shared_experts=2,
+                                           topk_method="group_limited_greedy", n_group=4, topk_group=2,
+                                           routed_scaling_factor=2.0, rope_parameters=YARN_ROPE)
+    return transformers.DeepseekV2ForCausalLM(config)
+
+
 def make_checkpoint(kind: str, path: Path) -> Path:
     """Write a small random checkpoint of ``kind`` to ``path`` and return it."""
     import transformers
@@ -75,6 +106,8 @@ def make_checkpoint(kind: str, path: Path) -> Path:
         model = transformers.Qwen3ForCausalLM(config)
     elif kind in MOE_KINDS:
         model = _moe_model(kind)
+    elif kind in DEEPSEEK_KINDS:
+        model = _deepseek_model(kind)
     else:
         raise ValueError(kind)
     with torch.no_grad():  # HF starts biases at zero, where a bias added twice or never would go unseen
@@ -83,6 +116,9 @@ def make_checkpoint(kind: str, path: Path) -> Path:
                 param.normal_(std=0.1)
             if name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")):
                 param.mul_(GATE_SCALE)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # zero at init, where a bias ignored would go unseen
+                buffer.normal_(std=0.1)
     model.eval().save_pretrained(path)
     return path
 

@@ -26,7 +26,7 @@ from typing import Annotated, Any, ClassVar, TypeVar
 
 import msgspec
 
-WIRE_VERSION = 10
+WIRE_VERSION = 11
 DIGEST_BYTES = 16
 
 NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
@@ -104,7 +104,8 @@ class LayoutFingerprint(WireMessage, frozen=True, kw_only=True):
     kv_scales: str = ""
     num_layers: PositiveInt
     num_kv_heads: PositiveInt
-    head_dim: PositiveInt
+    head_dim: PositiveInt  # a pool row's values: a KV head's, or MLA's latent and rotary key
+    kv_planes: PositiveInt = 2  # rows per head, layer and token: K and V, or MLA's one latent
     block_size: PositiveInt
     block_layout: str  # the order of a block's dimensions (pd.engine.kv_layout.BLOCK_LAYOUT)
     # The ranks the model's KV heads are split over (pd.model.tp); pools of different splits are

@@ -1,6 +1,13 @@
 """The KV pool's layout: block-major, and within a block, heads outermost.
 
-    pool:  [num_blocks, num_kv_heads, num_layers, 2 (K, V), block_size, head_dim]
+    pool:  [num_blocks, num_kv_heads, num_layers, planes, block_size, head_dim]
+
+``planes`` is 2 (K, V) for grouped-query attention. Multi-head latent
+attention (``pd.model.mla``) keeps one plane of one "head" whose row is the
+token's latent and rotary key (``ModelConfig.kv_head_dim``, 576 values for
+DeepSeek-V3): a block is then ``[num_layers, block_size, latent_dim]``, one
+contiguous range like any other, so transfer, tiers and hashing move it as
+they move a GQA block, and tensor-parallel ranks replicate its one head.
 
 Each block is one contiguous byte range (a run of block ids is one range), so
 whole blocks move between pools, tiers and peers as they are. Within a block
@@ -38,9 +45,9 @@ def kv_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
 
 
 def kv_pool(num_blocks: int, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
-            dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+            dtype: torch.dtype, device: torch.device | str, planes: int = 2) -> torch.Tensor:
     """A zeroed pool (``device="meta"``: its shape only); in host memory, on huge pages where the OS lends them."""
-    shape = (num_blocks, num_kv_heads, num_layers, 2, block_size, head_dim)
+    shape = (num_blocks, num_kv_heads, num_layers, planes, block_size, head_dim)
     kind = torch.device(device).type
     if kind == "meta":
         return torch.empty(shape, dtype=dtype, device="meta")
@@ -72,9 +79,10 @@ def advise_huge_pages(tensor: torch.Tensor) -> bool:
     return libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), madv_hugepage) == 0
 
 
-def layer_views(pool: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Each layer's ``(k, v)``, ``[num_blocks, block_size, num_kv_heads, head_dim]`` strided views of ``pool``."""
-    return [(pool[:, :, layer, 0].transpose(1, 2), pool[:, :, layer, 1].transpose(1, 2))
+def layer_views(pool: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
+    """Each layer's planes, ``[num_blocks, block_size, num_kv_heads, head_dim]`` strided views of ``pool``:
+    ``(k, v)``, or MLA's ``(latent,)``."""
+    return [tuple(pool[:, :, layer, plane].transpose(1, 2) for plane in range(pool.shape[3]))
             for layer in range(pool.shape[2])]
 
 
@@ -88,12 +96,19 @@ def pool_heads(pool: torch.Tensor) -> int:
     return pool.shape[1]
 
 
-def block_shape(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+def block_shape(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, planes: int = 2) -> tuple[int, ...]:
     """One block's shape in the pool."""
-    return (num_kv_heads, num_layers, 2, block_size, head_dim)
+    return (num_kv_heads, num_layers, planes, block_size, head_dim)
+
+
+def model_pool(model: ModelConfig, num_blocks: int, block_size: int, num_kv_heads: int, dtype: torch.dtype,
+               device: torch.device | str) -> torch.Tensor:
+    """``kv_pool`` in ``model``'s layout (its planes and row width), holding ``num_kv_heads`` heads (a rank's)."""
+    return kv_pool(num_blocks, model.num_layers, block_size, num_kv_heads, model.kv_head_dim, dtype, device,
+                   planes=model.kv_planes)
 
 
 def kv_block_bytes(model: ModelConfig, block_size: int, dtype: torch.dtype, tensor_parallel_size: int = 1) -> int:
-    """Bytes one block takes in the block-major pool (all layers, K and V); one rank's pool with TP."""
+    """Bytes one block takes in the block-major pool (all layers and planes); one rank's pool with TP."""
     num_kv_heads = TPShard(0, tensor_parallel_size).local_config(model).num_kv_heads
-    return model.num_layers * 2 * block_size * num_kv_heads * model.head_dim * dtype.itemsize
+    return model.num_layers * model.kv_planes * block_size * num_kv_heads * model.kv_head_dim * dtype.itemsize

@@ -28,7 +28,7 @@ import torch
 
 from pd.engine.cuda_graphs import bucket_sizes, captures_graphs, max_graph_batch
 from pd.engine.kv_budget import DeviceMemory, DeviceShare, graph_reserve, kv_cache_blocks, profile_lengths
-from pd.engine.kv_layout import kv_pool, layer_views
+from pd.engine.kv_layout import layer_views, model_pool
 from pd.model.attention import PAD_BLOCK_ID, AttentionMetadata
 from pd_kernels import PAD_SLOT_ID
 
@@ -97,8 +97,8 @@ def fit_pool(runner: ModelRunner, share: DeviceShare, free_at_start: int, max_mo
 def _profile(runner: ModelRunner, max_model_len: int) -> tuple[int, int, int]:
     """``(block_bytes, peak_activations, graph_reserve)``: the steps run on a scratch pool of one block."""
     config, device, backend = runner.config, runner.device, runner.backend
-    scratch = kv_pool(1, runner.model_config.num_layers, config.block_size, runner.local_config.num_kv_heads,
-                      runner.model_config.head_dim, runner.kv_dtype, device)
+    scratch = model_pool(runner.model_config, 1, config.block_size, runner.local_config.num_kv_heads,
+                         runner.kv_dtype, device)
     views = layer_views(scratch)
     lengths = profile_lengths(config.max_num_batched_tokens, config.max_num_seqs, max_model_len)
     largest = profile_step(lengths, -(-max(lengths) // config.block_size), every_row=False, device=device,

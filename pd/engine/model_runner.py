@@ -21,7 +21,7 @@ from pd.engine.ep.dispatch import ExpertParallel, check_ep
 from pd.engine.ep.schedule import EplbSchedule
 from pd.engine.host_copy import copy_to_device
 from pd.engine.kv_budget import DeviceShare
-from pd.engine.kv_layout import kv_dtype, kv_pool, layer_views
+from pd.engine.kv_layout import kv_dtype, layer_views, model_pool
 from pd.engine.kv_profile import fit_pool, free_bytes
 from pd.engine.outputs import ForwardInput, ForwardOutput, SchedulerOutput
 from pd.engine.readback import DeviceSamples, LaunchedStep, prompt_scores
@@ -128,8 +128,8 @@ class ModelRunner:
                 num_blocks = fit_pool(self, num_blocks, free_at_start, max_model_len)
             # Block-major, heads outermost in a block (pd.engine.kv_layout). A tensor-parallel rank's pool
             # holds its own KV heads; block ids are the same on every rank.
-            self.kv_cache = kv_pool(num_blocks, model_config.num_layers, config.block_size,
-                                    self.local_config.num_kv_heads, model_config.head_dim, self.kv_dtype, self.device)
+            self.kv_cache = model_pool(model_config, num_blocks, config.block_size, self.local_config.num_kv_heads,
+                                       self.kv_dtype, self.device)
             if self.workers is not None:
                 self.workers.wait_ready()
         except BaseException:

@@ -1,9 +1,16 @@
-"""The Llama-family decoder: Llama 2/3, Mistral, Qwen2 and Qwen3, and their MoE kin Mixtral, Qwen2-MoE and Qwen3-MoE.
+"""The decoder every architecture runs: Llama 2/3, Mistral, Qwen2 and Qwen3, their MoE kin Mixtral,
+Qwen2-MoE and Qwen3-MoE, and DeepSeek-V2/V3.
 
-Dense layers are ``Linear`` objects (QKV and gate/up fused at load time), in
-the fastest form for the device (see ``pd.model.linear``). Each phase is a
-small function. Attention, the KV store, RMSNorm and rotary go through
-``pd_kernels`` so that the backend chosen per step is the one the model runs.
+A layer is RMSNorm, attention, RMSNorm, then a dense MLP or an MoE block.
+Attention is one of two kinds behind one interface (``Attention``), chosen by
+the architecture's registry entry (``pd.model.architectures``): grouped-query
+attention with per-head K/V (``pd.model.gqa``), or multi-head latent attention
+whose KV is one latent per token (``pd.model.mla``); each has its own pool
+layout (``ModelConfig.kv_planes``, ``kv_head_dim``). Dense layers are
+``Linear`` objects (projections fused at load time), in the fastest form for
+the device (see ``pd.model.linear``). Attention, the KV store, RMSNorm and
+rotary go through ``pd_kernels`` so that the backend chosen per step is the
+one the model runs.
 """
 
 from __future__ import annotations
@@ -17,18 +24,16 @@ import torch.nn.functional as F
 import pd_kernels
 from pd.model.attention import AttentionMetadata
 from pd.model.config import ModelConfig
+from pd.model.gqa import GqaAttention, GqaWeights
 from pd.model.linear import Linear, padded_rows
+from pd.model.mla import MlaAttention, MlaWeights
 from pd.model.moe import MoeWeights, moe_block
 
 
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor  # [hidden]
-    qkv_proj: Linear  # hidden -> q_size + 2 * kv_size
-    q_norm: torch.Tensor | None  # [head_dim], Qwen3 only
-    k_norm: torch.Tensor | None
-    o_proj: Linear  # q_size -> hidden (row-parallel: without its bias, added after the all-reduce)
-    o_bias: torch.Tensor | None  # [hidden]
+    attention: GqaWeights | MlaWeights
     post_attention_norm: torch.Tensor  # [hidden]
     gate_up_proj: Linear | None  # hidden -> 2 * intermediate; None in an MoE layer
     down_proj: Linear | None  # intermediate -> hidden (row-parallel, as o_proj)
@@ -62,6 +67,22 @@ class ExpertBlocks(Protocol):
                   backend: str) -> torch.Tensor: ...
 
 
+class Attention(Protocol):
+    """One kind of attention (``GqaAttention``, ``MlaAttention``): ``prepare`` builds the step's state once
+    (its output buffer, how it splits the batch), then ``forward`` runs a layer and returns its
+    row-parallel output and the bias to add after the reduce."""
+
+    def prepare(self, attn: AttentionMetadata, rows: int, num_tokens: int, dtype: torch.dtype,
+                device: torch.device, block_size: int): ...
+
+    def forward(self, layer: int, weights, hidden: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
+                kv_cache: tuple[torch.Tensor, ...], num_tokens: int, step) -> tuple[torch.Tensor, torch.Tensor | None]:
+        ...
+
+
+ATTENTION_KINDS = {"gqa": GqaAttention, "mla": MlaAttention}  # pd.model.architectures' ``attention``
+
+
 class CausalLM:
     """A decoder-only transformer over a paged, block-major KV pool.
 
@@ -82,14 +103,14 @@ class CausalLM:
         self.collectives = collectives
         self.experts = experts
         self.cos_sin_cache = cos_sin_cache  # [max_positions, head_dim] fp32
-        self.softmax_scale = config.head_dim**-0.5
+        self.attention: Attention = ATTENTION_KINDS[config.arch.attention](config, cos_sin_cache, self.kv_scales)
 
     def forward(
         self,
         token_ids: torch.Tensor,  # int64 [num_tokens]
         positions: torch.Tensor,  # int64 [num_tokens]
         attn: AttentionMetadata,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer (k, v) [num_blocks, block_size, kv_heads, head_dim]
+        kv_caches: list[tuple[torch.Tensor, ...]],  # per layer, its planes [num_blocks, block_size, kv_heads, dim]
         logits_indices: torch.Tensor,  # int64 [num_samples], rows of the batch that sample
     ) -> torch.Tensor:
         """Run the batch, write its K/V into the pool, return fp32 logits ``[num_samples, vocab]``."""
@@ -99,10 +120,9 @@ class CausalLM:
         # a padded one (four copies a layer). The padding rows (token 0's embedding) are computed and
         # never read: rotary, the KV store, attention and the logits take the batch's rows only.
         token_ids = F.pad(token_ids, (0, rows - num_tokens)) if rows != num_tokens else token_ids
-        # Every layer's attention writes the batch's rows of this one buffer; padding rows stay zero.
-        attn_out = (torch.zeros if rows != num_tokens else torch.empty)(
-            rows, self.config.num_heads, self.config.head_dim, dtype=self.weights.embed_tokens.dtype,
-            device=token_ids.device)
+        # Every layer's attention writes the batch's rows of one buffer; padding rows stay zero.
+        step = self.attention.prepare(attn, rows, num_tokens, self.weights.embed_tokens.dtype, token_ids.device,
+                                      kv_caches[0][0].shape[1])
         hidden = self._embed(token_ids)
         residual = None
         for layer, weights in enumerate(self.weights.layers):
@@ -113,7 +133,8 @@ class CausalLM:
                 hidden, residual = pd_kernels.rms_norm(
                     hidden, weights.input_norm, self.config.rms_norm_eps, residual, backend=attn.backend
                 )
-            hidden = self._attention(layer, weights, hidden, positions, attn, kv_caches[layer], num_tokens, attn_out)
+            hidden = self._reduced(*self.attention.forward(layer, weights.attention, hidden, positions, attn,
+                                                           kv_caches[layer], num_tokens, step))
             hidden, residual = pd_kernels.rms_norm(
                 hidden, weights.post_attention_norm, self.config.rms_norm_eps, residual, backend=attn.backend
             )
@@ -127,7 +148,8 @@ class CausalLM:
 
     def _rows(self, num_tokens: int) -> int:
         """The rows a batch of ``num_tokens`` runs as: ``padded_rows`` where the dense layers are oneDNN's."""
-        return padded_rows(num_tokens) if self.weights.layers and self.weights.layers[0].qkv_proj.packed else num_tokens
+        layers = self.weights.layers
+        return padded_rows(num_tokens) if layers and layers[0].attention.input_proj.packed else num_tokens
 
     def _embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """Each token's embedding; a rank looks up the tokens in its vocabulary slice, zeros elsewhere, and sums."""
@@ -153,37 +175,3 @@ class CausalLM:
         """A row-parallel layer's output: the ranks' partial sums added up, then its bias."""
         out = partial if self.collectives is None else self.collectives.all_reduce(partial)
         return out if bias is None else out + bias
-
-    def _attention(
-        self,
-        layer: int,
-        weights: LayerWeights,
-        hidden: torch.Tensor,  # [num_tokens, hidden]
-        positions: torch.Tensor,
-        attn: AttentionMetadata,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
-        num_tokens: int,  # the batch's rows; hidden may have padding rows after them
-        out: torch.Tensor,  # [hidden's rows, heads, head_dim]: attention writes its first num_tokens rows
-    ) -> torch.Tensor:
-        cfg = self.config
-        rows = hidden.shape[0]
-        qkv = weights.qkv_proj(hidden)[:num_tokens]
-        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        q = q.view(num_tokens, cfg.num_heads, cfg.head_dim)
-        k = k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-        v = v.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-        if weights.q_norm is not None:
-            q = pd_kernels.rms_norm(q, weights.q_norm, cfg.rms_norm_eps, backend=attn.backend)
-            k = pd_kernels.rms_norm(k, weights.k_norm, cfg.rms_norm_eps, backend=attn.backend)
-        q, k = pd_kernels.rotary_embedding(q, k, positions, self.cos_sin_cache, backend=attn.backend)
-        k_cache, v_cache = kv_cache
-        k_scale, v_scale = self.kv_scales[layer]
-        pd_kernels.store_kv(k, v, k_cache, v_cache, attn.slot_mapping, k_scale=k_scale, v_scale=v_scale,
-                         backend=attn.backend)
-        pd_kernels.unified_attention(
-            q, k_cache, v_cache, attn.cu_seqlens_q, attn.seq_lens, attn.block_table, self.softmax_scale,
-            sliding_window=cfg.sliding_windows[layer], backend=attn.backend, out=out[:num_tokens],
-            k_scale=k_scale, v_scale=v_scale,
-        )
-        return self._reduced(weights.o_proj(out.view(rows, cfg.q_size)), weights.o_bias)
-

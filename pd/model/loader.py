@@ -17,8 +17,10 @@ from safetensors import SafetensorError, safe_open
 
 from pd.config import DTYPE_NAMES
 from pd.model.config import ModelConfig
+from pd.model.gqa import GqaWeights
 from pd.model.linear import compute_dtype, make_linear
 from pd.model.llama import LayerWeights, ModelWeights
+from pd.model.mla_loader import load_mla_attention
 from pd.model.moe import MoeWeights
 from pd.model.quant_linear import QuantLinear, make_quantized_linear
 from pd.model.quant_scheme import QuantScheme
@@ -227,21 +229,32 @@ def _layer(w: _Weights, config: ModelConfig, shard: TPShard, i: int, form: str, 
            experts: tuple[int, ...] | None) -> LayerWeights:
     """Layer ``i``'s weights as rank ``shard`` holds them (see ``pd.model.tp``); an MoE layer's ``experts``
     as ``load_moe`` takes them."""
+    h = config.hidden_size
+    p = f"model.layers.{i}."
+    if config.is_moe_layer(i):
+        mlp_fields = {"gate_up_proj": None, "down_proj": None, "down_bias": None,
+                      "moe": load_moe(w, config, shard, i, form, few_rows, experts)}
+    else:
+        mlp_fields = _dense_mlp(w, config, shard, p + "mlp.", form, few_rows)
+    load_attention = load_mla_attention if config.mla is not None else _gqa_attention
+    return LayerWeights(
+        input_norm=w.get(p + "input_layernorm.weight", (h,)),
+        attention=load_attention(w, config, shard, p + "self_attn.", form, few_rows),
+        post_attention_norm=w.get(p + "post_attention_layernorm.weight", (h,)),
+        **mlp_fields,
+    )
+
+
+def _gqa_attention(w: _Weights, config: ModelConfig, shard: TPShard, attn: str, form: str,
+                   few_rows: bool) -> GqaWeights:
+    """A grouped-query attention layer's weights (``attn``: its names' prefix): rank ``shard``'s heads."""
     h, hd = config.hidden_size, config.head_dim
     q, kv = config.q_size, config.kv_size
     whole = shard.size == 1
     heads, kv_heads = shard.heads(config), shard.kv_heads(config)
     q_rows = None if whole else (heads[0] * hd, heads[1] * hd)
     kv_rows = None if whole else (kv_heads[0] * hd, kv_heads[1] * hd)
-    p = f"model.layers.{i}."
-    attn, mlp = p + "self_attn.", p + "mlp."
-    if config.is_moe_layer(i):
-        mlp_fields = {"gate_up_proj": None, "down_proj": None, "down_bias": None,
-                      "moe": load_moe(w, config, shard, i, form, few_rows, experts)}
-    else:
-        mlp_fields = _dense_mlp(w, config, shard, mlp, form, few_rows)
-    return LayerWeights(
-        input_norm=w.get(p + "input_layernorm.weight", (h,)),
+    return GqaWeights(
         qkv_proj=_build(
             w.linear([attn + f"{x}_proj" for x in "qkv"], [(q, h), (kv, h), (kv, h)], [q_rows, kv_rows, kv_rows]),
             w.fused([attn + f"{x}_proj.bias" for x in "qkv"], [(q,), (kv,), (kv,)], [q_rows, kv_rows, kv_rows],
@@ -252,8 +265,6 @@ def _layer(w: _Weights, config: ModelConfig, shard: TPShard, i: int, form: str, 
         k_norm=w.get(attn + "k_norm.weight", (hd,)) if config.qk_norm else None,
         **_row_parallel(w, "o", w.linear([attn + "o_proj"], [(h, q)], [None], cols=q_rows),
                         w.optional(attn + "o_proj.bias", (h,)), whole, form, few_rows),
-        post_attention_norm=w.get(p + "post_attention_layernorm.weight", (h,)),
-        **mlp_fields,
     )
 
 

@@ -226,9 +226,9 @@ def test_quantize_then_load_round_trips(scheme, quantized, checkpoint):
     llm = LLM(str(path), num_blocks=16)
     layer = llm.engine.runner.model.weights.layers[0]
     kind = Int8Linear if scheme == "int8" else Linear  # FP8 runs dequantized on CPU
-    assert all(isinstance(p, kind) for p in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj))
+    assert all(isinstance(p, kind) for p in (layer.attention.qkv_proj, layer.attention.o_proj, layer.gate_up_proj, layer.down_proj))
     if scheme == "int8":  # the cpu backend's loops take the passes around the GEMM
-        assert llm.engine.runner.backend == "cpu" and layer.qkv_proj.fused is not None
+        assert llm.engine.runner.backend == "cpu" and layer.attention.qkv_proj.fused is not None
     assert isinstance(llm.engine.runner.model.weights.lm_head, Linear)
     out = llm.generate([[3, 1, 4, 1, 5]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     assert len(out[0].token_ids) == 4

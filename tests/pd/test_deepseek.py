@@ -1,0 +1,88 @@
+"""DeepSeek-V2/V3: multi-head latent attention with the latent as the KV, and DeepSeek's MoE, equal to HF."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pd import LLM, SamplingParams
+from pd.model.config import model_config_from_dict
+from tests.checkpoints import DEEPSEEK_COMMON, DEEPSEEK_KINDS
+from tests.reference import assert_greedy_match, greedy_references
+
+PROMPT_LENS = (3, 29, 70, 131)
+MAX_NEW = 24
+GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True)
+BACKEND = "torch"
+
+
+def prompts(seed: int = 1):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 512, (n,), generator=gen).tolist() for n in PROMPT_LENS]
+
+
+@pytest.fixture(scope="module")
+def references(checkpoint, hf_model):
+    return greedy_references(checkpoint, hf_model, prompts(), MAX_NEW)
+
+
+V3 = {"architectures": ["DeepseekV3ForCausalLM"], **DEEPSEEK_COMMON, "q_lora_rank": 24, "n_group": 2,
+      "topk_group": 1, "n_shared_experts": 1}
+
+
+def test_config_reads_the_latent_layout_and_the_routing():
+    config = model_config_from_dict(V3)
+    assert (config.num_kv_heads, config.kv_planes, config.kv_head_dim, config.head_dim) == (1, 1, 40, 8)
+    assert config.kv_values_per_token == 40 * 3
+    moe = config.moe
+    assert (moe.scoring, moe.topk_method, moe.num_groups, moe.topk_group) == ("sigmoid", "noaux_tc", 2, 1)
+    assert moe.layers == (False, True, True) and not moe.shared_expert_gated
+    assert moe.shared_expert_intermediate_size == 32 and moe.renormalize
+    v2 = model_config_from_dict({**V3, "architectures": ["DeepseekV2ForCausalLM"], "q_lora_rank": None})
+    assert (v2.moe.scoring, v2.moe.topk_method, v2.mla.q_lora_rank, v2.mla.rope_interleave) == (
+        "softmax", "greedy", None, True)
+    assert not v2.moe.renormalize
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"architectures": ["DeepseekV2ForCausalLM"], "topk_method": "noaux_tc"}, "topk_method 'noaux_tc'"),
+    ({"n_group": 3}, "n_group 3 does not divide"),
+    ({"topk_group": 4}, "topk_group 4 exceeds its n_group 2"),
+    ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+    ({"kv_lora_rank": 0}, "kv_lora_rank must be >= 1"),
+])
+def test_unsupported_configs_are_named(change, message):
+    with pytest.raises(ValueError, match=message):
+        model_config_from_dict({**V3, **change})
+
+
+@pytest.mark.parametrize("kind", DEEPSEEK_KINDS)
+def test_greedy_batched_and_chunked_matches_hf(kind, checkpoint, references):
+    """Batched and chunked: steps mix prefill chunks (decompressed) with decodes (absorbed)."""
+    llm = LLM(str(checkpoint(kind)), num_blocks=128, max_num_batched_tokens=64, attention_backend=BACKEND)
+    outputs = llm.generate(prompts(), GREEDY)
+    for out, (ref_tokens, gaps) in zip(outputs, references(kind)):
+        assert out.finish_reason == "length"
+        assert_greedy_match(out.token_ids, ref_tokens, gaps)
+
+
+def test_prefix_cached_prompts_match_hf(checkpoint, references):
+    """The second run reads the first's latent blocks from the prefix cache: its prefill sees cached context."""
+    llm = LLM(str(checkpoint("deepseek_v3")), num_blocks=128, attention_backend=BACKEND)
+    first = llm.generate(prompts(), GREEDY)
+    second = llm.generate(prompts(), GREEDY)
+    assert [o.num_cached_tokens for o in second] == [0, 16, 64, 128]
+    for a, b, (ref_tokens, gaps) in zip(first, second, references("deepseek_v3")):
+        assert_greedy_match(b.token_ids, ref_tokens, gaps)
+        assert a.token_ids == b.token_ids
+
+
+def test_the_pool_holds_one_latent_row_per_token_and_layer(checkpoint):
+    """KV bytes per token = (kv_lora_rank + qk_rope_head_dim) x dtype bytes x layers, from the pool itself."""
+    llm = LLM(str(checkpoint("deepseek_v3")), num_blocks=16, attention_backend=BACKEND)
+    assert llm.kv_bytes_per_token == (32 + 8) * 4 * 3
+    bf16 = LLM(str(checkpoint("deepseek_v3")), num_blocks=16, dtype="bfloat16", attention_backend=BACKEND)
+    assert bf16.kv_bytes_per_token == (32 + 8) * 2 * 3
+    fp8 = LLM(str(checkpoint("deepseek_v3")), num_blocks=16, kv_cache_dtype="fp8_e4m3", attention_backend=BACKEND)
+    assert fp8.kv_bytes_per_token == (32 + 8) * 1 * 3
