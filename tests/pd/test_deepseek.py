@@ -86,3 +86,16 @@ def test_the_pool_holds_one_latent_row_per_token_and_layer(checkpoint):
     assert bf16.kv_bytes_per_token == (32 + 8) * 2 * 3
     fp8 = LLM(str(checkpoint("deepseek_v3")), num_blocks=16, kv_cache_dtype="fp8_e4m3", attention_backend=BACKEND)
     assert fp8.kv_bytes_per_token == (32 + 8) * 1 * 3
+
+
+@pytest.mark.integration  # a worker process per rank
+@pytest.mark.parametrize("kind, options", [
+    ("deepseek_v3", {"tensor_parallel_size": 2}),  # heads split, the latent replicated on both ranks
+    ("deepseek_v2", {"expert_parallel_size": 2, "expert_dispatch": "all_to_all"}),  # V2's grouped routing
+])
+def test_two_ranks_match_hf(kind, options, checkpoint, references):
+    with LLM(str(checkpoint(kind)), num_blocks=64, max_num_batched_tokens=32, attention_backend=BACKEND,
+             **options) as llm:
+        outputs = llm.generate(prompts(), GREEDY)
+    for out, (ref_tokens, gaps) in zip(outputs, references(kind)):
+        assert_greedy_match(out.token_ids, ref_tokens, gaps)
