@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from pd import LLM, SamplingParams
+from pd.model.attention import AttentionMetadata
 from pd.model.config import model_config_from_dict
 from tests.checkpoints import DEEPSEEK_COMMON, DEEPSEEK_KINDS
 from tests.reference import assert_greedy_match, greedy_references
@@ -99,3 +100,27 @@ def test_two_ranks_match_hf(kind, options, checkpoint, references):
         outputs = llm.generate(prompts(), GREEDY)
     for out, (ref_tokens, gaps) in zip(outputs, references(kind)):
         assert_greedy_match(out.token_ids, ref_tokens, gaps)
+
+
+def _step(llm, token_ids: list[int], start: int, backend: str) -> torch.Tensor:
+    """Logits of ``token_ids`` at positions ``start...`` of one sequence, its context already in the pool."""
+    runner = llm.engine.runner
+    end = start + len(token_ids)
+    attn = AttentionMetadata(
+        slot_mapping=torch.arange(start, end), cu_seqlens_q=torch.tensor([0, len(token_ids)], dtype=torch.int32),
+        seq_lens=torch.tensor([end], dtype=torch.int32),
+        block_table=torch.tensor([list(range(-(-end // 16)))], dtype=torch.int32), backend=backend)
+    with torch.inference_mode():
+        return runner.model.forward(torch.tensor(token_ids), torch.arange(start, end), attn, runner.kv_views,
+                                    torch.arange(len(token_ids)))
+
+
+@pytest.mark.parametrize("kind", ["deepseek_v3", "deepseek_v2"])
+def test_absorbed_decode_equals_the_decompressed_prefill(kind, checkpoint):
+    """The same positions' logits, once as one prefill (latents expanded to per-head K/V) and once token by
+    token (queries absorbed into the latent space, attending over the latent pages)."""
+    llm = LLM(str(checkpoint(kind)), num_blocks=16, attention_backend=BACKEND)
+    tokens = prompts()[2]
+    whole = _step(llm, tokens, 0, BACKEND)
+    one_by_one = torch.cat([_step(llm, [token], i, BACKEND) for i, token in enumerate(tokens)])
+    torch.testing.assert_close(one_by_one, whole, rtol=1e-4, atol=1e-4)
