@@ -124,3 +124,39 @@ def test_absorbed_decode_equals_the_decompressed_prefill(kind, checkpoint):
     whole = _step(llm, tokens, 0, BACKEND)
     one_by_one = torch.cat([_step(llm, [token], i, BACKEND) for i, token in enumerate(tokens)])
     torch.testing.assert_close(one_by_one, whole, rtol=1e-4, atol=1e-4)
+
+
+def test_fp8_latent_pages_read_alike_on_both_paths(checkpoint):
+    """An FP8 latent pool, read by the absorbed decode (its pages, scaled) and by the prefill's
+    decompression (dequantized pages): the same positions' logits either way, and close to the fp32 pool's."""
+    path = str(checkpoint("deepseek_v3"))
+    tokens = prompts()[2]
+    fp8 = LLM(path, num_blocks=16, kv_cache_dtype="fp8_e4m3", attention_backend=BACKEND)
+    whole = _step(fp8, tokens, 0, BACKEND)
+    one_by_one = torch.cat([_step(fp8, [token], i, BACKEND) for i, token in enumerate(tokens)])
+    torch.testing.assert_close(one_by_one, whole, rtol=1e-4, atol=1e-4)
+    full = _step(LLM(path, num_blocks=16, attention_backend=BACKEND), tokens, 0, BACKEND)
+    # e4m3 keeps 3 mantissa bits: on this random model's near-flat logits a few argmaxes flip.
+    assert (whole - full).abs().mean() < 0.02 * full.abs().max()
+    assert (whole.argmax(-1) == full.argmax(-1)).float().mean() > 0.8
+
+
+def test_a_checkpoint_with_an_mtp_layer_runs_its_main_model(checkpoint, tmp_path):
+    """DeepSeek-V3's released checkpoints carry one multi-token-prediction layer (``num_nextn_predict_layers``,
+    its weights as layer ``num_hidden_layers``); HF does not run it and neither does the engine."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    source = checkpoint("deepseek_v3")
+    shutil.copytree(source, tmp_path / "mtp")
+    config = json.loads((tmp_path / "mtp" / "config.json").read_text())
+    (tmp_path / "mtp" / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    tensors = load_file(tmp_path / "mtp" / "model.safetensors")
+    extra = {k.replace("model.layers.2.", "model.layers.3."): v.clone() for k, v in tensors.items() if ".layers.2." in k}
+    save_file({**tensors, **extra, "model.layers.3.eh_proj.weight": torch.zeros(64, 128)},
+              tmp_path / "mtp" / "model.safetensors", metadata={"format": "pt"})
+    ours = LLM(str(tmp_path / "mtp"), num_blocks=16, attention_backend=BACKEND)
+    plain = LLM(str(source), num_blocks=16, attention_backend=BACKEND)
+    assert ours.generate(prompts()[:1], GREEDY)[0].token_ids == plain.generate(prompts()[:1], GREEDY)[0].token_ids
