@@ -23,6 +23,7 @@ from collections import deque
 from pd.config import SchedulerConfig
 from pd.engine.block_pool import BlockPool
 from pd.engine.kv_cache_manager import NO_MATCH, KVCacheManager
+from pd.engine.logprobs import PromptLogprob
 from pd.engine.outputs import EngineTimings, ForwardOutput, RequestOutput, ScheduledRequest, SchedulerOutput
 from pd.engine.request import FinishReason, KVSource, Request, RequestStatus, finish_reason
 from pd.engine.tiers.base import NO_TIERS, Tiers
@@ -199,58 +200,70 @@ class Scheduler:
         results = []
         sample_index = 0
         any_finished = False
-        cache_blocks = self.kv_cache.cache_blocks
-        # Per request of every step, so the common case (no prompt scores, logprobs or errors) reads little.
-        prompt_logprobs, errors, stop_rows = forward.prompt_logprobs, forward.errors, forward.stop_rows
-        logprobs, top_logprobs = forward.logprobs, forward.top_logprobs
         for item in out.scheduled:
-            request = item.request
-            request.num_inflight_tokens -= item.num_new_tokens
-            request.num_unread_tokens -= item.samples
-            status = request.status
-            if status is RequestStatus.RUNNING:
-                uncomputed_prompt = len(request.prompt_token_ids) - request.num_computed_tokens
-                if uncomputed_prompt > 0:
-                    self.num_computed_prompt_tokens += min(item.num_new_tokens, uncomputed_prompt)
-                    request.num_prompt_chunks += 1
-                request.num_computed_tokens += item.num_new_tokens
-                cache_blocks(request)
-                if prompt_logprobs:
-                    request.prompt_logprobs += prompt_logprobs.get(request.request_id, ())
+            status = self._advance(item, forward.prompt_logprobs)
             if not item.samples:
                 continue
             row = sample_index
             sample_index += 1
             if status is RequestStatus.FINISHED:
                 continue
-            token_id = forward.sampled_token_ids[row]
-            logprob = logprobs[row] if logprobs is not None else None
-            top = top_logprobs[row] if top_logprobs is not None else None
-            error = errors.get(row) if errors else None
-            stops = row in stop_rows
-            if error is not None:
-                self._finish(request, FinishReason.ERROR)
-                results.append(self._output(request, [], [], FinishReason.ERROR, error))
-                any_finished = True
-                continue
-            request.append_output(token_id, logprob)
-            reason = FinishReason.STOP if stops else finish_reason(
-                request.sampling_params, token_id, len(request.output_token_ids), len(request.token_ids),
-                self.config.max_model_len, request.eos_token_ids)
-            if reason is not None:
-                self._finish(request, reason)
-                any_finished = True
-            output = self._output(request, [token_id], [logprob] if logprob is not None else [], reason,
-                                  top_logprobs=[top] if top is not None else [])
-            if request.sampling_params.prompt_logprobs is not None and not request.prompt_logprobs_reported:
-                request.prompt_logprobs_reported = True  # the prompt is whole by its first sample
-                output = dataclasses.replace(output, prompt_logprobs=list(request.prompt_logprobs))
+            output = self._take_sample(item.request, forward, row)
+            any_finished = any_finished or output.finished
             results.append(output)
         if any_finished:
-            self.running = [r for r in self.running if not r.is_finished]
-            if any(r.is_finished for r in self.waiting):  # preempted while its last step was in flight
-                self.waiting = deque(r for r in self.waiting if not r.is_finished)
+            self._drop_finished()
         return results
+
+    def _advance(self, item: ScheduledRequest, prompt_logprobs: dict[str, list[PromptLogprob]]) -> RequestStatus:
+        """Land ``item``'s chunk: its request is no longer in flight, and a running one has computed it.
+
+        Returns the request's status, read before anything here could change it.
+        """
+        request = item.request
+        request.num_inflight_tokens -= item.num_new_tokens
+        request.num_unread_tokens -= item.samples
+        status = request.status
+        if status is RequestStatus.RUNNING:
+            uncomputed_prompt = len(request.prompt_token_ids) - request.num_computed_tokens
+            if uncomputed_prompt > 0:
+                self.num_computed_prompt_tokens += min(item.num_new_tokens, uncomputed_prompt)
+                request.num_prompt_chunks += 1
+            request.num_computed_tokens += item.num_new_tokens
+            self.kv_cache.cache_blocks(request)
+            if prompt_logprobs:
+                request.prompt_logprobs += prompt_logprobs.get(request.request_id, ())
+        return status
+
+    def _take_sample(self, request: Request, forward: ForwardOutput, row: int) -> RequestOutput:
+        """Append the token ``request`` sampled in ``row`` (or fail it with the row's error); finish it if it ends."""
+        logprobs, top_logprobs, errors = forward.logprobs, forward.top_logprobs, forward.errors
+        token_id = forward.sampled_token_ids[row]
+        logprob = logprobs[row] if logprobs is not None else None
+        top = top_logprobs[row] if top_logprobs is not None else None
+        error = errors.get(row) if errors else None
+        stops = row in forward.stop_rows
+        if error is not None:
+            self._finish(request, FinishReason.ERROR)
+            return self._output(request, [], [], FinishReason.ERROR, error)
+        request.append_output(token_id, logprob)
+        reason = FinishReason.STOP if stops else finish_reason(
+            request.sampling_params, token_id, len(request.output_token_ids), len(request.token_ids),
+            self.config.max_model_len, request.eos_token_ids)
+        if reason is not None:
+            self._finish(request, reason)
+        output = self._output(request, [token_id], [logprob] if logprob is not None else [], reason,
+                              top_logprobs=[top] if top is not None else [])
+        if request.sampling_params.prompt_logprobs is not None and not request.prompt_logprobs_reported:
+            request.prompt_logprobs_reported = True  # the prompt is whole by its first sample
+            output = dataclasses.replace(output, prompt_logprobs=list(request.prompt_logprobs))
+        return output
+
+    def _drop_finished(self) -> None:
+        """Take the requests that finished out of the queues."""
+        self.running = [r for r in self.running if not r.is_finished]
+        if any(r.is_finished for r in self.waiting):  # preempted while its last step was in flight
+            self.waiting = deque(r for r in self.waiting if not r.is_finished)
 
     def advance_decodes(self, sampled_rows: list[list[int]]) -> None:
         """Run ``len(sampled_rows)`` steps of a batch of decodes only, as ``schedule`` then ``update`` run them:
