@@ -16,7 +16,8 @@ one before (``EngineConfig.async_scheduling``) and only graphs are timed (mode `
 
 - ``step_ms``: wall time of ``LLMEngine.step`` (schedule, launch, the device's work, the read-back, update);
 - ``device_ms``: CUDA events from the step's copy of its inputs to the device to the end of its forward
-  and sampling (``DeviceTimer``): the device's time, with any wait it has while the host enqueues them.
+  and sampling (``bench.timing.DeviceTimer``): the device's time, with any wait it has while the host
+  enqueues them.
 
 Prints one JSON line per (batch, mode) with the medians, the bytes and ``fraction_of_roofline`` (roofline
 time over ``step_ms``; ``device_fraction`` over ``device_ms``). The issue's goal: >= 0.85 with graphs at
@@ -33,6 +34,7 @@ import time
 import torch
 
 from bench.random_models import SHAPES, ModelShape
+from bench.timing import DeviceTimer
 from pd.workload.stats import percentile
 
 WARM_UP_STEPS = 3
@@ -63,42 +65,10 @@ def roofline_ms(num_bytes: int, copy_gbps: float) -> float:
     return num_bytes / copy_gbps / 1e6
 
 
-class DeviceTimer:
-    """CUDA events from each step's copy of its inputs to the device (``runner.to_device``) to the end of
-    the work its launch queued (``runner.launch``): the device's time for the step, and any wait it has
-    while the host enqueues that work.
-
-    ``time_steps`` reads it through ``take`` only, so a CPU test passes a stand-in."""
-
-    def __init__(self, runner):
-        self.marks: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-        self._start: torch.cuda.Event | None = None
-        to_device, launch = runner.to_device, runner.launch
-
-        def timed_to_device(*args, **kwargs):
-            self._start = torch.cuda.Event(enable_timing=True)
-            self._start.record()
-            return to_device(*args, **kwargs)
-
-        def timed_launch(*args, **kwargs):
-            launched = launch(*args, **kwargs)
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            self.marks.append((self._start, end))
-            return launched
-
-        runner.to_device, runner.launch = timed_to_device, timed_launch
-
-    def take(self) -> float:
-        """The milliseconds of the launches since the last call, summed."""
-        torch.cuda.synchronize()
-        ms = sum(start.elapsed_time(end) for start, end in self.marks)
-        self.marks.clear()
-        return ms
-
-
 def time_steps(engine, timer: DeviceTimer, generated: dict[str, int], prompt_len: int, num_steps: int) -> dict:
-    """Run ``WARM_UP_STEPS`` then ``num_steps`` timed decode steps; medians, and the KV the timed ones read."""
+    """Run ``WARM_UP_STEPS`` then ``num_steps`` timed decode steps; medians, and the KV the timed ones read.
+
+    ``timer`` is read through ``take`` only, so a CPU test passes a stand-in."""
     walls, device, kv_tokens, every_row_decoded = [], [], [], True
     for step in range(WARM_UP_STEPS + num_steps):
         attended = sum(prompt_len + n for n in generated.values())  # the step's token is the n-th sampled

@@ -33,12 +33,14 @@ import json
 import tempfile
 import time
 from collections import defaultdict
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 import pd.engine.readback
 import pd_kernels.cpu
+from bench.timing import DeviceTimer
 from pd.config import EngineConfig
 from pd.engine.engine import LLMEngine
 from pd.sampling_params import SamplingParams
@@ -92,54 +94,61 @@ class StepTimers:
         return taken
 
 
-class DeviceGaps:
-    """CUDA events at each step's first and last device work: busy time per step, and idle gaps between."""
+@dataclass
+class MeasuredSteps:
+    """The timed steps: (wall seconds, seconds per phase) each, the tokens they emitted, and whether each
+    one's host work ran beside a forward on the device."""
 
-    def __init__(self):
-        self.marks: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-        self._start: torch.cuda.Event | None = None
-
-    def wrap(self, runner) -> None:
-        to_device, launch = runner.to_device, runner.launch
-
-        def timed_to_device(*args, **kwargs):
-            self._start = torch.cuda.Event(enable_timing=True)
-            self._start.record()
-            return to_device(*args, **kwargs)
-
-        def timed_launch(*args, **kwargs):
-            launched = launch(*args, **kwargs)
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            self.marks.append((self._start, end))
-            return launched
-
-        runner.to_device, runner.launch = timed_to_device, timed_launch
-
-    def summary(self, first: int) -> tuple[float, float]:
-        """Median (busy ms, idle ms before the step) over the steps from ``first`` on."""
-        torch.cuda.synchronize()
-        marks = self.marks[first:]
-        busy = [start.elapsed_time(end) for start, end in marks]
-        gaps = [max(0.0, before_end.elapsed_time(start)) for (_, before_end), (start, _) in zip(marks, marks[1:])]
-        return percentile(busy, 50), percentile(gaps, 50) if gaps else 0.0
+    records: list[tuple[float, dict[str, float]]] = field(default_factory=list)
+    num_tokens: int = 0
+    covered: list[bool] = field(default_factory=list)
 
 
 def run_case(path: Path, batch: int, ahead: bool, args) -> dict:
-    steps = args.steps
-    max_tokens = WARM_UP_STEPS + steps + 8
+    max_tokens = WARM_UP_STEPS + args.steps + 8
+    engine = make_engine(path, batch, ahead, max_tokens, args.device)
+    prefill(engine, batch, max_tokens)
+    timers = time_phases(engine)
+    gaps = DeviceTimer(engine.runner) if args.device == "cuda" else None
+    measured = measure_steps(engine, timers, args.steps)
+    row = {
+        "batch": batch, "mode": "async" if ahead else "sync", "device": args.device, "model": args.model,
+        "steps": args.steps, **host_figures(measured, args.device_step_ms / 1e3),
+        "steps_launched_ahead": engine.pipeline.num_launched_ahead if engine.pipeline else 0,
+        "phases_ms": phase_breakdown(measured.records),
+    }
+    if gaps is not None:
+        busy_ms, gap_ms = gaps.summary(WARM_UP_STEPS)
+        row.update(device_ms_per_step=round(busy_ms, 4), exposed_ms_per_step=round(gap_ms, 4))
+        row.pop("forward_ms_per_step")  # a graph's replay returns at once: the device's time is busy_ms
+        row["host_ms_per_step"] = round(1e3 * percentile([w - p.get("read", 0.0) for w, p in measured.records], 50), 4)
+    engine.close()
+    return row
+
+
+def make_engine(path: Path, batch: int, ahead: bool, max_tokens: int, device: str) -> LLMEngine:
+    """An engine with room for ``batch`` requests of ``max_tokens`` tokens each, warmed up."""
     blocks_each = -(-(PROMPT_LEN + max_tokens) // 16)
-    config = EngineConfig(model=str(path), device=args.device, dtype="bfloat16" if args.device == "cuda" else "float32",
+    config = EngineConfig(model=str(path), device=device, dtype="bfloat16" if device == "cuda" else "float32",
                           num_blocks=batch * blocks_each + 16, max_num_seqs=batch,
                           max_num_batched_tokens=max(2048, batch * PROMPT_LEN), async_scheduling=ahead,
                           max_model_len=PROMPT_LEN + max_tokens + 16)
     engine = LLMEngine(config)
     engine.warm_up()
+    return engine
+
+
+def prefill(engine: LLMEngine, batch: int, max_tokens: int) -> None:
+    """Add ``batch`` requests and step until every prompt is in: the steps after decode only."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     for index in range(batch):
         engine.add_request(f"r{index}", [(index * 31 + i * 7) % 500 + 1 for i in range(PROMPT_LEN)], params)
     while engine.scheduler.num_uncomputed_prompt_tokens() or engine.scheduler.waiting:
         engine.step()
+
+
+def time_phases(engine: LLMEngine) -> StepTimers:
+    """Timers around the engine's phases (but ``read``: see ``_timed_reads``)."""
     timers = StepTimers()
     timers.wrap(engine, "poll_transfers", "poll")
     timers.wrap(engine.scheduler, "schedule", "schedule")
@@ -148,10 +157,12 @@ def run_case(path: Path, batch: int, ahead: bool, args) -> dict:
     timers.wrap(engine.runner, "to_device", "to_device")
     timers.wrap(engine.runner.model, "forward", "forward")
     timers.wrap(engine.runner.sampler, "draw", "sample")
-    gaps = DeviceGaps() if args.device == "cuda" else None
-    if gaps is not None:
-        gaps.wrap(engine.runner)
-    records, num_tokens, covered = [], 0, []
+    return timers
+
+
+def measure_steps(engine: LLMEngine, timers: StepTimers, steps: int) -> MeasuredSteps:
+    """``WARM_UP_STEPS`` untimed steps, then ``steps`` timed ones, every request decoding in each."""
+    measured = MeasuredSteps()
     with _timed_reads(timers):
         for step in range(WARM_UP_STEPS + steps):
             in_flight_before = engine.step_in_flight
@@ -160,36 +171,35 @@ def run_case(path: Path, batch: int, ahead: bool, args) -> dict:
             wall = time.perf_counter() - started
             phases = timers.take()
             if step >= WARM_UP_STEPS:
-                num_tokens += sum(len(o.new_token_ids) for o in outputs)
-                records.append((wall, phases))
+                measured.num_tokens += sum(len(o.new_token_ids) for o in outputs)
+                measured.records.append((wall, phases))
                 # The step's host work ran beside a forward on the device: one was in flight when it
                 # began, and it launched the next before reading that one.
-                covered.append(in_flight_before and engine.step_in_flight)
+                measured.covered.append(in_flight_before and engine.step_in_flight)
     assert all(len(o.new_token_ids) == 1 for o in outputs), "every measured step decodes every request"
-    walls = [wall for wall, _ in records]
-    forwards = [phases.get("forward", 0.0) for _, phases in records]
+    return measured
+
+
+def host_figures(measured: MeasuredSteps, device_step_s: float) -> dict:
+    """Medians per step, in ms: the host's time, the part of it the device waits for, the forward, the period."""
+    walls = [wall for wall, _ in measured.records]
+    forwards = [phases.get("forward", 0.0) for _, phases in measured.records]
     hosts = [wall - forward for wall, forward in zip(walls, forwards)]
-    device_step_s = args.device_step_ms / 1e3
-    exposed = [max(0.0, host - device_step_s) if hidden else host for host, hidden in zip(hosts, covered)]
+    exposed = [max(0.0, host - device_step_s) if hidden else host for host, hidden in zip(hosts, measured.covered)]
+    return {
+        "host_ms_per_step": round(1e3 * percentile(hosts, 50), 4),
+        "exposed_ms_per_step": round(1e3 * percentile(exposed, 50), 4),
+        "forward_ms_per_step": round(1e3 * percentile(forwards, 50), 4),
+        "period_ms": round(1e3 * percentile(walls, 50), 4), "tok_s": round(measured.num_tokens / sum(walls), 1),
+    }
+
+
+def phase_breakdown(records: list[tuple[float, dict[str, float]]]) -> dict[str, float]:
+    """Each phase's median ms per step, and ``other``: the rest of the step's wall time."""
     breakdown = {phase: round(1e3 * percentile([p.get(phase, 0.0) for _, p in records], 50), 4) for phase in PHASES}
     others = [wall - sum(p.values()) for wall, p in records]
     breakdown["other"] = round(1e3 * percentile(others, 50), 4)
-    row = {
-        "batch": batch, "mode": "async" if ahead else "sync", "device": args.device, "model": args.model,
-        "steps": steps, "host_ms_per_step": round(1e3 * percentile(hosts, 50), 4),
-        "exposed_ms_per_step": round(1e3 * percentile(exposed, 50), 4),
-        "forward_ms_per_step": round(1e3 * percentile(forwards, 50), 4),
-        "period_ms": round(1e3 * percentile(walls, 50), 4), "tok_s": round(num_tokens / sum(walls), 1),
-        "steps_launched_ahead": engine.pipeline.num_launched_ahead if engine.pipeline else 0,
-        "phases_ms": breakdown,
-    }
-    if gaps is not None:
-        busy_ms, gap_ms = gaps.summary(WARM_UP_STEPS)
-        row.update(device_ms_per_step=round(busy_ms, 4), exposed_ms_per_step=round(gap_ms, 4))
-        row.pop("forward_ms_per_step")  # a graph's replay returns at once: the device's time is busy_ms
-        row["host_ms_per_step"] = round(1e3 * percentile([w - p.get("read", 0.0) for w, p in records], 50), 4)
-    engine.close()
-    return row
+    return breakdown
 
 
 @contextlib.contextmanager
