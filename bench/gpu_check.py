@@ -65,6 +65,7 @@ from bench.gpu_summary import summary_lines
 
 ROOT = Path(__file__).resolve().parent.parent
 KERNEL_TESTS = ["tests/pd_kernels/test_triton_attention.py", "tests/pd_kernels/test_triton_rowwise.py",
+                "tests/pd_kernels/test_triton_latent.py",
                 "tests/pd_kernels/test_triton_fp8_kv.py", "tests/pd_kernels/test_reference_attention.py",
                 "tests/pd_kernels/test_fused_moe.py", "tests/pd_kernels/test_triton_prefill.py"]
 TOTAL_LIMIT_S = 480

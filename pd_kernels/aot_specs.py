@@ -26,7 +26,9 @@ queries at head dims 64 and 128 (every attention path, and the store), and
 float8_e5m2 in one of each. Both arches build them: without ``FP8_HW`` the
 kernels read and write FP8 pages as bytes with integer conversions
 (``pd_kernels.triton.fp8_kv``), which sm_80 needs (Triton refuses e4m3 below
-sm_89).
+sm_89). Multi-head latent attention at DeepSeek-V3's latent row (512 + 64) over
+16 and 128 heads, single pass and split-KV, its pages and e4m3 ones under
+fp16, bf16 and fp32 queries (``latent_specs``).
 """
 
 from __future__ import annotations
@@ -223,6 +225,53 @@ def attention_specs(quick: bool) -> list[Spec]:
     return specs
 
 
+# DeepSeek-V3's multi-head latent attention: a latent row of kv_lora_rank 512 + rope 64 values; 128 query heads,
+# 16 a rank at TP 8.
+LATENT_V_DIM, LATENT_ROPE_DIM = 512, 64
+LATENT_HEADS = (16, 128)
+
+
+def latent_specs(quick: bool) -> list[Spec]:
+    """The latent attention kernel (``pd_kernels.triton.latent_attention``) at ``gpu_latent_tiles``'s choices,
+    V3's row, single pass (``decode``) and split-KV (``split``): fp16, bf16 and fp32 queries over their own
+    pages and e4m3 pages, e5m2 and block size 32 once each; and the split-KV merge at its 512 values."""
+    from pd_kernels.triton.latent_attention import _latent_attention_kernel, gpu_latent_tiles, padded_dim
+    from pd_kernels.triton.launch import next_power_of_2
+    from pd_kernels.triton.split_kv import MAX_SPLITS, _merge_splits_kernel
+
+    paths = (("decode", False), ("split", True))
+    grid = [(dtype, kv_dtype, heads, 16, path) for dtype, kv_dtype, heads, path in itertools.product(
+        (*DTYPES, *IEEE_DTYPES), (None, torch.float8_e4m3fn), LATENT_HEADS, paths)
+        if dtype not in IEEE_DTYPES or heads == LATENT_HEADS[0]]  # fp32 takes 16 heads a program at any count
+    grid += [("bf16", torch.float8_e5m2, 16, 16, path) for path in paths]
+    grid += [("bf16", None, 16, 32, path) for path in paths]
+    if quick:
+        grid = [("bf16", None, 16, 16, paths[0]), ("fp16", torch.float8_e4m3fn, 128, 16, paths[1]),
+                ("fp32", None, 16, 16, paths[0])]
+    latent_dim = LATENT_V_DIM + LATENT_ROPE_DIM
+    specs = []
+    for dtype, kv_dtype, heads, block_size, (path, split) in grid:
+        tiles = gpu_latent_tiles(ELEMENT_SIZES[dtype], heads)
+        pointers = {**ATTENTION_POINTERS, **({"cache_ptr": "u8"} if kv_dtype is not None else {})}
+        specs.append(Spec(
+            "latent_attention", f"latent_attention.{path}.{format_name(dtype, kv_dtype)}", _latent_attention_kernel,
+            dtype, latent_dim, block_size, pointers,
+            {"V_DIM": LATENT_V_DIM, "V_PAD": padded_dim(LATENT_V_DIM), "ROPE_DIM": LATENT_ROPE_DIM,
+             "ROPE_PAD": padded_dim(LATENT_ROPE_DIM), "BLOCK_SIZE": block_size, "BLOCK_H": tiles.block_h,
+             "TILE": tiles.tile, "SPLIT": split, "KV_FORMAT": kv_format(kv_dtype)},
+            tiles.num_warps, tiles.num_stages, max_registers=tiles.max_registers,
+            extra={"heads": heads, "block_m": tiles.block_h, "batch": path, "kv_dtype": kv_name(kv_dtype)},
+        ))
+    for dtype in DTYPES if not quick else ("bf16",):
+        specs.append(Spec(
+            "merge_splits", f"merge_splits.hd{LATENT_V_DIM}.{dtype}", _merge_splits_kernel, dtype, LATENT_V_DIM,
+            None, {"partial_out_ptr": "fp32", "partial_max_ptr": "fp32", "partial_sum_ptr": "fp32"},
+            {"HEAD_DIM": LATENT_V_DIM, "HEAD_DIM_PAD": padded_dim(LATENT_V_DIM),
+             "SPLITS_PAD": next_power_of_2(MAX_SPLITS), "BLOCK_H": 1},
+        ))
+    return specs
+
+
 def row_specs(quick: bool) -> list[Spec]:
     from pd_kernels.triton.activation import GPU_BLOCK, _silu_and_mul_kernel
     from pd_kernels.triton.launch import next_power_of_2, row_block
@@ -304,4 +353,4 @@ def scaled_mm_specs(quick: bool) -> list[Spec]:
 @functools.cache
 def all_specs(quick: bool) -> list[Spec]:
     """Every specialisation (``quick``: one or a few per kernel and path), in a fixed order: workers index it."""
-    return attention_specs(quick) + row_specs(quick) + moe_specs(quick) + scaled_mm_specs(quick)
+    return attention_specs(quick) + latent_specs(quick) + row_specs(quick) + moe_specs(quick) + scaled_mm_specs(quick)

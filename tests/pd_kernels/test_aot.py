@@ -31,8 +31,8 @@ ROW_KERNELS = ("store_kv", "rotary", "rms_norm", "silu_and_mul")
 ROW_KERNEL_REGISTERS = 128
 ATTENTION = ("paged_attention", "prefill_attention")
 HAS_PREFILL_KERNEL = importlib.util.find_spec("pd_kernels.triton.prefill_attention") is not None
-KERNELS = {"paged_attention", "merge_splits", "store_kv", "rotary", "rms_norm", "silu_and_mul", "moe_gate_up",
-           "moe_down", "scaled_mm", *(["prefill_attention"] if HAS_PREFILL_KERNEL else [])}
+KERNELS = {"paged_attention", "merge_splits", "latent_attention", "store_kv", "rotary", "rms_norm", "silu_and_mul",
+           "moe_gate_up", "moe_down", "scaled_mm", *(["prefill_attention"] if HAS_PREFILL_KERNEL else [])}
 NAME = re.compile(r"attention\.(prefill|decode|mixed|split)\.hd\d+\.(bf16|fp16|fp32|fp8_e4m3|fp8_e5m2)")
 
 
@@ -127,6 +127,21 @@ def test_fp32_products_stay_off_the_tensor_cores(quick_sass):
     # The same kernels do reach the tensor cores at 16 bits: a count that could not be nonzero checks nothing.
     assert all(r["hmma"] + r["hgmma"] > 0 for r in records if r["kernel"] in ("paged_attention", "moe_gate_up")
                and r["dtype"] in ("bf16", "fp16"))
+
+
+@pytest.mark.integration
+def test_latent_attention_compiles_at_deepseek_v3s_row(quick_sass):
+    """MLA's kernel at V3's 512 + 64 row, 16-bit over its own and FP8 pages, fp32; its merge at 512 values.
+    The ``fp8_cvt`` rule holds the paged kernels only: the latent kernel's FP8 pages are checked here."""
+    _, records, _ = quick_sass
+    latent = [r for r in records if r["kernel"] == "latent_attention"]
+    assert {(r["dtype"], r["kv_dtype"], r["batch"]) for r in latent} == {
+        ("bf16", None, "decode"), ("fp16", "float8_e4m3fn", "split"), ("fp32", None, "decode")}
+    assert {r["arch"] for r in latent} == {80, 90} and all(r["head_dim"] == 576 for r in latent)
+    assert not [(r["name"], r["arch"], r["why"]) for r in latent if not r["ok"]]
+    assert all(r["hmma"] > 0 for r in latent if r["dtype"] != "fp32")
+    assert all(r["fp8_cvt"] > 0 for r in latent if r["kv_dtype"] is not None and r["arch"] == 90)
+    assert [r["ok"] for r in records if r["name"] == "merge_splits.hd512.bf16"] == [True, True]
 
 
 @pytest.mark.integration
