@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import itertools
 import logging
 import os
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -19,19 +17,17 @@ from pd.engine.cuda_graphs import DecodeGraphs, captures_graphs, max_graph_batch
 from pd.engine.ep.control import ExpertsControl
 from pd.engine.ep.dispatch import ExpertParallel, check_ep
 from pd.engine.ep.schedule import EplbSchedule
-from pd.engine.host_copy import copy_to_device
 from pd.engine.kv_budget import DeviceShare
 from pd.engine.kv_layout import kv_dtype, layer_views, model_pool
 from pd.engine.kv_profile import fit_pool, free_bytes
 from pd.engine.outputs import ForwardInput, ForwardOutput, SchedulerOutput
-from pd.engine.readback import DeviceSamples, LaunchedStep, prompt_scores
-from pd.engine.request import Request
+from pd.engine.readback import LaunchedStep, prompt_scores
 from pd.engine.sampler import Sampler
+from pd.engine.step_inputs import DriverRows, flatten, to_device
 from pd.engine.structured import GrammarMask
 from pd.engine.tp.driver import Launcher, StepLists, TPWorkers, start_driver
 from pd.engine.tp.group import TPGroup
 from pd.model import kv_scales
-from pd.model.attention import PAD_BLOCK_ID, AttentionMetadata
 from pd.model.config import ModelConfig
 from pd.model.linear import choose_form
 from pd.model.llama import CausalLM
@@ -169,7 +165,7 @@ class ModelRunner:
                              block_table=blocks, max_blocks=len(blocks))
             if self.workers is not None:
                 self.workers.send(step)
-            batch = self.to_device(step, _DriverRows())
+            batch = to_device(step, DriverRows(), self.device, self.backend)
             with self._step_threads(len(positions)):
                 self._forward(batch)
 
@@ -204,89 +200,14 @@ class ModelRunner:
         if self.group is not None:
             self.group.close()
 
-    def flatten(self, out: SchedulerOutput, block_tables: list[list[int]],
-                previous: DeviceSamples | None = None) -> tuple[StepLists, _DriverRows]:
-        """The schedule as flat host lists (what every rank runs), and the rows only the driver reads.
-
-        A request's chunk starts after the step in flight's (``Request.num_scheduled_tokens``); a chunk
-        ending in the token that step samples takes it from ``previous``, that step's draws, on the device.
-        """
-        bs = self.block_size
-        token_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        cu_seqlens = [0]
-        seq_lens: list[int] = []
-        logits_indices: list[int] = []
-        rows = _DriverRows()
-        prompt_indices: list[int] = []
-        for item, blocks in zip(out.scheduled, block_tables):
-            request = item.request
-            start = request.num_scheduled_tokens
-            end = start + item.num_new_tokens
-            token_ids.extend(request.token_ids[start:end])
-            if request.num_tokens < end:  # its last token is the one the step in flight samples
-                if previous is None or request not in previous.row_of:
-                    raise ValueError(f"request {request.request_id}: its token at {request.num_tokens} is "
-                                     "unread, and the step in flight does not sample it")
-                rows.unread_at.append(len(token_ids))
-                rows.unread_rows.append(previous.row_of[request])
-                token_ids.append(0)  # overwritten on the device (``to_device``)
-            positions.extend(range(start, end))
-            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
-            cu_seqlens.append(len(token_ids))
-            seq_lens.append(end)
-            if item.samples:
-                logits_indices.append(len(token_ids) - 1)
-                rows.sampling_requests.append(request)
-            scored = _prompt_positions(request, start, end)
-            if scored:
-                offset = len(token_ids) - end  # the flat index of position 0
-                prompt_indices.extend(offset + p for p in scored)
-                rows.prompt_targets.extend(request.token_ids[p + 1] for p in scored)
-                rows.prompt_rows.append((request, len(scored)))
-        max_blocks = max(len(b) for b in block_tables)
-        table = list(itertools.chain.from_iterable(b + [PAD_BLOCK_ID] * (max_blocks - len(b)) for b in block_tables))
-        rows.previous_token_ids = previous.token_ids if rows.unread_at else None
-        return StepLists(token_ids, positions, slots, logits_indices + prompt_indices, cu_seqlens, seq_lens, table,
-                         max_blocks), rows
-
-    def to_device(self, step: StepLists, rows: _DriverRows) -> ForwardInput:
-        """Copy the step's lists to the device in one transfer; the unread tokens come from the step before's
-        draws, device to device."""
-        int64s, int32s = copy_to_device(
-            [step.token_ids, step.positions, step.slots, step.logits_indices, rows.prompt_targets, rows.unread_at,
-             rows.unread_rows],
-            [step.cu_seqlens, step.seq_lens, step.block_table], self.device)
-        token_ids_t, positions_t, slots_t, logits_indices_t, prompt_targets_t, unread_at_t, unread_rows_t = int64s
-        cu_seqlens_t, seq_lens_t, table_t = int32s
-        if rows.previous_token_ids is not None:
-            token_ids_t.index_copy_(0, unread_at_t, rows.previous_token_ids.index_select(0, unread_rows_t))
-        attn = AttentionMetadata(
-            slot_mapping=slots_t,
-            cu_seqlens_q=cu_seqlens_t,
-            seq_lens=seq_lens_t,
-            block_table=table_t.view(len(step.seq_lens), step.max_blocks),
-            backend=self.backend,
-        )
-        return ForwardInput(
-            token_ids=token_ids_t,
-            positions=positions_t,
-            attn=attn,
-            logits_indices=logits_indices_t,
-            sampling_requests=rows.sampling_requests,
-            prompt_rows=rows.prompt_rows,
-            prompt_targets=prompt_targets_t if rows.prompt_rows else None,
-        )
-
     def prepare(self, out: SchedulerOutput, block_tables: list[list[int]]) -> ForwardInput:
         """Flatten the schedule into host lists, then copy them all to the device in one transfer."""
-        return self.to_device(*self.flatten(out, block_tables))
+        return to_device(*flatten(out, block_tables, self.block_size), self.device, self.backend)
 
     @torch.inference_mode()
     def forward(self, step: StepLists) -> torch.Tensor:
         """A worker rank's part of a step: the forward pass, its collectives and its KV writes."""
-        batch = self.to_device(step, _DriverRows())
+        batch = to_device(step, DriverRows(), self.device, self.backend)
         logits = self.model.forward(batch.token_ids, batch.positions, batch.attn, self.kv_views,
                                     batch.logits_indices)
         if self.experts is not None:
@@ -312,11 +233,11 @@ class ModelRunner:
         ``previous``: the step in flight, not yet read; rows ending in a token it samples take it from there.
         Nothing here waits for the device (on CUDA: ``bench.step_syncs``).
         """
-        step, rows = self.flatten(out, block_tables, previous.samples if previous is not None else None)
+        step, rows = flatten(out, block_tables, self.block_size, previous.samples if previous is not None else None)
         self.experts_control.before_step()
         if self.workers is not None:
             self.workers.send(step)
-        batch = self.to_device(step, rows)
+        batch = to_device(step, rows, self.device, self.backend)
         # Masks are filled before the forward pass, not beside it on a worker thread: with the
         # forward using every core, the overlap measured slower (bench.engine's structured case).
         mask = GrammarMask.for_rows([r.grammar for r in batch.sampling_requests], self.model_config.vocab_size)
@@ -365,32 +286,6 @@ class ModelRunner:
         if self.experts is not None:
             self.experts.end_step()
         return logits
-
-
-@dataclass
-class _DriverRows:
-    """What of a step only the driver reads: the rows it samples and the prompt rows it scores."""
-
-    sampling_requests: list[Request] = field(default_factory=list)
-    prompt_rows: list[tuple[Request, int]] = field(default_factory=list)
-    prompt_targets: list[int] = field(default_factory=list)
-    # Flat indices of tokens the step in flight samples, their rows in its draws, and those draws.
-    unread_at: list[int] = field(default_factory=list)
-    unread_rows: list[int] = field(default_factory=list)
-    previous_token_ids: torch.Tensor | None = None  # int64 [previous step's num_samples], on the device
-
-
-def _prompt_positions(request: Request, start: int, end: int) -> range:
-    """The positions in ``[start, end)`` whose logits score a prompt token not yet scored.
-
-    Position ``p`` scores token ``p + 1``; the request has scored the first
-    ``len(request.prompt_logprobs)`` (position 0 onwards), and a preempted one
-    recomputes positions it has already scored.
-    """
-    if request.num_prompt_logprobs_missing <= 0:
-        return range(0)
-    first = max(start, len(request.prompt_logprobs))
-    return range(first, min(end, request.num_prompt_tokens - 1))
 
 
 def advance_grammars(mask: GrammarMask, forward: ForwardOutput) -> ForwardOutput:

@@ -7,9 +7,10 @@ import torch
 
 from pd.config import EngineConfig
 from pd.engine.host_copy import copy_to_device
-from pd.engine.model_runner import PAD_BLOCK_ID, ModelRunner
+from pd.engine.model_runner import ModelRunner
 from pd.engine.outputs import ScheduledRequest, SchedulerOutput
 from pd.engine.request import Request
+from pd.model.attention import PAD_BLOCK_ID
 from pd.model.config import load_model_config
 from pd.sampling_params import SamplingParams
 from pd_kernels.checks import check_attention_args, check_triton_attention_args
