@@ -23,6 +23,12 @@ priced on its slowest rank: ``ExpertReads`` counts the experts of that rank,
 and ``Collectives`` adds the traffic between the ranks (all-to-alls and
 all-reduces), linear in the step's tokens and sampled rows plus a latency
 per collective.
+
+Multi-head latent attention prices a decode's pair apart (``decode_pair_s``):
+a prompt attends decompressed and a decode absorbed, at different costs a
+pair. A step's shape does not say which of its pairs are whose, so a step
+whose every sequence computes one token takes the decode price, and any
+other the prompt's.
 """
 
 from __future__ import annotations
@@ -127,16 +133,26 @@ class CostModel:
     experts: ExpertReads | None = None
     # A replica over several GPUs: what its ranks exchange each step; None for one GPU.
     collectives: Collectives | None = None
+    # The price of a pair in a step whose every sequence computes one token, where a decode attends
+    # another way than a prompt (multi-head latent attention: absorbed, against decompressed); None:
+    # ``per_pair_s`` in every step.
+    decode_pair_s: float | None = None
 
     def __post_init__(self) -> None:
         negative = [name for name, value in asdict(self).items()
-                    if name not in ("source", "experts", "collectives") and value < 0]
+                    if name not in ("source", "experts", "collectives") and value is not None and value < 0]
         if negative:
             raise ValueError(f"cost coefficients must be >= 0: {', '.join(negative)}")
 
+    def pair_seconds(self, shape: StepShape) -> float:
+        """The price of one of ``shape``'s pairs: ``decode_pair_s`` where every sequence computes one token."""
+        if self.decode_pair_s is not None and shape.num_tokens == shape.num_seqs:
+            return self.decode_pair_s
+        return self.per_pair_s
+
     def step_seconds(self, shape: StepShape) -> float:
         # ``vector()``'s terms summed in its order, written out: it runs once per simulated step.
-        seconds = (0.0 + self.base_s + self.per_token_s * shape.num_tokens + self.per_pair_s * shape.attn_pairs
+        seconds = (0.0 + self.base_s + self.per_token_s * shape.num_tokens + self.pair_seconds(shape) * shape.attn_pairs
                    + self.per_seq_s * shape.num_seqs + self.per_sample_s * shape.num_samples)
         if self.experts is not None:
             seconds += self.experts.seconds(shape.num_tokens)
@@ -149,7 +165,7 @@ class CostModel:
         """Least squares over measured steps, with no coefficient negative (a negative one is dropped, and
         refit): ``router.step_cost.fit_linear``, as the routers fit the same law online.
 
-        The linear terms only: the result has no ``experts`` or ``collectives`` term.
+        The linear terms only: the result has no ``experts``, ``collectives`` or ``decode_pair_s`` term.
         """
         if len(shapes) != len(seconds) or not shapes:
             raise ValueError(f"need as many step times as shapes, and some: got {len(shapes)} and {len(seconds)}")

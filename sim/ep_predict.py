@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pd.model.config import ModelConfig
 from sim.cost import Collectives, CostModel, ExpertReads, StepShape
 from sim.expert_parallel import ExpertParallel, collectives
-from sim.hardware import num_active_params, routed_params_per_token
+from sim.params import num_active_params, routed_params_per_token
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,12 @@ GPU is that rate times the attainment over the unit's GPUs. Prints one JSON
 object per candidate, then the best with a ``serve_configs``-style YAML for
 the whole fleet (checked by ``AppArgs``).
 
-Profiles are analytic (``sim.hardware``) unless ``--profile`` gives a measured
-one (for one-GPU replicas only). An expert-parallel pool's replica is one
+An expert-parallel size whose rank cannot hold its share of the weights is
+left out, with a line saying why, and so are the layouts that need it
+(DeepSeek-V3's 673 GB of FP8 weights fit H200s only at EP 8, so a node of
+eight holds one replica and cannot be split). Profiles are analytic
+(``sim.hardware``) unless ``--profile`` gives a measured one (for one-GPU
+replicas only). An expert-parallel pool's replica is one
 simulated engine priced on its busiest rank (``sim.engine``); the YAML's
 ``engine:`` section is shared, so its ``kv_cache_bytes`` is what a rank of
 the layout's smallest expert-parallel size leaves, and ``max_num_seqs`` is
@@ -293,14 +297,13 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _layouts(args: argparse.Namespace) -> list[Layout]:
+def _layouts(args: argparse.Namespace, prefill_eps: list[int], decode_eps: list[int]) -> list[Layout]:
     """The layouts to try, chunk size outermost, then the pools' EP sizes; a split only where each EP size
     divides its pool's GPUs. Colocated ones only with the first threshold, slope and prefill EP size
     (colocated has no remote-prefill rule nor prefill pool, so the others would repeat it)."""
     splits = _ints(args.splits) if args.splits else range(args.unit_gpus)
     thresholds = _ints(args.thresholds)
     slopes = [float(value) for value in args.slopes.split(",") if value.strip()]
-    prefill_eps, decode_eps = _ints(args.prefill_ep), _ints(args.decode_ep)
     layouts = []
     for chunk in _ints(args.chunks):
         for prefill_ep in prefill_eps:
@@ -340,20 +343,31 @@ def main(argv: list[str] | None = None) -> None:
     cost = CostModel.load(args.profile) if args.profile else analytic_cost(config, gpu, efficiency)
     sizes = sorted(set(_ints(args.prefill_ep)) | set(_ints(args.decode_ep)))
     try:
-        ep_costs = {ep: analytic_cost(config, gpu, efficiency, _parallel(args, ep)) for ep in sizes if ep > 1}
-        kv_bytes_by_ep = {ep: kv_cache_bytes(config, gpu, efficiency, _parallel(args, ep)) for ep in sizes}
-    except ValueError as exc:  # a size the experts or heads do not divide, or weights a GPU cannot hold
+        for ep in sizes:
+            _parallel(args, ep).check(config)
+    except ValueError as exc:  # a size the experts or heads do not divide
         parser.error(str(exc))
+    kv_bytes_by_ep, refused = {}, {}
+    for ep in sizes:  # a size whose rank cannot hold its weights is left out, and said so
+        try:
+            kv_bytes_by_ep[ep] = kv_cache_bytes(config, gpu, efficiency, _parallel(args, ep))
+        except ValueError as exc:
+            refused[ep] = str(exc)
+            print(json.dumps({"expert_parallel_size": ep, "refused": str(exc)}), flush=True)
+    ep_costs = {ep: analytic_cost(config, gpu, efficiency, _parallel(args, ep)) for ep in kv_bytes_by_ep if ep > 1}
     if ep_costs and args.profile:
         parser.error("--profile is a one-GPU replica's step: expert-parallel sizes above 1 are priced analytically")
+    prefill_eps = [ep for ep in _ints(args.prefill_ep) if ep in kv_bytes_by_ep]
+    decode_eps = [ep for ep in _ints(args.decode_ep) if ep in kv_bytes_by_ep]
+    layouts = _layouts(args, prefill_eps, decode_eps) if prefill_eps and decode_eps else []
+    if not layouts:
+        why = "; ".join(refused.values()) or "the --prefill-ep and --decode-ep sizes divide none of its pools"
+        parser.error(f"no split of --unit-gpus {args.unit_gpus} has pools that fit: {why}")
     engine = EngineConfig(model=path, dtype="bfloat16", block_size=args.block_size,
-                          kv_cache_bytes=kv_bytes_by_ep[sizes[0]], max_num_seqs=SEQS_PER_GPU)
+                          kv_cache_bytes=kv_bytes_by_ep[min(kv_bytes_by_ep)], max_num_seqs=SEQS_PER_GPU)
     trace = workload_trace(args.trace, args.workload, args.seed)
     slo = Slo(args.slo_ttft_ms / 1000, args.slo_itl_ms / 1000)
     units = args.gpus // args.unit_gpus
-    layouts = _layouts(args)
-    if not layouts:
-        parser.error("no split of --unit-gpus has pools that the --prefill-ep and --decode-ep sizes divide")
     results = []
     for layout in layouts:
         spec = unit_spec(layout, layout_engine(layout, engine, kv_bytes_by_ep), cost, link(gpu, "rdma"), ep_costs)
@@ -369,7 +383,9 @@ def main(argv: list[str] | None = None) -> None:
     colocated = max((r["goodput_per_gpu"] for layout, r in results if not layout.num_prefill), default=0.0)
     print(json.dumps({"best": best, "gain_over_colocated": round(best["goodput_per_gpu"] / colocated, 3)
                       if colocated else None, "gpus": args.gpus, "hardware": args.hardware, "model": args.model,
-                      "workload": args.trace or args.workload, "profile": cost.source}), flush=True)
+                      "workload": args.trace or args.workload,
+                      "profile": {1: cost, **ep_costs}[best_layout.decode_ep].source,
+                      "refused_expert_parallel_sizes": sorted(refused)}), flush=True)
     print(yaml.safe_dump(fleet_yaml(best_layout, args.model, layout_engine(best_layout, engine, kv_bytes_by_ep), units,
                                     args.redundant_experts), sort_keys=False))
 
