@@ -65,7 +65,7 @@ from pd_kernels.aot_specs import DTYPES, IEEE_DTYPES, SHARED_LIMIT_BYTES, Spec, 
 
 # The arch with warpgroup MMAs (HGMMA): Hopper's, sm_90a, which Triton targets for capability 90.
 HGMMA_ARCH = 90
-ATTENTION_KERNELS = frozenset({"paged_attention", "prefill_attention"})
+ATTENTION_KERNELS = frozenset({"paged_attention", "prefill_attention", "latent_attention"})
 SASS_BATCH = 128  # records disassembled by one nvdisasm call (pd_kernels.sass: each call costs ~0.35 s to start)
 
 
