@@ -262,3 +262,20 @@ def test_a_pools_gray_failure_settings_reach_its_router_and_bad_ones_are_refused
         args["decode"]["router"] = {"gray_failure": bad}
         with pytest.raises(ValueError, match=f"decode.router.gray_failure.*{message}"):
             build_app(args)
+
+
+def test_the_deepseek_v3_config_splits_the_released_model():
+    """gpu_deepseek_v3.yaml's pools split DeepSeek-V3 (the simulator's preset of its released config.json):
+    128 heads over 8 ranks with the latent replicated, 256 experts and 8 redundant over 8 ranks."""
+    from pd.engine.ep.dispatch import check_ep
+    from pd.model.config import model_config_from_dict
+    from pd.model.tp import TPShard
+    from sim.models import MODELS
+
+    args = AppArgs.model_validate(config_args("gpu_deepseek_v3.yaml"))
+    model = model_config_from_dict(MODELS["deepseek-v3"])
+    assert model.mla is not None and model.kv_values_per_token == 576 * 61
+    for pool in (args.prefill, args.decode):
+        local = TPShard(0, pool.tensor_parallel_size).local_config(model, experts=False)
+        assert (local.num_heads, local.num_kv_heads) == (16, 1)
+        check_ep(model, pool.expert_parallel_size, pool.num_redundant_experts)
