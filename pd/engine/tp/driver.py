@@ -43,7 +43,8 @@ from pd.engine.tp.group import TPGroup
 
 logger = logging.getLogger(__name__)
 
-TP_WIRE_VERSION = 2  # 2: a worker's pool may be a share of its device (WorkerSpec.num_blocks)
+# 2: a worker's pool may be a share of its device (WorkerSpec.num_blocks); 3: PullDone.moved_bytes
+TP_WIRE_VERSION = 3
 
 
 class WorkerSpec(msgspec.Struct, frozen=True):
@@ -97,7 +98,9 @@ class ExpertsOp(msgspec.Struct, tag="experts", frozen=True):
 
 class Pull(msgspec.Struct, tag="pull", frozen=True):
     """Read KV heads into this rank's pool: from each source ``(peer metadata, remote head, local head, count)``,
-    blocks ``remote_block_ids`` into ``local_block_ids``. Answered with ``PullDone`` once no byte can land."""
+    blocks ``remote_block_ids`` into ``local_block_ids``. Answered with ``PullDone`` once no byte can land.
+
+    A source is a prefill rank, or a rank of this engine that pulled the same (replicated) heads already."""
 
     pull_id: int
     sources: list[tuple[bytes, int, int, int]]
@@ -112,9 +115,13 @@ class Release(msgspec.Struct, tag="release", frozen=True):
 
 
 class PullDone(msgspec.Struct, tag="pull_done", frozen=True):
+    """A pull's reads have ended and can no longer write; ``moved_bytes``: what the transport measured they
+    moved, when ``ok`` and it measured every read (NIXL's telemetry), else None."""
+
     pull_id: int
     ok: bool
     error: str | None = None
+    moved_bytes: int | None = None
 
 
 class Ready(msgspec.Struct, tag="ready", frozen=True):
@@ -297,6 +304,10 @@ class TPWorkers:
             self.connections[rank].send_bytes(data)
         except OSError as exc:
             raise TPWorkerError(f"tensor-parallel rank {rank} is gone ({exc})") from exc
+
+    def transport_metadata(self, rank: int) -> bytes:
+        """Rank ``rank``'s KV transport's metadata, as its ``Ready`` said (empty without one)."""
+        return self.ready[rank].transport_metadata
 
     def take_pull_done(self, rank: int, pull_id: int) -> PullDone | None:
         """Rank ``rank``'s answer to pull ``pull_id``, once it came (raises if a worker failed or died)."""

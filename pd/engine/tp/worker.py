@@ -4,7 +4,9 @@ It joins its driver's group, loads only its shard, reports ready, then runs
 each step it is sent until told to stop or its driver's connection closes.
 It holds no scheduling state: the driver's block tables say where its KV goes.
 In a disaggregated engine it also has a KV transport of its own, and reads
-the KV heads the driver's ``Pull`` names (``RankPulls``).
+the KV heads the driver's ``Pull`` names (``RankPulls``): from the prefill
+ranks that hold them, or, for heads this rank shares with a lower one (MLA's
+latent), from that rank's pool once it has pulled them.
 """
 
 from __future__ import annotations
@@ -154,7 +156,9 @@ class RankPulls:
             errors += [handle.error or "failed" for handle, state in zip(handles, states)
                        if state is not TransferState.DONE]
             del self._pulls[pull_id]
-            self.connection.send_bytes(encode(PullDone(pull_id, not errors, "; ".join(errors) or None)))
+            counts = [handle.moved_bytes for handle in handles]
+            moved = None if errors or None in counts else sum(counts)
+            self.connection.send_bytes(encode(PullDone(pull_id, not errors, "; ".join(errors) or None, moved)))
 
     def close(self) -> None:
         if self.transport is not None:
