@@ -9,9 +9,11 @@ Decode role: a request carrying ``remote_kv`` is admitted with its blocks
 allocated, and the blocks this engine's own prefix cache lacks are pulled from
 the prefill replica. A pull that fails, times out or meets an expired lease
 sends the request back to compute its prompt here; that is counted. Between
-engines of different tensor-parallel splits every rank pulls the KV heads it
-owns from the prefill ranks that hold them (``pd.engine.disagg.pulls``), and the
-lease ends on one notification once all have.
+engines of different tensor-parallel splits every rank gets the KV heads it
+owns: the first rank holding a head reads it from the prefill rank that holds
+it, and ranks holding the same head copy it from that rank's pool
+(``pd.engine.disagg.pulls``); the lease ends on one notification once every
+read from the prefill engine is done.
 
 Safety: a pull holds its own reference on the local blocks it writes, from
 its start until its handle is quiesced (``transfer.base``). A pull given up
