@@ -17,6 +17,15 @@ if TYPE_CHECKING:
     from pd.engine.structured import GrammarCompiler, RequestGrammar
 
 
+def max_model_len(configured: int | None, max_position_embeddings: int) -> int:
+    """The longest sequence the engine admits: the config's, at most the model's positions; theirs by default."""
+    if configured is not None and configured > max_position_embeddings:
+        raise ValueError(
+            f"max_model_len {configured} exceeds the model's max_position_embeddings {max_position_embeddings}"
+        )
+    return configured or max_position_embeddings
+
+
 def check_request(prompt_token_ids: list[int], params: SamplingParams, *, max_model_len: int, vocab_size: int,
                   block_size: int, num_blocks: int) -> None:
     """Raise ``ValueError`` if a pool of ``num_blocks`` blocks cannot serve this prompt and ``params``."""

@@ -9,7 +9,7 @@ import uuid
 from typing import Callable
 
 from pd.config import EngineConfig, SchedulerConfig
-from pd.engine.admission import check_num_generated, check_request, first_token, start_grammar
+from pd.engine.admission import check_num_generated, check_request, first_token, max_model_len, start_grammar
 from pd.engine.block_pool import BlockPool, Evictions
 from pd.engine.clock import SYSTEM_CLOCK, Clock
 from pd.engine.derived import layout_fingerprint, num_pool_blocks, worker_transport
@@ -58,12 +58,7 @@ class LLMEngine:
         self.model_config = load_model_config(self.model_dir)
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
         mc = self.model_config
-        if config.max_model_len is not None and config.max_model_len > mc.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len {config.max_model_len} exceeds the model's max_position_embeddings "
-                f"{mc.max_position_embeddings}"
-            )
-        self.max_model_len = config.max_model_len or mc.max_position_embeddings
+        self.max_model_len = max_model_len(config.max_model_len, mc.max_position_embeddings)
         tp, ranks = config.tensor_parallel_size, config.num_ranks
         runner_options = {}
         if ranks > 1 and transport is not None:  # each rank reads and serves its own heads
