@@ -314,14 +314,21 @@ def row_specs(quick: bool) -> list[Spec]:
 
 def moe_specs(quick: bool) -> list[Spec]:
     """The fused MoE's two grouped GEMMs, at each tile ``moe_tiles`` picks on a GPU (decode, prefill)."""
-    from pd_kernels.triton.moe import DECODE_TILES, PREFILL_TILES, _moe_down_kernel, _moe_gate_up_kernel
+    from pd_kernels.triton.moe import (
+        DECODE_TILES,
+        DECODE_TILES_FP32,
+        PREFILL_TILES,
+        _moe_down_kernel,
+        _moe_gate_up_kernel,
+    )
 
     pointers = {"sorted_slots_ptr": "i32", "block_experts_ptr": "i32", "topk_weights_ptr": "fp32"}
     specs = []
-    for dtype, (path, tiles) in itertools.product((*DTYPES, *IEEE_DTYPES),
-                                                  (("decode", DECODE_TILES), ("prefill", PREFILL_TILES))):
-        if quick and (dtype, path) not in (("bf16", "decode"), ("fp16", "prefill"), ("fp32", "prefill")):
+    for dtype, path in itertools.product((*DTYPES, *IEEE_DTYPES), ("decode", "prefill")):
+        if quick and (dtype, path) not in (("bf16", "decode"), ("fp16", "prefill"), ("fp32", "prefill"),
+                                           ("fp32", "decode")):
             continue
+        tiles = PREFILL_TILES if path == "prefill" else DECODE_TILES_FP32 if dtype in IEEE_DTYPES else DECODE_TILES
         for kernel, fn in (("moe_gate_up", _moe_gate_up_kernel), ("moe_down", _moe_down_kernel)):
             specs.append(Spec(kernel, f"{kernel}.{path}.{dtype}", fn, dtype, None, None, pointers,
                               {"BLOCK_M": tiles.block_m, "BLOCK_N": tiles.block_n, "BLOCK_K": tiles.block_k},

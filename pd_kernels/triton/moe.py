@@ -38,17 +38,24 @@ class MoeTiles:
 
 
 # On sm_80/sm_90 (pd_kernels.aot, bf16/fp16): neither spills. BLOCK_K 64 spilled (gate/up holds two weight tiles),
-# and so did 64-row tiles on 4 warps.
+# and so did 64-row tiles on 4 warps. fp32 decodes take 8 warps: on 4 the gate/up kernel's two fp32 weight
+# tiles needed 255 registers and spilled 144-152 bytes; on 8, 120-154 and none.
 DECODE_TILES = MoeTiles(16, 64, 32, num_warps=4)
+DECODE_TILES_FP32 = MoeTiles(16, 64, 32, num_warps=8)
 PREFILL_TILES = MoeTiles(64, 64, 32, num_warps=8)
 
 
-def moe_tiles(num_slots: int, num_experts: int, device: torch.device) -> MoeTiles:
+def decode_tiles(dtype: torch.dtype) -> MoeTiles:
+    """The decode path's tiles for weights of ``dtype``."""
+    return DECODE_TILES_FP32 if dtype == torch.float32 else DECODE_TILES
+
+
+def moe_tiles(num_slots: int, num_experts: int, device: torch.device, dtype: torch.dtype) -> MoeTiles:
     """Tiles for ``num_slots`` routed slots over ``num_experts``: small row tiles when each expert gets few
     rows (decode), larger ones for prefill batches. The interpreter takes large tiles (it pays per program)."""
     if is_interpreted(device):
         return MoeTiles(16, 64, 64)
-    return DECODE_TILES if num_slots <= 4 * num_experts * DECODE_TILES.block_m else PREFILL_TILES
+    return decode_tiles(dtype) if num_slots <= 4 * num_experts * DECODE_TILES.block_m else PREFILL_TILES
 
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -183,7 +190,7 @@ def fused_moe(
     inter_size, num_slots = two_i // 2, num_tokens * top_k
     if num_slots == 0:
         return torch.zeros_like(hidden)
-    tiles = moe_tiles(num_slots, num_experts, hidden.device)
+    tiles = moe_tiles(num_slots, num_experts, hidden.device, w13.dtype)
     sorted_slots, block_experts = moe_align(topk_ids, num_experts, tiles.block_m)
     inter = torch.empty(sorted_slots.numel(), inter_size, dtype=hidden.dtype, device=hidden.device)
     options = {"BLOCK_M": tiles.block_m, "BLOCK_N": tiles.block_n, "BLOCK_K": tiles.block_k,
