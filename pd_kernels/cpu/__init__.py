@@ -8,6 +8,13 @@
   with flash attention's online softmax, a tile of queries times the heads
   sharing a KV head per task. Longer contexts stay on the reference (a gather
   of the chunk's context, then SDPA, whose matrix products win there).
+- ``latent_decode.cpp``: multi-head latent attention (DeepSeek's MLA, weights absorbed) for decode
+  rows: each latent row read once for all the heads that share it, in tiles of 32 keys with the
+  online softmax, a long context split over the threads and merged by log-sum-exp. Rows of
+  sequences with more than one query (prefill chunks) take the reference: the engine runs MLA's
+  prefill decompressed, so ``latent_attention`` sees decodes. So do latent or value widths that are
+  not multiples of ``LATENT_LANES``. With 16 or more heads per row it is bound by the multiply-adds,
+  not by the bytes it reads (``bench.latent_decode``).
 - ``dense_rows.cpp``: a dense layer for a batch of a few rows (a decode
   step's), reading the weight once from panels of its own layout
   (``pack_rows_weight``); oneDNN's packed GEMM, tuned for many rows, took
@@ -23,8 +30,9 @@
   torch: Dynamo's guards and call cost about 27 us per compiled region, more
   than the chains themselves take at decode batch sizes.
 
-fp32 activations only; other dtypes take the reference. The attention kernels and the KV store also
-read and write FP8 pages (``kv_fp8.h``, ``pd_kernels.fp8``), and the attention kernels bf16 pages.
+fp32 activations only; other dtypes take the reference, but in attention, whose half-precision
+queries are made fp32 for the same kernels (the reference computes in fp32 too). The attention kernels and the KV store also read and write FP8 pages
+(``kv_fp8.h``, ``pd_kernels.fp8``), and the attention kernels bf16 pages.
 
 The extension is compiled with ``torch.utils.cpp_extension`` for the host's
 vector ISA level (``isa()``: AVX-512, AVX2 or none, with flags of its own,
@@ -59,7 +67,7 @@ logger = logging.getLogger(__name__)
 
 _SOURCES = [str(Path(__file__).with_name(name)) for name in ("bindings.cpp", "paged_decode.cpp", "paged_prefill.cpp",
                                                                  "small_ops.cpp", "block_copy.cpp", "dense_rows.cpp",
-                                                                 "moe.cpp", "int8.cpp")]
+                                                                 "moe.cpp", "int8.cpp", "latent_decode.cpp")]
 _build_lock = threading.Lock()
 # Prefill chunks whose context (keys) is at most this long run in paged_prefill.cpp; longer ones on the
 # reference's SDPA, whose matrix products win there. Ours against SDPA, one sequence, 2 threads (AMD EPYC),
@@ -67,6 +75,9 @@ _build_lock = threading.Lock()
 MAX_PAGED_PREFILL_KEYS = 1024
 # The pages the C++ attention kernels read (with fp32 queries).
 PAGE_DTYPES = (torch.float32, torch.bfloat16, *FP8_DTYPES)
+# latent_decode.cpp's latent and value widths are multiples of this (every ISA's vector width);
+# DeepSeek's are 576 and 512.
+LATENT_LANES = 16
 _extension = None
 
 
@@ -232,6 +243,58 @@ def _attention_fp32(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, so
         if theirs:
             reference.prefill_attention(q, k_cache, v_cache, cu, lens, block_table, softmax_scale, sliding_window,
                                         softcap, out, only=theirs, k_scale=k_scale, v_scale=v_scale)
+    return out
+
+
+def latent_attention(q, latent_cache, cu_seqlens_q, seq_lens, block_table, softmax_scale, *, v_dim, out=None,
+                     scale=1.0):
+    """``pd_kernels.latent_attention`` with decode rows in ``latent_decode.cpp``, prefill chunks on the reference."""
+    if q.device.type != "cpu":
+        raise ValueError(f"the cpu backend runs on CPU tensors, got {q.device.type}; use backend='triton' or 'auto'")
+    if latent_cache.dtype not in PAGE_DTYPES or q.shape[2] % LATENT_LANES or v_dim % LATENT_LANES:
+        return reference.latent_attention(q, latent_cache, cu_seqlens_q, seq_lens, block_table, softmax_scale,
+                                          v_dim=v_dim, out=out, scale=scale)
+    args = (latent_cache, cu_seqlens_q, seq_lens, block_table, softmax_scale, v_dim, scale)
+    shape = (q.shape[0], q.shape[1], v_dim)
+    if q.dtype == torch.float32:
+        if out is not None and out.stride(-1) == 1:
+            return _latent_fp32(q, *args, out)
+        result = _latent_fp32(q, *args, torch.empty(shape, dtype=torch.float32))
+        return result if out is None else out.copy_(result)
+    # bf16 or fp16 activations: computed in fp32 as the reference does, q converted once and the output once.
+    result = _latent_fp32(q.float(), *args, torch.empty(shape, dtype=torch.float32))
+    return result.to(q.dtype) if out is None else out.copy_(result)
+
+
+def _latent_fp32(q, latent_cache, cu_seqlens_q, seq_lens, block_table, softmax_scale, v_dim, scale, out):
+    """``latent_attention`` for fp32 ``q`` and ``out`` (last axis contiguous): decodes in C++, the rest on
+    the reference."""
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    cu = cu_seqlens_q.tolist()
+    num_seqs = len(cu) - 1
+    decode_ids = [i for i in range(num_seqs) if cu[i + 1] - cu[i] == 1]
+    if decode_ids:
+        if len(decode_ids) == num_seqs:
+            rows, table, decode_lens = cu_seqlens_q[:-1].long(), block_table, seq_lens
+        else:
+            ids = torch.tensor(decode_ids)
+            rows, table, decode_lens = cu_seqlens_q[ids].long(), block_table[ids], seq_lens[ids]
+        if table.stride(-1) != 1:
+            table = table.contiguous()
+        build().latent_decode_attention(q, latent_cache, table, decode_lens.contiguous(), rows.contiguous(),
+                                        softmax_scale, scale, out)
+    chunk_ids = [i for i in range(num_seqs) if cu[i + 1] - cu[i] > 1]
+    if chunk_ids:
+        # The chunks as a batch of their own: their rows of q, their metadata.
+        starts = [0]
+        for i in chunk_ids:
+            starts.append(starts[-1] + cu[i + 1] - cu[i])
+        token_ids = torch.cat([torch.arange(cu[i], cu[i + 1]) for i in chunk_ids])
+        ids = torch.tensor(chunk_ids)
+        out[token_ids] = reference.latent_attention(q[token_ids], latent_cache, torch.tensor(starts, dtype=torch.int32),
+                                                    seq_lens[ids], block_table[ids], softmax_scale, v_dim=v_dim,
+                                                    scale=scale)
     return out
 
 

@@ -12,6 +12,10 @@ void paged_prefill_attention(const torch::Tensor& q, const torch::Tensor& k_cach
                              const torch::Tensor& block_table, const std::vector<int64_t>& query_starts,
                              const std::vector<int64_t>& seq_lens, const std::vector<int64_t>& seqs, double scale,
                              int64_t window, double softcap, double k_scale, double v_scale, torch::Tensor& out);
+void latent_decode_attention(const torch::Tensor& q, const torch::Tensor& latent_cache,
+                             const torch::Tensor& block_table, const torch::Tensor& seq_lens,
+                             const torch::Tensor& token_rows, double softmax_scale, double scale,
+                             torch::Tensor& out);
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
 std::vector<torch::Tensor> add_rms_norm(const torch::Tensor& x, const torch::Tensor& residual,
                                         const torch::Tensor& weight, double eps);
@@ -35,6 +39,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention over a block-major pool (fp32 queries; fp32, bf16 or fp8 pages)");
   m.def("paged_prefill_attention", &paged_prefill_attention,
         "paged prefill attention over a block-major pool, online softmax (fp32 queries; fp32, bf16 or fp8 pages)");
+  m.def("latent_decode_attention", &latent_decode_attention,
+        "multi-head latent attention for decode rows, each latent row read once for all heads (fp32 queries; "
+        "fp32, bf16 or fp8 pages)");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim (fp32)");
   m.def("add_rms_norm", &add_rms_norm, "residual add, then RMSNorm; returns (normed, sum) (fp32)");
   m.def("rotary", &rotary, "rotate-half rotary embedding of q and k into new tensors (fp32)");
