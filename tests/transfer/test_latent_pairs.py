@@ -19,7 +19,7 @@ from tests.transfer.test_engine_pairs import (
 
 pytestmark = pytest.mark.integration  # the prefill engine runs in a spawned process
 
-BACKEND = {"attention_backend": "torch"}
+BACKEND = {"attention_backend": "cpu"}
 
 
 @pytest.fixture(scope="module")
