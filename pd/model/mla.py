@@ -102,6 +102,9 @@ class MlaAttention:
 
     def prepare(self, attn: AttentionMetadata, rows: int, num_tokens: int, dtype: torch.dtype,
                 device: torch.device, block_size: int) -> MlaStep:
+        """The step's output buffer and its split into absorbed rows and decompressed sequences. A step of
+        decodes only (as many tokens as sequences) is known from shapes alone, so a CUDA graph captures
+        it; a mixed step reads its query lengths once."""
         out = (torch.zeros if rows != num_tokens else torch.empty)(
             rows, self.config.num_heads, self.mla.v_head_dim, dtype=dtype, device=device)
         num_seqs = attn.seq_lens.shape[0]
