@@ -39,6 +39,7 @@ import pd_kernels
 from pd.model.attention import AttentionMetadata
 from pd.model.config import ModelConfig
 from pd.model.linear import Linear
+from pd.model.mla_context import CONTEXT_CHUNK_TOKENS, chunked_context_attention
 from pd.model.rope import softmax_scale
 from pd_kernels import fp8
 
@@ -74,6 +75,10 @@ class _Prefills:
     seq_lens: torch.Tensor  # int32 [seqs]
     block_ids: torch.Tensor  # int64 [blocks]: the pool blocks their contexts hold, sequence after sequence
     block_table: torch.Tensor  # int32 [seqs, max blocks]: each sequence's blocks in the scratch pool
+    # The same on the host: each sequence's first row in ``rows`` (and the end), its length, its blocks.
+    host_cu: list[int]
+    host_seq_lens: list[int]
+    host_num_blocks: list[int]
 
 
 @dataclass
@@ -99,6 +104,7 @@ class MlaAttention:
         self.softmax_scale = softmax_scale(config.rope, self.mla.qk_head_dim)
         # The decompressed path's head width: K's and V's, zero-padded to one width the kernels take.
         self.scratch_dim = -(-max(self.mla.qk_head_dim, self.mla.v_head_dim) // 8) * 8
+        self.context_chunk = CONTEXT_CHUNK_TOKENS  # past it, prefill contexts expand a chunk at a time
 
     def prepare(self, attn: AttentionMetadata, rows: int, num_tokens: int, dtype: torch.dtype,
                 device: torch.device, block_size: int) -> MlaStep:
@@ -144,7 +150,8 @@ class MlaAttention:
             rows=torch.tensor(rows, dtype=torch.int64, device=device),
             cu_seqlens_q=torch.tensor(q_cu, dtype=torch.int32, device=device),
             seq_lens=torch.tensor([lens[i] for i in seq_ids], dtype=torch.int32, device=device),
-            block_ids=torch.tensor(blocks, dtype=torch.int64, device=device), block_table=table)
+            block_ids=torch.tensor(blocks, dtype=torch.int64, device=device), block_table=table,
+            host_cu=q_cu, host_seq_lens=[lens[i] for i in seq_ids], host_num_blocks=[len(t) for t in tables])
 
     def forward(
         self,
@@ -190,8 +197,9 @@ class MlaAttention:
         q_nope, q_pe = q.reshape(num_tokens, heads, m.qk_head_dim).split([m.qk_nope_head_dim, m.qk_rope_head_dim],
                                                                          dim=-1)
         c_kv = pd_kernels.rms_norm(c_kv.contiguous(), weights.kv_a_norm, LATENT_NORM_EPS, backend=backend)
-        q_pe, k_pe = pd_kernels.rotary_embedding(q_pe.contiguous(), k_pe.reshape(num_tokens, 1, m.qk_rope_head_dim).contiguous(),
-                                                 positions[:num_tokens], self.cos_sin_cache, backend=backend)
+        k_pe = k_pe.reshape(num_tokens, 1, m.qk_rope_head_dim).contiguous()
+        q_pe, k_pe = pd_kernels.rotary_embedding(q_pe.contiguous(), k_pe, positions[:num_tokens], self.cos_sin_cache,
+                                                 backend=backend)
         return q_nope, q_pe, torch.cat([c_kv, k_pe.reshape(num_tokens, m.qk_rope_head_dim)], dim=-1)
 
     def _absorbed(self, weights: MlaWeights, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
@@ -207,12 +215,15 @@ class MlaAttention:
     def _decompressed(self, weights: MlaWeights, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
                       prefills: _Prefills, scale: float, backend: str) -> torch.Tensor:
         """Prefill chunks: their contexts' latents expanded to per-head K and V in a scratch pool, then causal
-        paged attention over it. Returns ``[their rows, heads, v_head_dim]``."""
+        paged attention over it; contexts past ``CONTEXT_CHUNK_TOKENS`` in all are expanded a chunk at a time
+        instead (``pd.model.mla_context``). Returns ``[their rows, heads, v_head_dim]``."""
         m, heads, width = self.mla, self.config.num_heads, self.scratch_dim
         pages = cache[prefills.block_ids]  # [blocks, block_size, 1, latent_dim]
         pages = fp8.dequantize(pages, scale).to(q_nope.dtype) if fp8.is_fp8(cache.dtype) else pages
         num_blocks, block_size = pages.shape[0], pages.shape[1]
         rows = pages.reshape(num_blocks * block_size, m.latent_dim)
+        if rows.shape[0] > self.context_chunk:
+            return self._chunked(weights, q_nope, q_pe, rows, prefills, block_size)
         c_kv, k_pe = rows.split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
         k = rows.new_zeros(num_blocks * block_size, heads, width)
         v = rows.new_zeros(num_blocks * block_size, heads, width)
@@ -227,3 +238,18 @@ class MlaAttention:
         out = pd_kernels.unified_attention(q, k.view(shape), v.view(shape), prefills.cu_seqlens_q, prefills.seq_lens,
                                            prefills.block_table, self.softmax_scale, backend=backend)
         return out[:, :, :m.v_head_dim]
+
+    def _chunked(self, weights: MlaWeights, q_nope: torch.Tensor, q_pe: torch.Tensor, rows: torch.Tensor,
+                 prefills: _Prefills, block_size: int) -> torch.Tensor:
+        """Each sequence's queries over its context, expanded ``context_chunk`` tokens at a time."""
+        parts, first_row = [], 0
+        for i, seq_len in enumerate(prefills.host_seq_lens):
+            start, end = prefills.host_cu[i], prefills.host_cu[i + 1]
+            batch_rows = prefills.rows[start:end]
+            q = torch.cat([q_nope[batch_rows], q_pe[batch_rows]], dim=-1)
+            positions = torch.arange(seq_len - (end - start), seq_len, device=q.device)
+            context = rows[first_row:first_row + seq_len]
+            parts.append(chunked_context_attention(q, positions, context, weights.w_uk, weights.w_uv,
+                                                   self.softmax_scale, self.context_chunk))
+            first_row += prefills.host_num_blocks[i] * block_size
+        return torch.cat(parts).to(q_nope.dtype)

@@ -160,3 +160,17 @@ def test_a_checkpoint_with_an_mtp_layer_runs_its_main_model(checkpoint, tmp_path
     ours = LLM(str(tmp_path / "mtp"), num_blocks=16, attention_backend=BACKEND)
     plain = LLM(str(source), num_blocks=16, attention_backend=BACKEND)
     assert ours.generate(prompts()[:1], GREEDY)[0].token_ids == plain.generate(prompts()[:1], GREEDY)[0].token_ids
+
+
+@pytest.mark.parametrize("kind", ["deepseek_v3", "deepseek_v2"])
+def test_long_contexts_expand_a_chunk_at_a_time_to_the_same_logits(kind, checkpoint):
+    """Past ``context_chunk`` tokens a prefill expands its context chunk by chunk, merged by log-sum-exp:
+    the same logits as the whole context expanded at once, for a prompt and for a chunk after cached ones."""
+    llm = LLM(str(checkpoint(kind)), num_blocks=16, attention_backend=BACKEND)
+    tokens = prompts()[3]  # 131 tokens
+    whole = _step(llm, tokens, 0, BACKEND)
+    llm.engine.runner.model.attention.context_chunk = 24  # not a multiple of the block size
+    chunked = _step(llm, tokens, 0, BACKEND)
+    after_cached = torch.cat([_step(llm, tokens[:50], 0, BACKEND), _step(llm, tokens[50:], 50, BACKEND)])
+    torch.testing.assert_close(chunked, whole, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(after_cached, whole, rtol=1e-4, atol=1e-4)
