@@ -34,12 +34,15 @@ class MoeWeights:
         return self.w13.dtype
 
 
-def route(weights: MoeWeights, config: MoeConfig, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's experts and their weights (``pd_kernels.select_experts``), as the family's router chooses.
+def route(weights: MoeWeights, config: MoeConfig, hidden: torch.Tensor,
+          num_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The experts and their weights of ``hidden``'s first ``num_tokens`` rows (all of them by default)
+    (``pd_kernels.select_experts``), as the family's router chooses. The router, a dense layer, runs on all
+    the rows (the padded counts its GEMM takes).
 
     DeepSeek's routers score in fp32 (HF's ``F.linear`` of fp32 casts), so their logits are the router's in
     fp32 whatever the model's dtype; the other families' are the router's output, as HF's."""
-    logits = weights.gate(hidden)
+    logits = weights.gate(hidden)[:num_tokens]
     if config.topk_method != "greedy" or config.scoring != "softmax" or config.routed_scaling_factor != 1.0:
         logits = logits.float()
     return pd_kernels.select_experts(
@@ -57,7 +60,7 @@ def moe_block(weights: MoeWeights, config: MoeConfig, hidden: torch.Tensor, num_
     bucketed counts oneDNN's GEMMs take); their padding rows are computed and never read.
     """
     rows = hidden.shape[0]
-    topk_weights, topk_ids = route(weights, config, hidden[:num_tokens])
+    topk_weights, topk_ids = route(weights, config, hidden, num_tokens)
     # HF casts the routing weights to the activations' dtype before weighting the experts' outputs.
     topk_weights = topk_weights.to(hidden.dtype)
     compute = weights.compute_dtype
