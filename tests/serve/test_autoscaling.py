@@ -199,10 +199,11 @@ def test_decode_scaled_down_under_long_streams_moves_them_and_breaks_none(ray_cl
     wait_until(lambda: running("DecodeServer") == 2, timeout=90)
     migrations_before = _ingress_stats()["num_migrations"]
     with ThreadPoolExecutor(4) as pool:
-        # Streams of 1,000 tokens last about 20 s here; the scale-down comes 6-8 s in, and the replica is
-        # stopped 1 s later. 500 tokens were too few on a faster machine: they finished inside the
-        # graceful window and nothing moved.
-        streams = [pool.submit(long_stream, client, i, 1000) for i in range(4)]
+        # The scale-down comes 6-8 s in, and the replica is stopped 1 s later: the streams must outlast
+        # that on any host. 1,000 tokens lasted about 20 s on a 2-core AMD EPYC but finished before the
+        # scale-down on a faster 2-core Xeon (nothing running, nothing moved), as 500 had before; 3,000
+        # (of the model's 4,096 positions) last past it on both.
+        streams = [pool.submit(long_stream, client, i, 3000) for i in range(4)]
         busy = {}  # replica id -> streams running on it, sampled until one replica is going away
         going = wait_until(lambda: busy.update(running_streams())
                            or [rid for rid, (state, _) in replicas("DecodeServer").items() if state == "STOPPING"],
