@@ -38,13 +38,8 @@ def route(weights: MoeWeights, config: MoeConfig, hidden: torch.Tensor,
           num_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The experts and their weights of ``hidden``'s first ``num_tokens`` rows (all of them by default)
     (``pd_kernels.select_experts``), as the family's router chooses. The router, a dense layer, runs on all
-    the rows (the padded counts its GEMM takes).
-
-    DeepSeek's routers score in fp32 (HF's ``F.linear`` of fp32 casts), so their logits are the router's in
-    fp32 whatever the model's dtype; the other families' are the router's output, as HF's."""
+    the rows (the padded counts its GEMM takes); ``select_experts`` scores its logits in fp32."""
     logits = weights.gate(hidden)[:num_tokens]
-    if config.topk_method != "greedy" or config.scoring != "softmax" or config.routed_scaling_factor != 1.0:
-        logits = logits.float()
     return pd_kernels.select_experts(
         logits, config.top_k, config.renormalize, scoring=config.scoring, score_bias=weights.score_bias,
         topk_method=config.topk_method, num_groups=config.num_groups, topk_group=config.topk_group,
