@@ -57,7 +57,7 @@ class StepShape:
             n, c = item.num_new_tokens, item.request.num_computed_tokens
             tokens += n
             pairs += n * c + n * (n + 1) // 2
-            samples += item.samples
+            samples += item.num_samples  # a verify chunk samples each draft too
         return cls(num_tokens=tokens, attn_pairs=pairs, num_seqs=len(scheduled), num_samples=samples)
 
     def vector(self) -> list[float]:

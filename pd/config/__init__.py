@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from pd.engine.spec.config import SpeculativeConfig
 from pd_kernels import BACKENDS as ATTENTION_BACKENDS
 
 # The dtypes a KV pool and weights may have; "auto" takes the checkpoint's.
@@ -140,6 +141,9 @@ class EngineConfig:
     kv_lease_s: float = 30.0
     # Decode role: how long a pull may take before the prompt is recomputed locally.
     kv_read_timeout_s: float = 10.0
+    # Speculative decoding (``pd.engine.spec``): a dict as vLLM's speculative_config, or None. Decode steps
+    # verify the drafts a lookup proposes; outputs are the non-speculative engine's. Synchronous steps only.
+    speculative_config: SpeculativeConfig | None = None
 
     def _check_lower_tiers(self) -> None:
         for tier, where, size in (("disk", "disk_kv_cache_path", "disk_kv_cache_bytes"),
@@ -207,6 +211,10 @@ class EngineConfig:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         self._check_lower_tiers()
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.of(self.speculative_config))
+        if self.speculative_config is not None and self.async_scheduling is True:
+            raise ValueError("speculative_config runs with synchronous steps: set async_scheduling to false or "
+                             "\"auto\" (a verify step's accepted tokens decide the next step's inputs)")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         self._check_expert_parallel()

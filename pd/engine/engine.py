@@ -20,6 +20,7 @@ from pd.engine.outputs import RequestOutput
 from pd.engine.overlap import StepPipeline
 from pd.engine.request import FinishReason, KVSource, Request, RequestStatus, finish_reason
 from pd.engine.scheduler import make_scheduler
+from pd.engine.spec.speculator import Speculator
 from pd.engine.stats import EngineStats
 from pd.engine.step_times import StepTimes
 from pd.engine.stepper import Stepper
@@ -90,6 +91,10 @@ class LLMEngine:
             transport.register(self.runner.kv_cache, num_heads=pool_heads(self.runner.kv_cache))
         self.step_times = StepTimes()
         self.step_sums = StepSums()  # the fit of this engine's own step cost (router.step_cost)
+        # Speculative decoding: drafts for the running decodes, priced by that fit (pd.engine.spec).
+        self.speculator = Speculator(config.speculative_config, self.step_sums, self.max_model_len) \
+            if config.speculative_config is not None else None
+        self.scheduler.speculator = self.speculator
         self.connector = KVConnector(
             self.engine_id, transport, self.fingerprint, self.kv_cache, self.scheduler,
             config.kv_lease_s, config.kv_read_timeout_s,
@@ -316,6 +321,8 @@ class LLMEngine:
         request = self._requests.pop(request_id, None)
         if request is not None:
             request.grammar = None  # its matcher's native memory goes now, not with the last reference
+            if self.speculator is not None:
+                self.speculator.finish(request)
         self.runner.forget(request_id)
         self.tiers.release(request_id)  # a request that never had a prefix match holds nothing either
 
@@ -335,4 +342,5 @@ class LLMEngine:
             **vars(self.step_times),
             **self.experts.counters(),
             **vars(self.connector.stats),  # flat scalars: asdict's deep copy cost more than the rest of stats()
+            **(vars(self.speculator.counters) if self.speculator is not None else {}),
         )

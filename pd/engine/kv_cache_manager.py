@@ -107,6 +107,19 @@ class KVCacheManager:
             self.tiers.on_cached(request.block_hashes[index], tokens)
         self._num_cached_blocks[request.request_id] = num_full
 
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Free the request's blocks past the ``num_tokens`` its tokens need (a verify step's rejected drafts).
+
+        Such blocks were allocated for the drafts and hold no computed token, so none is in the prefix cache.
+        """
+        blocks = self._blocks.get(request.request_id)
+        keep = -(-num_tokens // self.block_size)
+        if blocks is None or len(blocks) <= keep:
+            return
+        extra = blocks[keep:]
+        del blocks[keep:]
+        self.pool.free(reversed(extra))
+
     def touch_blocks(self, block_ids: list[int]) -> None:
         """Hold one more reference on each block (a transfer writing into them)."""
         self.pool.touch(block_ids)

@@ -240,7 +240,8 @@ class ModelRunner:
         batch = to_device(step, rows, self.device, self.backend)
         # Masks are filled before the forward pass, not beside it on a worker thread: with the
         # forward using every core, the overlap measured slower (bench.engine's structured case).
-        mask = GrammarMask.for_rows([r.grammar for r in batch.sampling_requests], self.model_config.vocab_size)
+        mask = GrammarMask.for_rows([r.grammar for r in batch.sampling_requests], self.model_config.vocab_size,
+                                    batch.groups)
         if mask is not None:
             mask.fill()
         logits = self.graphs.run(batch) if self.graphs is not None else None
@@ -250,7 +251,7 @@ class ModelRunner:
         num_samples = len(batch.sampling_requests)
         scores = prompt_scores(logits[num_samples:], batch.prompt_targets, batch.prompt_rows) \
             if batch.prompt_rows else None
-        samples = self.sampler.draw(logits[:num_samples], batch.sampling_requests, mask, scores)
+        samples = self.sampler.draw(logits[:num_samples], batch.sampling_requests, mask, scores, batch.sample_offsets)
         return LaunchedStep(samples, mask)
 
     @staticmethod

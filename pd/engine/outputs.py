@@ -20,6 +20,14 @@ class ScheduledRequest:
     num_new_tokens: int
     # True when this chunk reaches the request's last token, so its logits are sampled.
     samples: bool
+    # Speculative decoding (``pd.engine.spec``): tokens proposed after the request's last, computed in this
+    # chunk (counted in ``num_new_tokens``) and each verified by a logits row of its own.
+    draft_token_ids: tuple[int, ...] = ()
+
+    @property
+    def num_samples(self) -> int:
+        """Logits rows this chunk samples: its last token's, and one per draft token."""
+        return (1 + len(self.draft_token_ids)) if self.samples else 0
 
 
 @dataclass
@@ -48,6 +56,10 @@ class ForwardInput:
     # int64 [num_samples + num_prompt_rows]: the sampled rows, then the prompt rows scored for logprobs.
     logits_indices: torch.Tensor
     sampling_requests: list[Request]  # one per sampled row
+    # Verify groups (``pd.engine.spec.verify``): each sampled row's offset after its request's last token
+    # (None when no request verifies drafts), and each group's first row with its drafts.
+    sample_offsets: list[int] | None = None
+    groups: dict[int, tuple[int, ...]] = field(default_factory=dict)
     # Requests asking for prompt logprobs, with how many rows of this step score their prompt (in order).
     prompt_rows: list[tuple[Request, int]] = field(default_factory=list)
     prompt_targets: torch.Tensor | None = None  # int64 [num_prompt_rows]: the token each prompt row scores

@@ -42,8 +42,8 @@ from router.step_cost import StepShape, StepSums
 def launches_ahead(config: EngineConfig, runner: ModelRunner) -> bool:
     """``async_scheduling`` made concrete: on, off, or "auto" (on CUDA); only where the runner can."""
     wanted = config.async_scheduling
-    if wanted == "auto":
-        wanted = config.device.startswith("cuda")
+    if wanted == "auto":  # a verify step's accepted tokens decide the next step's inputs: synchronous
+        wanted = config.device.startswith("cuda") and config.speculative_config is None
     return bool(wanted) and getattr(runner, "can_launch_ahead", False)
 
 

@@ -109,6 +109,9 @@ class Request:
     grammar: RequestGrammar | None = None
     num_inflight_tokens: int = 0
     num_unread_tokens: int = 0
+    # Speculative decoding (``pd.engine.spec``): draft tokens verified for it, and those accepted.
+    num_spec_draft_tokens: int = 0
+    num_spec_accepted_tokens: int = 0
 
     def __post_init__(self) -> None:
         self.token_ids: list[int] = list(self.prompt_token_ids)

@@ -52,15 +52,16 @@ class Sampler:
     def forget(self, request_id: str) -> None:
         self._per_request.pop(request_id, None)
 
-    def _generator(self, request: Request) -> torch.Generator:
+    def _generator(self, request: Request, offset: int = 0) -> torch.Generator:
         seed = request.sampling_params.seed
         if seed is None:
             return self._shared
         generator = self._per_request.get(request.request_id)
         if generator is None:
             generator = self._per_request[request.request_id] = torch.Generator(device=self.device)
-        # The position drawn: with a step in flight, after the token it samples (on the device still).
-        generator.manual_seed(position_seed(seed, request.num_tokens_with_unread))
+        # The position drawn: with a step in flight, after the token it samples (on the device still);
+        # a verify row ``offset`` drafts further on (``pd.engine.spec.verify``).
+        generator.manual_seed(position_seed(seed, request.num_tokens_with_unread + offset))
         return generator
 
     def sample(self, logits: torch.Tensor, requests: list[Request],
@@ -69,10 +70,12 @@ class Sampler:
         return self.draw(logits, requests, grammar).read()
 
     def draw(self, logits: torch.Tensor, requests: list[Request], grammar: GrammarMask | None = None,
-             prompt: PromptScores | None = None) -> DeviceSamples:
-        """Pick one token per row of fp32 ``logits [num_requests, vocab]``, within ``grammar``'s masks if any.
+             prompt: PromptScores | None = None, offsets: list[int] | None = None) -> DeviceSamples:
+        """Pick one token per row of fp32 ``logits [num_rows, vocab]``, within ``grammar``'s masks if any.
 
-        The tokens stay on the device with their log-probabilities (and ``prompt``'s scores, read with them).
+        ``requests[row]`` is the row's request; a request verifying drafts has a row per position, each
+        ``offsets[row]`` tokens after its last. The tokens stay on the device with their log-probabilities
+        (and ``prompt``'s scores, read with them).
         """
         # Grammar rows draw from masked logits; ``logits`` itself stays raw for the log-probabilities.
         masked = logits if grammar is None else grammar.apply(logits)
@@ -85,7 +88,7 @@ class Sampler:
                 continue
             try:
                 row_logits = torch.where(usable[row], masked[row], 0.0)
-                token_ids[row] = self._sample_row(row_logits, request)
+                token_ids[row] = self._sample_row(row_logits, request, offsets[row] if offsets else 0)
             except RuntimeError as exc:  # this request's draw alone: fail it, keep the batch
                 logger.warning("request %s: sampling failed: %s", request.request_id, exc)
                 draw_errors[row] = f"sampling failed: {exc}"
@@ -107,7 +110,7 @@ class Sampler:
         top_values, top_ids = torch.topk(all_logprobs, max_k, dim=-1)
         return logprobs, top_ids, top_values
 
-    def _sample_row(self, logits: torch.Tensor, request: Request) -> torch.Tensor:
+    def _sample_row(self, logits: torch.Tensor, request: Request, offset: int = 0) -> torch.Tensor:
         params = request.sampling_params
         logits = logits / params.temperature
         if params.top_k is not None and params.top_k < logits.shape[-1]:
@@ -120,4 +123,4 @@ class Sampler:
             drop_sorted = cumulative - torch.softmax(sorted_logits, dim=-1) >= params.top_p
             logits = logits.masked_fill(torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted), float("-inf"))
         probs = torch.softmax(logits, dim=-1)
-        return torch.multinomial(probs, 1, generator=self._generator(request))[0]
+        return torch.multinomial(probs, 1, generator=self._generator(request, offset))[0]

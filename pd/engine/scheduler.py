@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import deque
+from typing import TYPE_CHECKING
 
 from pd.config import SchedulerConfig
 from pd.engine.block_pool import BlockPool
@@ -26,7 +27,11 @@ from pd.engine.kv_cache_manager import NO_MATCH, KVCacheManager
 from pd.engine.logprobs import PromptLogprob
 from pd.engine.outputs import EngineTimings, ForwardOutput, RequestOutput, ScheduledRequest, SchedulerOutput
 from pd.engine.request import FinishReason, KVSource, Request, RequestStatus, finish_reason
+from pd.engine.spec.verify import verified_rows
 from pd.engine.tiers.base import NO_TIERS, Tiers
+
+if TYPE_CHECKING:
+    from pd.engine.spec.speculator import Speculator
 
 
 class Scheduler:
@@ -40,6 +45,8 @@ class Scheduler:
         self.num_prompt_tokens = 0
         self.num_computed_prompt_tokens = 0  # prompt tokens run through the model (a recompute counts again)
         self.num_preemptions = 0
+        # Speculative decoding (``pd.engine.spec.speculator``): proposes drafts for running decodes.
+        self.speculator: Speculator | None = None
 
     @property
     def has_unfinished(self) -> bool:
@@ -77,6 +84,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        drafts = self.speculator.plan(self.running) if self.speculator is not None else {}
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
@@ -84,9 +92,13 @@ class Scheduler:
             if num_new <= 0 or self._ends_with_unread_token(request):
                 index += 1  # it ends when the step in flight is read: nothing more to compute for it
                 continue
-            if not self._allocate_or_preempt(request, num_new, out):
+            draft = drafts.get(request, ())[:budget - num_new]  # the budget counts a verify step's k + 1
+            if draft and not self.kv_cache.allocate_slots(request, num_new + len(draft)):
+                draft = ()  # drafts take free blocks only: speculation never preempts
+            if not draft and not self._allocate_or_preempt(request, num_new, out):
                 break  # the request preempted itself; everything after it is gone too
-            out.scheduled.append(self._scheduled(request, num_new))
+            num_new += len(draft)
+            out.scheduled.append(self._scheduled(request, num_new, draft))
             budget -= num_new
             index += 1
         if not out.preempted:
@@ -170,9 +182,9 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     @staticmethod
-    def _scheduled(request: Request, num_new: int) -> ScheduledRequest:
-        samples = request.num_scheduled_tokens + num_new == request.num_tokens_with_unread
-        return ScheduledRequest(request=request, num_new_tokens=num_new, samples=samples)
+    def _scheduled(request: Request, num_new: int, draft: tuple[int, ...] = ()) -> ScheduledRequest:
+        samples = request.num_scheduled_tokens + num_new - len(draft) == request.num_tokens_with_unread
+        return ScheduledRequest(request=request, num_new_tokens=num_new, samples=samples, draft_token_ids=draft)
 
     @staticmethod
     def launched(out: SchedulerOutput) -> None:
@@ -201,14 +213,17 @@ class Scheduler:
         sample_index = 0
         any_finished = False
         for item in out.scheduled:
-            status = self._advance(item, forward.prompt_logprobs)
-            if not item.samples:
-                continue
             row = sample_index
-            sample_index += 1
-            if status is RequestStatus.FINISHED:
-                continue
-            output = self._take_sample(item.request, forward, row)
+            sample_index += item.num_samples
+            if item.draft_token_ids:
+                output = self._verify(item, forward, row)
+                if output is None:
+                    continue
+            else:
+                status = self._advance(item, forward.prompt_logprobs)
+                if not item.samples or status is RequestStatus.FINISHED:
+                    continue
+                output = self._take_sample(item.request, forward, row)
             any_finished = any_finished or output.finished
             results.append(output)
         if any_finished:
@@ -234,6 +249,45 @@ class Scheduler:
             if prompt_logprobs:
                 request.prompt_logprobs += prompt_logprobs.get(request.request_id, ())
         return status
+
+    def _verify(self, item: ScheduledRequest, forward: ForwardOutput, first_row: int) -> RequestOutput | None:
+        """Land a verify chunk (``pd.engine.spec.verify``): output its verified rows' tokens, each advancing the
+        computed KV by one, until one ends the request; free the blocks of the rejected drafts' slots."""
+        request, drafts = item.request, item.draft_token_ids
+        request.num_inflight_tokens -= item.num_new_tokens
+        request.num_unread_tokens -= item.samples
+        if request.status is not RequestStatus.RUNNING:
+            return None
+        sampled = forward.sampled_token_ids
+        rows = verified_rows(sampled, drafts, first_row, lambda row, token: row in forward.stop_rows)
+        if not rows:  # the last token's own row failed: the request fails as a decode would
+            return self._take_sample(request, forward, first_row)
+        accepted = sum(1 for j, row in enumerate(rows) if j < len(drafts) and sampled[row] == drafts[j])
+        if self.speculator is not None:
+            self.speculator.observe(request, len(drafts), accepted)
+        tokens, logprobs, tops = [], [], []
+        reason = None
+        for row in rows:
+            token_id = sampled[row]
+            logprob = forward.logprobs[row] if forward.logprobs is not None else None
+            request.append_output(token_id, logprob)
+            request.num_computed_tokens += 1  # the token before it is computed: its KV is this step's
+            tokens.append(token_id)
+            if logprob is not None:
+                logprobs.append(logprob)
+            if forward.top_logprobs is not None and forward.top_logprobs[row] is not None:
+                tops.append(forward.top_logprobs[row])
+            reason = FinishReason.STOP if row in forward.stop_rows else finish_reason(
+                request.sampling_params, token_id, len(request.output_token_ids), len(request.token_ids),
+                self.config.max_model_len, request.eos_token_ids)
+            if reason is not None:
+                break
+        if reason is not None:
+            self._finish(request, reason)
+        else:
+            self.kv_cache.cache_blocks(request)
+            self.kv_cache.trim(request, request.num_tokens)
+        return self._output(request, tokens, logprobs, reason, top_logprobs=tops)
 
     def _take_sample(self, request: Request, forward: ForwardOutput, row: int) -> RequestOutput:
         """Append the token ``request`` sampled in ``row`` (or fail it with the row's error); finish it if it ends."""

@@ -72,3 +72,7 @@ class EngineStats:
     shared_blocks: int = 0
     shared_capacity_blocks: int = 0
     shared_disabled: int = 0
+    # Speculative decoding (``pd.engine.spec``), cumulative: verify groups, draft tokens verified, accepted.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0

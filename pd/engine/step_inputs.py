@@ -42,8 +42,10 @@ def flatten(out: SchedulerOutput, block_tables: list[list[int]], block_size: int
         request = item.request
         start = request.num_scheduled_tokens
         end = start + item.num_new_tokens
-        token_ids.extend(request.token_ids[start:end])
-        if request.num_tokens < end:  # its last token is the one the step in flight samples
+        drafts = item.draft_token_ids  # after the request's last token, in this chunk's tail
+        token_ids.extend(request.token_ids[start:end - len(drafts)])
+        token_ids.extend(drafts)
+        if request.num_tokens < end - len(drafts):  # its last token is the one the step in flight samples
             if previous is None or request not in previous.row_of:
                 raise ValueError(f"request {request.request_id}: its token at {request.num_tokens} is "
                                  "unread, and the step in flight does not sample it")
@@ -55,8 +57,12 @@ def flatten(out: SchedulerOutput, block_tables: list[list[int]], block_size: int
         cu_seqlens.append(len(token_ids))
         seq_lens.append(end)
         if item.samples:
-            logits_indices.append(len(token_ids) - 1)
-            rows.sampling_requests.append(request)
+            if drafts:  # a verify group: the last token's row, then one per draft (pd.engine.spec.verify)
+                rows.groups[len(rows.sampling_requests)] = drafts
+            for offset in range(len(drafts), -1, -1):
+                logits_indices.append(len(token_ids) - 1 - offset)
+                rows.sampling_requests.append(request)
+                rows.sample_offsets.append(len(drafts) - offset)
         scored = _prompt_positions(request, start, end)
         if scored:
             offset = len(token_ids) - end  # the flat index of position 0
@@ -93,6 +99,8 @@ def to_device(step: StepLists, rows: DriverRows, device: torch.device, backend: 
         attn=attn,
         logits_indices=logits_indices_t,
         sampling_requests=rows.sampling_requests,
+        sample_offsets=rows.sample_offsets if rows.groups else None,
+        groups=rows.groups,
         prompt_rows=rows.prompt_rows,
         prompt_targets=prompt_targets_t if rows.prompt_rows else None,
     )
@@ -103,6 +111,10 @@ class DriverRows:
     """What of a step only the driver reads: the rows it samples and the prompt rows it scores."""
 
     sampling_requests: list[Request] = field(default_factory=list)
+    # Per sampled row, how many tokens after its request's last it samples (0 but in a verify group),
+    # and each verify group's first row with its drafts.
+    sample_offsets: list[int] = field(default_factory=list)
+    groups: dict[int, tuple[int, ...]] = field(default_factory=dict)
     prompt_rows: list[tuple[Request, int]] = field(default_factory=list)
     prompt_targets: list[int] = field(default_factory=list)
     # Flat indices of tokens the step in flight samples, their rows in its draws, and those draws.

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from pd.engine.spec.verify import verified_rows
 from pd.model.tokenizer import Tokenizer
 from pd.sampling_params import StructuredKind, StructuredOutput
 
@@ -293,26 +294,54 @@ class GrammarMask:
     rest of the masking).
     """
 
-    def __init__(self, grammars: Sequence[RequestGrammar | None], vocab_size: int):
+    def __init__(self, grammars: Sequence[RequestGrammar | None], vocab_size: int,
+                 groups: dict[int, Sequence[int]] | None = None):
         self.rows = [row for row, grammar in enumerate(grammars) if grammar is not None]
         self.grammars = [grammars[row] for row in self.rows]
         self.vocab_size = vocab_size
+        # Verify groups (``pd.engine.spec.verify``): first row -> drafts; rows first + j follow drafts[:j].
+        self.groups = {row: drafts for row, drafts in (groups or {}).items() if grammars[row] is not None}
+        self._in_group = {first + j for first, drafts in self.groups.items() for j in range(1, len(drafts) + 1)}
         # [num_rows, ceil(vocab_size / 32)] int32, all ones: bit t of a row set = token t allowed.
         self.bitmask = _xgr().allocate_token_bitmask(len(grammars), vocab_size)
 
     @classmethod
-    def for_rows(cls, grammars: Sequence[RequestGrammar | None], vocab_size: int) -> GrammarMask | None:
+    def for_rows(cls, grammars: Sequence[RequestGrammar | None], vocab_size: int,
+                 groups: dict[int, Sequence[int]] | None = None) -> GrammarMask | None:
         """None when no row has a grammar: such steps pay nothing."""
         if all(grammar is None for grammar in grammars):
             return None
-        return cls(grammars, vocab_size)
+        return cls(grammars, vocab_size, groups)
 
     def fill(self) -> None:
         for row, grammar in zip(self.rows, self.grammars):
-            try:
-                grammar.matcher.fill_next_token_bitmask(self.bitmask, row)
-            except RuntimeError:  # a terminated (or broken) matcher: its row allows nothing, and fails alone
-                self.bitmask[row] = 0
+            if row in self._in_group:
+                continue
+            if row in self.groups:
+                self._fill_group(row, grammar, self.groups[row])
+                continue
+            self._fill_row(row, grammar)
+
+    def _fill_row(self, row: int, grammar: RequestGrammar) -> None:
+        try:
+            grammar.matcher.fill_next_token_bitmask(self.bitmask, row)
+        except RuntimeError:  # a terminated (or broken) matcher: its row allows nothing, and fails alone
+            self.bitmask[row] = 0
+
+    def _fill_group(self, first: int, grammar: RequestGrammar, drafts: Sequence[int]) -> None:
+        """Row ``first + j`` as the grammar stands after ``drafts[:j]``; the matcher is rolled back after.
+
+        Rows after a draft the grammar rejects keep all ones: no draw reaches them, since the row before
+        cannot draw that draft (``pd.engine.spec.verify``).
+        """
+        accepted = 0
+        for j in range(len(drafts) + 1):
+            self._fill_row(first + j, grammar)
+            if j == len(drafts) or grammar.is_terminated or not grammar.matcher.accept_token(drafts[j]):
+                break
+            accepted += 1
+        if accepted:
+            grammar.matcher.rollback(accepted)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """A masked copy of ``logits [num_rows, vocab]``, after ``fill``."""
@@ -332,18 +361,30 @@ class GrammarMask:
         and failed rows whose mask allowed nothing, with that as the reason.
         """
         new_errors: dict[int, str] = {}
-        terminated = set()
+        terminated: set[int] = set()
         for row, grammar in zip(self.rows, self.grammars):
-            token_id = sampled_token_ids[row]
-            if row not in errors and grammar.matcher.accept_token(token_id):
-                if token_id in grammar.stop_token_ids and grammar.is_terminated:
-                    terminated.add(row)
+            if row in self._in_group:
                 continue
-            if self._allows_nothing(row):
-                new_errors[row] = "structured output: the grammar allows no next token"
-            elif row not in errors:
-                new_errors[row] = f"structured output: the grammar rejected sampled token {token_id}"
+            for row in self._group_rows(row, sampled_token_ids):
+                token_id = sampled_token_ids[row]
+                if row not in errors and grammar.matcher.accept_token(token_id):
+                    if token_id in grammar.stop_token_ids and grammar.is_terminated:
+                        terminated.add(row)
+                        break
+                    continue
+                if self._allows_nothing(row):
+                    new_errors[row] = "structured output: the grammar allows no next token"
+                elif row not in errors:
+                    new_errors[row] = f"structured output: the grammar rejected sampled token {token_id}"
+                break
         return new_errors, frozenset(terminated)
+
+    def _group_rows(self, row: int, sampled_token_ids: Sequence[int | None]) -> list[int]:
+        """The rows whose tokens ``row``'s request outputs: itself, or its verify group's verified rows."""
+        drafts = self.groups.get(row)
+        if drafts is None:
+            return [row]
+        return verified_rows(sampled_token_ids, drafts, row) or [row]
 
     def _allows_nothing(self, row: int) -> bool:
         words = self.bitmask[row].numpy().view(np.uint32).copy()

@@ -1,0 +1,1 @@
+"""Speculative decoding: draft tokens proposed by lookup, verified in one forward pass (``speculator``)."""
