@@ -127,3 +127,6 @@ class RequestOutput:
     # On the output that carries the first sampled token, when asked for: every prompt token's score.
     prompt_logprobs: list[PromptLogprob] | None = None
     timings: EngineTimings | None = None  # on the output that carries this engine's first token
+    # On the finishing output: the draft tokens this engine verified for the request, and those it accepted.
+    num_spec_draft_tokens: int = 0
+    num_spec_accepted_tokens: int = 0

@@ -356,6 +356,8 @@ class Scheduler:
             error=error,
             new_top_logprobs=top_logprobs or [],
             timings=_first_token_timings(request) if token_ids else None,
+            num_spec_draft_tokens=request.num_spec_draft_tokens if reason is not None else 0,
+            num_spec_accepted_tokens=request.num_spec_accepted_tokens if reason is not None else 0,
         )
 
     def _finish(self, request: Request, reason: FinishReason) -> None:

@@ -88,4 +88,6 @@ class DecodeServer(EngineServer):
             top_logprobs=tuple(out.new_top_logprobs),
             prompt_logprobs=tuple(out.prompt_logprobs) if out.prompt_logprobs is not None else None,
             timings=RequestTimings.of(out.timings),
+            num_spec_draft_tokens=out.num_spec_draft_tokens,
+            num_spec_accepted_tokens=out.num_spec_accepted_tokens,
         ).encode()

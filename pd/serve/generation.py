@@ -362,6 +362,9 @@ class PoolClient:
                 yield event
                 if event.finish_reason is not None:
                     span.set(finish_reason=event.finish_reason, num_output_tokens=event.num_output_tokens)
+                    if chunk.num_spec_draft_tokens:  # speculative decoding: what its drafts gave
+                        span.set(spec_draft_tokens=chunk.num_spec_draft_tokens,
+                                 spec_accepted_tokens=chunk.num_spec_accepted_tokens)
                     return
                 if may_move and not started_held and self.decode_routing.is_quarantined(replica) \
                         and self.decode_routing.has_live_replica(excluding=(*hints.exclude_replica_ids, replica)):

@@ -23,6 +23,11 @@ REPLICA_GAUGES = (
     ("expert_balancedness", "expert parallelism: the least balanced MoE layer's mean over max tokens per rank"),
     ("expert_moves", "expert parallelism: MoE layers whose experts moved between ranks (EPLB), cumulative"),
     ("expert_move_seconds", "expert parallelism: time spent moving expert weights, cumulative"),
+    ("spec_drafts", "speculative decoding: verify groups (a request's drafts verified in one step), cumulative"),
+    ("spec_draft_tokens", "speculative decoding: draft tokens verified, cumulative"),
+    ("spec_accepted_tokens", "speculative decoding: draft tokens accepted, cumulative"),
+    ("spec_acceptance_rate", "speculative decoding: draft tokens accepted over verified, since the start"),
+    ("spec_mean_accepted", "speculative decoding: draft tokens accepted per verify group, since the start"),
 )
 # Per KV tier below the device pool, tagged tier=host|disk|shared.
 TIER_GAUGES = (
@@ -80,6 +85,11 @@ class ReplicaMetrics:
             "expert_balancedness": stats.expert_balancedness,
             "expert_moves": stats.expert_moves,
             "expert_move_seconds": stats.expert_move_seconds,
+            "spec_drafts": stats.spec_num_drafts,
+            "spec_draft_tokens": stats.spec_num_draft_tokens,
+            "spec_accepted_tokens": stats.spec_num_accepted_tokens,
+            "spec_acceptance_rate": stats.spec_num_accepted_tokens / max(1, stats.spec_num_draft_tokens),
+            "spec_mean_accepted": stats.spec_num_accepted_tokens / max(1, stats.spec_num_drafts),
         }
         for name, value in values.items():
             self._gauges[name].set(value)

@@ -149,3 +149,6 @@ class DecodeChunk(WireMessage, frozen=True, kw_only=True):
     top_logprobs: tuple[TopLogprobs, ...] = ()
     prompt_logprobs: tuple[PromptLogprob, ...] | None = None
     timings: RequestTimings | None = None  # with the first chunk that has a token
+    # With the finish reason: the draft tokens the replica verified for the request, and those it accepted.
+    num_spec_draft_tokens: NonNegativeInt = 0
+    num_spec_accepted_tokens: NonNegativeInt = 0

@@ -9,6 +9,7 @@ accepted; nothing fails.
 
 from __future__ import annotations
 
+import json
 import uuid
 
 import pytest
@@ -62,4 +63,9 @@ def test_served_speculative_answers_equal_the_colocated_plain_engine(app, coloca
                                                     "temperature": 0})
         assert status == 200, body
         assert body["choices"][0]["text"] == colocated(text, 32), prompt
+        status, text = app.request("GET", f"/debug/requests/{body['id']}")
+        assert status == 200, text
+        timeline = json.loads(text)
+        decode = next(span for span in timeline["spans"] if span["name"] == "decode")["attributes"]
+        assert decode["spec_draft_tokens"] >= decode["spec_accepted_tokens"] > 0  # the request's drafts
     assert accepted() > before  # the decode pool verified drafts and kept some
