@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import random
+from dataclasses import dataclass
 from pathlib import Path
 
 from pd.config import EngineConfig
@@ -48,6 +49,43 @@ from sim.clock import EventLoop
 from sim.cost import CostModel, StepShape
 from sim.tiers import ModelledStore, ModelledTierIO, TierModels
 from transfer.base import KVTransport
+
+
+@dataclass(frozen=True)
+class DraftModel:
+    """How a workload's drafts fare, for a simulated engine that speculates (``EngineConfig.speculative_config``).
+
+    ``found``: the share of a request's decode steps whose lookup finds a draft
+    (of the full length asked); ``acceptance``: the chance the target draws
+    each draft token, given it drew the ones before. The engine's own
+    ``Speculator`` decides, from its fit of the modelled step times, which
+    requests verify how many (``pd.engine.spec.speculator``).
+    """
+
+    found: float = 1.0
+    acceptance: float = 0.7
+
+    def __post_init__(self) -> None:
+        for name in ("found", "acceptance"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"DraftModel.{name} must be in [0, 1], got {getattr(self, name)}")
+
+
+class ModelledProposer:
+    """``pd.engine.spec.base.Proposer`` without tokens to look up: a draft of the length asked, ``found`` of the
+    time, from a seeded stream."""
+
+    def __init__(self, model: DraftModel, vocab_size: int, seed: int):
+        self.model, self.vocab_size = model, vocab_size
+        self._random = random.Random(seed)
+
+    def propose(self, request_id: str, token_ids, k: int) -> list[int]:
+        if self._random.random() >= self.model.found:
+            return []
+        return [self._random.randrange(self.vocab_size) for _ in range(k)]
+
+    def finish(self, request_id: str, token_ids, num_prompt_tokens: int) -> None:
+        """Nothing is kept per request."""
 
 
 class ModelledRunner:
@@ -73,6 +111,7 @@ class ModelledRunner:
         self.num_fast_forwarded_steps = 0  # of ``num_steps``: those a fast-forwarded run made (``record_run``)
         self.host_tier_stats: HostTierStats | None = None  # the engine's host tier, when it has one
         self.tier_io: ModelledTierIO | None = None  # its disk tier's and shared store's, when it has them
+        self.drafts: DraftModel | None = None  # with speculative decoding: how its lookups fare
         self._copied_blocks = 0
         self._block_bytes = self.kv_cache[0].nbytes  # a meta tensor's size costs a torch call: read it once
 
@@ -80,8 +119,22 @@ class ModelledRunner:
         seconds, self.last_step_threads = self.price(StepShape.of(out.scheduled))
         self.last_step_seconds = seconds + self._host_copy_seconds()
         self.num_steps += 1
-        sampled = self.sample(sum(item.samples for item in out.scheduled))
+        if self.drafts is not None and any(item.draft_token_ids for item in out.scheduled):
+            sampled = [token for item in out.scheduled if item.samples for token in self._verify(item)]
+        else:
+            sampled = self.sample(sum(item.samples for item in out.scheduled))
         return ForwardOutput(sampled_token_ids=sampled, logprobs=None, modelled_seconds=self.last_step_seconds)
+
+    def _verify(self, item) -> list[int]:
+        """A verify group's rows (``pd.engine.spec.verify``): each draft is what the target draws with
+        probability ``drafts.acceptance``, given the ones before it were; the rows after a miss are anything."""
+        drafts, rows = item.draft_token_ids, []
+        for draft in drafts:
+            if self._tokens.random() >= self.drafts.acceptance:
+                rows.append((draft + 1) % self.vocab_size)
+                break
+            rows.append(draft)
+        return rows + self.sample(len(drafts) + 1 - len(rows))
 
     def price(self, shape: StepShape) -> tuple[float, int | None]:
         """A step of ``shape``: its modelled seconds, the host tier's copies left out, and its threads where
@@ -125,7 +178,8 @@ class ModelledRunner:
 
 def sim_engine(config: EngineConfig, cost: CostModel, seed: int = 0, *, transport: KVTransport | None = None,
                loop: EventLoop | None = None, tier_models: TierModels = TierModels(),
-               shared_store: ModelledStore | None = None, decode_cost: CostModel | None = None) -> LLMEngine:
+               shared_store: ModelledStore | None = None, decode_cost: CostModel | None = None,
+               drafts: DraftModel | None = None) -> LLMEngine:
     """A real engine for ``config.model`` (its config and tokenizer are read; no weights are loaded).
 
     With a ``loop``, the engine's clock is the loop's (leases expire and pulls
@@ -147,6 +201,9 @@ def sim_engine(config: EngineConfig, cost: CostModel, seed: int = 0, *, transpor
                        clock=clock, tier_io=tier_io)
     engine.runner.host_tier_stats = engine.tiers.host_stats  # zeros that never change without a host tier
     engine.runner.tier_io = tier_io
+    if engine.speculator is not None:  # the real speculator plans; its lookups and their fate are modelled
+        engine.runner.drafts = drafts or DraftModel()
+        engine.speculator.proposer = ModelledProposer(engine.runner.drafts, engine.model_config.vocab_size, seed)
     return engine
 
 

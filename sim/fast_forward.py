@@ -44,6 +44,7 @@ def run_length(engine: LLMEngine) -> int:
     scheduler = engine.scheduler
     running = scheduler.running
     if (not running or scheduler.waiting or scheduler.remote_waiting or engine.tiers is not NO_TIERS
+            or scheduler.speculator is not None  # a verify step's tokens are the speculator's to plan
             or engine.has_pending_transfers() or len(running) > scheduler.config.max_num_batched_tokens):
         return 0
     max_model_len = scheduler.config.max_model_len
