@@ -20,7 +20,7 @@ from pd.engine.outputs import RequestOutput
 from pd.engine.overlap import StepPipeline
 from pd.engine.request import FinishReason, KVSource, Request, RequestStatus, finish_reason
 from pd.engine.scheduler import make_scheduler
-from pd.engine.spec.speculator import Speculator
+from pd.engine.spec.speculator import make_speculator
 from pd.engine.stats import EngineStats
 from pd.engine.step_times import StepTimes
 from pd.engine.stepper import Stepper
@@ -92,8 +92,7 @@ class LLMEngine:
         self.step_times = StepTimes()
         self.step_sums = StepSums()  # the fit of this engine's own step cost (router.step_cost)
         # Speculative decoding: drafts for the running decodes, priced by that fit (pd.engine.spec).
-        self.speculator = Speculator(config.speculative_config, self.step_sums, self.max_model_len) \
-            if config.speculative_config is not None else None
+        self.speculator = make_speculator(config, self.step_sums, num_blocks, self.max_model_len, mc.vocab_size)
         self.scheduler.speculator = self.speculator
         self.connector = KVConnector(
             self.engine_id, transport, self.fingerprint, self.kv_cache, self.scheduler,
@@ -300,6 +299,8 @@ class LLMEngine:
         """Run a prefill and a decode step outside any request (``ModelRunner.warm_up``), and log its time."""
         started = time.monotonic()
         self.runner.warm_up()
+        if self.speculator is not None:
+            self.speculator.warm_up()
         logger.info("engine warmed up in %.2f s", time.monotonic() - started)
 
     def check_health(self) -> None:
@@ -316,6 +317,8 @@ class LLMEngine:
         tensor-parallel workers. The engine cannot step after this."""
         self.tiers.close()
         self.runner.close()
+        if self.speculator is not None:
+            self.speculator.close()
 
     def _forget(self, request_id: str) -> None:
         request = self._requests.pop(request_id, None)

@@ -29,4 +29,5 @@ def make_proposer(config) -> Proposer:
         return SuffixProposer(max_depth=config.suffix_max_depth, max_cached_tokens=config.suffix_cache_tokens,
                               max_spec_factor=config.suffix_max_spec_factor,
                               min_token_prob=config.suffix_min_token_prob)
-    raise ValueError(f"speculative_config.method {config.method!r} has no proposer")
+    raise ValueError(f"speculative_config.method {config.method!r} has no lookup proposer: the engine builds a "
+                     "draft model's (pd.engine.spec.draft)")

@@ -9,12 +9,15 @@ Methods:
 - ``ngram``: prompt lookup. The longest n-gram (``prompt_lookup_min`` to
   ``prompt_lookup_max`` tokens) ending the sequence, found earlier in the
   request's prompt or output; its continuation is the draft.
+- ``draft_model``: a smaller checkpoint (``model``) with the target's
+  vocabulary drafts greedily, run by the engine's own code with a KV pool of
+  its own (``pd.engine.spec.draft``).
 - ``suffix``: suffix decoding. The request's own tokens and a bounded cache
   of the replica's recent outputs (``suffix_cache_tokens`` tokens), matched by
   their longest common suffix, the continuation chosen by frequency.
 
-Both drafts are single tokens with no distribution (one-hot), so verifying
-them needs nothing but the target's own draws (``pd.engine.spec.verify``).
+Every method's drafts are verified by the target's own draws
+(``pd.engine.spec.verify``): outputs are the non-speculative engine's.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict
 
-SPEC_METHODS = ("ngram", "suffix")
+SPEC_METHODS = ("ngram", "suffix", "draft_model")
 SpecMethod = Literal[SPEC_METHODS]
 # The most draft tokens one verify step may carry per request.
 MAX_SPECULATIVE_TOKENS = 32
@@ -37,6 +40,8 @@ class SpeculativeConfig:
 
     method: SpecMethod = "ngram"
     num_speculative_tokens: int = 4
+    # draft_model: the draft's checkpoint (as EngineConfig.model), sharing the target's vocabulary.
+    model: str | None = None
     # ngram: the shortest and longest n-gram matched.
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
@@ -52,9 +57,10 @@ class SpeculativeConfig:
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
-            raise ValueError(f"speculative_config.method must be one of {SPEC_METHODS}, got {self.method!r}"
-                             + (" (a draft model is not supported yet)" if self.method in ("draft_model", "eagle")
-                                else ""))
+            raise ValueError(f"speculative_config.method must be one of {SPEC_METHODS}, got {self.method!r}")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError("speculative_config.model names the draft checkpoint of method draft_model, and only "
+                             f"of it: got method {self.method!r} with model {self.model!r}")
         if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"speculative_config.num_speculative_tokens must be in 1..{MAX_SPECULATIVE_TOKENS}, "
                              f"got {self.num_speculative_tokens}")

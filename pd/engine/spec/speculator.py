@@ -94,7 +94,7 @@ class Speculator:
         if not eligible:
             return {}
         threshold = self._threshold(running)
-        drafts = {}
+        wanted = []
         for request in eligible:
             acceptance = self._acceptance.setdefault(request.request_id, _Acceptance())
             k = min(self._room(request), self._budget(acceptance.alpha, request, threshold))
@@ -102,10 +102,16 @@ class Speculator:
                 acceptance.accepted *= DECAY  # drift back to the prior: probe again later
                 acceptance.rejected *= DECAY
                 continue
-            proposal = self.proposer.propose(request.request_id, request.token_ids, k)
-            if proposal:
-                drafts[request] = tuple(proposal[:k])
-        return drafts
+            wanted.append((request, k))
+        if not wanted:
+            return {}
+        propose_many = getattr(self.proposer, "propose_many", None)
+        if propose_many is not None:  # a draft model drafts for the batch at once
+            found = propose_many([(r.request_id, r.token_ids, k) for r, k in wanted])
+            proposals = [(r, k, found.get(r.request_id)) for r, k in wanted]
+        else:
+            proposals = [(r, k, self.proposer.propose(r.request_id, r.token_ids, k)) for r, k in wanted]
+        return {request: tuple(proposal[:k]) for request, k, proposal in proposals if proposal}
 
     def observe(self, request: Request, num_drafts: int, num_accepted: int) -> None:
         """A verify step of ``num_drafts`` drafts accepted the first ``num_accepted``."""
@@ -124,6 +130,15 @@ class Speculator:
         self._acceptance.pop(request.request_id, None)
         self.proposer.finish(request.request_id, request.token_ids, request.num_prompt_tokens)
 
+    def warm_up(self) -> None:
+        """A draft model's first steps, paid at start (``ModelRunner.warm_up``)."""
+        if hasattr(self.proposer, "warm_up"):
+            self.proposer.warm_up()
+
+    def close(self) -> None:
+        if hasattr(self.proposer, "close"):
+            self.proposer.close()
+
     def _room(self, request: Request) -> int:
         """Drafts ``request`` may verify now: 0 unless it is a plain decode with room for drafts and a bonus."""
         if (request.status is not RequestStatus.RUNNING or request.num_unread_tokens or request.num_inflight_tokens
@@ -140,7 +155,7 @@ class Speculator:
         if threshold is None or not self.config.backoff:
             return k
         c = self._coefficients
-        cost = c[1] + c[4] + c[2] * request.num_computed_tokens
+        cost = c[1] + c[4] + c[2] * request.num_computed_tokens + getattr(self.proposer, "seconds_per_token", 0.0)
         need = threshold * cost  # alpha ** j must reach it
         if need <= 0 or alpha >= 1:
             return k
@@ -163,3 +178,18 @@ class Speculator:
         pairs = sum(r.num_computed_tokens + 1 for r in running)
         seconds = c[0] + (c[1] + c[3] + c[4]) * batch + c[2] * pairs
         return (1 + MARGIN) * batch / seconds if seconds > 0 else None
+
+
+def make_speculator(config, step_sums: StepSums, num_blocks: int, max_model_len: int,
+                    vocab_size: int) -> Speculator | None:
+    """The engine's speculator for ``config.speculative_config`` (None without one); a draft model's proposer
+    gets a pool of as many blocks as the target's (``pd.engine.spec.draft``)."""
+    spec = config.speculative_config
+    if spec is None:
+        return None
+    proposer = None
+    if spec.method == "draft_model":
+        from pd.engine.spec.draft import DraftModelProposer
+
+        proposer = DraftModelProposer(config, spec.model, num_blocks, max_model_len, vocab_size)
+    return Speculator(spec, step_sums, max_model_len, proposer)
