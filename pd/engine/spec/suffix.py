@@ -171,9 +171,9 @@ class SuffixProposer:
         return self._draft(candidates, k)
 
     def finish(self, request_id: str, token_ids: Sequence[int], num_prompt_tokens: int) -> None:
-        """Drop the request's index and cache its output; an unknown id is ignored (and its output not cached)."""
-        if self._requests.pop(request_id, None) is None:
-            return
+        """Drop the request's index and cache its output, also that of a request never proposed for (one that
+        did not speculate still teaches the cache). Called once per request (``Speculator.finish``)."""
+        self._requests.pop(request_id, None)
         if not 0 <= num_prompt_tokens <= len(token_ids):
             raise ValueError(f"num_prompt_tokens must be in [0, {len(token_ids)}], got {num_prompt_tokens}")
         self._cache.insert(token_ids[num_prompt_tokens:])

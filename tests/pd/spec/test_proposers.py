@@ -306,19 +306,18 @@ def test_suffix_cache_memory_per_token_is_bounded(output_len, bound):
 
 
 @pytest.mark.parametrize("make", [lambda: NgramProposer(1, 3), SuffixProposer], ids=["ngram", "suffix"])
-def test_finish_drops_the_request_and_ignores_unknown_ids(make):
+def test_finish_drops_the_request_and_an_unknown_ids_output_is_still_cached(make):
     proposer = make()
     tokens = [1, 2, 3, 1, 2]
     proposer.propose("a", tokens, 2)
     proposer.propose("b", tokens, 2)
     assert proposer.num_requests == 2
     proposer.finish("a", tokens, 2)
-    proposer.finish("a", tokens, 2)  # twice: ignored, nothing cached again
-    proposer.finish("never-seen", tokens, 2)
+    proposer.finish("never-seen", tokens, 2)  # a request that never drafted: its output teaches the cache too
     assert proposer.num_requests == 1
     proposer.propose("a", [9], 2)  # the id starts afresh: a shorter sequence is no error
     if isinstance(proposer, SuffixProposer):
-        assert proposer.num_cached_sequences == 1
+        assert proposer.num_cached_sequences == 2
 
 
 @pytest.mark.parametrize("make", [lambda: NgramProposer(1, 3), SuffixProposer], ids=["ngram", "suffix"])
