@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pd.engine.logprobs import PromptLogprob, TopLogprobs
 from pd.engine.request import FinishReason
 from pd.serve.metrics import RequestMetrics
-from pd.serve.text import TextStream
+from pd.serve.text import TextDelta, TextStream
 from pd.serve.timeline import Timeline
 
 
@@ -53,9 +53,12 @@ class StreamTracker:
         elif token_ids:
             self.metrics.itl.observe(now - self.last_token_at)
         self.last_token_at = now
+        if len(token_ids) > 1 and self.text.has_stops:  # a verify step's tokens: a stop string may end them early
+            delta, token_ids, logprobs, top_logprobs = self._add_until_stop(token_ids, logprobs, top_logprobs)
+        else:
+            delta = self.text.add(token_ids)
         self.num_output_tokens += len(token_ids)
         self.token_ids += token_ids
-        delta = self.text.add(token_ids)
         text = delta.text
         if delta.stopped:
             out_reason = "stop"
@@ -71,3 +74,16 @@ class StreamTracker:
         return GenerationEvent(token_ids, text, logprobs, out_reason, self.num_prompt_tokens, self.num_output_tokens,
                                list(top_logprobs), None if prompt_logprobs is None else list(prompt_logprobs),
                                self.num_cached_tokens)
+
+    def _add_until_stop(self, token_ids: list[int], logprobs: list[float], top_logprobs):
+        """Several tokens at once (speculative decoding), one at a time through the stop strings: those after
+        the one that completes a stop string are not output, as they would not have been generated."""
+        texts = []
+        for index, token_id in enumerate(token_ids):
+            delta = self.text.add([token_id])
+            texts.append(delta.text)
+            if delta.stopped:
+                kept = index + 1
+                return (TextDelta("".join(texts), True), token_ids[:kept], logprobs[:kept],
+                        list(top_logprobs)[:kept])
+        return TextDelta("".join(texts), False), token_ids, logprobs, top_logprobs

@@ -96,6 +96,11 @@ class TextStream:
     def stopped(self) -> bool:
         return self._stops.stopped
 
+    @property
+    def has_stops(self) -> bool:
+        """Stop strings may end the text (and a text to check them on exists)."""
+        return self._detok is not None and bool(self._stops._matchers)
+
     def add(self, token_ids: list[int]) -> TextDelta:
         if self._detok is None or self.stopped:
             return TextDelta("", self.stopped)

@@ -80,3 +80,31 @@ def time_pushes(stops: list[str], num_chars: int = 5_000) -> float:
             assert not stopper.push("a").stopped
         timings.append(time.perf_counter() - started)
     return min(timings)
+
+
+def test_several_tokens_at_once_stop_where_one_at_a_time_would():
+    """A verify step's tokens arrive together: those after the one completing a stop string are not output
+    (nor counted), as without speculation they would not have been generated."""
+    from pd.model.paths import resolve_model_path
+    from pd.model.tokenizer import Tokenizer
+    from pd.serve.metrics import RequestMetrics
+    from pd.serve.stream import StreamTracker
+    from pd.serve.text import TextStream
+
+    tokenizer = Tokenizer.from_dir(resolve_model_path("builtin:tiny-llama"))
+    prompt = tokenizer.encode("Count:")
+    tokens = tokenizer.encode(" one two three four five six", add_special_tokens=False)
+
+    def run(chunks: list[list[int]]):
+        tracker = StreamTracker(RequestMetrics("test"), TextStream(tokenizer, prompt, ["three"]), len(prompt))
+        events = []
+        for chunk in chunks:  # the stream ends at the event with a finish reason
+            events.append(tracker.add(chunk, [0.0] * len(chunk), None))
+            if events[-1].finish_reason is not None:
+                break
+        return "".join(e.text for e in events), events[-1].num_output_tokens, tracker.token_ids
+
+    one_at_a_time = run([[t] for t in tokens])
+    together = run([tokens[:2], tokens[2:]])
+    assert together == one_at_a_time
+    assert one_at_a_time[0] == " one two " and one_at_a_time[1] < len(tokens)
