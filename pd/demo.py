@@ -1,4 +1,11 @@
-"""Offline generation demo with the built-in model: ``python -m pd.demo``."""
+"""Offline generation with the built-in model, then speculative decoding against plain decoding: ``python -m pd.demo``.
+
+The trained default model answers a chat question. Then the same prompt, an
+edit of a text it is given, runs on an engine that speculates (``ngram``
+drafts: continuations looked up in the prompt) and on one that does not, both
+here and now: the tokens each step yields, the time against plain decoding,
+and whether the outputs agree (greedy: they must).
+"""
 
 from __future__ import annotations
 
@@ -7,32 +14,65 @@ import time
 
 from pd import LLM, SamplingParams
 
+QUESTION = "Explain what a CPU does in one sentence."
+# An edit that copies most of its source: what prompt lookup finds drafts in.
+GROUNDED = """Correct the typos in the following text and return it in full:
+
+The first lighthouses were simple fires lit on hilltops to warn sailors of danger. Later, towers were built so \
+that the ligth could be seen from farther away. The most famous was the Pharos of Alexandria, wich stood for more \
+then a thousand years. In 1822 the French physicist Augustin Fresnel designed a lens made of rings of prisms, and \
+lighthouses with his lens could be seen more than thirty kilometres out to sea. Today most lighthouses are \
+controled remotely, but many are still kept running as a backup for satellite navigation."""
+SPECULATIVE_CONFIG = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+
+
+def chat_ids(llm: LLM, content: str) -> list[int]:
+    # A chat template already writes BOS, so its text is encoded without special tokens.
+    text = llm.tokenizer.apply_chat_template([{"role": "user", "content": content}])
+    return llm.tokenizer.encode(text, add_special_tokens=False)
+
+
+def timed(llm: LLM, prompt: list[int], params: SamplingParams):
+    """``(output, seconds, decode steps)`` of one request alone on ``llm``."""
+    steps = llm.engine.stats().decode_steps
+    start = time.perf_counter()
+    (output,) = llm.generate([prompt], params)
+    return output, time.perf_counter() - start, llm.engine.stats().decode_steps - steps
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--model", default="builtin:tiny-llama")
-    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--model", default="builtin:smollm2-135m-instruct")
+    parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
-    llm = LLM(args.model)
-    messages = [
-        [{"role": "user", "content": "Tell me about the sea."}],
-        [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is a block table?"}],
-    ]
-    # A chat template already writes BOS, so its text is encoded without special tokens.
-    templated = [llm.tokenizer.apply_chat_template(m) for m in messages]
-    prompts = [llm.tokenizer.encode(t, add_special_tokens=False) for t in templated]
-    prompts.append(llm.tokenizer.encode("Once upon a time"))
+    plain = LLM(args.model, num_threads=args.threads)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params)
-    elapsed = time.perf_counter() - start
-    for out in outputs:
-        prompt = llm.tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False)
-        print(f"--- prompt ({len(out.prompt_token_ids)} tokens): {prompt!r}")
-        print(f"    output ({len(out.token_ids)} tokens, {out.finish_reason}): {out.text!r}")
-    total = sum(len(o.token_ids) for o in outputs)
-    print(f"{total} tokens in {elapsed:.2f} s ({total / elapsed:.1f} tok/s); the built-in model has random weights")
+    answer, seconds, _ = timed(plain, chat_ids(plain, QUESTION), params)
+    print(f"user: {QUESTION}\nassistant: {answer.text.strip()}")
+    print(f"({len(answer.token_ids)} tokens in {seconds:.2f} s, {len(answer.token_ids) / seconds:.1f} tok/s)\n")
+
+    spec = LLM(args.model, num_threads=args.threads, speculative_config=SPECULATIVE_CONFIG)
+    spec.generate([chat_ids(spec, "Hello!")], SamplingParams(max_tokens=4))  # its one-time setup, untimed
+    prompt = chat_ids(plain, GROUNDED)
+    greedy = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+    before = spec.engine.stats()
+    with_drafts, spec_s, spec_steps = timed(spec, prompt, greedy)
+    after = spec.engine.stats()
+    without, plain_s, plain_steps = timed(plain, prompt, greedy)
+    drafted = after.spec_num_draft_tokens - before.spec_num_draft_tokens
+    accepted = after.spec_num_accepted_tokens - before.spec_num_accepted_tokens
+    num_tokens = len(with_drafts.token_ids)
+    print(f"user: {GROUNDED.splitlines()[0]} [a paragraph of {len(prompt)} tokens with typos]")
+    print(f"assistant: {with_drafts.text.strip()}\n")
+    print(f"speculative decoding (ngram, k={SPECULATIVE_CONFIG['num_speculative_tokens']}) against plain decoding, "
+          f"{num_tokens} tokens, greedy:")
+    print(f"  plain:       {plain_steps} decode steps, {(num_tokens - 1) / max(plain_steps, 1):.2f} tokens a step, "
+          f"{plain_s:.2f} s")
+    print(f"  speculative: {spec_steps} decode steps, {(num_tokens - 1) / max(spec_steps, 1):.2f} tokens a step, "
+          f"{spec_s:.2f} s ({plain_s / spec_s:.2f}x), {accepted} of {drafted} draft tokens accepted")
+    print(f"  same tokens as plain decoding: {'yes' if with_drafts.token_ids == without.token_ids else 'NO'}")
 
 
 if __name__ == "__main__":
