@@ -94,6 +94,8 @@ class LLMEngine:
         # Speculative decoding: drafts for the running decodes, priced by that fit (pd.engine.spec).
         self.speculator = make_speculator(config, self.step_sums, num_blocks, self.max_model_len, mc.vocab_size)
         self.scheduler.speculator = self.speculator
+        if self.speculator is not None:
+            self.speculator.uniform = getattr(self.runner, "graphs", None) is not None
         self.connector = KVConnector(
             self.engine_id, transport, self.fingerprint, self.kv_cache, self.scheduler,
             config.kv_lease_s, config.kv_read_timeout_s,

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pd.engine.cuda_graphs import bucket_sizes, captures_graphs, max_graph_batch
+from pd.engine.cuda_graphs import captures_graphs, graph_buckets
 from pd.engine.kv_budget import DeviceMemory, DeviceShare, graph_reserve, kv_cache_blocks, profile_lengths
 from pd.engine.kv_layout import layer_views, model_pool
 from pd.model.attention import PAD_BLOCK_ID, AttentionMetadata
@@ -106,11 +106,13 @@ def _profile(runner: ModelRunner, max_model_len: int) -> tuple[int, int, int]:
     peak, _ = _step_peak(runner, largest, views, sample=True)
     if not (runner.group is None and captures_graphs(config, device, backend)):
         return scratch.nbytes, peak, 0
-    buckets = bucket_sizes(max_graph_batch(config))
-    decode = profile_step([1] * buckets[-1], -(-max_model_len // config.block_size), every_row=True, device=device,
-                          backend=backend)  # as the graphs are captured: every row's logits, the widest table
+    # Every graph's rows (a verify graph's k + 1 a sequence); the largest step is profiled as that many
+    # one-token sequences: as the graphs are captured, every row's logits, the widest table.
+    rows = [bucket * q for q, buckets in graph_buckets(config).items() for bucket in buckets]
+    decode = profile_step([1] * max(rows), -(-max_model_len // config.block_size), every_row=True, device=device,
+                          backend=backend)
     decode_peak, row_bytes = _step_peak(runner, decode, views, sample=False)
-    return scratch.nbytes, peak, graph_reserve(decode_peak, row_bytes, buckets)
+    return scratch.nbytes, peak, graph_reserve(decode_peak, row_bytes, rows)
 
 
 @torch.inference_mode()

@@ -13,7 +13,7 @@ import torch
 
 import pd_kernels
 from pd.config import EngineConfig
-from pd.engine.cuda_graphs import DecodeGraphs, captures_graphs, max_graph_batch
+from pd.engine.cuda_graphs import DecodeGraphs, captures_graphs, graph_query_lens, max_graph_batch
 from pd.engine.ep.control import ExpertsControl
 from pd.engine.ep.dispatch import ExpertParallel, check_ep
 from pd.engine.ep.schedule import EplbSchedule
@@ -142,7 +142,8 @@ class ModelRunner:
         if not captures_graphs(config, self.device, self.backend):
             return None
         graphs = DecodeGraphs(self.model, self.kv_views, self.backend, max_batch=max_graph_batch(config),
-                              max_blocks_per_seq=-(-max_model_len // config.block_size), device=self.device)
+                              max_blocks_per_seq=-(-max_model_len // config.block_size), device=self.device,
+                              query_lens=graph_query_lens(config))
         graphs.capture()
         return graphs
 

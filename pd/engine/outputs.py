@@ -63,6 +63,8 @@ class ForwardInput:
     # Requests asking for prompt logprobs, with how many rows of this step score their prompt (in order).
     prompt_rows: list[tuple[Request, int]] = field(default_factory=list)
     prompt_targets: torch.Tensor | None = None  # int64 [num_prompt_rows]: the token each prompt row scores
+    # The new tokens of every sequence when all have as many (1: a decode step); None when they differ.
+    query_len: int | None = None
 
 
 @dataclass(frozen=True)

@@ -103,7 +103,18 @@ def to_device(step: StepLists, rows: DriverRows, device: torch.device, backend: 
         groups=rows.groups,
         prompt_rows=rows.prompt_rows,
         prompt_targets=prompt_targets_t if rows.prompt_rows else None,
+        query_len=uniform_query_len(step.cu_seqlens),
     )
+
+
+def uniform_query_len(cu_seqlens: list[int]) -> int | None:
+    """The new tokens of each sequence when every one has as many (what a CUDA graph replays), else None."""
+    if len(cu_seqlens) < 2:
+        return None
+    first = cu_seqlens[1] - cu_seqlens[0]
+    if cu_seqlens[-1] != first * (len(cu_seqlens) - 1):
+        return None
+    return first if all(b - a == first for a, b in zip(cu_seqlens, cu_seqlens[1:])) else None
 
 
 @dataclass

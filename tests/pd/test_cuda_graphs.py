@@ -91,3 +91,51 @@ def test_a_block_table_wider_than_the_graphs_is_refused(runner):
     step = decode_step(runner, [9], [[3, 4, 5]])
     with pytest.raises(ValueError, match="wider than"):
         graphs.stage(step, 1)
+
+
+def verify_step(runner, contexts: list[int], tables: list[list[int]], k: int):
+    """Each sequence's last token and ``k`` drafts: ``k + 1`` new tokens a sequence, every row sampled."""
+    out = SchedulerOutput([])
+    for i, context in enumerate(contexts):
+        request = Request(f"v{i}", list(range(10, 10 + context + 1)), SamplingParams())
+        request.num_computed_tokens = context
+        out.scheduled.append(ScheduledRequest(request, 1 + k, samples=True,
+                                              draft_token_ids=tuple(range(40, 40 + k))))
+    return runner.prepare(out, tables)
+
+
+@torch.inference_mode()
+def test_a_staged_verify_bucket_computes_the_eager_step_and_padding_writes_nothing(runner):
+    k = 3
+    graphs = DecodeGraphs(runner.model, runner.kv_views, runner.backend, max_batch=8, max_blocks_per_seq=16,
+                          device=runner.device, query_lens=(1, k + 1))
+    pool = runner.kv_cache.clone()
+    wide = verify_step(runner, [5, 9, 2, 13, 7], [[1, 2, 13], [3, 4, 5, 17], [6, 14], [7, 8, 9, 10, 15], [11, 12, 16]], k)
+    graphs.stage(wide, 8, k + 1)
+    step = verify_step(runner, [5, 9, 13], [[1, 2, 13], [3, 4, 5, 17], [7, 8, 9, 10, 15]], k)
+    assert step.query_len == k + 1 and not is_decode_only(step) and graphs.bucket_for(3, k + 1) == 4
+    assert graphs.bucket_for(3, 7) is None  # no graph for another query length
+
+    runner.kv_cache.copy_(pool)
+    eager = runner.model.forward(step.token_ids, step.positions, step.attn, runner.kv_views, step.logits_indices)
+    eager_pool = runner.kv_cache.clone()
+    runner.kv_cache.copy_(pool)
+    graphs.stage(step, 4, k + 1)
+    staged = graphs.forward(4, k + 1)[step.logits_indices]
+
+    torch.testing.assert_close(staged, eager, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(runner.kv_cache, eager_pool, atol=1e-5, rtol=1e-5)
+    written = torch.zeros(runner.kv_cache.shape[0], runner.block_size, dtype=torch.bool)
+    slots = step.attn.slot_mapping
+    written[slots // runner.block_size, slots % runner.block_size] = True
+    assert torch.equal(runner.kv_cache.movedim(4, 1)[~written], pool.movedim(4, 1)[~written])
+    assert step.logits_indices.tolist() == list(range(3 * (k + 1)))
+
+
+def test_uneven_steps_have_no_query_length():
+    from pd.engine.step_inputs import uniform_query_len
+
+    assert uniform_query_len([0, 1, 2, 3]) == 1
+    assert uniform_query_len([0, 5, 10]) == 5
+    assert uniform_query_len([0, 1, 10]) is None and uniform_query_len([0, 4, 5, 10]) is None
+    assert uniform_query_len([0]) is None

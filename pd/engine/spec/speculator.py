@@ -84,6 +84,8 @@ class Speculator:
         self.max_model_len = max_model_len
         self.proposer = proposer if proposer is not None else make_proposer(config)
         self.counters = SpecCounters()
+        # Drafts padded to one length a step, where verify steps replay CUDA graphs (``pd.engine.cuda_graphs``).
+        self.uniform = False
         self._acceptance: dict[str, _Acceptance] = {}
         self._coefficients: np.ndarray | None = None
         self._fitted_at = -REFIT_EVERY
@@ -111,7 +113,19 @@ class Speculator:
             proposals = [(r, k, found.get(r.request_id)) for r, k in wanted]
         else:
             proposals = [(r, k, self.proposer.propose(r.request_id, r.token_ids, k)) for r, k in wanted]
-        return {request: tuple(proposal[:k]) for request, k, proposal in proposals if proposal}
+        drafts = {request: tuple(proposal[:k]) for request, k, proposal in proposals if proposal}
+        return self._uniform(eligible, drafts) if self.uniform and drafts else drafts
+
+    def _uniform(self, eligible: list[Request], drafts: dict[Request, tuple[int, ...]]) -> dict[Request, tuple[int, ...]]:
+        """Every eligible request's drafts padded to ``num_speculative_tokens`` (repeating its last token), so
+        that the verify step has ``k + 1`` tokens a sequence and replays the CUDA graph captured for it. A
+        padded draft is a guess like any other: accepted only where the target draws it."""
+        k = self.config.num_speculative_tokens
+        for request in eligible:
+            if self._room(request) >= k:
+                mine = drafts.get(request, ())
+                drafts[request] = mine + ((mine or request.token_ids)[-1],) * (k - len(mine))
+        return drafts
 
     def observe(self, request: Request, num_drafts: int, num_accepted: int) -> None:
         """A verify step of ``num_drafts`` drafts accepted the first ``num_accepted``."""

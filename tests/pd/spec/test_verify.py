@@ -98,3 +98,22 @@ def test_a_request_whose_drafts_keep_failing_stops_drafting_and_probes_again_lat
     assert any(plans)  # and probed again, once its estimate drifted back
     assert request.num_spec_draft_tokens == 80 and request.num_spec_accepted_tokens == 0
     assert speculator.counters.spec_num_drafts == 20
+
+
+class Some:
+    """Drafts two tokens for request "a" only."""
+
+    def propose(self, request_id, token_ids, k):
+        return [5, 6] if request_id == "a" else []
+
+    def finish(self, request_id, token_ids, num_prompt_tokens):
+        pass
+
+
+def test_where_graphs_replay_every_eligible_request_drafts_the_full_length():
+    config = SpeculativeConfig(method="ngram", num_speculative_tokens=4, backoff=False)
+    speculator = Speculator(config, StepSums(), max_model_len=4096, proposer=Some())
+    a, b = _decoding("a", 10), _decoding("b", 10)
+    assert speculator.plan([a, b]) == {a: (5, 6)}
+    speculator.uniform = True  # verify steps of k + 1 tokens a sequence replay a graph
+    assert speculator.plan([a, b]) == {a: (5, 6, 6, 6), b: (7, 7, 7, 7)}
