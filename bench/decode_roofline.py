@@ -22,6 +22,13 @@ one before (``EngineConfig.async_scheduling``) and only graphs are timed (mode `
 Prints one JSON line per (batch, mode) with the medians, the bytes and ``fraction_of_roofline`` (roofline
 time over ``step_ms``; ``device_fraction`` over ``device_ms``). The issue's goal: >= 0.85 with graphs at
 batch 32 to 256. Needs CUDA; without it prints one line saying it was skipped.
+
+With ``--verify-k K`` the engine speculates (``speculative_config``, no back-off) and, at the batches of
+``--verify-batches``, the same running batch is timed in verify steps too (modes ``verify_graphs``,
+``verify_eager``): every request verifies K drafts (its last token repeated, accepted where the model draws
+it) in a step of K + 1 tokens a sequence, replayed from the verify graphs. Their lines add
+``tokens_per_step`` (output tokens a sequence a step) and ``step_over_decode``: the verify step's time over
+the plain decode step's in the same mode, what K drafts cost.
 """
 
 from __future__ import annotations
@@ -89,13 +96,31 @@ def time_steps(engine, timer: DeviceTimer, generated: dict[str, int], prompt_len
             "kv_tokens": sum(kv_tokens) / len(kv_tokens), "every_row_decoded": every_row_decoded}
 
 
+class RepeatLast:
+    """Drafts ``k`` copies of a request's last token (``pd.engine.spec.base.Proposer``)."""
+
+    def propose(self, request_id, token_ids, k):
+        return [token_ids[-1]] * k
+
+    def finish(self, request_id, token_ids, num_prompt_tokens):
+        pass
+
+
+def steps_tokens(args) -> int:
+    """The most tokens a request may sample in the timed modes (each verify step up to K + 1)."""
+    k = getattr(args, "verify_k", 0)
+    per_step = 2 + 2 * (k + 1 if k else 0)
+    return 1 + per_step * (WARM_UP_STEPS + args.steps) + SLACK_TOKENS
+
+
 def measure_batch(engine, timer: DeviceTimer, graphs, batch: int, copy_gbps: float, args,
-                  rng: random.Random) -> list[dict]:
-    """Graphs, then eager, on the same running batch; its requests aborted at the end."""
+                  rng: random.Random, speculator=None) -> list[dict]:
+    """Graphs, then eager (and verify steps with ``speculator``), on the same running batch; its requests
+    aborted at the end."""
     from pd.sampling_params import SamplingParams
 
     shape = SHAPES[args.model]
-    max_tokens = 1 + 2 * (WARM_UP_STEPS + args.steps) + SLACK_TOKENS
+    max_tokens = steps_tokens(args)
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     generated = {f"b{batch}-{i}": 0 for i in range(batch)}
     for request_id in generated:
@@ -111,9 +136,16 @@ def measure_batch(engine, timer: DeviceTimer, graphs, batch: int, copy_gbps: flo
                 generated[out.request_id] += len(out.new_token_ids)
         else:
             raise RuntimeError(f"the prompts were not in after {MAX_PREFILL_STEPS} steps")
-        for mode in (("graphs_async",) if args.async_scheduling else ("graphs", "eager")):
-            engine.runner.graphs = graphs if mode.startswith("graphs") else None
+        modes = ("graphs_async",) if args.async_scheduling else ("graphs", "eager")
+        if speculator is not None and batch in verify_batches(args):
+            modes += ("verify_graphs", "verify_eager")
+        plain_ms = {}
+        for mode in modes:
+            engine.runner.graphs = graphs if "graphs" in mode else None
+            engine.scheduler.speculator = speculator if mode.startswith("verify") else None
+            before = sum(generated.values())
             timed = time_steps(engine, timer, generated, args.prompt_len, args.steps)
+            tokens_per_step = (sum(generated.values()) - before) / batch / (WARM_UP_STEPS + args.steps)
             weights = weight_bytes(shape, args.layers, batch)
             kv = kv_bytes(shape, args.layers, round(timed["kv_tokens"]))
             bound_ms = roofline_ms(weights + kv, copy_gbps)
@@ -124,10 +156,16 @@ def measure_batch(engine, timer: DeviceTimer, graphs, batch: int, copy_gbps: flo
                 "weight_bytes": weights, "kv_bytes": kv, "copy_gbps": round(copy_gbps, 1),
                 "roofline_ms": bound_ms, "fraction_of_roofline": bound_ms / timed["step_ms"],
                 "device_fraction": bound_ms / timed["device_ms"],
-                "tok_s": round(1e3 * batch / timed["step_ms"], 1), "every_row_decoded": timed["every_row_decoded"],
+                "tok_s": round(1e3 * batch * tokens_per_step / timed["step_ms"], 1),
+                "every_row_decoded": timed["every_row_decoded"],
             })
+            plain_ms[mode] = timed["step_ms"]
+            if mode.startswith("verify"):
+                rows[-1].update(tokens_per_step=round(tokens_per_step, 3), verify_k=args.verify_k,
+                                step_over_decode=timed["step_ms"] / plain_ms[mode.removeprefix("verify_")])
     finally:
         engine.runner.graphs = graphs
+        engine.scheduler.speculator = None
         for request_id in generated:
             engine.abort_request(request_id)
     return rows
@@ -138,15 +176,23 @@ def make_engine(path, args, max_batch: int, device: str = "cuda"):
     from pd.engine.engine import LLMEngine
 
     shape = SHAPES[args.model]
-    max_model_len = args.prompt_len + 2 * (WARM_UP_STEPS + args.steps) + SLACK_TOKENS + 16
+    max_model_len = args.prompt_len + steps_tokens(args) + 16
     pool_bytes = kv_bytes(shape, args.layers, max_batch * max_model_len) * 5 // 4
     engine = LLMEngine(EngineConfig(
         model=str(path), dtype="bfloat16", device=device, kv_cache_bytes=pool_bytes, max_num_seqs=max_batch,
         max_num_batched_tokens=min(MAX_PREFILL_TOKENS, max(2048, max_batch * args.prompt_len)),
         cuda_graph_max_batch=max_batch, max_model_len=max_model_len,
-        async_scheduling=args.async_scheduling))
+        async_scheduling=args.async_scheduling,
+        speculative_config={"method": "ngram", "num_speculative_tokens": args.verify_k, "backoff": False}
+        if getattr(args, "verify_k", 0) else None))
     engine.warm_up()
+    if engine.speculator is not None:
+        engine.speculator.proposer = RepeatLast()
     return engine
+
+
+def verify_batches(args) -> list[int]:
+    return [int(b) for b in args.verify_batches.split(",")] if getattr(args, "verify_k", 0) else []
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -159,6 +205,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--async-scheduling", action="store_true",
                         help="the engine with async scheduling (pd.engine.overlap), graphs only: mode graphs_async")
+    parser.add_argument("--verify-k", type=int, default=0, help="also time verify steps of K drafts a sequence")
+    parser.add_argument("--verify-batches", default="32")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print(json.dumps({"case": "decode_roofline", "skipped": "no CUDA device"}), flush=True)
@@ -173,11 +221,12 @@ def main(argv: list[str] | None = None) -> None:
     batches = [int(b) for b in args.batches.split(",")]
     engine = make_engine(path, args, max(batches))
     graphs = engine.runner.graphs
+    speculator, engine.scheduler.speculator = engine.speculator, None  # the plain modes decode plainly
     timer = DeviceTimer(engine.runner)
     rng = random.Random(0)
     for batch in batches:
         try:
-            rows = measure_batch(engine, timer, graphs, batch, copy_gbps, args, rng)
+            rows = measure_batch(engine, timer, graphs, batch, copy_gbps, args, rng, speculator)
         except Exception as exc:  # noqa: BLE001 - one batch's failure is its line; the others still run
             rows = [{"case": "decode_roofline", "batch": batch, "error": f"{type(exc).__name__}: {str(exc)[:300]}"}]
         for row in rows:

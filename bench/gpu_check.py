@@ -35,7 +35,8 @@ failing part still leaves the others' figures. Two phases:
      (graphs), against HF ``generate`` at batch 32;
    - ``decode_roofline``: ``bench.decode_roofline``, our decode step at batch
      1/32/128/256, graphs and eager, against the bytes it must read over the
-     copy bandwidth; ``decode_roofline_async``: the same with async
+     copy bandwidth, and at batch 32 a verify step of 4 drafts a sequence
+     (speculative decoding, graphs and eager) against the decode step; ``decode_roofline_async``: the same with async
      scheduling, graphs, at 32/128/256;
    - ``gpu_engine_moe``: ``bench.gpu_engine`` on 8 layers of the MoE shape.
 
@@ -93,9 +94,9 @@ BENCHMARKS = [
     Part("bench_kernels", ["-m", "bench.kernels"], 55),
     Part("fp8_gemm", ["-m", "bench.fp8_gemm"], 35),
     Part("gpu_engine", ["-m", "bench.gpu_engine", "--repeats", "2", "--async-scheduling"], 100),
-    Part("decode_roofline", ["-m", "bench.decode_roofline"], 70),
+    Part("decode_roofline", ["-m", "bench.decode_roofline", "--verify-k", "4", "--verify-batches", "32"], 75),
     Part("decode_roofline_async", ["-m", "bench.decode_roofline", "--async-scheduling", "--batches", "32,128,256",
-                                   "--steps", "16"], 50),
+                                   "--steps", "16"], 45),
     Part("gpu_engine_moe", ["-m", "bench.gpu_engine", "--model", "qwen3-30b-a3b", "--layers", "8", "--repeats", "2"],
          65),
 ]

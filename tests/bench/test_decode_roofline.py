@@ -80,3 +80,21 @@ def test_async_scheduling_times_graphs_only_and_every_step_still_decodes_every_r
     assert engine.step() == []  # reads the step in flight: its requests were aborted, so it emits nothing
     assert not engine.has_unfinished_requests()
     engine.close()
+
+
+def test_verify_steps_are_timed_beside_the_decode_steps_they_are_compared_with(tmp_path, monkeypatch):
+    pytest.importorskip("transformers")
+    monkeypatch.setenv(random_models.CACHE_ENV, str(tmp_path))
+    path, _ = random_models.cached_checkpoint("tiny-llama", 2, device="cpu")
+    args = argparse.Namespace(model="tiny-llama", layers=2, prompt_len=16, steps=2, async_scheduling=False,
+                              verify_k=3, verify_batches="4")
+    engine = decode_roofline.make_engine(path, args, max_batch=4, device="cpu")
+    speculator, engine.scheduler.speculator = engine.speculator, None
+    rows = decode_roofline.measure_batch(engine, CountingTimer(), None, 4, 100.0, args, random.Random(0), speculator)
+    assert [row["mode"] for row in rows] == ["graphs", "eager", "verify_graphs", "verify_eager"]
+    assert all(row["every_row_decoded"] for row in rows[:2])  # the plain modes do not speculate
+    for row in rows[2:]:
+        assert 1.0 <= row["tokens_per_step"] <= 4.0 and row["step_over_decode"] > 0 and row["verify_k"] == 3
+    assert engine.stats().spec_num_draft_tokens > 0
+    assert not engine.has_unfinished_requests()
+    engine.close()
