@@ -7,12 +7,14 @@ without it (``baseline_*``), greedy, on the trained default model with its chat 
 (``bench.spec_workloads`` has the prompts and says what each workload is for).
 
 Each (workload, batch) builds fresh engines, the plain one and one per method, so no suffix cache and
-no prefix cache carries over from another line. The prompts run in rounds of ``batch``, every round on
-every engine, the engines' order rotated from round to round; the ``batch`` requests of a round are added
-together and the round ends when the last finishes (at batch 1, one request at a time). Per engine:
+no prefix cache carries over from another line. The prompts run in rounds of ``batch``: the ``batch``
+requests of a round are added together and the round ends when the last finishes (at batch 1, one request
+at a time). The engines run side by side in this process, a step of each in turn (``Driver``), each timed
+on its own clock, the seconds of its own calls: on a shared host a burst of other work then lands on
+every engine alike, where whole rounds one after another gave ratios that a burst could double. Per engine:
 
-- ``tok_s``: output tokens over the rounds' summed wall time (prefill included);
-- ``speedup_p50``: the median over rounds of the plain engine's round time over this one's;
+- ``tok_s``: output tokens over the engine's own seconds (prefill included);
+- ``speedup_p50``: the median over rounds of the plain engine's seconds for the round over this one's;
 - ``itl_p50_s``: the median gap between a request's outputs, a step that brought ``n`` tokens counting
   as ``n`` gaps of a ``1 / n`` share each (a verify step's tokens arrive together);
 - ``tokens_per_step``: the tokens a request gained per step it was decoded in, after its first
@@ -21,6 +23,11 @@ together and the round ends when the last finishes (at batch 1, one request at a
   group (a group also yields one token of its own, so tokens per verify step is ``1 + mean_accepted``);
 - ``outputs_equal``: the prompts whose tokens are the plain engine's (greedy: all of them), and
   ``unequal``, the indices of any that differ.
+
+``host_load`` is the host's 1-minute load average before and after the line's rounds: above the
+thread count, other work shared the cores, and a step of two threads can stall for a scheduler slice
+at each of its parallel regions. The medians (``speedup_p50``, ``itl_*``) hold up under that better
+than ``tok_s``, whose sums take in every stall.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -64,29 +72,68 @@ class Tally:
         return self.num_tokens / sum(self.round_seconds)
 
 
-def run_round(engine: LLMEngine, prompts: dict[int, list[int]], params: SamplingParams, tally: Tally,
-              request_ids: itertools.count) -> None:
-    """All of ``prompts`` in flight together until the last finishes; tokens and arrival gaps into ``tally``."""
-    ids = {f"bench-{next(request_ids)}": index for index in prompts}
-    start = time.perf_counter()
-    for request_id, index in ids.items():
-        engine.add_request(request_id, prompts[index], params)
-        tally.token_ids[index] = []
-    last_output: dict[str, float] = {}
-    while engine.has_unfinished_requests():
-        outputs = engine.step()
-        now = time.perf_counter()
+class Driver:
+    """One engine's rounds, advanced a step at a time and timed on the engine's own clock.
+
+    The clock counts only the seconds spent in this engine's calls (``add_request``, ``step``), so
+    engines stepped in turn in one process each see the load the host had during their own steps:
+    a burst from other processes lands on all of them, not on whichever ran a whole round then.
+    An output arrives at the clock's reading after the step that brought it.
+    """
+
+    def __init__(self, engine: LLMEngine, rounds: list[dict[int, list[int]]], params: SamplingParams,
+                 request_ids: itertools.count):
+        self.engine, self.params, self.request_ids = engine, params, request_ids
+        self.rounds = list(reversed(rounds))
+        self.tally = Tally()
+        self.clock = 0.0
+        self._round_start = 0.0
+        self._ids: dict[str, int] = {}
+        self._last_output: dict[str, float] = {}
+
+    def advance(self) -> bool:
+        """One step (starting the next round first if the last one ended); False once every round is done."""
+        if not self.engine.has_unfinished_requests():
+            if self._ids:
+                self.tally.round_seconds.append(self.clock - self._round_start)
+                self._ids, self._last_output = {}, {}
+            if not self.rounds:
+                return False
+            self._start_round(self.rounds.pop())
+        start = time.perf_counter()
+        outputs = self.engine.step()
+        self.clock += time.perf_counter() - start
         for out in outputs:
             num_new = len(out.new_token_ids)
             if not num_new:
                 continue
-            tally.token_ids[ids[out.request_id]].extend(out.new_token_ids)
-            if out.request_id in last_output:
-                tally.itls.extend([(now - last_output[out.request_id]) / num_new] * num_new)
-                tally.num_decode_outputs += 1
-                tally.num_decode_tokens += num_new
-            last_output[out.request_id] = now
-    tally.round_seconds.append(time.perf_counter() - start)
+            self.tally.token_ids[self._ids[out.request_id]].extend(out.new_token_ids)
+            if out.request_id in self._last_output:
+                self.tally.itls.extend([(self.clock - self._last_output[out.request_id]) / num_new] * num_new)
+                self.tally.num_decode_outputs += 1
+                self.tally.num_decode_tokens += num_new
+            self._last_output[out.request_id] = self.clock
+        return True
+
+    def _start_round(self, prompts: dict[int, list[int]]) -> None:
+        """All of ``prompts`` in flight together; the round ends when the last finishes."""
+        self._ids = {f"bench-{next(self.request_ids)}": index for index in prompts}
+        self._round_start = self.clock
+        start = time.perf_counter()
+        for request_id, index in self._ids.items():
+            self.engine.add_request(request_id, prompts[index], self.params)
+            self.tally.token_ids[index] = []
+        self.clock += time.perf_counter() - start
+
+
+def run_interleaved(drivers: list[Driver]) -> None:
+    """A step of each driver in turn, the order rotated each pass, until all are done."""
+    active = list(drivers)
+    for turn in itertools.count():
+        if not active:
+            return
+        shift = turn % len(active)
+        active = [d for d in active[shift:] + active[:shift] if d.advance()]
 
 
 def spec_config(method: str, k: int, backoff: bool) -> dict:
@@ -120,20 +167,20 @@ def bench_line(args, workload: str, batch: int, methods: list[str], prompts: lis
     warmup = SamplingParams(max_tokens=8, temperature=0.0)
     for llm in engines.values():  # one-time costs (kernel setup, first allocations) out of the rounds
         llm.generate([prompts[0][:32]], warmup)
+    load_before = os.getloadavg()[0]
     before = {name: llm.engine.stats() for name, llm in engines.items()}
-    tallies = {name: Tally() for name in engines}
+    rounds = [{i: prompts[i] for i in range(first, min(first + batch, len(prompts)))}
+              for first in range(0, len(prompts), batch)]
     request_ids = itertools.count()
-    names = list(engines)
-    for round_index, first in enumerate(range(0, len(prompts), batch)):
-        round_prompts = {i: prompts[i] for i in range(first, min(first + batch, len(prompts)))}
-        shift = round_index % len(names)
-        for name in names[shift:] + names[:shift]:
-            run_round(engines[name].engine, round_prompts, params, tallies[name], request_ids)
+    drivers = {name: Driver(llm.engine, rounds, params, request_ids) for name, llm in engines.items()}
+    run_interleaved(list(drivers.values()))
+    tallies = {name: driver.tally for name, driver in drivers.items()}
     after = {name: llm.engine.stats() for name, llm in engines.items()}
     for llm in engines.values():
         llm.close()
-    return [record(args, workload, batch, method, len(prompts), tallies, before[method], after[method])
-            for method in methods]
+    host_load = [round(load_before, 2), round(os.getloadavg()[0], 2)]
+    return [dict(record(args, workload, batch, method, len(prompts), tallies, before[method], after[method]),
+                 host_load=host_load) for method in methods]
 
 
 def record(args, workload: str, batch: int, method: str, num_prompts: int, tallies: dict[str, Tally],
