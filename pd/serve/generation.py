@@ -354,7 +354,11 @@ class PoolClient:
                     first_chunk = True
                     self._first_chunk(request, chunk, tracker, lease, span)
                     replica = self.decode_routing.routed_replica(request.request_id)
-                    started_held = self.decode_routing.is_quarantined(replica)  # pinned there while held: it stays
+                    # A call pinned to a replica already held (``hints.target_replica_id``) went there on
+                    # purpose: it stays. A routed stream moves even when its first token came after the
+                    # quarantine (routed there just before it), or it would decode at the slow pace to its end.
+                    pinned_while_held = (hints.target_replica_id is not None
+                                         and self.decode_routing.is_quarantined(replica))
                 place_engine_timings(tracker.timeline, "decode", chunk.timings)
                 event = tracker.add(list(chunk.token_ids), list(chunk.logprobs), chunk.finish_reason,
                                     top_logprobs=chunk.top_logprobs, prompt_logprobs=chunk.prompt_logprobs)
@@ -366,7 +370,7 @@ class PoolClient:
                         span.set(spec_draft_tokens=chunk.num_spec_draft_tokens,
                                  spec_accepted_tokens=chunk.num_spec_accepted_tokens)
                     return
-                if may_move and not started_held and self.decode_routing.is_quarantined(replica) \
+                if may_move and not pinned_while_held and self.decode_routing.is_quarantined(replica) \
                         and self.decode_routing.has_live_replica(excluding=(*hints.exclude_replica_ids, replica)):
                     span.set(moved="quarantined")
                     raise DecodeReplicaLost(f"decode replica {replica} was quarantined as persistently slow")

@@ -8,6 +8,13 @@ health checks pass, only slow. Its router's gray-failure detector
 other, no stream fails, and once the fault ends the probes readmit it. A
 fault that outlasts ``replace_after_s`` has Serve replace the replica.
 
+From the quarantine on, two things are measured. Each stream's own ITL (the
+median of its gaps) against the median stream's in the same window: a stream
+left on the slow replica, or sent there, decodes at its pace to the end, while
+the host's stalls, which move the p99 of any window on a shared two-core
+machine, land on a gap or two of every stream at once. And the ITL p99 against
+the no-fault baseline's, for a harm that would slow every stream alike.
+
 Destructive (a stopped process): runs last, on its own app.
 """
 
@@ -21,12 +28,14 @@ import pytest
 
 from bench.gray_isolation import DutyCycle, StreamingLoad
 from bench.gray_isolation import ingress_stats as _ingress_stats
+from router.gray import GrayFailureConfig
 from tests.serve.conftest import ensure_app, pool_stats, replica_ids, wait_until
 
 pytestmark = pytest.mark.destructive
 
 GRAY = {"window_s": 3.0, "half_life_s": 1.0, "probe_interval_s": 2.0, "min_replica_steps": 8.0,
         "stale_after_s": 10.0}
+SLOW_FACTOR = GrayFailureConfig(**GRAY).slow_factor  # a stream this much slower than its peers is on a slow replica
 
 
 def test_a_slow_decode_replica_is_quarantined_its_streams_move_and_it_is_readmitted(ray_cluster):
@@ -51,22 +60,32 @@ def test_a_slow_decode_replica_is_quarantined_its_streams_move_and_it_is_readmit
                 return stats["quarantined"]["decode"] == [slow["replica_id"]]
 
             try:
-                wait_until(quarantined, timeout=30, interval=1.0)
+                wait_until(quarantined, timeout=30, interval=0.5)
             except TimeoutError:
                 raise AssertionError(f"not quarantined in 30 s: {_ingress_stats()}, slow {slow['replica_id']}, "
                                      f"{len(load.outcomes)} streams") from None
-            quarantined_after = time.monotonic() - fault_at
-            settled = time.monotonic() + 3.0  # streams already moved; the next ones go to the healthy replica
-            wait_until(lambda: time.monotonic() >= settled + 8, timeout=20, interval=0.5)
-            after = load.itl_p99(settled, time.monotonic())
+            quarantined_at = time.monotonic()
+            # From the quarantine on, not after a settling time: a stream left on the slow replica ends within
+            # about three seconds (48 tokens at its pace), and a window starting later would never see it.
+            time.sleep(8)  # the quarantined window: tokens arriving, not synchronisation
+            window = (quarantined_at, time.monotonic())
+            after = load.itl_p99(*window)
+            stream_itls = load.stream_itls(*window)
+            num_migrations = _ingress_stats()["num_migrations"]
         wait_until(lambda: _ingress_stats()["quarantined"]["decode"] == [], timeout=60)
     failed = [outcome for outcome in load.outcomes if outcome != "done"]
-    print(json.dumps({"quarantined_after_s": round(quarantined_after, 2), "itl_p99_baseline_s": round(baseline, 4),
-                      "itl_p99_after_quarantine_s": round(after, 4), "ratio": round(after / baseline, 2),
-                      "streams": len(load.outcomes), "itl_median_s": statistics.median(g for _, g in load.gaps),
+    slowest, typical = max(stream_itls), statistics.median(stream_itls)
+    print(json.dumps({"quarantined_after_s": round(quarantined_at - fault_at, 2),
+                      "itl_p99_baseline_s": round(baseline, 4), "itl_p99_after_quarantine_s": round(after, 4),
+                      "ratio": round(after / baseline, 2), "slowest_stream_itl_s": round(slowest, 4),
+                      "median_stream_itl_s": round(typical, 4), "slowest_over_median": round(slowest / typical, 2),
+                      "streams_after_quarantine": len(stream_itls), "streams": len(load.outcomes),
+                      "migrations": num_migrations, "itl_median_s": statistics.median(g for _, g in load.gaps),
                       "slowness": trajectory}))
     assert not failed, failed[:5]
-    assert quarantined_after <= 30.0
+    assert quarantined_at - fault_at <= 30.0
+    assert slowest <= SLOW_FACTOR * typical, ("a stream decoded at the slow replica's pace after the quarantine",
+                                              slowest, typical)
     assert after <= 2.0 * baseline, (after, baseline)
 
 
