@@ -16,7 +16,10 @@ every engine alike, where whole rounds one after another gave ratios that a burs
 - ``tok_s``: output tokens over the engine's own seconds (prefill included);
 - ``speedup_p50``: the median over rounds of the plain engine's seconds for the round over this one's;
 - ``itl_p50_s``: the median gap between a request's outputs, a step that brought ``n`` tokens counting
-  as ``n`` gaps of a ``1 / n`` share each (a verify step's tokens arrive together);
+  as ``n`` gaps of a ``1 / n`` share each (a verify step's tokens arrive together). The median is over
+  tokens, so the tokens of a step that accepted drafts weigh more than the one of a step that accepted
+  none; ``tpot_s``, their mean (decode time over the tokens after each request's first), is what
+  throughput follows;
 - ``tokens_per_step``: the tokens a request gained per step it was decoded in, after its first
   (1.0 for plain decoding);
 - ``acceptance_rate``: accepted over verified draft tokens; ``mean_accepted``: accepted drafts per verify
@@ -188,6 +191,7 @@ def record(args, workload: str, batch: int, method: str, num_prompts: int, talli
     spec, base = tallies[method], tallies[BASELINE]
     drafts, draft_tokens, accepted = (getattr(after, c) - getattr(before, c) for c in SPEC_COUNTERS)
     itl, base_itl = percentile(spec.itls, 50), percentile(base.itls, 50)
+    tpot, base_tpot = sum(spec.itls) / len(spec.itls), sum(base.itls) / len(base.itls)
     unequal = [i for i in sorted(base.token_ids) if spec.token_ids[i] != base.token_ids[i]]
     return {
         "case": "spec_decode", "workload": workload, "batch": batch, "method": method, "k": args.k,
@@ -197,6 +201,7 @@ def record(args, workload: str, batch: int, method: str, num_prompts: int, talli
         "speedup_tok_s": round(spec.tok_s / base.tok_s, 3),
         "speedup_p50": round(percentile([b / s for b, s in zip(base.round_seconds, spec.round_seconds)], 50), 3),
         "itl_p50_s": round(itl, 5), "baseline_itl_p50_s": round(base_itl, 5), "itl_ratio": round(base_itl / itl, 3),
+        "tpot_s": round(tpot, 5), "baseline_tpot_s": round(base_tpot, 5), "tpot_ratio": round(base_tpot / tpot, 3),
         "acceptance_rate": round(accepted / draft_tokens, 3) if draft_tokens else None,
         "mean_accepted": round(accepted / drafts, 3) if drafts else None,
         "tokens_per_step": round(spec.num_decode_tokens / max(spec.num_decode_outputs, 1), 3),
