@@ -10,8 +10,8 @@ from bench import spec_decode
 from bench.spec_workloads import WORKLOADS
 
 FIELDS = {"tok_s", "itl_p50_s", "baseline_tok_s", "baseline_itl_p50_s", "speedup_tok_s", "speedup_p50", "itl_ratio",
-          "acceptance_rate", "mean_accepted", "tokens_per_step", "outputs_equal", "unequal", "cpu", "cpu_flags",
-          "isa", "threads"}
+          "tpot_s", "acceptance_rate", "mean_accepted", "tokens_per_step", "outputs_equal", "unequal", "cpu", "cpu_flags",
+          "isa", "threads", "host_load"}
 
 
 def _lines(capsys, argv: list[str]) -> list[dict]:
@@ -43,7 +43,7 @@ def test_a_line_per_workload_batch_and_method_with_the_plain_engines_outputs(cap
         assert record["tokens_per_step"] >= 1.0 and record["threads"] == 1
 
 
-@pytest.mark.slow  # the trained model: three engines and their prompts of 500 tokens
+@pytest.mark.slow  # a benchmark's own run on the trained model: two engines, a prompt of 500 tokens
 def test_drafts_copied_from_a_grounded_prompt_are_accepted_and_outputs_are_unchanged(capsys):
     (ngram,) = _lines(capsys, ["--workload", "grounded", "--num-prompts", "1", "--max-tokens", "24",
                                "--method", "ngram", "--no-backoff"])
