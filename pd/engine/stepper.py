@@ -105,4 +105,6 @@ class Stepper:
         seconds = time.monotonic() - started if forward.modelled_seconds is None else forward.modelled_seconds
         self.step_times.record(seconds, self.scheduler.num_computed_prompt_tokens - computed, len(out.scheduled))
         self.step_sums.record(shape, seconds)
+        if self.scheduler.speculator is not None:  # it prices drafts by the steps' measured times
+            self.scheduler.speculator.record_step(shape.num_tokens, seconds)
         return results

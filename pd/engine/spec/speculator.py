@@ -1,41 +1,40 @@
-"""Which running decodes verify drafts this step, and how many: speculation priced by the step cost model.
+"""Which running decodes verify drafts this step, and how many: speculation priced by the step's own cost.
 
 Each step the scheduler asks ``Speculator.plan`` for drafts. A request is
 eligible when it is a plain decode (one token behind, nothing in flight, no
 prompt scores to compute, not a prefill's pinned request) with room for at
 least one draft and a bonus token before ``max_tokens`` or the model's length.
 
-**When not to speculate.** A draft token is worth computing when the tokens it
-is expected to add per second exceed what the step already yields per
-second. With the engine's own fit of its step time (``router.step_cost``:
-``t = base + per_token * tokens + per_pair * pairs + per_seq * seqs +
-per_sample * samples``, from ``LLMEngine.step_sums``), a plain decode step of
-``B`` requests takes ``t0`` and yields ``B`` tokens; the ``j``-th draft of a
-request whose drafts are accepted with probability ``alpha`` adds ``alpha**j``
-expected tokens for ``c = per_token + per_sample + per_pair * context`` more
-seconds. So request ``r`` drafts ``k_r`` tokens, the largest ``j`` with
+**When not to speculate.** The step is planned as a whole. A plain decode
+step of ``B`` requests yields ``B`` tokens in ``t(B)``; the ``j``-th draft of
+a request whose drafts are accepted with probability ``alpha`` adds
+``alpha**j`` expected tokens. The drafts taken are the ``D`` most likely
+(largest ``alpha**j`` first) that maximise the step's expected tokens per
+second, ``(B + sum of their alpha**j) / t(B + D)``, and only if that beats
+the plain step's ``B / t(B)`` by ``MARGIN``. ``t(n)``, a step of ``n`` tokens,
+is what the engine measured for steps of ``n`` tokens (a decayed mean), or,
+for a size not yet run, its own fit of the linear step law
+(``router.step_cost``, from ``LLMEngine.step_sums``), plus a draft model's
+measured time per draft token. Measured sizes matter on a CPU, where a step
+past ``pd.model.linear.FEW_ROWS`` rows leaves the few-row kernel and costs a
+jump no linear law sees: one draft in a batch of 8 costs what four more do.
+At batch 1 on a bandwidth-bound step that is most drafts any lookup finds;
+at saturation (``B / t(B)`` near a token's own cost) none, so a busy engine
+decodes as if it did not speculate. Until ``MIN_FIT_STEPS`` steps are
+recorded, requests draft the full ``num_speculative_tokens``.
 
-    alpha_r ** j / c_r >= (1 + MARGIN) * B / t0
-
-At batch 1 on a bandwidth-bound step (``c`` small against ``t0``) that is
-most drafts any lookup finds; at saturation (``B / t0`` near ``1 / c``) it
-is none, so a busy engine decodes as if it did not speculate. Until
-``MIN_FIT_STEPS`` steps are recorded, requests draft the full
-``num_speculative_tokens`` (the steps that fit the law need varied shapes).
-
-**Acceptance per request.** ``alpha_r`` is estimated from the request's own
+**Acceptance per request.** ``alpha`` is estimated from the request's own
 verify steps as a geometric rate (accepted drafts over accepted plus
 rejected positions), with a prior of ``PRIOR_ALPHA`` worth ``PRIOR_WEIGHT``
 positions, the counts decayed by ``DECAY`` at each verify. A request that
-drafts nothing because its rate is too low has its counts decayed at each
-step it is eligible, so its estimate drifts back to the prior and it probes
-again later (about ``log(0.5) / log(DECAY)`` steps on). Lookups cost host
-time, so a request with no draft budget is not looked up at all.
+drafts nothing has its counts decayed at each step it is eligible, so its
+estimate drifts back to the prior and it probes again later (about
+``log(0.5) / log(DECAY)`` steps on). Lookups cost host time, so a request
+given no drafts is not looked up at all.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -53,6 +52,8 @@ MARGIN = 0.05
 MIN_FIT_STEPS = 32
 # Steps between refits of the step cost law (a 5 x 5 solve).
 REFIT_EVERY = 16
+# How far each new measure of a step size moves its mean.
+MEASURED_WEIGHT = 0.2
 
 
 @dataclass
@@ -89,18 +90,19 @@ class Speculator:
         self._acceptance: dict[str, _Acceptance] = {}
         self._coefficients: np.ndarray | None = None
         self._fitted_at = -REFIT_EVERY
+        self._measured: dict[int, float] = {}  # step seconds by its tokens, decayed means
 
     def plan(self, running: Sequence[Request]) -> dict[Request, tuple[int, ...]]:
         """Drafts for the running requests that should verify some this step (most get none)."""
         eligible = [r for r in running if self._room(r) > 0]
         if not eligible:
             return {}
-        threshold = self._threshold(running)
+        budgets = self._budgets(running, {request: self._room(request) for request in eligible})
         wanted = []
         for request in eligible:
-            acceptance = self._acceptance.setdefault(request.request_id, _Acceptance())
-            k = min(self._room(request), self._budget(acceptance.alpha, request, threshold))
+            k = budgets.get(request, 0)
             if k <= 0:
+                acceptance = self._acceptance.setdefault(request.request_id, _Acceptance())
                 acceptance.accepted *= DECAY  # drift back to the prior: probe again later
                 acceptance.rejected *= DECAY
                 continue
@@ -108,12 +110,13 @@ class Speculator:
         if not wanted:
             return {}
         propose_many = getattr(self.proposer, "propose_many", None)
-        if propose_many is not None:  # a draft model drafts for the batch at once
+        if propose_many is not None:  # a draft model drafts for the batch at once, what the budgets allow
             found = propose_many([(r.request_id, r.token_ids, k) for r, k in wanted])
-            proposals = [(r, k, found.get(r.request_id)) for r, k in wanted]
-        else:
-            proposals = [(r, k, self.proposer.propose(r.request_id, r.token_ids, k)) for r, k in wanted]
-        drafts = {request: tuple(proposal[:k]) for request, k, proposal in proposals if proposal}
+            drafts = {r: tuple(found[r.request_id][:k]) for r, k in wanted if found.get(r.request_id)}
+        else:  # a lookup finds what it finds: the step is planned again over the drafts found
+            found = {r: self.proposer.propose(r.request_id, r.token_ids, k) for r, k in wanted}
+            budgets = self._budgets(running, {r: len(d) for r, d in found.items() if d})
+            drafts = {r: tuple(d[:budgets[r]]) for r, d in found.items() if budgets.get(r)}
         return self._uniform(eligible, drafts) if self.uniform and drafts else drafts
 
     def _uniform(self, eligible: list[Request], drafts: dict[Request, tuple[int, ...]]) -> dict[Request, tuple[int, ...]]:
@@ -163,35 +166,57 @@ class Speculator:
                    self.max_model_len - request.num_tokens)
         return min(self.config.num_speculative_tokens, left - 1)
 
-    def _budget(self, alpha: float, request: Request, threshold: float | None) -> int:
-        """The most drafts worth verifying for ``request`` at acceptance rate ``alpha`` (module docstring)."""
-        k = self.config.num_speculative_tokens
-        if threshold is None or not self.config.backoff:
-            return k
-        c = self._coefficients
-        cost = c[1] + c[4] + c[2] * request.num_computed_tokens + getattr(self.proposer, "seconds_per_token", 0.0)
-        need = threshold * cost  # alpha ** j must reach it
-        if need <= 0 or alpha >= 1:
-            return k
-        if need >= 1 or alpha <= 0:
-            return 0
-        return min(k, math.floor(math.log(need) / math.log(alpha)))
+    def record_step(self, num_tokens: int, seconds: float) -> None:
+        """A step of ``num_tokens`` tokens took ``seconds`` (the stepper's measure, or the simulator's model)."""
+        known = self._measured.get(num_tokens)
+        self._measured[num_tokens] = seconds if known is None else known + MEASURED_WEIGHT * (seconds - known)
 
-    def _threshold(self, running: Sequence[Request]) -> float | None:
-        """``(1 + MARGIN) * B / t0``: the plain decode step's tokens per second, or None before a fit."""
+    def _budgets(self, running: Sequence[Request], most: dict[Request, int]) -> dict[Request, int]:
+        """How many of its ``most`` drafts each request verifies this step (module docstring); all of them
+        before a fit or without the back-off."""
+        if not self.config.backoff or not self._fit():
+            return dict(most)
+        gains = []  # (alpha ** j, request): each possible draft's expected tokens
+        for request, k in most.items():
+            alpha = self._acceptance.setdefault(request.request_id, _Acceptance()).alpha
+            gain = 1.0
+            for _ in range(k):
+                gain *= alpha
+                gains.append((gain, request))
+        gains.sort(key=lambda item: -item[0])
+        batch = len(running)
+        context = sum(r.num_computed_tokens + 1 for r in running)
+        per_draft = getattr(self.proposer, "seconds_per_token", 0.0)
+        plain = batch / self.step_seconds(batch, batch, context)
+        best, best_rate, expected = 0, plain * (1 + MARGIN), float(batch)
+        for num_drafts, (gain, _) in enumerate(gains, start=1):
+            expected += gain
+            rate = expected / (self.step_seconds(batch + num_drafts, batch, context) + per_draft * num_drafts)
+            if rate > best_rate:
+                best, best_rate = num_drafts, rate
+        budgets: dict[Request, int] = {}
+        for _, request in gains[:best]:
+            budgets[request] = budgets.get(request, 0) + 1
+        return budgets
+
+    def step_seconds(self, num_tokens: int, num_seqs: int, context: int) -> float:
+        """A step of ``num_tokens`` tokens over ``num_seqs`` sequences attending ``context`` keys: as measured
+        for that many tokens, else as the fitted law predicts (one logits row a token)."""
+        measured = self._measured.get(num_tokens)
+        if measured is not None:
+            return measured
+        c = self._coefficients
+        return max(1e-9, c[0] + (c[1] + c[4]) * num_tokens + c[2] * (context + num_tokens) + c[3] * num_seqs)
+
+    def _fit(self) -> bool:
+        """Whether the step law is fitted (refitted every ``REFIT_EVERY`` steps once ``MIN_FIT_STEPS`` ran)."""
         steps = self.step_sums.gram[0]
         if steps < MIN_FIT_STEPS:
-            return None
+            return False
         if steps - self._fitted_at >= REFIT_EVERY or self._coefficients is None:
             self._coefficients = fit_linear(gram_matrix(self.step_sums.gram), np.asarray(self.step_sums.moments))
             self._fitted_at = steps
-        c = self._coefficients
-        if c is None:
-            return None
-        batch = len(running)
-        pairs = sum(r.num_computed_tokens + 1 for r in running)
-        seconds = c[0] + (c[1] + c[3] + c[4]) * batch + c[2] * pairs
-        return (1 + MARGIN) * batch / seconds if seconds > 0 else None
+        return self._coefficients is not None
 
 
 def make_speculator(config, step_sums: StepSums, num_blocks: int, max_model_len: int,
