@@ -60,7 +60,7 @@ class LLMEngine:
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
         mc = self.model_config
         self.max_model_len = max_model_len(config.max_model_len, mc.max_position_embeddings)
-        tp, ranks = config.tensor_parallel_size, config.num_ranks
+        ranks = config.num_ranks
         runner_options = {}
         if ranks > 1 and transport is not None:  # each rank reads and serves its own heads
             runner_options["worker_transport"] = worker_transport(transport, self.engine_id)
@@ -92,17 +92,10 @@ class LLMEngine:
         self.step_times = StepTimes()
         self.step_sums = StepSums()  # the fit of this engine's own step cost (router.step_cost)
         # Speculative decoding: drafts for the running decodes, priced by that fit (pd.engine.spec).
-        self.speculator = make_speculator(config, self.step_sums, num_blocks, self.max_model_len, mc.vocab_size)
-        self.scheduler.speculator = self.speculator
-        if self.speculator is not None:
-            self.speculator.uniform = getattr(self.runner, "graphs", None) is not None
-        self.connector = KVConnector(
-            self.engine_id, transport, self.fingerprint, self.kv_cache, self.scheduler,
-            config.kv_lease_s, config.kv_read_timeout_s,
-            block_bytes=kv_block_bytes(mc, config.block_size, self.runner.kv_dtype, tp), clock=clock,
-            tp=(ConnectorTP(ranks, mc, self.runner.workers, lambda: self.runner.rank_transport_metadata()[:tp - 1],
-                            attention_size=tp) if ranks > 1 else ConnectorTP(1, mc, None, list)),
-        )
+        self.speculator = self.scheduler.speculator = make_speculator(
+            config, self.step_sums, num_blocks, self.max_model_len, mc.vocab_size,
+            uniform=getattr(self.runner, "graphs", None) is not None)
+        self.connector = self._make_connector(transport, clock)
         self.stepper = Stepper(config, self.scheduler, self.runner, self.tiers, self.connector, self.step_times,
                                self.step_sums)
         self.eos_token_ids = mc.eos_token_ids or (
@@ -112,6 +105,20 @@ class LLMEngine:
         self._requests: dict[str, Request] = {}
         self._finished_at_admission: list[RequestOutput] = []
         logger.info("engine ready: %s, %d KV blocks of %d tokens", self.model_dir, num_blocks, config.block_size)
+
+    def _make_connector(self, transport: KVTransport | None, clock: Clock) -> KVConnector:
+        """What serves and pulls this engine's disaggregated KV (``pd.engine.disagg.connector``), over every
+        tensor-parallel rank's heads."""
+        config, mc = self.config, self.model_config
+        tp, ranks = config.tensor_parallel_size, config.num_ranks
+        runner = self.runner
+        return KVConnector(
+            self.engine_id, transport, self.fingerprint, self.kv_cache, self.scheduler,
+            config.kv_lease_s, config.kv_read_timeout_s,
+            block_bytes=kv_block_bytes(mc, config.block_size, runner.kv_dtype, tp), clock=clock,
+            tp=(ConnectorTP(ranks, mc, runner.workers, lambda: runner.rank_transport_metadata()[:tp - 1],
+                            attention_size=tp) if ranks > 1 else ConnectorTP(1, mc, None, list)),
+        )
 
     @property
     def grammar_compiler(self) -> GrammarCompiler:

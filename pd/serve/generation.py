@@ -12,8 +12,8 @@ down but never fails them.
 
 Three parts: ``PoolClient.generate`` plans and runs the calls;
 ``pd.serve.stream.StreamTracker`` turns tokens into text and latency metrics;
-``Lease`` owns a remote prefill's pinned blocks and releases them exactly
-once. Each call is a span of the request's ``Timeline`` (``pd.serve.timeline``),
+``pd.serve.lease.Lease`` owns a remote prefill's pinned blocks and releases
+them exactly once. Each call is a span of the request's ``Timeline`` (``pd.serve.timeline``),
 with what the engines measured placed inside it.
 """
 
@@ -29,6 +29,7 @@ from ray.exceptions import RayActorError
 from pd.config.app import AppArgs
 from pd.engine.request import FinishReason, KVSource, finish_reason
 from pd.sampling_params import SamplingParams
+from pd.serve.lease import Lease
 from pd.serve.metrics import RequestMetrics
 from pd.serve.probes import QuarantineProbes, probe_interval_s
 from pd.serve.protocol import DecodeChunk, PoolControl, PoolRequest, PrefillResult, RequestFailed
@@ -59,37 +60,6 @@ class RequestFailedError(RuntimeError):
 
 class DecodeReplicaLost(RuntimeError):
     """A stream's decode replica died or dropped it; the request can continue on another."""
-
-
-class Lease:
-    """A remote prefill's pinned blocks, released exactly once (``with`` ends it).
-
-    The decode replica's first chunk settles it: a pull (``KVSource.REMOTE``)
-    makes the prefill replica free the blocks itself; anything else releases
-    them now.
-    """
-
-    def __init__(self, client: "PoolClient", result: PrefillResult):
-        self._client = client
-        self.result = result
-        self._open = True
-
-    def settle(self, kv_source: KVSource) -> None:
-        if kv_source is KVSource.REMOTE:
-            self._open = False
-        else:
-            self.release()
-
-    def release(self) -> None:
-        if self._open:
-            self._open = False
-            self._client.release_lease(self.result)
-
-    def __enter__(self) -> "Lease":
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.release()
 
 
 async def _result(response):

@@ -6,7 +6,7 @@ import pytest
 
 from pd import SamplingParams
 from pd.engine.request import FinishReason, KVSource, finish_reason
-from pd.serve.generation import Lease
+from pd.serve.lease import Lease
 from pd.serve.protocol import PrefillResult
 
 RESULT = PrefillResult(request_id="r", replica_id="p0", first_token_id=5, first_logprob=None, kv_handle=b"h",

@@ -219,10 +219,11 @@ class Speculator:
         return self._coefficients is not None
 
 
-def make_speculator(config, step_sums: StepSums, num_blocks: int, max_model_len: int,
-                    vocab_size: int) -> Speculator | None:
+def make_speculator(config, step_sums: StepSums, num_blocks: int, max_model_len: int, vocab_size: int,
+                    uniform: bool = False) -> Speculator | None:
     """The engine's speculator for ``config.speculative_config`` (None without one); a draft model's proposer
-    gets a pool of as many blocks as the target's (``pd.engine.spec.draft``)."""
+    gets a pool of as many blocks as the target's (``pd.engine.spec.draft``). ``uniform``: its verify steps
+    replay CUDA graphs (``Speculator.uniform``)."""
     spec = config.speculative_config
     if spec is None:
         return None
@@ -231,4 +232,6 @@ def make_speculator(config, step_sums: StepSums, num_blocks: int, max_model_len:
         from pd.engine.spec.draft import DraftModelProposer
 
         proposer = DraftModelProposer(config, spec.model, num_blocks, max_model_len, vocab_size)
-    return Speculator(spec, step_sums, max_model_len, proposer)
+    speculator = Speculator(spec, step_sums, max_model_len, proposer)
+    speculator.uniform = uniform
+    return speculator
