@@ -94,12 +94,12 @@ class Speculator:
 
     def plan(self, running: Sequence[Request]) -> dict[Request, tuple[int, ...]]:
         """Drafts for the running requests that should verify some this step (most get none)."""
-        eligible = [r for r in running if self._room(r) > 0]
-        if not eligible:
+        rooms = {r: room for r in running if (room := self._room(r)) > 0}  # the eligible, and their room
+        if not rooms:
             return {}
-        budgets = self._budgets(running, {request: self._room(request) for request in eligible})
+        budgets = self._budgets(running, rooms)
         wanted = []
-        for request in eligible:
+        for request in rooms:
             k = budgets.get(request, 0)
             if k <= 0:
                 acceptance = self._acceptance.setdefault(request.request_id, _Acceptance())
@@ -117,15 +117,15 @@ class Speculator:
             found = {r: self.proposer.propose(r.request_id, r.token_ids, k) for r, k in wanted}
             budgets = self._budgets(running, {r: len(d) for r, d in found.items() if d})
             drafts = {r: tuple(d[:budgets[r]]) for r, d in found.items() if budgets.get(r)}
-        return self._uniform(eligible, drafts) if self.uniform and drafts else drafts
+        return self._uniform(rooms, drafts) if self.uniform and drafts else drafts
 
-    def _uniform(self, eligible: list[Request], drafts: dict[Request, tuple[int, ...]]) -> dict[Request, tuple[int, ...]]:
+    def _uniform(self, rooms: dict[Request, int], drafts: dict[Request, tuple[int, ...]]) -> dict[Request, tuple[int, ...]]:
         """Every eligible request's drafts padded to ``num_speculative_tokens`` (repeating its last token), so
         that the verify step has ``k + 1`` tokens a sequence and replays the CUDA graph captured for it. A
         padded draft is a guess like any other: accepted only where the target draws it."""
         k = self.config.num_speculative_tokens
-        for request in eligible:
-            if self._room(request) >= k:
+        for request, room in rooms.items():
+            if room >= k:
                 mine = drafts.get(request, ())
                 drafts[request] = mine + ((mine or request.token_ids)[-1],) * (k - len(mine))
         return drafts
