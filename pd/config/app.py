@@ -365,9 +365,16 @@ class AppArgs(StrictModel):
         return self.model_name or self.engine.model
 
     def engine_config(self, pool: str = "decode") -> EngineConfig:
-        """The engine of a ``pool`` replica: ``engine:``, the app's lease fields, the pool's own."""
-        return self.engine.engine_config(self.kv_lease_s, self.kv_read_timeout_s,
-                                         **getattr(self, pool).engine_fields())
+        """The engine of a ``pool`` replica: ``engine:``, the app's lease fields, the pool's own.
+
+        A prefill replica stops at the first token, so it never verifies drafts: it speculates not, and loads no
+        draft model.
+        """
+        config = self.engine.engine_config(self.kv_lease_s, self.kv_read_timeout_s,
+                                           **getattr(self, pool).engine_fields())
+        if pool == "prefill" and config.speculative_config is not None:
+            config = dataclasses.replace(config, speculative_config=None)
+        return config
 
     def remote_prefill_rule(self) -> RemotePrefillRule:
         return RemotePrefillRule(threshold=self.remote_prefill_threshold, queue_bound=self.prefill_queue_bound,

@@ -279,3 +279,10 @@ def test_the_deepseek_v3_config_splits_the_released_model():
         local = TPShard(0, pool.tensor_parallel_size).local_config(model, experts=False)
         assert (local.num_heads, local.num_kv_heads) == (16, 1)
         check_ep(model, pool.expert_parallel_size, pool.num_redundant_experts)
+
+
+def test_prefill_replicas_neither_speculate_nor_load_a_draft():
+    spec = {"method": "draft_model", "model": "builtin:tiny-llama", "num_speculative_tokens": 3}
+    args = AppArgs.model_validate({**config_args("default.yaml"), "engine": {"speculative_config": spec}})
+    assert args.engine_config("decode").speculative_config.model == "builtin:tiny-llama"
+    assert args.engine_config("prefill").speculative_config is None  # it stops at the first token
