@@ -1,10 +1,12 @@
-"""Speculative decoding served P/D: the decode pool verifies n-gram drafts, and the answers are the colocated
-engine's without speculation, on either prefill path.
+"""Speculative decoding served P/D: the decode pool verifies drafts of each method (n-gram, suffix, a draft
+model), and the answers are the colocated engine's without speculation, on either prefill path.
 
 The app is ``default.yaml`` with ``engine: {speculative_config: ...}`` and the
-trained SmolLM2 in fp32. Grounded prompts (repeat or edit a text given in the
-prompt) make the drafts pay; the decode replicas' counters show drafts
-accepted; nothing fails.
+trained SmolLM2 in fp32; the draft model is SmolLM2 itself (the only trained
+checkpoint with its vocabulary), which the decode replica prefills over the
+pulled prompt. Grounded prompts (repeat or edit a text given in the prompt)
+make the drafts pay; the decode replicas' counters show drafts accepted;
+nothing fails.
 """
 
 from __future__ import annotations
@@ -22,13 +24,17 @@ SOURCE = ("The meeting is on Tuesday at ten. Anna brings the slides, Ben the bud
           "the last meeting. We will discuss the new office, the summer plan and the hiring of two engineers.")
 PROMPTS = [f"Correct the spelling and return the text: {SOURCE.replace('e', 'ee', 3)}",
            "Repeat after me: one two three four five six seven eight nine ten"]
-SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+SPECS = {
+    "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4},
+    "suffix": {"method": "suffix", "num_speculative_tokens": 4},
+    "draft_model": {"method": "draft_model", "model": SMOLLM2, "num_speculative_tokens": 3},
+}
 
 
-@pytest.fixture(scope="module")
-def app(ray_cluster):
+@pytest.fixture(scope="module", params=sorted(SPECS))
+def app(ray_cluster, request):
     ensure_app("default.yaml", engine={"model": SMOLLM2, "dtype": "float32", "kv_cache_bytes": 64 * 1024**2,
-                                       "speculative_config": SPEC},
+                                       "speculative_config": SPECS[request.param]},
                remote_prefill_threshold=THRESHOLD)
     return Client(ray_cluster["url"])
 
