@@ -1,6 +1,6 @@
 """Disaggregated prefill/decode LLM serving on Ray: the engine and its serving layer.
 
-``LLM``, ``CompletionOutput`` and ``SamplingParams`` are imported on first
+``LLM``, ``CompletionOutput``, ``LoRARequest`` and ``SamplingParams`` are imported on first
 use, so that importing a light part of the package (``pd.workload``,
 ``pd.config``) does not load torch: Serve's controller imports the autoscaling
 policy (``autoscale.serve``), which reads ``pd.workload``.
@@ -13,10 +13,11 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from pd.llm import LLM, CompletionOutput
+    from pd.lora import LoRARequest
     from pd.sampling_params import SamplingParams
 
-__all__ = ["LLM", "CompletionOutput", "SamplingParams"]
-_HOMES = {"LLM": "pd.llm", "CompletionOutput": "pd.llm", "SamplingParams": "pd.sampling_params"}
+__all__ = ["LLM", "CompletionOutput", "LoRARequest", "SamplingParams"]
+_HOMES = {"LLM": "pd.llm", "CompletionOutput": "pd.llm", "LoRARequest": "pd.lora", "SamplingParams": "pd.sampling_params"}
 
 
 def __getattr__(name: str):

@@ -9,6 +9,8 @@ from typing import Sequence
 from pd.config import EngineConfig
 from pd.engine.engine import LLMEngine
 from pd.engine.logprobs import PromptLogprob
+from pd.lora import LoRARequest
+from pd.lora.manager import LoraManager, no_lora_error
 from pd.sampling_params import SamplingParams
 
 
@@ -51,6 +53,24 @@ class LLM:
         pool = self.engine.runner.kv_cache
         return pool.numel() * pool.element_size() // (pool.shape[0] * self.engine.config.block_size)
 
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Load an adapter under its name, or reload it with the weights now at its path: new requests run on
+        those, requests already running keep theirs, and no KV of the old weights is reused."""
+        self._lora(lora_request.lora_name).load(lora_request.lora_name, lora_request.lora_path)
+
+    def remove_lora(self, name: str) -> None:
+        """Unload adapter ``name``: new requests naming it are refused; those running finish on it."""
+        self._lora(name).unload(name)
+
+    def list_loras(self) -> dict[str, str]:
+        """Each loaded adapter's name and the path it loads from."""
+        return {} if self.engine.lora is None else self.engine.lora.adapters()
+
+    def _lora(self, name: str) -> LoraManager:
+        if self.engine.lora is None:
+            raise no_lora_error(name)
+        return self.engine.lora
+
     def close(self) -> None:
         """Stop what runs beside the engine: its tensor-parallel workers, its KV tiers' writers."""
         self.engine.close()
@@ -70,12 +90,29 @@ class LLM:
             return self.tokenizer.encode(prompt)
         return list(prompt)
 
+    @staticmethod
+    def _per_prompt(lora_request, num_prompts: int) -> list[LoRARequest | None]:
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            return [lora_request] * num_prompts
+        loras = list(lora_request)
+        if len(loras) != num_prompts:
+            raise ValueError(f"got {len(loras)} lora_requests for {num_prompts} prompts")
+        for lora in loras:
+            if lora is not None and not isinstance(lora, LoRARequest):
+                raise ValueError(f"lora_request must be a pd.LoRARequest or None, got {type(lora).__name__}")
+        return loras
+
     def generate(
         self,
         prompts: Sequence[str] | Sequence[Sequence[int]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[CompletionOutput]:
-        """Run every prompt to completion; outputs come back in prompt order."""
+        """Run every prompt to completion; outputs come back in prompt order.
+
+        ``lora_request``: the LoRA adapter every prompt runs under, or a list of one per prompt (None: the base
+        model); the engine needs ``enable_lora=True``.
+        """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             raise ValueError("prompts must be a list of strings or a list of token-id lists")
         if sampling_params is None:
@@ -84,15 +121,18 @@ class LLM:
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts")
+        loras = self._per_prompt(lora_request, len(prompts))
         # Validate everything before adding anything, so a bad prompt leaves the engine untouched.
         token_lists = [self._prompt_token_ids(p) for p in prompts]
         for token_ids, params in zip(token_lists, sampling_params):
             self.engine.validate(token_ids, params)
+        for lora in {lora for lora in loras if lora is not None}:
+            self.engine.resolve_lora(lora)
         outputs: dict[str, CompletionOutput] = {}
         order = []
-        for token_ids, params in zip(token_lists, sampling_params):
+        for token_ids, params, lora in zip(token_lists, sampling_params, loras):
             request_id = f"offline-{next(self._ids)}"
-            self.engine.add_request(request_id, token_ids, params)
+            self.engine.add_request(request_id, token_ids, params, lora=lora)
             outputs[request_id] = CompletionOutput(
                 prompt_token_ids=token_ids, logprobs=[] if params.logprobs is not None else None
             )

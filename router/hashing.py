@@ -22,6 +22,15 @@ HASH_NUM_BYTES = 8
 ROOT_HASH: bytes = hashlib.blake2b(b"pd/prefix-cache/root/v1", digest_size=HASH_NUM_BYTES).digest()
 
 
+def adapter_root_hash(name: str, digest: str) -> bytes:
+    """The parent of the first block of a prompt run under a LoRA adapter: its name and its weights' digest.
+
+    Two adapters, or an adapter and the base model, never share a block; an
+    adapter reloaded under its name with new weights never meets its old KV.
+    """
+    return hash_block(ROOT_HASH, (), ("lora", name, digest))
+
+
 def hash_block(parent_hash: bytes, token_ids: Sequence[int], extra_keys: Sequence = ()) -> bytes:
     """The 8-byte blake2b digest of msgpack ``[parent_hash, token_ids, extra_keys]``."""
     payload = msgpack.packb([parent_hash, list(token_ids), list(extra_keys)])

@@ -26,7 +26,7 @@ from typing import Annotated, Any, ClassVar, TypeVar
 
 import msgspec
 
-WIRE_VERSION = 12
+WIRE_VERSION = 13
 DIGEST_BYTES = 16
 
 NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
@@ -138,7 +138,9 @@ class KVHandle(WireMessage, frozen=True, kw_only=True):
     pinned until the decode side's completion notification, an abort, or
     ``lease_expiry`` (Unix seconds), whichever comes first. ``prompt_digest``
     (``prompt_digest(token_ids)``) lets the decode side refuse a handle for
-    another prompt of the same length. A tensor-parallel prefill engine adds
+    another prompt of the same length, and ``adapter`` with ``adapter_digest``
+    (the LoRA adapter the KV was computed under, its name and weights' digest;
+    empty for the base model) one computed under other weights. A tensor-parallel prefill engine adds
     ``rank_metadata``: the transports of its ranks 1..N-1, each over its own
     pool (``fingerprint.tensor_parallel_size`` ranks in all).
     """
@@ -157,6 +159,8 @@ class KVHandle(WireMessage, frozen=True, kw_only=True):
     lease_expiry: float
     prompt_digest: bytes
     rank_metadata: tuple[bytes, ...] = ()
+    adapter: str = ""
+    adapter_digest: str = ""
 
     def validate(self) -> None:
         if self.block_size != self.fingerprint.block_size:

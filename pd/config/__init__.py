@@ -32,6 +32,8 @@ LINEAR_FORMS = ("auto", "onednn", "dense")
 # The sliding window of expert loads is a ring of this many partial sums (pd.engine.ep.load).
 EPLB_WINDOW_BUCKETS = 8
 LinearForm = Literal[LINEAR_FORMS]
+# The largest LoRA rank an engine may be configured for (vLLM's bound).
+MAX_LORA_RANK = 512
 # The KV pool of an engine off CUDA that names neither num_blocks nor kv_cache_bytes.
 DEFAULT_KV_CACHE_BYTES = 2 * 1024**3
 
@@ -144,6 +146,34 @@ class EngineConfig:
     # Speculative decoding (``pd.engine.spec``): a dict as vLLM's speculative_config, or None. Decode steps
     # verify the drafts a lookup proposes; outputs are the non-speculative engine's. Synchronous steps only.
     speculative_config: SpeculativeConfig | None = None
+    # LoRA adapters (``pd.lora``), as vLLM's fields: ``max_loras`` adapters running at once (a step's slots),
+    # ranks up to ``max_lora_rank``, ``max_cpu_loras`` adapters' weights in host memory (None: max_loras);
+    # ``lora_modules`` name -> peft directory, loaded at start.
+    enable_lora: bool = False
+    max_loras: int = 4
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    lora_modules: dict[str, str] | None = None
+
+    def _check_lora(self) -> None:
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError(f"lora_modules {sorted(self.lora_modules)} needs enable_lora: true")
+        for name in ("max_loras", "max_lora_rank"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_lora_rank > MAX_LORA_RANK:
+            raise ValueError(f"max_lora_rank must be <= {MAX_LORA_RANK}, got {self.max_lora_rank}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras}): "
+                             "an adapter on the device is also held in host memory")
+        for name, path in (self.lora_modules or {}).items():
+            if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+                raise ValueError(f"lora_modules maps adapter names to peft directories, got {name!r}: {path!r}")
+
+    @property
+    def cpu_loras(self) -> int:
+        """Adapters whose weights host memory holds: ``max_cpu_loras``, or ``max_loras``."""
+        return self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
 
     def _check_lower_tiers(self) -> None:
         for tier, where, size in (("disk", "disk_kv_cache_path", "disk_kv_cache_bytes"),
@@ -211,6 +241,7 @@ class EngineConfig:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         self._check_lower_tiers()
+        self._check_lora()
         object.__setattr__(self, "speculative_config", SpeculativeConfig.of(self.speculative_config))
         if self.speculative_config is not None and self.async_scheduling is True:
             raise ValueError("speculative_config runs with synchronous steps: set async_scheduling to false or "
@@ -241,3 +272,4 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_num_seqs: int
     max_model_len: int
+    max_loras: int = 0  # LoRA adapters running at once (``EngineConfig.max_loras``); 0: no adapters

@@ -12,7 +12,7 @@ import functools
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import torch
 
@@ -24,6 +24,8 @@ from pd.engine.outputs import RequestOutput
 from pd.engine.request import FinishReason
 from pd.engine.stats import EngineStats
 from pd.engine.tp.driver import Launcher, TPWorkerError
+from pd.lora import AdapterId
+from pd.lora.manager import no_lora_error
 from pd.sampling_params import SamplingParams
 from router.events import CacheEvent
 from router.protocol import RoutingStats
@@ -60,6 +62,8 @@ class AsyncLLMEngine:
         self._pending_adds: list[tuple[str, list[int], SamplingParams, dict]] = []
         self._pending_aborts: list[str] = []
         self._pending_releases: list[str] = []
+        # Calls that change what the engine holds (LoRA adapters), run between steps: each with its future.
+        self._pending_calls: list[tuple[Callable[[], object], asyncio.Future]] = []
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
         self._closed = False
@@ -86,13 +90,14 @@ class AsyncLLMEngine:
         remote_kv: KVHandle | None = None,
         first_token_id: int | None = None,
         num_generated: int = 0,
+        lora: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Queue a request and return the stream of its incremental outputs.
 
         Bad input raises ``ValueError`` here, before anything is queued. Leaving
         the stream early (``aclose()``, or cancelling its consumer) aborts it.
-        ``pin_kv``, ``remote_kv``, ``first_token_id`` and ``num_generated`` are as in
-        ``LLMEngine.add_request``.
+        ``pin_kv``, ``remote_kv``, ``first_token_id``, ``num_generated`` and ``lora`` (a loaded adapter's name:
+        ``ensure_lora`` first) are as in ``LLMEngine.add_request``.
         """
         if self._closed:
             raise RuntimeError("engine is shut down")
@@ -105,10 +110,47 @@ class AsyncLLMEngine:
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = queue
         options = {"pin_kv": pin_kv, "remote_kv": remote_kv, "first_token_id": first_token_id,
-                   "num_generated": num_generated}
+                   "num_generated": num_generated, "lora": lora}
         self._pending_adds.append((request_id, list(prompt_token_ids), params, options))
         self._wakeup.set()
         return self._stream(request_id, queue)
+
+    async def load_lora(self, name: str, path: str) -> str:
+        """Load (or reload) adapter ``name`` from ``path``: read and checked on a worker thread, registered
+        between steps, so no step waits for the disk. Its digest; ``ValueError`` naming what is wrong."""
+        manager = self._lora_manager(name)
+        adapter = await asyncio.get_running_loop().run_in_executor(self._grammar_executor, manager.read, name, path)
+        return await self._between_steps(lambda: manager.add(name, path, adapter))
+
+    async def unload_lora(self, name: str) -> int:
+        """Refuse new requests for ``name`` from the next step on; how many running requests finish on it."""
+        manager = self._lora_manager(name)
+        return await self._between_steps(lambda: manager.unload(name))
+
+    async def ensure_lora(self, name: str, path: str, digest: str) -> None:
+        """Make adapter ``name`` the one whose weights have ``digest``, loading it from ``path`` if this engine
+        holds other weights under that name or none; ``ValueError`` if the files there now have another."""
+        if self._lora_manager(name).digest_of(name) == digest:
+            return
+        loaded = await self.load_lora(name, path)
+        if loaded != digest:
+            raise ValueError(f"LoRA adapter {name!r} at {path} changed since it was loaded (digest {loaded[:12]}, "
+                             f"expected {digest[:12]}); load it again")
+
+    def _lora_manager(self, name: str):
+        if self.engine.lora is None:
+            raise no_lora_error(name)
+        return self.engine.lora
+
+    async def _between_steps(self, call: Callable[[], object]):
+        """``call()``'s result, run on the loop between two steps (never while one runs on the step thread)."""
+        if self._closed:
+            raise RuntimeError("engine is shut down")
+        future = asyncio.get_running_loop().create_future()
+        self._pending_calls.append((call, future))
+        self._ensure_loop()
+        self._wakeup.set()
+        return await future
 
     async def compile_constraint(self, params: SamplingParams) -> None:
         """Compile ``params.structured`` on a worker thread, so that ``add_request`` finds it cached.
@@ -193,9 +235,9 @@ class AsyncLLMEngine:
         """See ``LLMEngine.routing_stats``; safe while a step runs, as ``cache_events`` is."""
         return self.engine.routing_stats()
 
-    def open_kv_handle(self, data: bytes, prompt_token_ids: list[int]) -> KVHandle | None:
+    def open_kv_handle(self, data: bytes, prompt_token_ids: list[int], lora: AdapterId | None = None) -> KVHandle | None:
         """See ``LLMEngine.open_kv_handle``."""
-        return self.engine.open_kv_handle(data, prompt_token_ids)
+        return self.engine.open_kv_handle(data, prompt_token_ids, lora)
 
     def _ensure_loop(self) -> None:
         if self._loop_task is None or self._loop_task.done():
@@ -203,6 +245,16 @@ class AsyncLLMEngine:
             self._loop_task = asyncio.get_running_loop().create_task(self._run(), name="pd-engine-loop")
 
     def _apply_pending(self) -> None:
+        calls, self._pending_calls = self._pending_calls, []
+        for call, future in calls:
+            try:
+                result = call()
+            except Exception as exc:  # noqa: BLE001 - the caller hears of it
+                if not future.done():
+                    future.set_exception(exc)
+            else:
+                if not future.done():
+                    future.set_result(result)
         adds, self._pending_adds = self._pending_adds, []
         for request_id, token_ids, params, options in adds:
             if request_id not in self._streams:
@@ -234,7 +286,7 @@ class AsyncLLMEngine:
             self._apply_pending()
             if not self.engine.has_unfinished_requests():
                 self._wakeup.clear()
-                if self._pending_adds or self._pending_aborts or self._pending_releases:
+                if self._pending_adds or self._pending_aborts or self._pending_releases or self._pending_calls:
                     continue
                 if self._stepped_since_release:
                     await self._release_memory(loop)

@@ -201,7 +201,7 @@ class DecodeGraphs:
     def run(self, batch: ForwardInput) -> torch.Tensor | None:
         """Logits ``[num_samples, vocab]`` for a step of one query length a sequence that fits a bucket, else None."""
         query_len = batch.query_len
-        if query_len is None:
+        if query_len is None or batch.attn.lora is not None:  # a step with LoRA adapters runs eager
             return None
         bucket = self.bucket_for(batch.attn.seq_lens.shape[0], query_len)
         if bucket is None or (query_len, bucket) not in self.graphs:

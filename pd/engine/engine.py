@@ -27,6 +27,8 @@ from pd.engine.stepper import Stepper
 from pd.engine.structured import GrammarCompiler
 from pd.engine.tiers.io import TierIO
 from pd.engine.tiers.tiers import build_tiers
+from pd.lora import AdapterId, LoRARequest
+from pd.lora.manager import LoraManager, no_lora_error
 from pd.model.config import load_model_config
 from pd.model.paths import resolve_model_path
 from pd.model.tokenizer import Tokenizer
@@ -62,6 +64,9 @@ class LLMEngine:
         self.max_model_len = max_model_len(config.max_model_len, mc.max_position_embeddings)
         ranks = config.num_ranks
         runner_options = {}
+        self.lora = self._make_lora(config, mc)
+        if self.lora is not None:
+            runner_options["lora"] = self.lora.registry
         if ranks > 1 and transport is not None:  # each rank reads and serves its own heads
             runner_options["worker_transport"] = worker_transport(transport, self.engine_id)
         self.runner = make_runner(config, mc, self.model_dir, num_pool_blocks(config, mc, transport),
@@ -73,6 +78,7 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs,
             max_model_len=self.max_model_len,
+            max_loras=config.max_loras if config.enable_lora else 0,
         )
         # The tiers are built from the pool and the runner's KV cache, so after both; the pool takes the
         # forwarder of its evictions now, which the tiers bind to (``Evictions``).
@@ -105,6 +111,18 @@ class LLMEngine:
         self._requests: dict[str, Request] = {}
         self._finished_at_admission: list[RequestOutput] = []
         logger.info("engine ready: %s, %d KV blocks of %d tokens", self.model_dir, num_blocks, config.block_size)
+
+    @staticmethod
+    def _make_lora(config: EngineConfig, mc) -> LoraManager | None:
+        """The engine's adapters (``pd.lora``), with ``enable_lora``; ``ValueError`` for a model they cannot adapt."""
+        if not config.enable_lora:
+            return None
+        if mc.mla is not None:
+            raise ValueError(f"enable_lora: LoRA on multi-head latent attention ({mc.architecture}) is not "
+                             "supported")
+        if config.num_ranks > 1:
+            raise ValueError("enable_lora with tensor_parallel_size or expert_parallel_size > 1 is not supported yet")
+        return LoraManager(config, mc)
 
     def _make_connector(self, transport: KVTransport | None, clock: Clock) -> KVConnector:
         """What serves and pulls this engine's disaggregated KV (``pd.engine.disagg.connector``), over every
@@ -142,6 +160,13 @@ class LLMEngine:
         if params.structured is not None:
             self.grammar_compiler.compile(params.structured)
 
+    def resolve_lora(self, lora: LoRARequest | str) -> AdapterId:
+        """The adapter a request naming ``lora`` would run under, loaded now if a ``LoRARequest`` names it
+        first; ``ValueError`` (``UnknownAdapter`` for a name not loaded) as ``add_request`` would raise."""
+        if self.lora is None:
+            raise no_lora_error(lora if isinstance(lora, str) else lora.lora_name)
+        return self.lora.resolve(lora)
+
     def add_request(
         self,
         request_id: str,
@@ -152,6 +177,7 @@ class LLMEngine:
         remote_kv: KVHandle | None = None,
         first_token_id: int | None = None,
         num_generated: int = 0,
+        lora: LoRARequest | str | None = None,
     ) -> Request:
         """Queue a request.
 
@@ -166,9 +192,13 @@ class LLMEngine:
         The request's grammar accepts those, then ``first_token_id``, before any
         token it samples; ``ValueError`` if one does not follow it. Compiling the
         grammar is client-controlled work, bounded as ``GrammarCompiler`` says.
+        ``lora``: the adapter it runs under (``pd.lora``), a ``LoRARequest`` or a loaded adapter's name;
+        ``UnknownAdapter`` (a ``ValueError``) for a name not loaded.
         """
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if lora is not None and self.lora is None:
+            raise no_lora_error(lora if isinstance(lora, str) else lora.lora_name)
         self.validate(prompt_token_ids, params)
         check_num_generated(num_generated, len(prompt_token_ids))
         if pin_kv:
@@ -190,8 +220,10 @@ class LLMEngine:
                     num_cached_tokens=0, kv_source=KVSource.RECOMPUTE))
                 return request
         request.grammar = grammar
+        if lora is not None:
+            self.lora.start(request, lora)
         if remote_kv is not None:
-            if self.connector.accept(remote_kv, request.prompt_token_ids):
+            if self.connector.accept(remote_kv, request.prompt_token_ids, request.lora):
                 request.remote_kv = remote_kv
                 request.kv_source = KVSource.REMOTE
                 request.status = RequestStatus.WAITING_FOR_REMOTE_KV
@@ -221,15 +253,17 @@ class LLMEngine:
         """Prefill role: end a lease early (no decode will pull it); idempotent."""
         return self.connector.release(request_id)
 
-    def open_kv_handle(self, data: bytes, prompt_token_ids: list[int]) -> KVHandle | None:
+    def open_kv_handle(self, data: bytes, prompt_token_ids: list[int],
+                       lora: AdapterId | None = None) -> KVHandle | None:
         """Decode role: the ``KVHandle`` in ``data`` if this engine can pull ``prompt_token_ids``' KV with it.
 
-        None when the handle is unusable (garbled, another layout, transport or
-        prompt): the prompt is then recomputed here, counted as a fallback.
+        None when the handle is unusable (garbled, another layout, transport,
+        prompt or LoRA adapter ``lora``): the prompt is then recomputed here,
+        counted as a fallback.
         """
         try:
             handle = KVHandle.decode(data)
-            self.connector.check(handle, prompt_token_ids)
+            self.connector.check(handle, prompt_token_ids, lora)
         except WireError as exc:
             logger.warning("unusable KV handle (%s); recomputing the prompt locally", exc)
             self.connector.note_fallback()
@@ -335,6 +369,8 @@ class LLMEngine:
             request.grammar = None  # its matcher's native memory goes now, not with the last reference
             if self.speculator is not None:
                 self.speculator.finish(request)
+            if self.lora is not None:
+                self.lora.finish(request)
         self.runner.forget(request_id)
         self.tiers.release(request_id)  # a request that never had a prefix match holds nothing either
 
@@ -355,4 +391,5 @@ class LLMEngine:
             **self.experts.counters(),
             **vars(self.connector.stats),  # flat scalars: asdict's deep copy cost more than the rest of stats()
             **(vars(self.speculator.counters) if self.speculator is not None else {}),
+            **(self.lora.counters() if self.lora is not None else {}),
         )

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pd.engine.block_pool import BlockPool
 from pd.engine.request import Request
 from pd.engine.tiers.base import NO_TIERS, Tiers
-from router.hashing import ROOT_HASH, hash_block_tokens
+from router.hashing import hash_block_tokens
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,7 @@ def update_block_hashes(request: Request, block_size: int) -> None:
     """Extend ``request.block_hashes`` to every full block of its tokens."""
     hashes = request.block_hashes
     if len(hashes) < request.num_tokens // block_size:
-        parent = hashes[-1] if hashes else ROOT_HASH
+        parent = hashes[-1] if hashes else request.hash_root
         hashes.extend(hash_block_tokens(request.token_ids, block_size, parent_hash=parent, start_block=len(hashes)))
 
 

@@ -27,6 +27,9 @@ from pd.engine.step_inputs import DriverRows, flatten, to_device
 from pd.engine.structured import GrammarMask
 from pd.engine.tp.driver import Launcher, StepLists, TPWorkers, start_driver
 from pd.engine.tp.group import TPGroup
+from pd.lora import AdapterId
+from pd.lora.registry import LoraRegistry
+from pd.lora.slots import LoraSlots
 from pd.model import kv_scales
 from pd.model.config import ModelConfig
 from pd.model.linear import choose_form
@@ -77,7 +80,8 @@ class ModelRunner:
 
     def __init__(self, config: EngineConfig, model_config: ModelConfig, model_dir: Path, num_blocks: int | DeviceShare,
                  max_model_len: int, *, launcher: Launcher | None = None, group: TPGroup | None = None,
-                 device: torch.device | None = None, worker_transport: dict | None = None):
+                 device: torch.device | None = None, worker_transport: dict | None = None,
+                 lora: LoraRegistry | None = None):
         self.config = config
         self.model_config = model_config
         self.device = device or torch.device(config.device)
@@ -115,6 +119,10 @@ class ModelRunner:
             weights = load_weights(model_dir, model_config, self.dtype, self.device, shard, self.linear_form,
                                    few_rows=self.backend == "cpu", experts=held)
             self.weight_bytes = weights.num_bytes
+            # LoRA adapters' slots (``pd.lora.slots``), on the device before the pool takes what is left.
+            self.lora_registry = lora
+            self.lora_slots = None if lora is None else LoraSlots(
+                model_config, config.max_loras, config.max_lora_rank, self.dtype, self.device, shard)
             rope = cos_sin_cache(model_config.rope, model_config.head_dim, max_model_len).to(self.device)
             self.model = CausalLM(self.local_config, weights, rope, group if tp > 1 else None, self.experts,
                                   kv_scales=self.kv_scales)
@@ -234,11 +242,13 @@ class ModelRunner:
         ``previous``: the step in flight, not yet read; rows ending in a token it samples take it from there.
         Nothing here waits for the device (on CUDA: ``bench.step_syncs``).
         """
-        step, rows = flatten(out, block_tables, self.block_size, previous.samples if previous is not None else None)
+        step, rows = flatten(out, block_tables, self.block_size, previous.samples if previous is not None else None,
+                             self._lora_slots(out))
         self.experts_control.before_step()
         if self.workers is not None:
             self.workers.send(step)
-        batch = to_device(step, rows, self.device, self.backend)
+        batch = to_device(step, rows, self.device, self.backend,
+                          self.lora_slots.layers if self.lora_slots is not None else None)
         # Masks are filled before the forward pass, not beside it on a worker thread: with the
         # forward using every core, the overlap measured slower (bench.engine's structured case).
         mask = GrammarMask.for_rows([r.grammar for r in batch.sampling_requests], self.model_config.vocab_size,
@@ -254,6 +264,16 @@ class ModelRunner:
             if batch.prompt_rows else None
         samples = self.sampler.draw(logits[:num_samples], batch.sampling_requests, mask, scores, batch.sample_offsets)
         return LaunchedStep(samples, mask)
+
+    def _lora_slots(self, out: SchedulerOutput) -> dict[AdapterId, int] | None:
+        """The slot of each adapter the step's requests run under, loading those not held; None when none
+        has one (the step adds no delta)."""
+        if self.lora_slots is None:
+            return None
+        keys = {item.request.lora for item in out.scheduled if item.request.lora is not None}
+        if not keys:
+            return None
+        return self.lora_slots.assign((key, self.lora_registry.weights(key)) for key in keys)
 
     @staticmethod
     def collect(launched: LaunchedStep) -> ForwardOutput:

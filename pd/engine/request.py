@@ -8,7 +8,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pd.engine.logprobs import PromptLogprob
+from pd.lora import AdapterId
 from pd.sampling_params import SamplingParams
+from router.hashing import ROOT_HASH
 from transfer.wire import KVHandle
 
 if TYPE_CHECKING:
@@ -112,6 +114,10 @@ class Request:
     # Speculative decoding (``pd.engine.spec``): draft tokens verified for it, and those accepted.
     num_spec_draft_tokens: int = 0
     num_spec_accepted_tokens: int = 0
+    # The LoRA adapter it runs under (``pd.lora``); None: the base model.
+    lora: AdapterId | None = None
+    # Steps it waited for a device slot for its adapter while others were admitted (``Scheduler``).
+    num_lora_waits: int = 0
 
     def __post_init__(self) -> None:
         self.token_ids: list[int] = list(self.prompt_token_ids)
@@ -120,6 +126,11 @@ class Request:
     def queue_seconds(self) -> float:
         """Time from arrival to first admission (so far, if not yet admitted)."""
         return (self.first_scheduled_time or time.monotonic()) - self.arrival_time
+
+    @property
+    def hash_root(self) -> bytes:
+        """The parent of its first block's hash: its adapter's, so that no other adapter shares its KV."""
+        return ROOT_HASH if self.lora is None else self.lora.root_hash
 
     @property
     def num_tokens(self) -> int:

@@ -29,6 +29,7 @@ from pd.engine.outputs import EngineTimings, ForwardOutput, RequestOutput, Sched
 from pd.engine.request import FinishReason, KVSource, Request, RequestStatus, finish_reason
 from pd.engine.spec.verify import verified_rows
 from pd.engine.tiers.base import NO_TIERS, Tiers
+from pd.lora.admission import MAX_WAITS, AdapterRoom
 
 if TYPE_CHECKING:
     from pd.engine.spec.speculator import Speculator
@@ -121,11 +122,31 @@ class Scheduler:
         return True
 
     def _admit_waiting(self, budget: int, out: SchedulerOutput) -> int:
+        """Admit waiting requests in order while the budget, the blocks and ``max_num_seqs`` allow; one whose
+        LoRA adapter finds no slot is passed over (``pd.lora.admission``)."""
+        room = AdapterRoom(self.config.max_loras, [*self.running, *self.remote_waiting]) \
+            if self.config.max_loras else None
+        passed: list[Request] = []
+        try:
+            return self._admit_in_order(budget, out, room, passed)
+        finally:
+            self.waiting.extendleft(reversed(passed))
+
+    def _admit_in_order(self, budget: int, out: SchedulerOutput, room: AdapterRoom | None,
+                        passed: list[Request]) -> int:
         while self.waiting and len(self.running) + len(self.remote_waiting) < self.config.max_num_seqs:
             request = self.waiting[0]
+            if room is not None and not room.fits(request):
+                request.num_lora_waits += 1
+                if request.num_lora_waits > MAX_WAITS:
+                    break  # it has waited long enough: the running adapters drain until it fits
+                passed.append(self.waiting.popleft())
+                continue
             if request.status is RequestStatus.WAITING_FOR_REMOTE_KV:
                 if not self._admit_remote(request, out):
                     break
+                if room is not None:
+                    room.admitted(request)
                 continue
             if budget <= 0:
                 break
@@ -146,6 +167,8 @@ class Scheduler:
             request.num_computed_tokens += prefix.num_tokens
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            if room is not None:
+                room.admitted(request)
             out.scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
         return budget

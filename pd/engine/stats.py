@@ -76,3 +76,7 @@ class EngineStats:
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
+    # LoRA adapters (``pd.lora``): names loaded, weights in host memory, reads from disk (cumulative).
+    num_loras_loaded: int = 0
+    num_loras_in_memory: int = 0
+    num_lora_loads: int = 0

@@ -10,6 +10,7 @@ that sample or score a prompt) and the ``DriverRows`` only the driver reads;
 from __future__ import annotations
 
 import itertools
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -19,15 +20,20 @@ from pd.engine.outputs import ForwardInput, SchedulerOutput
 from pd.engine.readback import DeviceSamples
 from pd.engine.request import Request
 from pd.engine.tp.driver import StepLists
+from pd.lora import AdapterId
 from pd.model.attention import PAD_BLOCK_ID, AttentionMetadata
+from pd.model.lora import LoraBuffers, LoraRows
+from pd_kernels import NO_LORA
 
 
 def flatten(out: SchedulerOutput, block_tables: list[list[int]], block_size: int,
-        previous: DeviceSamples | None = None) -> tuple[StepLists, DriverRows]:
+        previous: DeviceSamples | None = None,
+        lora_slots: Mapping[AdapterId, int] | None = None) -> tuple[StepLists, DriverRows]:
     """The schedule as flat host lists (what every rank runs), and the rows only the driver reads.
 
     A request's chunk starts after the step in flight's (``Request.num_scheduled_tokens``); a chunk
     ending in the token that step samples takes it from ``previous``, that step's draws, on the device.
+    ``lora_slots``: the slot of each adapter the step's requests run under (``pd.lora.slots``).
     """
     bs = block_size
     token_ids: list[int] = []
@@ -38,10 +44,13 @@ def flatten(out: SchedulerOutput, block_tables: list[list[int]], block_size: int
     logits_indices: list[int] = []
     rows = DriverRows()
     prompt_indices: list[int] = []
+    lora_rows: list[int] | None = [] if lora_slots else None
     for item, blocks in zip(out.scheduled, block_tables):
         request = item.request
         start = request.num_scheduled_tokens
         end = start + item.num_new_tokens
+        if lora_rows is not None:
+            lora_rows.extend([NO_LORA if request.lora is None else lora_slots[request.lora]] * (end - start))
         drafts = item.draft_token_ids  # after the request's last token, in this chunk's tail
         token_ids.extend(request.token_ids[start:end - len(drafts)])
         token_ids.extend(drafts)
@@ -73,17 +82,19 @@ def flatten(out: SchedulerOutput, block_tables: list[list[int]], block_size: int
     table = list(itertools.chain.from_iterable(b + [PAD_BLOCK_ID] * (max_blocks - len(b)) for b in block_tables))
     rows.previous_token_ids = previous.token_ids if rows.unread_at else None
     return StepLists(token_ids, positions, slots, logits_indices + prompt_indices, cu_seqlens, seq_lens, table,
-                     max_blocks), rows
+                     max_blocks, lora_rows), rows
 
-def to_device(step: StepLists, rows: DriverRows, device: torch.device, backend: str) -> ForwardInput:
+def to_device(step: StepLists, rows: DriverRows, device: torch.device, backend: str,
+              lora_layers: Sequence[Mapping[str, LoraBuffers]] | None = None) -> ForwardInput:
     """Copy the step's lists to the device in one transfer; the unread tokens come from the step before's
-    draws, device to device."""
+    draws, device to device. ``lora_layers``: the adapters' slots, which ``step.lora_rows`` index."""
+    with_lora = step.lora_rows is not None
     int64s, int32s = copy_to_device(
         [step.token_ids, step.positions, step.slots, step.logits_indices, rows.prompt_targets, rows.unread_at,
          rows.unread_rows],
-        [step.cu_seqlens, step.seq_lens, step.block_table], device)
+        [step.cu_seqlens, step.seq_lens, step.block_table, *([step.lora_rows] if with_lora else [])], device)
     token_ids_t, positions_t, slots_t, logits_indices_t, prompt_targets_t, unread_at_t, unread_rows_t = int64s
-    cu_seqlens_t, seq_lens_t, table_t = int32s
+    cu_seqlens_t, seq_lens_t, table_t = int32s[:3]
     if rows.previous_token_ids is not None:
         token_ids_t.index_copy_(0, unread_at_t, rows.previous_token_ids.index_select(0, unread_rows_t))
     attn = AttentionMetadata(
@@ -92,6 +103,7 @@ def to_device(step: StepLists, rows: DriverRows, device: torch.device, backend: 
         seq_lens=seq_lens_t,
         block_table=table_t.view(len(step.seq_lens), step.max_blocks),
         backend=backend,
+        lora=LoraRows(int32s[3], lora_layers) if with_lora else None,
     )
     return ForwardInput(
         token_ids=token_ids_t,

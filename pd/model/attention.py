@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pd.model.lora import LoraRows
+
 # Block-table padding: any valid id works, since attention masks keys by seq_len.
 PAD_BLOCK_ID = 0
 
@@ -26,3 +28,4 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # int32 [num_seqs]
     block_table: torch.Tensor  # int32 [num_seqs, max_blocks_per_seq]
     backend: str  # "torch" or "triton"
+    lora: LoraRows | None = None  # the step's adapters, where a row has one (pd.model.lora)

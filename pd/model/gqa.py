@@ -16,6 +16,7 @@ import pd_kernels
 from pd.model.attention import AttentionMetadata
 from pd.model.config import ModelConfig
 from pd.model.linear import Linear
+from pd.model.lora import QKV, O, adapted
 
 
 @dataclass
@@ -61,7 +62,7 @@ class GqaAttention:
         """The layer's row-parallel output (a rank's partial sum) and the bias to add after the reduce."""
         cfg = self.config
         rows = hidden.shape[0]
-        qkv = weights.qkv_proj(hidden)[:num_tokens]
+        qkv = adapted(weights.qkv_proj(hidden), hidden, attn.lora, layer, QKV, attn.backend)[:num_tokens]
         q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         q = q.view(num_tokens, cfg.num_heads, cfg.head_dim)
         k = k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
@@ -79,4 +80,5 @@ class GqaAttention:
             sliding_window=cfg.sliding_windows[layer], backend=attn.backend, out=out[:num_tokens],
             k_scale=k_scale, v_scale=v_scale,
         )
-        return weights.o_proj(out.view(rows, cfg.q_size)), weights.o_bias
+        out = out.view(rows, cfg.q_size)
+        return adapted(weights.o_proj(out), out, attn.lora, layer, O, attn.backend), weights.o_bias

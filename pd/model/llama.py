@@ -15,6 +15,7 @@ one the model runs.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -26,6 +27,7 @@ from pd.model.attention import AttentionMetadata
 from pd.model.config import ModelConfig
 from pd.model.gqa import GqaAttention, GqaWeights
 from pd.model.linear import Linear, padded_rows
+from pd.model.lora import DOWN, GATE_UP, LoraRows, adapted
 from pd.model.mla import MlaAttention, MlaWeights
 from pd.model.moe import MoeWeights, moe_block
 
@@ -121,6 +123,8 @@ class CausalLM:
         # never read: rotary, the KV store, attention and the logits take the batch's rows only.
         token_ids = F.pad(token_ids, (0, rows - num_tokens)) if rows != num_tokens else token_ids
         # Every layer's attention writes the batch's rows of one buffer; padding rows stay zero.
+        if attn.lora is not None:  # its rows cover the batch's: padding rows take no adapter
+            attn = dataclasses.replace(attn, lora=attn.lora.padded(rows))
         step = self.attention.prepare(attn, rows, num_tokens, self.weights.embed_tokens.dtype, token_ids.device,
                                       kv_caches[0][0].shape[1])
         hidden = self._embed(token_ids)
@@ -138,7 +142,7 @@ class CausalLM:
             hidden, residual = pd_kernels.rms_norm(
                 hidden, weights.post_attention_norm, self.config.rms_norm_eps, residual, backend=attn.backend
             )
-            hidden = self._mlp(layer, weights, hidden, num_tokens, attn.backend)
+            hidden = self._mlp(layer, weights, hidden, num_tokens, attn.backend, attn.lora)
         hidden = (hidden + residual)[logits_indices]
         hidden = pd_kernels.rms_norm(hidden, self.weights.norm, self.config.rms_norm_eps, backend=attn.backend)
         logits = self.weights.lm_head(hidden).float()
@@ -162,14 +166,15 @@ class CausalLM:
         return self.collectives.all_reduce(hidden)
 
     def _mlp(self, layer: int, weights: LayerWeights, hidden: torch.Tensor, num_tokens: int,
-             backend: str) -> torch.Tensor:
+             backend: str, lora: LoraRows | None = None) -> torch.Tensor:
         """The layer's dense MLP or MoE block, its ranks' partial sums reduced."""
         if weights.moe is not None and self.experts is not None:
             return self.experts.moe_block(layer, weights.moe, self.config.moe, hidden, num_tokens, backend)
         if weights.moe is not None:
             return self._reduced(moe_block(weights.moe, self.config.moe, hidden, num_tokens, backend), None)
-        return self._reduced(weights.down_proj(pd_kernels.silu_and_mul(weights.gate_up_proj(hidden), backend=backend)),
-                             weights.down_bias)
+        gate_up = adapted(weights.gate_up_proj(hidden), hidden, lora, layer, GATE_UP, backend)
+        act = pd_kernels.silu_and_mul(gate_up, backend=backend)
+        return self._reduced(adapted(weights.down_proj(act), act, lora, layer, DOWN, backend), weights.down_bias)
 
     def _reduced(self, partial: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """A row-parallel layer's output: the ranks' partial sums added up, then its bias."""

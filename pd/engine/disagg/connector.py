@@ -37,6 +37,7 @@ from pd.engine.kv_cache_manager import KVCacheManager
 from pd.engine.request import Request
 from pd.engine.scheduler import Scheduler
 from pd.engine.tp.driver import TPWorkers
+from pd.lora import AdapterId
 from pd.model.config import ModelConfig
 from transfer.base import DelayedRead, KVTransport, TransferHandle, TransferState
 from transfer.wire import KVHandle, LayoutFingerprint, WireError, prompt_digest
@@ -164,6 +165,8 @@ class KVConnector:
             lease_expiry=expiry,
             prompt_digest=prompt_digest(request.prompt_token_ids),
             rank_metadata=tuple(self.tp.rank_metadata()) if self.tp is not None else (),
+            adapter=request.lora.name if request.lora is not None else "",
+            adapter_digest=request.lora.digest if request.lora is not None else "",
         ).encode()
 
     def release(self, request_id: str) -> bool:
@@ -181,20 +184,21 @@ class KVConnector:
 
     # Decode role ----------------------------------------------------------
 
-    def accept(self, handle: KVHandle, prompt_token_ids: list[int]) -> bool:
+    def accept(self, handle: KVHandle, prompt_token_ids: list[int], lora: AdapterId | None = None) -> bool:
         """Check a handle before anything moves; False means recompute locally instead.
 
-        A handle for a different layout, transport or prompt is refused with ``WireError``.
+        A handle for a different layout, transport, prompt or adapter is refused with ``WireError``.
         """
-        self.check(handle, prompt_token_ids)
+        self.check(handle, prompt_token_ids, lora)
         if handle.lease_expiry - self.clock.wall() < MIN_LEASE_MARGIN_S:
             self.note_fallback()
             logger.warning("request %s: KV lease already expired; recomputing locally", handle.request_id)
             return False
         return True
 
-    def check(self, handle: KVHandle, prompt_token_ids: list[int]) -> None:
-        """``WireError`` unless ``handle`` holds this prompt's KV in this engine's layout and transport."""
+    def check(self, handle: KVHandle, prompt_token_ids: list[int], lora: AdapterId | None = None) -> None:
+        """``WireError`` unless ``handle`` holds this prompt's KV in this engine's layout and transport, computed
+        under the LoRA adapter ``lora`` (its name and digest; None: the base model)."""
         transport = self.require_transport()
         self.fingerprint.check_compatible(handle.fingerprint)
         if handle.transport != transport.kind:
@@ -204,6 +208,11 @@ class KVConnector:
             raise WireError(f"kv_handle covers {handle.num_tokens} tokens but the prompt has {len(prompt_token_ids)}")
         if handle.prompt_digest != prompt_digest(prompt_token_ids):
             raise WireError("kv_handle is for another prompt of the same length")
+        adapter = ("", "") if lora is None else (lora.name, lora.digest)
+        if (handle.adapter, handle.adapter_digest) != adapter:
+            raise WireError(f"kv_handle was computed under LoRA adapter {handle.adapter or 'none'!r} "
+                            f"(digest {handle.adapter_digest[:12] or '-'}), this request runs under "
+                            f"{adapter[0] or 'none'!r} (digest {adapter[1][:12] or '-'})")
 
     def start_pulls(self, requests: list[Request]) -> None:
         for request in requests:

@@ -82,6 +82,8 @@ class StepLists(msgspec.Struct, tag="step", frozen=True):
     seq_lens: list[int]
     block_table: list[int]  # [num_seqs, max_blocks], row-major, padded
     max_blocks: int
+    # Each token's LoRA slot (``pd_kernels.NO_LORA``: the base model), when a request of the step has an adapter.
+    lora_rows: list[int] | None = None
 
 
 class Stop(msgspec.Struct, tag="stop", frozen=True):

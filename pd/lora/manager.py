@@ -1,0 +1,82 @@
+"""An engine's adapters: which one each request runs under, and what the HTTP layer loads and unloads.
+
+The engine holds a ``LoraManager`` when ``enable_lora`` is set. A request's
+adapter is resolved when it is added (``start``): by name, or by a
+``LoRARequest``'s name and path, loaded on first use. The request then holds
+its ``AdapterId`` (so its block hashes chain from that adapter's root) and a
+use of the adapter's weights, given back when it ends (``finish``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from pd.lora import AdapterId, LoRARequest
+from pd.lora.adapter import LoraAdapter, load_adapter
+from pd.lora.registry import LoraRegistry, UnknownAdapter
+from pd.model.config import ModelConfig
+
+if TYPE_CHECKING:
+    from pd.config import EngineConfig
+    from pd.engine.request import Request
+
+__all__ = ["LoraManager", "UnknownAdapter", "no_lora_error"]
+
+
+def no_lora_error(name: str) -> ValueError:
+    return ValueError(f"LoRA adapter {name!r} was asked for, but this engine runs without adapters: "
+                      "set enable_lora: true")
+
+
+class LoraManager:
+    def __init__(self, config: EngineConfig, model: ModelConfig):
+        self.registry = LoraRegistry(model, config.max_lora_rank, config.cpu_loras)
+        self.num_requests: dict[str, int] = {}  # requests started per adapter name, for the metrics
+        for name, path in (config.lora_modules or {}).items():
+            self.registry.add(name, path)
+
+    def resolve(self, lora: LoRARequest | str) -> AdapterId:
+        """The adapter ``lora`` names (a ``LoRARequest``, loaded on first use, or a loaded adapter's name)."""
+        if isinstance(lora, LoRARequest):
+            return self.registry.resolve(lora.lora_name, lora.lora_path)
+        return self.registry.resolve(lora)
+
+    def start(self, request: Request, lora: LoRARequest | str) -> None:
+        """Run ``request`` under ``lora``: it holds the adapter's weights until ``finish``."""
+        key = self.resolve(lora)
+        self.registry.acquire(key)
+        request.lora = key
+        self.num_requests[key.name] = self.num_requests.get(key.name, 0) + 1
+
+    def finish(self, request: Request) -> None:
+        if request.lora is not None:
+            self.registry.release(request.lora)
+
+    def load(self, name: str, path: str | Path) -> str:
+        """Load (or reload) ``name`` from ``path``; its digest. ``ValueError`` naming what is wrong."""
+        return self.registry.add(name, path).digest
+
+    def read(self, name: str, path: str | Path) -> LoraAdapter:
+        """Read and check the adapter at ``path`` without registering it (any thread): for ``add``."""
+        return load_adapter(name, path, self.registry.model, self.registry.max_rank)
+
+    def add(self, name: str, path: str | Path, adapter: LoraAdapter) -> str:
+        """Register ``adapter`` (``read`` from ``path``) as ``name``; its digest."""
+        return self.registry.add(name, path, adapter).digest
+
+    def digest_of(self, name: str) -> str | None:
+        """The digest of the weights ``name`` now maps to; None if it is not loaded."""
+        return self.registry.digest_of(name)
+
+    def unload(self, name: str) -> int:
+        """New requests for ``name`` are refused from now; the running ones (returned) finish on it."""
+        return self.registry.remove(name)
+
+    def adapters(self) -> dict[str, str]:
+        """Each loaded adapter's name and path."""
+        return self.registry.names()
+
+    def counters(self) -> dict[str, int]:
+        return {"num_loras_loaded": len(self.registry.names()), "num_loras_in_memory": self.registry.num_in_memory,
+                "num_lora_loads": self.registry.num_loads}
