@@ -25,6 +25,7 @@ from typing import AsyncIterator
 from pd.engine.sampler import position_seed
 from pd.sampling_params import SamplingParams
 from pd.serve.generation import GenerationEvent, PoolClient
+from pd.serve.protocol import LoraRef
 from pd.serve.timeline import Timeline
 
 _CHOICE_SEED_SALT = 0x5EED_C401CE
@@ -42,11 +43,12 @@ class _Done:
 
 
 async def run_choices(pools: PoolClient, request_id: str, token_ids: list[int], params: SamplingParams,
-                      stop: list[str], n: int, timeline: Timeline | None = None,
+                      stop: list[str], n: int, timeline: Timeline | None = None, lora: LoraRef | None = None,
                       ) -> AsyncIterator[tuple[int, GenerationEvent]]:
-    """``(choice index, event)`` pairs of ``n`` choices, interleaved as they arrive (all in one ``timeline``)."""
+    """``(choice index, event)`` pairs of ``n`` choices, interleaved as they arrive (all in one ``timeline``),
+    each run under the LoRA adapter ``lora`` (None: the base model)."""
     if n == 1:
-        async for event in pools.generate(request_id, token_ids, params, stop, timeline=timeline):
+        async for event in pools.generate(request_id, token_ids, params, stop, timeline=timeline, lora=lora):
             yield 0, event
         return
     queue: asyncio.Queue = asyncio.Queue()
@@ -57,7 +59,7 @@ async def run_choices(pools: PoolClient, request_id: str, token_ids: list[int], 
         choice_params = params.replace(seed=choice_seed(params.seed, index))
         try:
             async for event in pools.generate(choice_id, token_ids, choice_params, stop,
-                                              decode_replica=decode_replica, timeline=timeline):
+                                              decode_replica=decode_replica, timeline=timeline, lora=lora):
                 if len(tasks) == index + 1:
                     start_next(pools.decode_replica_of(choice_id) or decode_replica, event.finish_reason is not None)
                 queue.put_nowait((index, event))

@@ -9,7 +9,8 @@ from typing import AsyncIterator
 
 from ray import serve
 
-from pd.engine.request import FinishReason
+from pd.engine.request import FinishReason, KVSource
+from pd.lora import AdapterId
 from pd.serve.engine_server import EngineServer
 from pd.serve.protocol import DecodeChunk, PoolControl, PoolRequest, RequestTimings
 from router.protocol import RouteHints
@@ -46,14 +47,20 @@ class DecodeServer(EngineServer):
         started_ns = time.time_ns()
         request = PoolRequest.decode(data)
         token_ids = list(request.token_ids)
+        try:
+            lora = await self._adapter(request)
+        except ValueError as exc:  # the adapter cannot be had here: the request fails, and no retry helps
+            yield self._failed(request, str(exc))
+            return
         remote_kv = None
         if request.kv_handle is not None:
-            remote_kv = self.engine.open_kv_handle(request.kv_handle, token_ids)
+            adapter = None if request.lora is None else AdapterId(request.lora.name, request.lora.digest)
+            remote_kv = self.engine.open_kv_handle(request.kv_handle, token_ids, adapter)
         await self.engine.compile_constraint(request.sampling)  # off the event loop
         arrived_ns = time.time_ns()
         stream = self.engine.add_request(request.request_id, token_ids, request.sampling,
                                          remote_kv=remote_kv, first_token_id=request.first_token_id,
-                                         num_generated=request.num_generated)
+                                         num_generated=request.num_generated, lora=lora)
         last_token_at = timings = last = None
         num_tokens = 0
         try:
@@ -72,6 +79,12 @@ class DecodeServer(EngineServer):
             self._record_spans(request, started_ns, arrived_ns, timings, error, num_output_tokens=num_tokens,
                        finish_reason=last.finish_reason.value if last is not None and last.finish_reason else None,
                        kv_source=last.kv_source.value if last is not None else None)
+
+    @staticmethod
+    def _failed(request: PoolRequest, error: str) -> bytes:
+        """The one chunk of a request that failed before it reached the engine."""
+        return DecodeChunk(request_id=request.request_id, token_ids=(), logprobs=(), finish_reason=FinishReason.ERROR,
+                           num_cached_tokens=0, kv_source=KVSource.LOCAL, error=error).encode()
 
     def _chunk(self, request: PoolRequest, out) -> bytes:
         """One engine output as an encoded ``DecodeChunk``."""

@@ -15,8 +15,9 @@ from autoscale.serve import LatencyWindow, replica_metrics
 from pd.config.app import AppArgs
 from pd.engine.async_engine import AsyncLLMEngine
 from pd.engine.outputs import EngineTimings
+from pd.lora.registry import UnknownAdapter
 from pd.serve.metrics import ReplicaMetrics
-from pd.serve.protocol import PoolRequest, ReplicaReplacement
+from pd.serve.protocol import LoraRef, PoolRequest, ReplicaReplacement
 from pd.serve.tracing import EngineTracer, tracer_provider
 from transfer import KVTransport, create_transport
 
@@ -144,6 +145,30 @@ class EngineServer:
                                num_prompt_tokens=len(request.token_ids), **attributes)
         except Exception:  # noqa: BLE001 - a tracing failure never fails the request
             logger.exception("request %s: its spans could not be recorded", request.request_id)
+
+    async def _adapter(self, request: PoolRequest) -> str | None:
+        """The name of the LoRA adapter ``request`` runs under, its weights loaded here first if this replica
+        holds other weights under that name or none; ``ValueError`` naming why it cannot be."""
+        ref = request.lora
+        if ref is None:
+            return None
+        await self.engine.ensure_lora(ref.name, ref.path, ref.digest)
+        return ref.name
+
+    async def load_lora_of(self, hints: bytes, data: bytes) -> dict[str, Any]:
+        """Load the adapter an encoded ``LoraRef`` names on the replica ``hints`` target (the router pins it)."""
+        ref = LoraRef.decode(data)
+        await self.engine.ensure_lora(ref.name, ref.path, ref.digest)
+        return {"replica_id": self.replica_id, "loaded": True}
+
+    async def unload_lora_of(self, hints: bytes, data: bytes) -> dict[str, Any]:
+        """Unload the adapter an encoded ``LoraRef`` names here; its running requests finish on it."""
+        ref = LoraRef.decode(data)
+        try:
+            running = await self.engine.unload_lora(ref.name)
+        except UnknownAdapter:
+            return {"replica_id": self.replica_id, "loaded": False, "num_running": 0}
+        return {"replica_id": self.replica_id, "loaded": True, "num_running": running}
 
     def record_routing_stats(self) -> dict[str, bytes]:
         """Reaches this deployment's request routers as ``replica.routing_stats`` (``RoutingStats``)."""

@@ -32,11 +32,11 @@ from pd.sampling_params import SamplingParams
 from pd.serve.lease import Lease
 from pd.serve.metrics import RequestMetrics
 from pd.serve.probes import QuarantineProbes, probe_interval_s
-from pd.serve.protocol import DecodeChunk, PoolControl, PoolRequest, PrefillResult, RequestFailed
+from pd.serve.protocol import DecodeChunk, LoraRef, PoolControl, PoolRequest, PrefillResult, RequestFailed
 from pd.serve.stream import GenerationEvent, StreamTracker
 from pd.serve.text import TextStream
 from pd.serve.timeline import Timeline, place_engine_timings
-from router.hashing import hash_block_tokens
+from router.hashing import ROOT_HASH, adapter_root_hash, hash_block_tokens
 from router.protocol import RouteHints
 from router.remote_prefill import predicted_remote
 from router.shared import DECODE_SCOPE, PREFILL_SCOPE, RoutingScopes
@@ -221,22 +221,22 @@ class PoolClient:
 
     async def generate(
         self, request_id: str, token_ids: list[int], params: SamplingParams, stop: list[str],
-        decode_replica: str | None = None, timeline: Timeline | None = None,
+        decode_replica: str | None = None, timeline: Timeline | None = None, lora: LoraRef | None = None,
     ) -> AsyncIterator[GenerationEvent]:
         """Run one request; the last event carries the finish reason.
 
         ``decode_replica`` pins the request to that decode replica, prefilled
         there (it holds the prompt's KV already: see ``pd.serve.choices``).
-        Its calls are recorded in ``timeline`` (the HTTP request's).
+        Its calls are recorded in ``timeline`` (the HTTP request's). ``lora``:
+        the adapter it runs under, whose root its block hashes chain from.
         """
         self.probes.start()
         if decode_replica is not None and not self.decode_routing.is_live(decode_replica):
             decode_replica = None  # a pinned call to a replica that is gone would wait for it forever
         tracker = StreamTracker(self.metrics, TextStream(self.tokenizer, token_ids, stop), len(token_ids), timeline)
         hints = RouteHints(request_id=request_id, num_prompt_tokens=len(token_ids),
-                           block_hashes=tuple(hash_block_tokens(token_ids, self.args.engine.block_size)),
-                           target_replica_id=decode_replica)
-        request = PoolRequest(request_id=request_id, token_ids=tuple(token_ids), sampling=params)
+                           block_hashes=self._block_hashes(token_ids, lora), target_replica_id=decode_replica)
+        request = PoolRequest(request_id=request_id, token_ids=tuple(token_ids), sampling=params, lora=lora)
         with tracker.timeline.span("route", request_id=request_id, num_prompt_tokens=len(token_ids)) as route:
             remote = decode_replica is None and self.wants_remote_prefill(hints)
             route.set(prefill="remote" if remote else "local", pinned_decode_replica=decode_replica)
@@ -297,13 +297,18 @@ class PoolClient:
             request = PoolRequest(request_id=request_id, token_ids=prompt.token_ids + tuple(output[:-1]),
                                   sampling=params.replace(max_tokens=params.max_tokens - len(output) + 1,
                                                           prompt_logprobs=None),
-                                  first_token_id=output[-1], num_generated=len(output) - 1)
+                                  first_token_id=output[-1], num_generated=len(output) - 1, lora=prompt.lora)
         else:
             request = prompt.replace(request_id=request_id, kv_handle=None, first_token_id=None)
         hints = RouteHints(request_id=request_id, num_prompt_tokens=len(request.token_ids),
-                           block_hashes=tuple(hash_block_tokens(request.token_ids, self.args.engine.block_size)),
+                           block_hashes=self._block_hashes(request.token_ids, prompt.lora),
                            exclude_replica_ids=excluded)
         return request, hints
+
+    def _block_hashes(self, token_ids, lora: LoraRef | None) -> tuple[bytes, ...]:
+        """The prompt's block hashes as the engines chain them: from its adapter's root, if it has one."""
+        root = ROOT_HASH if lora is None else adapter_root_hash(lora.name, lora.digest)
+        return tuple(hash_block_tokens(token_ids, self.args.engine.block_size, parent_hash=root))
 
     async def _decode_once(self, request: PoolRequest, hints: RouteHints, tracker: StreamTracker,
                            lease: Lease | None, may_move: bool = False) -> AsyncIterator[GenerationEvent]:

@@ -17,6 +17,7 @@ class GenerateRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
+    model: str | None = None  # a LoRA adapter's name (or the base model's); None: the base model
     prompt: Text | TokenIds | None = None
     messages: list[dict[str, Text]] | None = None
     max_tokens: int = Field(16, ge=1)

@@ -25,6 +25,7 @@ from pd.model.config import load_model_config
 from pd.model.paths import resolve_model_path
 from pd.model.tokenizer import Tokenizer
 from pd.sampling_params import SamplingParams, StructuredOutput
+from pd.serve.adapters import AdapterControl, AdapterTable
 from pd.serve.body_limit import BodyLimit
 from pd.serve.choices import run_choices
 from pd.serve.errors import classify, error_body, install_error_handlers
@@ -33,13 +34,16 @@ from pd.serve.handle_api import GenerateChunk, GenerateRequest
 from pd.serve.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    LoadLoraAdapterRequest,
     OpenAIError,
+    UnloadLoraAdapterRequest,
     completion_id,
     now,
     usage,
 )
 from pd.serve.openai_render import ChatRenderer, ChoiceOutput, CompletionRenderer
 from pd.serve.prompts import PromptEncoder
+from pd.serve.protocol import LoraRef
 from pd.serve.request_id import RequestIds
 from pd.serve.timeline import RequestRing, Timeline
 from pd.serve.tools import tool_call_mode
@@ -92,6 +96,7 @@ class _Call:
     generate: bool  # False for echo with max_tokens=0: no completion tokens
     body: Any
     timeline: Timeline
+    lora: LoraRef | None = None  # the adapter its ``model`` names
 
     def frame(self, choices: list[dict]) -> dict:
         return {"id": self.rid, "object": self.kind, "created": now(), "model": self.model, "choices": choices}
@@ -123,6 +128,10 @@ class Ingress:
         self.requests = RequestRing(self.args.debug_requests_kept)
         provider = tracer_provider(self.args.otlp_traces_endpoint)
         self.tracer = RequestTracer(provider) if provider is not None else None
+        engine = self.args.engine
+        self.adapters = AdapterTable(self.args.served_model_name, model_config, engine.max_lora_rank,
+                                     engine.enable_lora, engine.lora_modules)
+        self.adapter_control = AdapterControl(self.adapters, {"prefill": prefill_handle, "decode": decode_handle})
 
     # Input checks shared by every entry point --------------------------------
 
@@ -138,10 +147,9 @@ class Ingress:
         if not matched:
             raise OpenAIError(401, "missing or invalid API key", type="authentication_error", code="invalid_api_key")
 
-    def _check_model(self, model: str) -> None:
-        if model != self.args.served_model_name:
-            raise OpenAIError(404, f"model {model!r} does not exist; this server has "
-                                   f"{self.args.served_model_name!r}", param="model", code="model_not_found")
+    def _check_model(self, model: str) -> LoraRef | None:
+        """The LoRA adapter ``model`` names (None: the base model); 404 for a model not served here."""
+        return self.adapters.resolve(model)
 
     def _params(self, body, max_tokens: int | None, logprobs: int | None, structured: StructuredOutput | None,
                 prompt_logprobs: int | None = None) -> SamplingParams:
@@ -159,14 +167,24 @@ class Ingress:
     @app.get("/v1/models")
     async def models(self, request: Request) -> dict:
         self._authorize(request)
-        return {"object": "list", "data": [
-            {"id": self.args.served_model_name, "object": "model", "created": now(), "owned_by": "pd"}
-        ]}
+        return {"object": "list", "data": self.adapters.models(now())}
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(self, body: LoadLoraAdapterRequest, request: Request) -> dict:
+        """Load (or reload) an adapter on every replica; its ``model`` name serves from then on."""
+        self._authorize(request)
+        return await self.adapter_control.load(body.lora_name, body.lora_path)
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(self, body: UnloadLoraAdapterRequest, request: Request) -> dict:
+        """Unload an adapter: new requests for it get 404, running ones finish on it."""
+        self._authorize(request)
+        return await self.adapter_control.unload(body.lora_name)
 
     @app.post("/v1/completions")
     async def completions(self, body: CompletionRequest, request: Request):
         self._authorize(request)
-        self._check_model(body.model)
+        lora = self._check_model(body.model)
         timeline = self._open(request, "cmpl", "/v1/completions", body.stream)
         prompt = body.single_prompt()
         with timeline.span("tokenize"):
@@ -184,7 +202,8 @@ class Ingress:
         if body.echo:
             echo_text = prompt if isinstance(prompt, str) else self._decode(token_ids)
         renderer = CompletionRenderer(self._token_text, body.logprobs, token_ids, echo_text, generate)
-        call = _Call(timeline.request_id, body.model, "text_completion", len(token_ids), generate, body, timeline)
+        call = _Call(timeline.request_id, body.model, "text_completion", len(token_ids), generate, body, timeline,
+                     lora)
         events = self._choices(call, token_ids, params, stop, num_runs)
         if body.stream:
             return self._stream(events, renderer, call)
@@ -193,7 +212,7 @@ class Ingress:
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
         self._authorize(request)
-        self._check_model(body.model)
+        lora = self._check_model(body.model)
         timeline = self._open(request, "chatcmpl", "/v1/chat/completions", body.stream)
         tools, tool_constraint = tool_call_mode(body)
         with timeline.span("tokenize"):
@@ -205,7 +224,7 @@ class Ingress:
         stop = self.prompts.check_stop(body.stop_strings())
         renderer = ChatRenderer(self._token_text, body.logprobs_k(), tools)
         kind = "chat.completion.chunk" if body.stream else "chat.completion"
-        call = _Call(timeline.request_id, body.model, kind, len(token_ids), True, body, timeline)
+        call = _Call(timeline.request_id, body.model, kind, len(token_ids), True, body, timeline, lora)
         events = self._choices(call, token_ids, params, stop, n)
         if body.stream:
             return self._stream(events, renderer, call)
@@ -243,8 +262,9 @@ class Ingress:
         self._grammar_compiler.compile(constraint)
 
     def _choices(self, call: "_Call", token_ids: list[int], params: SamplingParams, stop: list[str], n: int):
-        call.timeline.set(num_prompt_tokens=len(token_ids), max_tokens=params.max_tokens, n=n)
-        return with_deadline(run_choices(self.pools, call.rid, token_ids, params, stop, n, call.timeline),
+        call.timeline.set(num_prompt_tokens=len(token_ids), max_tokens=params.max_tokens, n=n,
+                          lora=call.lora.name if call.lora is not None else None)
+        return with_deadline(run_choices(self.pools, call.rid, token_ids, params, stop, n, call.timeline, call.lora),
                              self.args.request_timeout_s)
 
     def _open(self, request: Request, kind: str, endpoint: str, stream: bool) -> Timeline:
@@ -348,6 +368,7 @@ class Ingress:
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         """Stream ``GenerateChunk``s for a ``GenerateRequest`` (for other Ray apps)."""
+        lora = self.adapters.resolve(request.model) if request.model is not None else None
         if request.messages is not None:
             token_ids = await self.prompts.chat(request.messages)
         else:
@@ -358,7 +379,8 @@ class Ingress:
             logprobs=0 if request.logprobs else None,
         )
         self.prompts.check_lengths(token_ids, params)
-        events = self.pools.generate(f"handle-{uuid.uuid4().hex}", token_ids, params, self.prompts.check_stop(request.stop))
+        events = self.pools.generate(f"handle-{uuid.uuid4().hex}", token_ids, params,
+                                     self.prompts.check_stop(request.stop), lora=lora)
         async for event in with_deadline(events, self.args.request_timeout_s):
             yield GenerateChunk(
                 token_ids=event.token_ids, text=event.text, logprobs=event.logprobs,

@@ -98,6 +98,24 @@ def _schema_text(schema: dict[str, Any] | str, field: str) -> str:
     return json.dumps(schema)
 
 
+class LoadLoraAdapterRequest(BaseModel):
+    """``POST /v1/load_lora_adapter``, as vLLM takes it: the adapter's name (a request's ``model``) and the
+    peft directory it loads from."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1, max_length=4096)
+
+
+class UnloadLoraAdapterRequest(BaseModel):
+    """``POST /v1/unload_lora_adapter``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lora_name: str = Field(min_length=1, max_length=256)
+
+
 class _Common(BaseModel):
     model_config = ConfigDict(extra="forbid")
 

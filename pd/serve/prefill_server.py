@@ -30,8 +30,13 @@ class PrefillServer(EngineServer):
         started, started_ns = time.monotonic(), time.time_ns()
         request = PoolRequest.decode(data)
         await self.engine.compile_constraint(request.sampling)  # off the event loop
+        try:
+            lora = await self._adapter(request)
+        except ValueError as exc:  # the adapter cannot be had here: the request fails, and no retry helps
+            return RequestFailed(request_id=request.request_id, error=str(exc)).encode()
         arrived_ns = time.time_ns()
-        stream = self.engine.add_request(request.request_id, list(request.token_ids), request.sampling, pin_kv=True)
+        stream = self.engine.add_request(request.request_id, list(request.token_ids), request.sampling, pin_kv=True,
+                                         lora=lora)
         last = timings = None
         try:
             async with contextlib.aclosing(stream):

@@ -54,6 +54,19 @@ class RequestTimings(WireMessage, frozen=True, kw_only=True):
                    num_preemptions=timings.num_preemptions)
 
 
+class LoraRef(WireMessage, frozen=True, kw_only=True):
+    """The LoRA adapter a request runs under: its name, the peft directory it loads from, and the digest of the
+    weights the ingress checked there (``pd.lora.adapter``). A replica holding other weights under the name
+    loads these; one that finds other weights at the path refuses the request. Sent alone, it asks a
+    replica to load (or unload) that adapter."""
+
+    KIND: ClassVar[str] = "lora_ref"
+
+    name: NonEmptyStr
+    path: NonEmptyStr
+    digest: NonEmptyStr
+
+
 class PoolRequest(WireMessage, frozen=True, kw_only=True):
     """One request to a prefill or decode replica.
 
@@ -62,7 +75,8 @@ class PoolRequest(WireMessage, frozen=True, kw_only=True):
     ``first_token_id`` without a handle means the prompt's KV cannot be had:
     the decode replica recomputes it and continues after that token.
     ``traceparent`` (W3C trace context) is the ingress's span of this call
-    when tracing is on: the replica's own spans go under it.
+    when tracing is on: the replica's own spans go under it. ``lora``: the
+    adapter it runs under (None: the base model).
     """
 
     KIND: ClassVar[str] = "pool_request"
@@ -76,6 +90,7 @@ class PoolRequest(WireMessage, frozen=True, kw_only=True):
     # replicas): a structured-output grammar replays them before continuing.
     num_generated: NonNegativeInt = 0
     traceparent: str = ""
+    lora: LoraRef | None = None
 
     def validate(self) -> None:
         if self.traceparent and not TRACEPARENT.fullmatch(self.traceparent):
