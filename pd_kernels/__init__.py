@@ -25,10 +25,12 @@ import torch
 
 from pd_kernels import reference
 from pd_kernels.checks import (
+    NO_LORA,
     PAD_SLOT_ID,
     check_attention_args,
     check_fused_moe_args,
     check_latent_attention_args,
+    check_lora_args,
     check_select_experts_args,
     check_store_kv_args,
     check_store_latent_args,
@@ -39,7 +41,8 @@ logger = logging.getLogger(__name__)
 BACKENDS = ("auto", "torch", "cpu", "triton")
 
 __all__ = ["BACKENDS", "PAD_SLOT_ID", "resolve_backend", "unified_attention", "store_kv", "latent_attention",
-           "store_latent", "rms_norm", "rotary_embedding", "silu_and_mul", "select_experts", "fused_moe"]
+           "store_latent", "rms_norm", "rotary_embedding", "silu_and_mul", "select_experts", "fused_moe",
+           "NO_LORA", "lora_delta"]
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
@@ -233,3 +236,31 @@ def fused_moe(
     """
     check_fused_moe_args(hidden, w13, w2, topk_ids, topk_weights)
     return _impl(backend, hidden.device).fused_moe(hidden, w13, w2, topk_ids, topk_weights)
+
+
+def lora_delta(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    row_slots: torch.Tensor,
+    slice_starts: tuple[int, ...],
+    *,
+    backend: str = "auto",
+) -> None:
+    """Add each row's LoRA adapter delta into the base layer's output ``out``, in place (Punica's shrink, then
+    expand: many adapters in one batch).
+
+    out: [num_rows, out_features], the base layer's output; x: [num_rows, in_features], its input;
+    lora_a: [num_slots, num_slices * rank, in_features], each slot's A matrices, slices stacked;
+    lora_b: [num_slots, out_features, rank], each slot's B with the adapter's scaling folded in; all of one
+    dtype (fp32, bf16, fp16). row_slots: int32 [num_rows], each row's slot, ``NO_LORA`` for a row without an
+    adapter (left untouched, at almost no cost); a slot's rows need not be adjacent. slice_starts: each
+    slice's first output column, ascending from 0 (``(0,)`` unfused; ``(0, q, q + kv)`` for a fused q|k|v).
+
+    For row n of slot s: ``t = lora_a[s] @ x[n]`` in fp32 (never rounded to the dtype), then for a column o
+    of slice i, ``out[n, o] += lora_b[s, o] . t[i * rank : (i + 1) * rank]``, accumulated in fp32 and rounded
+    once (``pd_kernels.reference_lora``).
+    """
+    check_lora_args(out, x, lora_a, lora_b, row_slots, slice_starts)
+    _impl(backend, out.device).lora_delta(out, x, lora_a, lora_b, row_slots, tuple(slice_starts))

@@ -28,7 +28,9 @@ kernels read and write FP8 pages as bytes with integer conversions
 (``pd_kernels.triton.fp8_kv``), which sm_80 needs (Triton refuses e4m3 below
 sm_89). Multi-head latent attention at DeepSeek-V3's latent row (512 + 64) over
 16 and 128 heads, single pass and split-KV, its pages and e4m3 ones under
-fp16, bf16 and fp32 queries (``latent_specs``).
+fp16, bf16 and fp32 queries (``latent_specs``). The multi-LoRA delta's shrink
+and expand over fp16, bf16 and fp32, ranks 16 and 64, 1 to 3 slices at
+Llama-3-8B's widths (``lora_specs``; ``--quick``: bf16, rank 16, q|k|v).
 """
 
 from __future__ import annotations
@@ -357,7 +359,43 @@ def scaled_mm_specs(quick: bool) -> list[Spec]:
     return specs
 
 
+# LoRA adapters' ranks, and the slice starts of the layers they adapt at Llama-3-8B's widths: o_proj and down
+# unfused (1 slice), gate|up (2: 2 x 14336), q|k|v (3: 4096 + 2 x 1024).
+LORA_RANKS = (16, 64)
+LORA_SLICE_STARTS = {1: (0,), 2: (0, 14336), 3: (0, 4096, 5120)}
+
+
+def lora_specs(quick: bool) -> list[Spec]:
+    """The multi-LoRA delta's shrink and expand (``pd_kernels.triton.lora``) at ``lora_tiles``'s choices: fp16,
+    bf16 and fp32, ranks 16 and 64, 1 to 3 slices (the shrink once per column block it takes); ``quick``:
+    bf16, rank 16, q|k|v."""
+    from pd_kernels.triton.lora import _lora_expand_kernel, _lora_shrink_kernel, lora_tiles, rank_pad, shrink_block_n
+
+    grid = list(itertools.product((*DTYPES, *IEEE_DTYPES), LORA_RANKS, LORA_SLICE_STARTS))
+    if quick:
+        grid = [("bf16", 16, 3)]
+    pointers = {"row_slots_ptr": "i32", "partial_ptr": "fp32"}
+    specs, shrinks = [], set()
+    for dtype, rank, num_slices in grid:
+        tiles = lora_tiles(ELEMENT_SIZES[dtype])
+        launch = {"num_warps": tiles.num_warps, "num_stages": tiles.num_stages}
+        block_n = shrink_block_n(tiles, num_slices * rank)
+        if (dtype, block_n) not in shrinks:
+            shrinks.add((dtype, block_n))
+            specs.append(Spec("lora_shrink", f"lora_shrink.n{block_n}.{dtype}", _lora_shrink_kernel, dtype, None,
+                              None, pointers, {"BLOCK_M": tiles.block_m, "BLOCK_N": block_n, "BLOCK_K": tiles.block_k},
+                              **launch, extra={"block_m": tiles.block_m, "block_n": block_n}))
+        slice_starts = LORA_SLICE_STARTS[num_slices]
+        specs.append(Spec("lora_expand", f"lora_expand.r{rank}.s{num_slices}.{dtype}", _lora_expand_kernel, dtype,
+                          None, None, pointers,
+                          {"SLICE_STARTS": slice_starts, "NUM_SLICES": num_slices, "RANK": rank,
+                           "RANK_PAD": rank_pad(rank), "BLOCK_M": tiles.block_m, "BLOCK_N": tiles.expand_n},
+                          **launch, extra={"block_m": tiles.block_m, "rank": rank, "slices": num_slices}))
+    return specs
+
+
 @functools.cache
 def all_specs(quick: bool) -> list[Spec]:
     """Every specialisation (``quick``: one or a few per kernel and path), in a fixed order: workers index it."""
-    return attention_specs(quick) + latent_specs(quick) + row_specs(quick) + moe_specs(quick) + scaled_mm_specs(quick)
+    return (attention_specs(quick) + latent_specs(quick) + row_specs(quick) + moe_specs(quick)
+            + scaled_mm_specs(quick) + lora_specs(quick))

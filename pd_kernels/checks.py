@@ -16,6 +16,8 @@ MAX_HEAD_DIM = 256
 
 # Padding tokens own no slot and carry this one; store_kv skips every negative slot.
 PAD_SLOT_ID = -1
+# A row without a LoRA adapter carries this slot in ``lora_delta``'s ``row_slots``: its output is left as it is.
+NO_LORA = -1
 
 
 def _fail(name: str, message: str) -> None:
@@ -343,3 +345,53 @@ def check_select_experts_args(router_logits: torch.Tensor, top_k: int, *, scorin
             _fail("score_bias", f"is on {score_bias.device}, router_logits is on {router_logits.device}")
     if not 0 < routed_scaling_factor < float("inf"):
         _fail("routed_scaling_factor", f"must be positive and finite, got {routed_scaling_factor}")
+
+
+def check_lora_args(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                    row_slots: torch.Tensor, slice_starts: tuple[int, ...]) -> None:
+    """Validate ``pd_kernels.lora_delta`` (its docstring gives the shapes). Slots are checked against
+    ``num_slots`` on CPU tensors only: on a GPU that check would wait for the device."""
+    for name, tensor, ndim in (("out", out, 2), ("x", x, 2), ("lora_a", lora_a, 3), ("lora_b", lora_b, 3),
+                               ("row_slots", row_slots, 1)):
+        check_ndim(name, tensor, ndim)
+    check_dtype("out", out)
+    for name, tensor in (("x", x), ("lora_a", lora_a), ("lora_b", lora_b)):
+        check_dtype(name, tensor, out.dtype)
+    check_dtype("row_slots", row_slots, torch.int32)
+    (num_rows, out_features), (num_slots, _, rank) = out.shape, lora_b.shape
+    if x.shape[0] != num_rows:
+        _fail("x", f"x {tuple(x.shape)} has {x.shape[0]} rows, out {tuple(out.shape)} has {num_rows}")
+    if row_slots.shape[0] != num_rows:
+        _fail("row_slots", f"expected {num_rows} entries (one per row of out), got {row_slots.shape[0]}")
+    if lora_b.shape[1] != out_features or rank < 1:
+        _fail("lora_b", f"expected [num_slots, out_features = {out_features}, rank >= 1], got {tuple(lora_b.shape)}")
+    _check_slice_starts(slice_starts, out_features)
+    expected_a = (num_slots, len(slice_starts) * rank, x.shape[1])
+    if tuple(lora_a.shape) != expected_a:
+        _fail("lora_a", f"expected [num_slots, num_slices * rank, in_features] = {expected_a} for lora_b "
+                        f"{tuple(lora_b.shape)}, {len(slice_starts)} slices and x {tuple(x.shape)}, "
+                        f"got {tuple(lora_a.shape)}")
+    check_last_dim_contiguous("out", out)
+    check_last_dim_contiguous("x", x)
+    for name, tensor in (("lora_a", lora_a), ("lora_b", lora_b), ("row_slots", row_slots)):
+        if not tensor.is_contiguous():
+            _fail(name, f"must be contiguous, got strides {tensor.stride()} for shape {tuple(tensor.shape)}")
+    for name, tensor in (("x", x), ("lora_a", lora_a), ("lora_b", lora_b), ("row_slots", row_slots)):
+        if tensor.device != out.device:
+            _fail(name, f"is on {tensor.device}, out is on {out.device}")
+    if out.device.type == "cpu" and num_rows:
+        low, high = (int(v) for v in torch.aminmax(row_slots))
+        if low < NO_LORA or high >= num_slots:
+            _fail("row_slots", f"slots must be in [0, {num_slots}) or NO_LORA ({NO_LORA}), got [{low}, {high}]")
+
+
+def _check_slice_starts(slice_starts: tuple[int, ...], out_features: int) -> None:
+    """Each slice's first output column: ``(0,)`` for an unfused layer, ``(0, q, q + kv)`` for a fused q|k|v."""
+    if not isinstance(slice_starts, (tuple, list)) or not slice_starts \
+            or not all(isinstance(start, int) for start in slice_starts):
+        _fail("slice_starts", f"must be a non-empty tuple of ints, got {slice_starts!r}")
+    if slice_starts[0] != 0:
+        _fail("slice_starts", f"the first slice starts at column 0, got {tuple(slice_starts)}")
+    if any(a >= b for a, b in zip(slice_starts, slice_starts[1:])) or slice_starts[-1] >= out_features:
+        _fail("slice_starts", f"must ascend strictly below out_features {out_features} (no empty slice), "
+                              f"got {tuple(slice_starts)}")

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from pd_kernels import fp8
+from pd_kernels.reference_lora import lora_delta  # noqa: F401 - the multi-LoRA delta's reference
 
 
 def _key_mask(query_positions: torch.Tensor, key_positions: torch.Tensor, sliding_window: int | None) -> torch.Tensor:

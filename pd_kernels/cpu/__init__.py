@@ -22,6 +22,8 @@
 - ``moe.cpp``: the fused MoE in one call for up to ``moe.MAX_SLOTS_PER_EXPERT`` slots per expert
   (``pd_kernels.cpu.moe`` chooses): each touched expert's weights read once per group of slots, SiLU-and-mul
   and the routed weight fused, each token's sum owned by one thread per column range.
+- ``lora.cpp``: the multi-LoRA delta (``pd_kernels.cpu.lora``): rows grouped by adapter slot, each
+  slot's A and B read once per group of its rows, rows without an adapter skipped.
 - ``block_copy.cpp``: whole KV blocks between pools, one memcpy each (the
   host tier's promotions).
 - ``small_ops.cpp``: residual add with RMSNorm, rotary, SiLU-and-mul and the KV
@@ -60,6 +62,7 @@ import torch
 
 from pd_kernels import reference
 from pd_kernels.checks import check_linear_args
+from pd_kernels.cpu.lora import lora_delta  # noqa: F401 - the backend's multi-LoRA delta
 from pd_kernels.cpu.moe import fused_moe  # noqa: F401 - the backend's fused MoE
 from pd_kernels.fp8 import FP8_DTYPES, is_fp8
 
@@ -67,7 +70,8 @@ logger = logging.getLogger(__name__)
 
 _SOURCES = [str(Path(__file__).with_name(name)) for name in ("bindings.cpp", "paged_decode.cpp", "paged_prefill.cpp",
                                                                  "small_ops.cpp", "block_copy.cpp", "dense_rows.cpp",
-                                                                 "moe.cpp", "int8.cpp", "latent_decode.cpp")]
+                                                                 "moe.cpp", "int8.cpp", "latent_decode.cpp",
+                                                                 "lora.cpp")]
 _build_lock = threading.Lock()
 # Prefill chunks whose context (keys) is at most this long run in paged_prefill.cpp; longer ones on the
 # reference's SDPA, whose matrix products win there. Ours against SDPA, one sequence, 2 threads (AMD EPYC),

@@ -29,6 +29,9 @@ torch::Tensor linear_rows(const torch::Tensor& x, const torch::Tensor& panels, c
                           int64_t out_features);
 torch::Tensor fused_moe_rows(const torch::Tensor& hidden, const torch::Tensor& w13, const torch::Tensor& w2,
                              const torch::Tensor& topk_ids, const torch::Tensor& topk_weights);
+void lora_delta_rows(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& lora_a,
+                     const torch::Tensor& lora_b, const torch::Tensor& row_slots,
+                     const std::vector<int64_t>& slice_starts);
 void copy_blocks(const torch::Tensor& src, const std::vector<int64_t>& src_ids, torch::Tensor& dst,
                  const std::vector<int64_t>& dst_ids);
 std::vector<torch::Tensor> quantize_rows_int8(const torch::Tensor& x);
@@ -51,6 +54,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_moe_rows", &fused_moe_rows,
         "the fused MoE in one call for few tokens per expert: sorted slots, gate/up with SiLU-and-mul, "
         "down with the routed weight summed into each token (fp32)");
+  m.def("lora_delta_rows", &lora_delta_rows,
+        "out += each adapter row's LoRA delta (shrink, then expand per slice), rows grouped by slot (fp32)");
   m.def("copy_blocks", &copy_blocks, "dst[dst_ids[i]] = src[src_ids[i]], whole blocks, any dtype");
   m.def("quantize_rows_int8", &quantize_rows_int8, "each row as int8 and its scale absmax / 127 (fp32 in)");
   m.def("scale_int32_rows", &scale_int32_rows, "int32 GEMM output * a_scale[:, None] * w_scale[None, :] + bias (fp32)");

@@ -32,7 +32,8 @@ ROW_KERNEL_REGISTERS = 128
 ATTENTION = ("paged_attention", "prefill_attention")
 HAS_PREFILL_KERNEL = importlib.util.find_spec("pd_kernels.triton.prefill_attention") is not None
 KERNELS = {"paged_attention", "merge_splits", "latent_attention", "store_kv", "rotary", "rms_norm", "silu_and_mul",
-           "moe_gate_up", "moe_down", "scaled_mm", *(["prefill_attention"] if HAS_PREFILL_KERNEL else [])}
+           "moe_gate_up", "moe_down", "scaled_mm", "lora_shrink", "lora_expand",
+           *(["prefill_attention"] if HAS_PREFILL_KERNEL else [])}
 NAME = re.compile(r"attention\.(prefill|decode|mixed|split)\.hd\d+\.(bf16|fp16|fp32|fp8_e4m3|fp8_e5m2)")
 
 
@@ -142,6 +143,18 @@ def test_latent_attention_compiles_at_deepseek_v3s_row(quick_sass):
     assert all(r["hmma"] > 0 for r in latent if r["dtype"] != "fp32")
     assert all(r["fp8_cvt"] > 0 for r in latent if r["kv_dtype"] is not None and r["arch"] == 90)
     assert [r["ok"] for r in records if r["name"] == "merge_splits.hd512.bf16"] == [True, True]
+
+
+@pytest.mark.integration
+def test_lora_kernels_compile_without_spills_and_shrink_on_tensor_cores(quick_sass):
+    """The multi-LoRA shrink and expand at bf16, rank 16, q|k|v: no spill on either arch, and the shrink's
+    16-bit products on the tensor cores (the expand's are fp32 by design: its operand is the fp32 shrink)."""
+    _, records, _ = quick_sass
+    lora = [r for r in records if r["kernel"] in ("lora_shrink", "lora_expand")]
+    kernels = ("lora_shrink", "lora_expand")
+    assert {(r["kernel"], r["arch"]) for r in lora} == {(kernel, arch) for kernel in kernels for arch in (80, 90)}
+    assert not [(r["name"], r["arch"], r["why"]) for r in lora if not r["ok"] or r["spills"]]
+    assert all(r["hmma"] + r["hgmma"] > 0 for r in lora if r["kernel"] == "lora_shrink")
 
 
 @pytest.mark.integration

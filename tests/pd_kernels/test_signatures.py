@@ -16,7 +16,7 @@ import pd_kernels.cpu
 import pd_kernels.triton
 from pd_kernels import reference
 
-OPS = ["unified_attention", "store_kv", "rms_norm", "rotary_embedding", "silu_and_mul", "fused_moe"]
+OPS = ["unified_attention", "store_kv", "rms_norm", "rotary_embedding", "silu_and_mul", "fused_moe", "lora_delta"]
 BACKENDS = {"reference": reference, "triton": pd_kernels.triton, "cpu": pd_kernels.cpu}
 
 
