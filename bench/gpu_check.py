@@ -12,7 +12,8 @@ failing part still leaves the others' figures. Two phases:
 
    - ``kernels``: the Triton kernel tests compiled on the GPU
      (``PD_TEST_DEVICE=cuda``), fp32/fp16/bf16 against the torch reference,
-     whose attention is SDPA, and FP8 KV pages (store bytes, attention);
+     whose attention is SDPA, FP8 KV pages (store bytes, attention), and the
+     multi-LoRA delta (a CUDA graph replay with it);
    - ``step_syncs``: a step's device-to-host syncs (``bench.step_syncs``);
    - ``random_models``: builds the random Llama-3-8B (32 layers) and
      Qwen3-30B-A3B (8 layers) checkpoints the timed parts share, into
@@ -30,6 +31,10 @@ failing part still leaves the others' figures. Two phases:
      row-wise kernels against torch;
    - ``fp8_gemm``: ``bench.fp8_gemm``, our FP8 scaled product against
      ``torch._scaled_mm`` and bf16 cuBLAS at the 8B shape's four products;
+   - ``lora_kernel``: ``bench.lora_kernel --device cuda``, the Triton
+     multi-LoRA delta (4 adapters of rank 16, 32 and 256 rows, the 8B
+     shape's o_proj and q|k|v, bf16): its max abs error against the torch
+     reference, and its time over the base layer's GEMM;
    - ``gpu_engine``: ``bench.gpu_engine``, the 8B shape in bf16, our engine
      with and without CUDA graphs, and a second one with async scheduling
      (graphs), against HF ``generate`` at batch 32;
@@ -68,7 +73,8 @@ ROOT = Path(__file__).resolve().parent.parent
 KERNEL_TESTS = ["tests/pd_kernels/test_triton_attention.py", "tests/pd_kernels/test_triton_rowwise.py",
                 "tests/pd_kernels/test_triton_latent.py",
                 "tests/pd_kernels/test_triton_fp8_kv.py", "tests/pd_kernels/test_reference_attention.py",
-                "tests/pd_kernels/test_fused_moe.py", "tests/pd_kernels/test_triton_prefill.py"]
+                "tests/pd_kernels/test_fused_moe.py", "tests/pd_kernels/test_triton_prefill.py",
+                "tests/pd_kernels/test_lora.py"]
 TOTAL_LIMIT_S = 480
 MIN_PART_S = 15  # a part given less than this is not started
 LOG_KEEP_CHARS = 400_000  # of a part's output in gpu_check.log: its head and tail, the middle elided
@@ -92,7 +98,8 @@ CHECKS = [
 ]
 BENCHMARKS = [
     Part("bench_kernels", ["-m", "bench.kernels"], 55),
-    Part("fp8_gemm", ["-m", "bench.fp8_gemm"], 35),
+    Part("fp8_gemm", ["-m", "bench.fp8_gemm"], 25),
+    Part("lora_kernel", ["-m", "bench.lora_kernel", "--device", "cuda"], 15),
     Part("gpu_engine", ["-m", "bench.gpu_engine", "--repeats", "2", "--async-scheduling"], 100),
     Part("decode_roofline", ["-m", "bench.decode_roofline", "--verify-k", "4", "--verify-batches", "32"], 75),
     Part("decode_roofline_async", ["-m", "bench.decode_roofline", "--async-scheduling", "--batches", "32,128,256",
