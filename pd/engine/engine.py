@@ -120,8 +120,8 @@ class LLMEngine:
         if mc.mla is not None:
             raise ValueError(f"enable_lora: LoRA on multi-head latent attention ({mc.architecture}) is not "
                              "supported")
-        if config.num_ranks > 1:
-            raise ValueError("enable_lora with tensor_parallel_size or expert_parallel_size > 1 is not supported yet")
+        if config.expert_parallel_size > 1:
+            raise ValueError("enable_lora with expert_parallel_size > 1 is not supported yet")
         return LoraManager(config, mc)
 
     def _make_connector(self, transport: KVTransport | None, clock: Clock) -> KVConnector:

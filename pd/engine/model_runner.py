@@ -25,9 +25,10 @@ from pd.engine.readback import LaunchedStep, prompt_scores
 from pd.engine.sampler import Sampler
 from pd.engine.step_inputs import DriverRows, flatten, to_device
 from pd.engine.structured import GrammarMask
-from pd.engine.tp.driver import Launcher, StepLists, TPWorkers, start_driver
+from pd.engine.tp.driver import Launcher, LoraLoad, StepLists, TPWorkers, start_driver
 from pd.engine.tp.group import TPGroup
 from pd.lora import AdapterId
+from pd.lora.adapter import LoraAdapter, load_adapter
 from pd.lora.registry import LoraRegistry
 from pd.lora.slots import LoraSlots
 from pd.model import kv_scales
@@ -119,10 +120,12 @@ class ModelRunner:
             weights = load_weights(model_dir, model_config, self.dtype, self.device, shard, self.linear_form,
                                    few_rows=self.backend == "cpu", experts=held)
             self.weight_bytes = weights.num_bytes
-            # LoRA adapters' slots (``pd.lora.slots``), on the device before the pool takes what is left.
+            # LoRA adapters' slots (``pd.lora.slots``), on the device before the pool takes what is left; the
+            # driver's registry says what to load (a worker rank is told, ``load_lora_slot``).
             self.lora_registry = lora
-            self.lora_slots = None if lora is None else LoraSlots(
-                model_config, config.max_loras, config.max_lora_rank, self.dtype, self.device, shard)
+            self.lora_slots = LoraSlots(model_config, config.max_loras, config.max_lora_rank, self.dtype,
+                                        self.device, shard) if config.enable_lora else None
+            self._rank_adapters: dict[tuple[str, str], LoraAdapter] = {}  # a worker rank's adapters read
             rope = cos_sin_cache(model_config.rope, model_config.head_dim, max_model_len).to(self.device)
             self.model = CausalLM(self.local_config, weights, rope, group if tp > 1 else None, self.experts,
                                   kv_scales=self.kv_scales)
@@ -216,7 +219,8 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, step: StepLists) -> torch.Tensor:
         """A worker rank's part of a step: the forward pass, its collectives and its KV writes."""
-        batch = to_device(step, DriverRows(), self.device, self.backend)
+        batch = to_device(step, DriverRows(), self.device, self.backend,
+                          self.lora_slots.layers if self.lora_slots is not None else None)
         logits = self.model.forward(batch.token_ids, batch.positions, batch.attn, self.kv_views,
                                     batch.logits_indices)
         if self.experts is not None:
@@ -273,7 +277,27 @@ class ModelRunner:
         keys = {item.request.lora for item in out.scheduled if item.request.lora is not None}
         if not keys:
             return None
-        return self.lora_slots.assign((key, self.lora_registry.weights(key)) for key in keys)
+        return self.lora_slots.assign(((key, self.lora_registry.weights(key)) for key in keys),
+                                      self._tell_ranks if self.workers is not None else None)
+
+    def _tell_ranks(self, slot: int, key: AdapterId) -> None:
+        """Have every worker rank load its shard of ``key`` into ``slot`` before the step."""
+        load = LoraLoad(slot, key.name, self.lora_registry.path_of(key), key.digest)
+        for rank in range(1, self.config.tensor_parallel_size):
+            self.workers.send_to(rank, load)
+
+    def load_lora_slot(self, slot: int, name: str, path: str, digest: str) -> None:
+        """A worker rank: load its shard of adapter ``name`` (the weights of ``digest``) into ``slot``. The
+        last ``max_cpu_loras`` adapters read are kept."""
+        adapter = self._rank_adapters.pop((name, digest), None)
+        if adapter is None:
+            adapter = load_adapter(name, path, self.model_config, self.config.max_lora_rank)
+            if adapter.digest != digest:
+                raise ValueError(f"LoRA adapter {name!r} at {path} changed since the driver loaded it")
+        self._rank_adapters[name, digest] = adapter
+        while len(self._rank_adapters) > self.config.cpu_loras:
+            del self._rank_adapters[next(iter(self._rank_adapters))]
+        self.lora_slots.load(slot, adapter)
 
     @staticmethod
     def collect(launched: LaunchedStep) -> ForwardOutput:

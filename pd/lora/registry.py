@@ -81,6 +81,10 @@ class LoraRegistry:
         self._drop_if_unused(key)
         return users
 
+    def path_of(self, key: AdapterId) -> str:
+        """Where the weights of ``key`` were read from."""
+        return self._entries[key].path
+
     def digest_of(self, name: str) -> str | None:
         key = self._names.get(name)
         return None if key is None else key.digest

@@ -16,7 +16,7 @@ a partial sum, reduced with the base layer's.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -86,16 +86,21 @@ class LoraSlots:
             return start * self.config.head_dim, stop * self.config.head_dim
         return self.shard.intermediate(self.config)
 
-    def assign(self, adapters: Iterable[tuple[AdapterId, LoraAdapter]]) -> dict[AdapterId, int]:
-        """A slot for each of a step's adapters, loading those not held (``SlotTable.assign``)."""
+    def assign(self, adapters: Iterable[tuple[AdapterId, LoraAdapter]],
+               on_load: Callable[[int, AdapterId], None] | None = None) -> dict[AdapterId, int]:
+        """A slot for each of a step's adapters, loading those not held (``SlotTable.assign``); ``on_load(slot,
+        key)`` is told of each load (the tensor-parallel driver tells its workers to load their shards)."""
         weights = dict(adapters)
         slot_of, loads = self.table.assign(weights)
         for key, slot in loads:
-            self._load(slot, key, weights[key])
+            self.load(slot, weights[key])
+            if on_load is not None:
+                on_load(slot, key)
         return slot_of
 
     @torch.inference_mode()
-    def _load(self, slot: int, key: AdapterId, adapter: LoraAdapter) -> None:
+    def load(self, slot: int, adapter: LoraAdapter) -> None:
+        """Copy this rank's shard of ``adapter`` into ``slot`` (zeros where it adapts nothing)."""
         r = self.max_rank
         for layer, buffers in enumerate(self.layers):
             for projection, buf in buffers.items():
@@ -113,4 +118,4 @@ class LoraSlots:
                     b = weights.b[rows[0]:rows[1]]
                     buf.a[slot, index * r:index * r + rank].copy_(a)
                     buf.b[slot, start:start + b.shape[0], :rank].copy_(b)
-        logger.debug("LoRA adapter %s loaded into slot %d", key.name, slot)
+        logger.debug("LoRA adapter %s loaded into slot %d", adapter.name, slot)

@@ -231,6 +231,8 @@ class PoolClient:
         the adapter it runs under, whose root its block hashes chain from.
         """
         self.probes.start()
+        if lora is not None:
+            self.metrics.lora_requests.inc(tags={"adapter": lora.name})
         if decode_replica is not None and not self.decode_routing.is_live(decode_replica):
             decode_replica = None  # a pinned call to a replica that is gone would wait for it forever
         tracker = StreamTracker(self.metrics, TextStream(self.tokenizer, token_ids, stop), len(token_ids), timeline)

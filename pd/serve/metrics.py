@@ -28,6 +28,9 @@ REPLICA_GAUGES = (
     ("spec_accepted_tokens", "speculative decoding: draft tokens accepted, cumulative"),
     ("spec_acceptance_rate", "speculative decoding: draft tokens accepted over verified, since the start"),
     ("spec_mean_accepted", "speculative decoding: draft tokens accepted per verify group, since the start"),
+    ("loras_loaded", "LoRA adapters this replica serves by name"),
+    ("loras_in_memory", "LoRA adapters whose weights this replica holds in host memory (max_cpu_loras)"),
+    ("lora_loads", "LoRA adapters read from disk (first loads, reloads, reads after eviction), cumulative"),
 )
 # Per KV tier below the device pool, tagged tier=host|disk|shared.
 TIER_GAUGES = (
@@ -90,6 +93,9 @@ class ReplicaMetrics:
             "spec_accepted_tokens": stats.spec_num_accepted_tokens,
             "spec_acceptance_rate": stats.spec_num_accepted_tokens / max(1, stats.spec_num_draft_tokens),
             "spec_mean_accepted": stats.spec_num_accepted_tokens / max(1, stats.spec_num_drafts),
+            "loras_loaded": stats.num_loras_loaded,
+            "loras_in_memory": stats.num_loras_in_memory,
+            "lora_loads": stats.num_lora_loads,
         }
         for name, value in values.items():
             self._gauges[name].set(value)
@@ -166,3 +172,8 @@ class RequestMetrics:
             "theirs was lost", tag_keys=keys,
         )
         self.migrations.set_default_tags(tags)
+        self.lora_requests = metrics.Counter(
+            "pd_lora_requests_total", description="requests (each choice one) run under each LoRA adapter",
+            tag_keys=("model", "adapter"),
+        )
+        self.lora_requests.set_default_tags(tags)

@@ -44,7 +44,7 @@ from pd.engine.tp.group import TPGroup
 logger = logging.getLogger(__name__)
 
 # 2: a worker's pool may be a share of its device (WorkerSpec.num_blocks); 3: PullDone.moved_bytes
-TP_WIRE_VERSION = 3
+TP_WIRE_VERSION = 4
 
 
 class WorkerSpec(msgspec.Struct, frozen=True):
@@ -98,6 +98,16 @@ class ExpertsOp(msgspec.Struct, tag="experts", frozen=True):
     move_layer: int = -1
 
 
+class LoraLoad(msgspec.Struct, tag="lora_load", frozen=True):
+    """Before the next step: load LoRA adapter ``name`` (the weights of ``digest``, at ``path``) into ``slot``,
+    this rank's shard of it (``pd.lora.slots``)."""
+
+    slot: int
+    name: str
+    path: str
+    digest: str
+
+
 class Pull(msgspec.Struct, tag="pull", frozen=True):
     """Read KV heads into this rank's pool: from each source ``(peer metadata, remote head, local head, count)``,
     blocks ``remote_block_ids`` into ``local_block_ids``. Answered with ``PullDone`` once no byte can land.
@@ -139,7 +149,7 @@ class Failed(msgspec.Struct, tag="failed", frozen=True):
     error: str
 
 
-ToWorker = StepLists | Stop | Pull | Release | ExpertsOp
+ToWorker = StepLists | Stop | Pull | Release | ExpertsOp | LoraLoad
 FromWorker = Ready | Failed | PullDone
 _to_worker = msgspec.msgpack.Decoder(ToWorker)
 _from_worker = msgspec.msgpack.Decoder(FromWorker)
@@ -299,7 +309,7 @@ class TPWorkers:
         for rank in self.connections:
             self.send_to(rank, data)
 
-    def send_to(self, rank: int, data: bytes | Pull | Release | ExpertsOp) -> None:
+    def send_to(self, rank: int, data: bytes | Pull | Release | ExpertsOp | LoraLoad) -> None:
         if not isinstance(data, bytes):
             data = encode(data)
         try:

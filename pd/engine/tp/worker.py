@@ -23,6 +23,7 @@ from pd.engine.tp.driver import (
     TP_WIRE_VERSION,
     ExpertsOp,
     Failed,
+    LoraLoad,
     Pull,
     PullDone,
     Ready,
@@ -80,6 +81,8 @@ def serve_rank(spec: WorkerSpec) -> None:
                     pulls.handle(message)
                 elif isinstance(message, ExpertsOp):
                     runner.experts_control.run(message)
+                elif isinstance(message, LoraLoad):
+                    runner.load_lora_slot(message.slot, message.name, message.path, message.digest)
                 else:
                     runner.forward(message)
                 pulls.poll()

@@ -135,3 +135,10 @@ def test_adapter_requests_refused_with_the_problem_named(base, adapters):
         with pytest.raises(ValueError, match="got 2 lora_requests for 1 prompts"):
             llm.generate([PROMPTS[0]], GREEDY, lora_request=[None, None])
         assert not llm.engine.has_unfinished_requests()  # nothing refused was left behind
+
+
+def test_two_tensor_parallel_ranks_equal_hf_with_peft(base, requests, references):
+    """Each rank holds its shard of every adapter (B's rows of q, k, v, gate, up; A's columns of o and down),
+    the worker loading it when the driver's slot does: the mixed batch's tokens are HF + peft's."""
+    with LLM(str(base), **OPTIONS, max_loras=2, tensor_parallel_size=2) as llm:
+        _assert_match(llm.generate(PROMPTS, GREEDY, lora_request=requests), references)
