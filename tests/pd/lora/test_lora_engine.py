@@ -18,6 +18,8 @@ from tests.lora_adapters import hf_peft_greedy, make_adapter
 from tests.reference import assert_greedy_match
 
 MAX_TOKENS = 12
+pytestmark = pytest.mark.slow  # whole models against HF + peft, or against each other
+
 ADAPTERS = {
     "r4": dict(r=4, alpha=8, seed=1),
     "r8_qv": dict(r=8, alpha=16, seed=2, target_modules=("q_proj", "v_proj")),
