@@ -19,7 +19,10 @@ were built for, its flags, the threads.
 With ``--device cuda`` (``make gpu-check``), at Llama-3-8B's o_proj (4096 -> 4096, one slice) and q|k|v
 (4096 -> 6144, three slices) in bf16, 32 and 256 rows over 4 adapters of rank 16: the Triton kernels'
 max abs error against the torch reference, and their time against the base layer's bf16 GEMM (cuBLAS),
-medians of ``triton.testing.do_bench``. Without CUDA it prints one line saying it was skipped.
+medians of ``triton.testing.do_bench``: launched eagerly (``lora_over_linear``: the delta's host-side checks
+and two launches included) and replayed from CUDA graphs, as a decode step runs them
+(``lora_over_linear_graphed``: the device's time alone). Without CUDA it prints one line saying it was
+skipped.
 """
 
 from __future__ import annotations
@@ -147,12 +150,25 @@ def bench_cuda_layer(layer: LoraLayer, num_rows: int) -> dict:
     def median_ms(fn) -> float:
         return triton.testing.do_bench(fn, warmup=10, rep=30, return_mode="median")
 
-    lora_ms = median_ms(lambda: pd_kernels.lora_delta(*lora_args, backend="triton"))
-    linear_ms = median_ms(lambda: F.linear(args["x"], args["weight"]))
+    def graphed(fn):
+        """``fn`` captured in a CUDA graph, as a decode step replays it: the device's time, no launch costs."""
+        fn()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        return graph.replay
+
+    forms = {"lora": lambda: pd_kernels.lora_delta(*lora_args, backend="triton"),
+             "linear": lambda: F.linear(args["x"], args["weight"])}
+    eager = {name: median_ms(fn) for name, fn in forms.items()}
+    graph = {name: median_ms(graphed(fn)) for name, fn in forms.items()}
     return {"case": "lora_cuda", "layer": layer.name, "rows": num_rows, "adapters": 4, "rank": RANK,
             "in_features": layer.in_features, "out_features": layer.out_features, "dtype": "bf16",
-            "max_abs_err": error, "lora_ms": round(lora_ms, 4), "linear_ms": round(linear_ms, 4),
-            "lora_over_linear": round(lora_ms / linear_ms, 3)}
+            "max_abs_err": error, "lora_ms": round(eager["lora"], 4), "linear_ms": round(eager["linear"], 4),
+            "lora_over_linear": round(eager["lora"] / eager["linear"], 3),
+            "lora_graph_ms": round(graph["lora"], 4), "linear_graph_ms": round(graph["linear"], 4),
+            "lora_over_linear_graphed": round(graph["lora"] / graph["linear"], 3)}
 
 
 def bench_cuda() -> None:
