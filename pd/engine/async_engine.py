@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator, Callable
@@ -41,6 +43,14 @@ HOUSEKEEPING_INTERVAL_S = 0.005
 MEMORY_RELEASE_INTERVAL_S = 10.0
 
 
+def _lowest_priority() -> None:
+    """Run the calling thread at nice 19 (Linux schedules threads by their own nice value)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except OSError:  # not permitted here: the load runs at the engine's priority
+        pass
+
+
 class EngineDeadError(RuntimeError):
     """The engine's step failed; in-flight requests end with this error."""
 
@@ -58,6 +68,10 @@ class AsyncLLMEngine:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pd-engine-step",
                                             initializer=torch.set_num_threads, initargs=(torch.get_num_threads(),))
         self._grammar_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pd-grammar")
+        # LoRA adapters are read and checked here, at the lowest CPU priority: on a host whose cores the
+        # steps use, a load must take what they leave, not stretch them.
+        self._lora_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pd-lora-load",
+                                                 initializer=_lowest_priority)
         self._streams: dict[str, asyncio.Queue] = {}
         self._pending_adds: list[tuple[str, list[int], SamplingParams, dict]] = []
         self._pending_aborts: list[str] = []
@@ -119,7 +133,7 @@ class AsyncLLMEngine:
         """Load (or reload) adapter ``name`` from ``path``: read and checked on a worker thread, registered
         between steps, so no step waits for the disk. Its digest; ``ValueError`` naming what is wrong."""
         manager = self._lora_manager(name)
-        adapter = await asyncio.get_running_loop().run_in_executor(self._grammar_executor, manager.read, name, path)
+        adapter = await asyncio.get_running_loop().run_in_executor(self._lora_executor, manager.read, name, path)
         return await self._between_steps(lambda: manager.add(name, path, adapter))
 
     async def unload_lora(self, name: str) -> int:
@@ -349,3 +363,4 @@ class AsyncLLMEngine:
             await asyncio.gather(self._loop_task, return_exceptions=True)
         self._executor.shutdown(wait=True)
         self._grammar_executor.shutdown(wait=False, cancel_futures=True)
+        self._lora_executor.shutdown(wait=False, cancel_futures=True)
