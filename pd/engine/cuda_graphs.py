@@ -26,12 +26,19 @@ replay, ``pd.engine.spec.speculator``) replay graphs of their own, captured
 for up to ``MAX_VERIFY_GRAPH_BATCH`` sequences: the same rule, ``k + 1`` rows
 a sequence, a padding sequence ``k + 1`` rows at positions ``0 .. k`` with
 ``seq_len`` ``k + 1``.
+
+With LoRA adapters (``enable_lora``) each bucket is captured twice: as it
+is, for the steps whose rows use no adapter (which then cost nothing more),
+and with the adapters' deltas over a static buffer of each row's slot
+(``pd.model.lora``), padding rows taking ``NO_LORA``. A step with adapter
+rows replays the second.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -39,7 +46,8 @@ import torch
 from pd.config import EngineConfig
 from pd.engine.outputs import ForwardInput
 from pd.model.attention import PAD_BLOCK_ID, AttentionMetadata
-from pd_kernels import PAD_SLOT_ID
+from pd.model.lora import LoraBuffers, LoraRows
+from pd_kernels import NO_LORA, PAD_SLOT_ID
 
 logger = logging.getLogger(__name__)
 
@@ -88,10 +96,11 @@ class StaticInputs:
     seq_lens: torch.Tensor  # int32 [max_batch]
     block_table: torch.Tensor  # int32 [max_batch, max_blocks_per_seq]
     query_len: int = 1
+    lora_slots: torch.Tensor | None = None  # int32 [max_batch * query_len]: each row's LoRA slot, with adapters
 
     @classmethod
     def allocate(cls, max_batch: int, max_blocks_per_seq: int, device: torch.device,
-                 query_len: int = 1) -> StaticInputs:
+                 query_len: int = 1, lora: bool = False) -> StaticInputs:
         rows = max_batch * query_len
         return cls(
             token_ids=torch.zeros(rows, dtype=torch.int64, device=device),
@@ -101,10 +110,13 @@ class StaticInputs:
             seq_lens=torch.full((max_batch,), query_len, dtype=torch.int32, device=device),
             block_table=torch.full((max_batch, max_blocks_per_seq), PAD_BLOCK_ID, dtype=torch.int32, device=device),
             query_len=query_len,
+            lora_slots=torch.full((rows,), NO_LORA, dtype=torch.int32, device=device) if lora else None,
         )
 
-    def view(self, bucket: int, backend: str) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """(token_ids, positions, attention metadata) over the first ``bucket`` sequences."""
+    def view(self, bucket: int, backend: str, lora_layers: Sequence[Mapping[str, LoraBuffers]] | None = None,
+             ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """(token_ids, positions, attention metadata) over the first ``bucket`` sequences; with ``lora_layers``,
+        each row adds its slot's delta."""
         rows = bucket * self.query_len
         attn = AttentionMetadata(
             slot_mapping=self.slot_mapping[:rows],
@@ -112,6 +124,7 @@ class StaticInputs:
             seq_lens=self.seq_lens[:bucket],
             block_table=self.block_table[:bucket],
             backend=backend,
+            lora=LoraRows(self.lora_slots[:rows], lora_layers) if lora_layers is not None else None,
         )
         return self.token_ids[:rows], self.positions[:rows], attn
 
@@ -130,18 +143,21 @@ class DecodeGraphs:
     """
 
     def __init__(self, model, kv_views, backend: str, max_batch: int, max_blocks_per_seq: int,
-                 device: torch.device, query_lens: tuple[int, ...] = (1,)):
+                 device: torch.device, query_lens: tuple[int, ...] = (1,),
+                 lora_layers: Sequence[Mapping[str, LoraBuffers]] | None = None):
         self.model = model
+        self.lora_layers = lora_layers  # the adapters' slots, when the engine serves LoRA
         self.kv_views = kv_views
         self.backend = backend
         self.buckets_of = {q: bucket_sizes(max_batch if q == 1 else min(max_batch, MAX_VERIFY_GRAPH_BATCH))
                            for q in query_lens}  # as graph_buckets says
         self.buckets = self.buckets_of[1]
-        self.inputs_of = {q: StaticInputs.allocate(buckets[-1], max_blocks_per_seq, device, q)
+        self.inputs_of = {q: StaticInputs.allocate(buckets[-1], max_blocks_per_seq, device, q, lora_layers is not None)
                           for q, buckets in self.buckets_of.items()}
         self.inputs = self.inputs_of[1]
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self.logits: dict[tuple[int, int], torch.Tensor] = {}
+        # Keyed by (query length, bucket, whether rows add LoRA deltas).
+        self.graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
+        self.logits: dict[tuple[int, int, bool], torch.Tensor] = {}
         self.replays = 0
 
     def bucket_for(self, num_seqs: int, query_len: int = 1) -> int | None:
@@ -169,10 +185,18 @@ class DecodeGraphs:
         inputs.slot_mapping[n:rows].fill_(PAD_SLOT_ID)
         inputs.seq_lens[num_seqs:bucket].fill_(query_len)
         inputs.block_table[num_seqs:bucket].fill_(PAD_BLOCK_ID)
+        if inputs.lora_slots is not None:
+            if batch.attn.lora is not None:
+                inputs.lora_slots[:n].copy_(batch.attn.lora.row_slots[:n])
+            else:
+                inputs.lora_slots[:n].fill_(NO_LORA)
+            inputs.lora_slots[n:rows].fill_(NO_LORA)
 
-    def forward(self, bucket: int, query_len: int = 1) -> torch.Tensor:
-        """The model over the first ``bucket`` sequences of the buffers, logits for every row."""
-        token_ids, positions, attn = self.inputs_of[query_len].view(bucket, self.backend)
+    def forward(self, bucket: int, query_len: int = 1, lora: bool = False) -> torch.Tensor:
+        """The model over the first ``bucket`` sequences of the buffers, logits for every row; ``lora``: with
+        each row's adapter delta."""
+        token_ids, positions, attn = self.inputs_of[query_len].view(bucket, self.backend,
+                                                                    self.lora_layers if lora else None)
         every_row = torch.arange(token_ids.shape[0], device=token_ids.device)
         return self.model.forward(token_ids, positions, attn, self.kv_views, every_row)
 
@@ -185,15 +209,16 @@ class DecodeGraphs:
             for bucket in reversed(buckets):
                 inputs.seq_lens[:bucket].fill_(query_len)
                 inputs.slot_mapping[:bucket * query_len].fill_(PAD_SLOT_ID)
-                stream = torch.cuda.Stream()
-                stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(stream):
-                    self.forward(bucket, query_len)  # compiles the Triton kernels outside the capture
-                torch.cuda.current_stream().wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self.logits[query_len, bucket] = self.forward(bucket, query_len)
-                self.graphs[query_len, bucket] = graph
+                for lora in (False, True) if self.lora_layers is not None else (False,):
+                    stream = torch.cuda.Stream()
+                    stream.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(stream):
+                        self.forward(bucket, query_len, lora)  # compiles the Triton kernels outside the capture
+                    torch.cuda.current_stream().wait_stream(stream)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        self.logits[query_len, bucket, lora] = self.forward(bucket, query_len, lora)
+                    self.graphs[query_len, bucket, lora] = graph
         torch.cuda.synchronize()
         logger.info("captured %d CUDA graphs (query lengths %s; batch %s) in %.1f s", len(self.graphs),
                     ",".join(map(str, self.buckets_of)), ",".join(map(str, self.buckets)), time.monotonic() - started)
@@ -201,12 +226,13 @@ class DecodeGraphs:
     def run(self, batch: ForwardInput) -> torch.Tensor | None:
         """Logits ``[num_samples, vocab]`` for a step of one query length a sequence that fits a bucket, else None."""
         query_len = batch.query_len
-        if query_len is None or batch.attn.lora is not None:  # a step with LoRA adapters runs eager
+        if query_len is None:
             return None
         bucket = self.bucket_for(batch.attn.seq_lens.shape[0], query_len)
-        if bucket is None or (query_len, bucket) not in self.graphs:
+        key = (query_len, bucket, batch.attn.lora is not None)
+        if bucket is None or key not in self.graphs:
             return None
         self.stage(batch, bucket, query_len)
-        self.graphs[query_len, bucket].replay()
+        self.graphs[key].replay()
         self.replays += 1
-        return self.logits[query_len, bucket][batch.logits_indices]
+        return self.logits[key][batch.logits_indices]

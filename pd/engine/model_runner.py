@@ -154,7 +154,8 @@ class ModelRunner:
             return None
         graphs = DecodeGraphs(self.model, self.kv_views, self.backend, max_batch=max_graph_batch(config),
                               max_blocks_per_seq=-(-max_model_len // config.block_size), device=self.device,
-                              query_lens=graph_query_lens(config))
+                              query_lens=graph_query_lens(config),
+                              lora_layers=self.lora_slots.layers if self.lora_slots is not None else None)
         graphs.capture()
         return graphs
 
@@ -214,7 +215,8 @@ class ModelRunner:
 
     def prepare(self, out: SchedulerOutput, block_tables: list[list[int]]) -> ForwardInput:
         """Flatten the schedule into host lists, then copy them all to the device in one transfer."""
-        return to_device(*flatten(out, block_tables, self.block_size), self.device, self.backend)
+        return to_device(*flatten(out, block_tables, self.block_size, None, self._lora_slots(out)), self.device,
+                         self.backend, self.lora_slots.layers if self.lora_slots is not None else None)
 
     @torch.inference_mode()
     def forward(self, step: StepLists) -> torch.Tensor:
