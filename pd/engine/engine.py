@@ -221,12 +221,14 @@ class LLMEngine:
                 return request
         request.grammar = grammar
         if lora is not None:
-            self.lora.start(request, lora)
+            request.lora = self.lora.resolve(lora)
         if remote_kv is not None:
             if self.connector.accept(remote_kv, request.prompt_token_ids, request.lora):
                 request.remote_kv = remote_kv
                 request.kv_source = KVSource.REMOTE
                 request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        if request.lora is not None:  # nothing can refuse it now: it holds its adapter's weights until it ends
+            self.lora.start(request)
         self._requests[request_id] = request
         self._queue(request)
         return request

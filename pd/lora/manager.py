@@ -1,10 +1,11 @@
 """An engine's adapters: which one each request runs under, and what the HTTP layer loads and unloads.
 
 The engine holds a ``LoraManager`` when ``enable_lora`` is set. A request's
-adapter is resolved when it is added (``start``): by name, or by a
+adapter is resolved when it is added (``resolve``): by name, or by a
 ``LoRARequest``'s name and path, loaded on first use. The request then holds
-its ``AdapterId`` (so its block hashes chain from that adapter's root) and a
-use of the adapter's weights, given back when it ends (``finish``).
+its ``AdapterId`` (so its block hashes chain from that adapter's root) and,
+once admitted (``start``), a use of the adapter's weights, given back when it
+ends (``finish``).
 """
 
 from __future__ import annotations
@@ -42,12 +43,11 @@ class LoraManager:
             return self.registry.resolve(lora.lora_name, lora.lora_path)
         return self.registry.resolve(lora)
 
-    def start(self, request: Request, lora: LoRARequest | str) -> None:
-        """Run ``request`` under ``lora``: it holds the adapter's weights until ``finish``."""
-        key = self.resolve(lora)
-        self.registry.acquire(key)
-        request.lora = key
-        self.num_requests[key.name] = self.num_requests.get(key.name, 0) + 1
+    def start(self, request: Request) -> None:
+        """``request`` runs under its adapter (``request.lora``, from ``resolve``): it holds the adapter's
+        weights until ``finish``."""
+        self.registry.acquire(request.lora)
+        self.num_requests[request.lora.name] = self.num_requests.get(request.lora.name, 0) + 1
 
     def finish(self, request: Request) -> None:
         if request.lora is not None:
