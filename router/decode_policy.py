@@ -2,6 +2,8 @@
 
 A held block need not be pulled from the prefill replica; one in a slower
 tier is valued as ``router.policy`` values it for prefill (``router.tiers``).
+A request under a LoRA adapter prefers a replica holding it in a device slot
+(``router.adapters``).
 The lowest cost wins, within bounds, as ``router.policy.decide`` decides.
 Pure Python, no Ray; not thread-safe (a router calls it from its one event loop).
 """
@@ -13,6 +15,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
+from router.adapters import AdapterFit, SentAdapters
 from router.latency import LatencyPredictor
 from router.policy import ReplicaLoad, RoutingDecision, RoutingReason, Scored, decide
 from router.recent import RecentRouted
@@ -37,6 +40,10 @@ class DecodePolicyConfig(TierHitValues):
     # Per request this router sent a replica recently, beyond the least-sent candidate's: reports
     # come once a period, and without this a burst would all follow the last one to the same replica.
     w_recent: float = 1.0
+    # A LoRA adapter's copy into a device slot: it stalls the replica's decodes for about one step's time.
+    w_adapter_load: float = 1.0
+    # Waiting for a slot where every one is held, and the churn of one more adapter there (``router.adapters``).
+    w_adapter_wait: float = 4.0
     recent_window: int = 64  # decisions over which "recent" decays by 1/e
     max_kv_usage: float | None = 0.95
     max_active_requests: int | None = None
@@ -52,7 +59,8 @@ class DecodePolicyConfig(TierHitValues):
             raise ValueError(f"index_max_blocks must be >= 1, got {self.index_max_blocks}")
         if self.recent_window < 1:
             raise ValueError(f"recent_window must be >= 1, got {self.recent_window}")
-        for name in ("w_active", "w_kv_usage", "w_prefix_hit", "w_recent"):
+        for name in ("w_active", "w_kv_usage", "w_prefix_hit", "w_recent", "w_adapter_load",
+                     "w_adapter_wait"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.max_kv_usage is not None and not 0.0 < self.max_kv_usage <= 1.0:
@@ -67,6 +75,12 @@ class DecodePolicy:
         cost(r) = w_active * active(r) + w_kv_usage * kv_usage
                   + w_recent * (recent_requests(r) - least)
                   - w_prefix_hit * valued_matched_tokens / num_prompt_tokens
+                  + adapter(r)
+
+        adapter(r) = 0                                    no adapter, or r holds it (``router.adapters``)
+                   = w_adapter_load                       a free slot: one copy of its weights
+                   = 2 * w_adapter_load + w_adapter_wait  every slot held: the copy, the evicted
+                                                          adapter's next copy, and the wait for a slot
 
     ``active(r)`` is ``num_active_requests``; with a ``predictor`` that has
     data (``router.latency``), it is the predicted impact on inter-token
@@ -85,6 +99,11 @@ class DecodePolicy:
         self.recent = RecentRouted(config.recent_window)
         self.reason_counts: Counter[RoutingReason] = Counter()
         self._rng = random.Random(config.seed)
+        self.adapters_sent = SentAdapters()
+
+    def reported(self, replica_id: str) -> None:
+        """A new report from ``replica_id``: the adapters it holds are in it."""
+        self.adapters_sent.reported(replica_id)
 
     def is_overloaded(self, replica: ReplicaLoad) -> bool:
         config = self.config
@@ -93,14 +112,16 @@ class DecodePolicy:
         return config.max_active_requests is not None and replica.num_active_requests > config.max_active_requests
 
     def choose(
-        self, candidates: Sequence[ReplicaLoad], matches: Mapping[str, int | Sequence[int]], num_prompt_tokens: int
+        self, candidates: Sequence[ReplicaLoad], matches: Mapping[str, int | Sequence[int]], num_prompt_tokens: int,
+        adapter: str | None = None,
     ) -> RoutingDecision:
         """The candidate of lowest cost among those within bounds.
 
         ``matches`` maps replica id to its leading run of the prompt's blocks
         in the decode pool's index: the tier of each block
         (``PrefixIndex.match_tiers``), or a count of device blocks
-        (``PrefixIndex.match``). Absent means none.
+        (``PrefixIndex.match``). Absent means none. ``adapter``: the request's
+        LoRA adapter, by name; None for the base model.
         """
         if not candidates:
             raise ValueError("no candidate replicas")
@@ -125,8 +146,20 @@ class DecodePolicy:
                 + w_recent * (recent_requests - least_recent)
                 - w_prefix_hit * hit_fraction
             )
+            if adapter is not None:
+                cost += self._adapter_cost(replica, adapter)
             scored.append(Scored(replica.replica_id, self.is_overloaded(replica), cost, matched, valued))
-        return decide(scored, num_prompt_tokens, self._rng)
+        return decide(scored, num_prompt_tokens, self._rng, adapter)
+
+    def _adapter_cost(self, replica: ReplicaLoad, adapter: str) -> float:
+        """``adapter(r)`` of the class docstring, in active decodes."""
+        fit = self.adapters_sent.fit(adapter, replica.replica_id, replica.adapters, replica.max_loras)
+        if fit is AdapterFit.HELD:
+            return 0.0
+        config = self.config
+        if fit is AdapterFit.LOAD:
+            return config.w_adapter_load
+        return 2 * config.w_adapter_load + config.w_adapter_wait
 
     def _active(self, candidates: Sequence[ReplicaLoad], num_prompt_tokens: int) -> list[float]:
         """Each candidate's active requests, or their predicted weight on its steps (class docstring).
@@ -152,4 +185,5 @@ class DecodePolicy:
     def record_routed(self, decision: RoutingDecision) -> None:
         """Count the decision once the request is sent."""
         self.recent.record(decision.replica_id, 0)
+        self.adapters_sent.sent(decision.replica_id, decision.adapter)
         self.reason_counts[decision.reason] += 1

@@ -1,7 +1,7 @@
 """Predicted-latency placement: each candidate's time to first token for this prompt, in seconds.
 
-    ttft(r)  = wait(r) + compute(r)
-    cost(r)  = ttft(r) + w_compute * compute(r)       (discounted for exploration, below)
+    ttft(r)  = wait(r) + adapter_wait(r) + compute(r)
+    cost(r)  = ttft(r) + w_compute * compute(r) + adapter_reload(r)   (discounted for exploration, below)
 
 ``compute(r)`` is this prompt's prefill on ``r``: the tokens ``r`` does not
 hold (a block in a slower tier counts as ``router.tiers`` values it), in
@@ -20,6 +20,19 @@ whose growth since its last report is decayed into
   fit says its own steps should have taken. A replica that slows down
   (a noisy neighbour, a throttled CPU) is priced slower within a few
   half-lives, and one that recovers, faster again.
+
+``adapter_wait(r)`` and ``adapter_reload(r)`` are what the request's LoRA
+adapter takes there (``router.adapters``), 0 for the base model or where
+``r`` holds it:
+
+    a free slot:      adapter_wait = adapter_load_s                  the copy, before its first step
+                      adapter_reload = 0
+    every slot held:  adapter_wait = adapter_load_s + slot_wait(r)   the copy, after a slot frees
+                      adapter_reload = adapter_load_s                the evicted adapter's next copy
+
+``slot_wait(r)`` is ``PolicyConfig.adapter_wait_tokens`` (the token cost's
+price of the wait) priced as ``r``'s prefill of that many tokens.
+``adapter_reload`` is capacity taken from a later request, as ``w_compute`` is.
 
 ``w_compute`` charges the prefill's compute once more, beyond its own wait:
 it is capacity taken from every later request, and a prefix recomputed on a
@@ -63,6 +76,7 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
+from router.adapters import AdapterFit
 from router.policy import (
     ROUTED_SLACK,
     PolicyConfig,
@@ -97,6 +111,8 @@ class LatencyPolicyConfig(PolicyConfig):
     hot_routed_ratio: float = 1.8
     explore_fraction: float = 0.1  # the most a stale replica's cost is discounted
     explore_after_s: float = 30.0  # the age of a replica's last measurement at which the discount is whole
+    # A LoRA adapter's copy into a device slot, in seconds (a rank-16 adapter of an 8B model, 84 MB, over PCIe 4).
+    adapter_load_s: float = 0.004
     # Step cost coefficients (base, per token, per pair, per seq, per sample) before the fit has data; None: none.
     prior: tuple[float, ...] | None = None
 
@@ -112,7 +128,7 @@ class LatencyPolicyConfig(PolicyConfig):
         for name in ("half_life_s", "explore_after_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("min_steps", "min_replica_steps", "w_compute"):
+        for name in ("min_steps", "min_replica_steps", "w_compute", "adapter_load_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not 0.0 <= self.explore_fraction < 1.0:
@@ -267,13 +283,14 @@ class PredictedLatencyPolicy(PrefixAffinityPolicy):
         self.predictor.observe(replica_id, stats, now_s)
 
     def choose(self, block_hashes: Sequence[bytes], num_prompt_tokens: int, candidates: Sequence[ReplicaLoad],
-               now_s: float = 0.0) -> RoutingDecision:
-        """The candidate of least predicted cost within bounds; ``PrefixAffinityPolicy``'s before data."""
+               now_s: float = 0.0, adapter: str | None = None) -> RoutingDecision:
+        """The candidate of least predicted cost within bounds; ``PrefixAffinityPolicy``'s before data.
+        ``adapter``: the request's LoRA adapter, by name; None for the base model."""
         if not candidates:
             raise ValueError("no candidate replicas")
         predictor, config = self.predictor, self.config
         if not predictor.ready():
-            return super().choose(block_hashes, num_prompt_tokens, candidates)
+            return super().choose(block_hashes, num_prompt_tokens, candidates, adapter)
         runs = self.index.match_tiers(block_hashes, [replica.replica_id for replica in candidates])
         routed_limit, cold_limit, hot_limit = self.routed_limits(candidates)
         scored, ttfts = [], {}
@@ -281,8 +298,13 @@ class PredictedLatencyPolicy(PrefixAffinityPolicy):
             replica_id = replica.replica_id
             matched, valued, compute, ttft = predictor.estimate(replica_id, runs.get(replica_id), num_prompt_tokens,
                                                                 now_s)
+            cost = ttft + config.w_compute * compute
+            if adapter is not None:
+                adapter_wait, adapter_reload = self.adapter_seconds(replica, adapter)
+                ttft += adapter_wait
+                cost += adapter_wait + adapter_reload
             ttfts[replica_id] = ttft
-            cost = (ttft + config.w_compute * compute) * self._exploration(replica_id, now_s)
+            cost *= self._exploration(replica_id, now_s)
             scored.append((replica, cost, matched, valued))
         exempt = config.bound_exempt_tokens if config.bound_exempt_tokens is not None else math.inf
         cold = max(entry[3] for entry in scored) < exempt
@@ -292,8 +314,19 @@ class PredictedLatencyPolicy(PrefixAffinityPolicy):
 
         scored = [Scored(replica.replica_id, self.is_overloaded(replica, limit(valued)), cost, matched, valued)
                   for replica, cost, matched, valued in scored]
-        decision = decide(scored, num_prompt_tokens, self._rng)
+        decision = decide(scored, num_prompt_tokens, self._rng, adapter)
         return dataclasses.replace(decision, predicted_s=ttfts[decision.replica_id])
+
+    def adapter_seconds(self, replica: ReplicaLoad, adapter: str) -> tuple[float, float]:
+        """``(adapter_wait, adapter_reload)`` of ``adapter`` on ``replica`` (module docstring), in seconds."""
+        fit = self.adapters_sent.fit(adapter, replica.replica_id, replica.adapters, replica.max_loras)
+        if fit is AdapterFit.HELD:
+            return 0.0, 0.0
+        load_s = self.config.adapter_load_s
+        if fit is AdapterFit.LOAD:
+            return load_s, 0.0
+        wait_s = self.predictor.compute_s(replica.replica_id, self.config.adapter_wait_tokens, 0.0)
+        return load_s + wait_s, load_s
 
     def routed_limits(self, candidates: Sequence[ReplicaLoad]) -> tuple[float, float, float]:
         """The relative bound's limits: ``max_routed_ratio``'s, a cold request's and a holder's of a hot one."""

@@ -2,7 +2,7 @@
 
 Prefill placement scores every candidate replica in prompt-token units:
 
-    cost(r) = w_prefix * uncached_prompt_tokens(r) + w_load * load(r)
+    cost(r) = w_prefix * uncached_prompt_tokens(r) + w_load * (load(r) + adapter_load(r))
 
     uncached_prompt_tokens(r) = num_prompt_tokens
                               - sum over r's matched blocks of value(tier) * tokens reused there
@@ -19,6 +19,21 @@ fraction of a device hit (``router.tiers``): a host hit saves its compute but
 must be loaded first. A block in the shared store counts for every replica.
 With device hits only, ``uncached_prompt_tokens`` is the prompt less its
 longest cached prefix.
+
+``adapter_load(r)`` is what the request's LoRA adapter takes there
+(``router.adapters``), 0 for a request on the base model:
+
+    adapter_load(r) = 0                                           r holds the adapter
+                    = adapter_load_tokens                         a free slot: one copy of its weights
+                    = 2 * adapter_load_tokens + adapter_wait_tokens   every slot held: the copy, the
+                                                                  evicted adapter's next copy, the wait
+
+``adapter_load_tokens`` is a copy's time in prompt tokens' prefill time;
+``adapter_wait_tokens`` prices waiting for a slot, and the churn of bringing
+one more adapter into a replica's full slots, as ``w_prefix`` prices a prefix
+copied into a second cache. The prompt's block hashes chain from its
+adapter's root, so ``uncached_prompt_tokens`` counts only blocks cached under
+the same adapter.
 
 ``unreported_prefill_tokens`` are the uncached prompt tokens this router sent
 a replica since that replica's last report (``reported``): queued work its
@@ -41,8 +56,9 @@ longest match. The bounds are absolute (queued tokens, active requests, KV
 usage) and relative: no replica may be sent more than ``max_routed_ratio``
 times the recent requests of the least-routed candidate. Without the relative
 bound, a prefix every request shares (one system prompt) would make its holder
-the cheapest choice for all of them. When every candidate is over a bound,
-all are scored as if within bounds.
+the cheapest choice for all of them; so would a hot adapter make the replicas
+holding it. When every candidate is over a bound, all are scored as if within
+bounds.
 
 Decode placement is ``router.decode_policy``'s; both share ``decide``.
 
@@ -59,6 +75,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Mapping, NamedTuple, Sequence
 
+from router.adapters import AdapterFit, SentAdapters
 from router.prefix_index import PrefixIndex
 from router.recent import RecentRouted
 from router.tiers import TierHitValues, matched_tokens, valued_tokens
@@ -86,9 +103,11 @@ class ReplicaLoad:
     queued_prefill_tokens: int = 0  # prompt tokens waiting to be prefilled there
     num_active_requests: int = 0  # requests waiting or running there
     kv_usage: float = 0.0  # fraction of its KV blocks held by requests, in [0, 1]
+    adapters: tuple[str, ...] = ()  # the LoRA adapters in its device slots, by name
+    max_loras: int = 0  # its adapter slots; 0: none reported
 
     def __post_init__(self) -> None:
-        if self.queued_prefill_tokens < 0 or self.num_active_requests < 0:
+        if self.queued_prefill_tokens < 0 or self.num_active_requests < 0 or self.max_loras < 0:
             raise ValueError(f"negative load for replica {self.replica_id!r}: {self}")
         if not 0.0 <= self.kv_usage <= 1.0:
             raise ValueError(f"kv_usage must be in [0, 1], got {self.kv_usage} for {self.replica_id!r}")
@@ -111,6 +130,7 @@ class RoutingDecision:
     # The chosen replica's predicted time to first token, in seconds, where a latency policy decided
     # (``router.latency``); None where a token cost did.
     predicted_s: float | None = None
+    adapter: str | None = None  # the request's LoRA adapter, as the policy was told it
 
 
 @dataclass(frozen=True)
@@ -131,6 +151,12 @@ class PolicyConfig(TierHitValues):
     recent_prefill_weight: float = 0.1  # load per recent prefill token beyond the least candidate's
     recent_request_load_tokens: float = 256.0  # load per recent request beyond the least candidate's
     recent_window: int = 1024  # decisions over which "recent" decays by 1/e
+    # A LoRA adapter's copy into a device slot, in prompt tokens' prefill time: a rank-16 adapter of an 8B model
+    # (84 MB) takes about 3.4 ms over PCIe 4, some 100 tokens of an H200's prefill.
+    adapter_load_tokens: float = 128.0
+    # Waiting for a slot where every one is held, and the churn of one more adapter there (``router.adapters``),
+    # in prompt tokens; tuned on ``python -m bench.router_lora``.
+    adapter_wait_tokens: float = 4096.0
     # Per-replica overload bounds; None means unbounded.
     max_queued_prefill_tokens: int | None = None
     max_active_requests: int | None = None
@@ -144,7 +170,8 @@ class PolicyConfig(TierHitValues):
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         for name in ("w_prefix", "w_load", "request_load_tokens", "kv_usage_load_tokens",
-                     "unreported_prefill_weight", "recent_prefill_weight", "recent_request_load_tokens"):
+                     "unreported_prefill_weight", "recent_prefill_weight", "recent_request_load_tokens",
+                     "adapter_load_tokens", "adapter_wait_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.w_prefix == 0 and self.w_load == 0:
@@ -178,7 +205,8 @@ class Scored(NamedTuple):
     valued_tokens: float  # matched tokens, each weighed by its tier's hit value
 
 
-def decide(scored: list[Scored], num_prompt_tokens: int, rng: random.Random) -> RoutingDecision:
+def decide(scored: list[Scored], num_prompt_tokens: int, rng: random.Random,
+           adapter: str | None = None) -> RoutingDecision:
     """Lowest cost among the replicas within bounds (among all when none is); ties at random."""
     eligible = [entry for entry in scored if not entry.overloaded]
     all_overloaded = not eligible
@@ -204,6 +232,7 @@ def decide(scored: list[Scored], num_prompt_tokens: int, rng: random.Random) -> 
         uncached_tokens=num_prompt_tokens - chosen.matched_tokens,
         matched_tokens=chosen.matched_tokens,
         ranked_replica_ids=(chosen.replica_id, *(entry.replica_id for entry in others)),
+        adapter=adapter,
     )
 
 
@@ -218,10 +247,12 @@ class PrefixAffinityPolicy:
         self.reason_counts: Counter[RoutingReason] = Counter()
         self._rng = random.Random(config.seed)
         self._unreported_prefill_tokens: dict[str, int] = {}
+        self.adapters_sent = SentAdapters()
 
     def reported(self, replica_id: str) -> None:
         """A new report from ``replica_id`` came in: what was sent it before is in its figures."""
         self._unreported_prefill_tokens.pop(replica_id, None)
+        self.adapters_sent.reported(replica_id)
 
     def reported_load(self, replica: ReplicaLoad) -> float:
         """The part of ``load`` that comes from the replica's own report, in prompt tokens."""
@@ -246,6 +277,16 @@ class PrefixAffinityPolicy:
             for replica in candidates
         }
 
+    def adapter_load(self, replica: ReplicaLoad, adapter: str) -> float:
+        """What ``adapter`` adds to the replica's ``load`` (module docstring), in prompt tokens."""
+        fit = self.adapters_sent.fit(adapter, replica.replica_id, replica.adapters, replica.max_loras)
+        if fit is AdapterFit.HELD:
+            return 0.0
+        config = self.config
+        if fit is AdapterFit.LOAD:
+            return config.adapter_load_tokens
+        return 2 * config.adapter_load_tokens + config.adapter_wait_tokens
+
     def routed(self, replica_id: str) -> float:
         """The recent requests sent ``replica_id``, as the relative bound counts them."""
         return self.recent.requests(replica_id)
@@ -269,18 +310,23 @@ class PrefixAffinityPolicy:
         return self.routed(replica.replica_id) > routed_limit
 
     def choose(
-        self, block_hashes: Sequence[bytes], num_prompt_tokens: int, candidates: Sequence[ReplicaLoad]
+        self, block_hashes: Sequence[bytes], num_prompt_tokens: int, candidates: Sequence[ReplicaLoad],
+        adapter: str | None = None,
     ) -> RoutingDecision:
         """The candidate of lowest cost among those within bounds.
 
-        ``block_hashes`` are the prompt's chained block hashes. Changes nothing:
-        call ``record_routed`` once the request is sent.
+        ``block_hashes`` are the prompt's chained block hashes (from its
+        adapter's root); ``adapter`` its LoRA adapter's name, None for the base
+        model. Changes nothing: call ``record_routed`` once the request is sent.
         """
         if not candidates:
             raise ValueError("no candidate replicas")
         config = self.config
         runs = self.index.match_tiers(block_hashes, [replica.replica_id for replica in candidates])
         loads = self.loads(candidates)
+        if adapter is not None:
+            for replica in candidates:
+                loads[replica.replica_id] += self.adapter_load(replica, adapter)
         routed_limit = self.routed_limit(candidates)
         scored = []
         for replica in candidates:
@@ -290,7 +336,7 @@ class PrefixAffinityPolicy:
                 if run else (0, 0.0)
             cost = config.w_prefix * (num_prompt_tokens - valued) + config.w_load * loads[replica.replica_id]
             scored.append(Scored(replica.replica_id, self.is_overloaded(replica, routed_limit), cost, matched, valued))
-        return decide(scored, num_prompt_tokens, self._rng)
+        return decide(scored, num_prompt_tokens, self._rng, adapter)
 
     def record_routed(self, decision: RoutingDecision, block_hashes: Sequence[bytes]) -> None:
         """The request went to ``decision.replica_id``, which will hold its blocks (optimistic insertion).
@@ -301,6 +347,7 @@ class PrefixAffinityPolicy:
         self.recent.record(decision.replica_id, decision.uncached_tokens)
         unreported = self._unreported_prefill_tokens
         unreported[decision.replica_id] = unreported.get(decision.replica_id, 0) + decision.uncached_tokens
+        self.adapters_sent.sent(decision.replica_id, decision.adapter)
         self.reason_counts[decision.reason] += 1
 
     def remove_replica(self, replica_id: str) -> None:
@@ -308,3 +355,4 @@ class PrefixAffinityPolicy:
         self.index.remove_replica(replica_id)
         self.recent.remove(replica_id)
         self._unreported_prefill_tokens.pop(replica_id, None)
+        self.adapters_sent.reported(replica_id)

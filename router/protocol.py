@@ -7,6 +7,11 @@ the payload, so routing never depends on what the engines' messages hold.
 ``RoutingStats`` is what each replica publishes through Serve's
 ``record_routing_stats`` (under ``ROUTING_STATS_KEY``), refreshed every
 ``request_routing_stats_period_s``.
+
+A request under a LoRA adapter names it in ``RouteHints.adapter`` (its block
+hashes chain from the adapter's root, ``router.hashing.adapter_root_hash``);
+a replica reports the adapters in its device slots in ``RoutingStats.adapters``,
+of ``max_loras`` slots (``router.adapters``).
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from typing import Any, ClassVar, Sequence
 from router.events import CacheEvent
 from router.policy import ReplicaLoad
 from router.step_cost import GRAM_SIZE, NUM_TERMS
-from transfer.wire import NonNegativeInt, WireError, WireMessage
+from transfer.wire import NonEmptyStr, NonNegativeInt, WireError, WireMessage
 
 ROUTING_STATS_KEY = "pd_routing_stats"
 
@@ -35,6 +40,8 @@ class RouteHints(WireMessage, frozen=True, kw_only=True):
     # The prompt, for prefix-aware placement.
     num_prompt_tokens: NonNegativeInt = 0
     block_hashes: tuple[bytes, ...] = ()
+    # The LoRA adapter it runs under, by name; None: the base model.
+    adapter: NonEmptyStr | None = None
     # Where the call must or must not go.
     target_replica_id: str | None = None
     exclude_replica_ids: tuple[str, ...] = ()
@@ -65,6 +72,9 @@ class RoutingStats(WireMessage, frozen=True, kw_only=True):
     # The engine's step sums (router.step_cost.StepSums), cumulative: what a router fits its step cost from.
     step_gram: tuple[float, ...] = ()
     step_moments: tuple[float, ...] = ()
+    # The LoRA adapters in its device slots, each named once, of its max_loras slots (0: it serves none).
+    adapters: tuple[NonEmptyStr, ...] = ()
+    max_loras: NonNegativeInt = 0
     # The prefix cache's event window.
     cache_events_from: NonNegativeInt = 0
     cache_events: tuple[CacheEvent, ...] = ()
@@ -80,6 +90,10 @@ class RoutingStats(WireMessage, frozen=True, kw_only=True):
                                  f"{len(self.step_gram)} and {len(self.step_moments)}")
             if not all(math.isfinite(value) for value in (*self.step_gram, *self.step_moments)):
                 raise ValueError("step_gram and step_moments must be finite")
+        if len(self.adapters) > self.max_loras:
+            raise ValueError(f"{len(self.adapters)} adapters held in {self.max_loras} slots (max_loras)")
+        if len(set(self.adapters)) != len(self.adapters):
+            raise ValueError(f"adapters must name each adapter once, got {list(self.adapters)}")
 
     @classmethod
     def of(cls, first_seq: int, events: Sequence[CacheEvent], **load: Any) -> "RoutingStats":
@@ -106,6 +120,8 @@ def replica_load(replica_id: str, stats: RoutingStats) -> ReplicaLoad:
         queued_prefill_tokens=stats.num_waiting_tokens,
         num_active_requests=stats.num_running + stats.num_waiting,
         kv_usage=stats.kv_usage,
+        adapters=stats.adapters,
+        max_loras=stats.max_loras,
     )
 
 

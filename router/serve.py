@@ -281,7 +281,7 @@ class PrefixAffinityRouter(PinnedRequestRouter):
         self.pool.note_decision(hints.request_id, decision.reason.value, decision.matched_tokens)
 
     def decide(self, hints: RouteHints, loads: list[ReplicaLoad]) -> RoutingDecision:
-        return self.policy.choose(hints.block_hashes, hints.num_prompt_tokens, loads)
+        return self.policy.choose(hints.block_hashes, hints.num_prompt_tokens, loads, hints.adapter)
 
     def record(self, decision: RoutingDecision, hashes: tuple[bytes, ...]) -> None:
         self.policy.record_routed(decision, hashes)
@@ -307,7 +307,8 @@ class PredictedLatencyRouter(PrefixAffinityRouter):
         self._decisions: OrderedDict[str, tuple[RoutingDecision, tuple[bytes, ...]]] = OrderedDict()
 
     def decide(self, hints: RouteHints, loads: list[ReplicaLoad]) -> RoutingDecision:
-        return self.policy.choose(hints.block_hashes, hints.num_prompt_tokens, loads, time.monotonic())
+        return self.policy.choose(hints.block_hashes, hints.num_prompt_tokens, loads, time.monotonic(),
+                                  hints.adapter)
 
     def record(self, decision: RoutingDecision, hashes: tuple[bytes, ...]) -> None:
         self.policy.record_routed(decision, hashes, time.monotonic())
@@ -328,9 +329,14 @@ class DecodeLoadRouter(PinnedRequestRouter):
         self.index = PrefixIndex(max_blocks=config.index_max_blocks)
         self.feed = CacheEventFeed(self.index)
         self.pool.share_index(self.index, config.block_size)
-        self.reports.on_new = lambda replica_id, stats: self.predictor.observe(replica_id, stats, time.monotonic())
+        self.reports.on_new = self._heard
         self.pool.share_predictor(self.predictor)
         self.metrics = _DecisionMetrics("decode")
+
+    def _heard(self, replica_id: str, stats: RoutingStats) -> None:
+        """A new report: the predictor's speeds and decodes, and the adapters the replica holds."""
+        self.predictor.observe(replica_id, stats, time.monotonic())
+        self.policy.reported(replica_id)
 
     def rank(self, replicas: list[RunningReplica], hints: RouteHints | None) -> list[list[RunningReplica]]:
         if hints is None:
@@ -338,7 +344,7 @@ class DecodeLoadRouter(PinnedRequestRouter):
         self.update_feed(self.feed)
         loads = [self.reports.load(r) for r in replicas]
         runs = self.index.match_tiers(hints.block_hashes, [load.replica_id for load in loads])
-        decision = self.policy.choose(loads, runs, hints.num_prompt_tokens)
+        decision = self.policy.choose(loads, runs, hints.num_prompt_tokens, hints.adapter)
         self.policy.record_routed(decision)
         self.metrics.record(decision)
         self.pool.note_decision(hints.request_id, decision.reason.value, decision.matched_tokens)
