@@ -22,6 +22,11 @@ whatever is routed to it, and its scheduler queues it.
 
 Where a prompt is computed can be another router (``sim.placement``), and
 each pool's replicas can start, drain and stop while it runs (``sim.pool``).
+
+A request may run under a LoRA adapter of the deployment's (``adapters``,
+``sim.adapters``): the ingress hashes its prompt from the adapter's root,
+names the adapter in its routing hints (unless ``adapter_hints`` is off:
+adapter-blind routing) and asks both engines to run it under the adapter.
 """
 
 from __future__ import annotations
@@ -33,12 +38,13 @@ from pd.engine.outputs import RequestOutput
 from pd.sampling_params import SamplingParams
 from router.decode_policy import DecodePolicy, DecodePolicyConfig
 from router.gray import GrayFailureConfig, GrayFailureDetector, Transition
-from router.hashing import hash_block_tokens
+from router.hashing import ROOT_HASH, hash_block_tokens
 from router.latency import LatencyPolicyConfig, LatencyPredictor
 from router.policy import PolicyConfig, RoutingDecision
 from router.remote_prefill import PoolPredictions, RemotePrefillRule, predicted_remote
 from router.shared import PoolRouting
 from router.step_cost import prefill_pairs
+from sim.adapters import AdapterCatalog, SimAdapter
 from sim.clock import EventLoop
 from sim.fast_forward import RunOutputs
 from sim.host import HostModel, SharedHost
@@ -67,10 +73,18 @@ class ClusterSpec:
     seed: int = 0
     # The decode router's gray-failure detector (router.gray), judging at each report; None: off.
     gray_failure: GrayFailureConfig | None = None
+    # LoRA adapters requests may run under (the pools' engines need enable_lora), and whether the ingress names
+    # a request's adapter in its routing hints (False: the routers place it as if it had none).
+    adapters: tuple[SimAdapter, ...] = ()
+    adapter_hints: bool = True
 
     def __post_init__(self) -> None:
         if self.prefill is not None and self.prefill.engine.block_size != self.decode.engine.block_size:
             raise ValueError("the prefill and decode pools need the same block_size")
+        if self.adapters:
+            for name, pool in (("decode", self.decode), ("prefill", self.prefill)):
+                if pool is not None and not pool.engine.enable_lora:
+                    raise ValueError(f"adapters are served by engines with enable_lora: the {name} pool's has not")
 
     @property
     def block_size(self) -> int:
@@ -88,6 +102,7 @@ class _Flow:
     hashes: list[bytes]
     params: SamplingParams
     remote: bool = False
+    adapter: str | None = None  # its LoRA adapter's name; None: the base model
 
 
 class SimCluster:
@@ -106,8 +121,9 @@ class SimCluster:
         self.network = SimNetwork(loop, spec.transfer) if spec.prefill is not None else None
         self.host = SharedHost(loop, spec.host) if spec.host is not None else None
         self.shared_store = ModelledStore()  # the deployment's: every replica with a shared_kv_bucket reads it
+        self.adapters = AdapterCatalog(spec.adapters)
         self.decode = SimPool("decode", spec.decode, loop, self.network, spec.seed, self._decode_outputs, self.host,
-                              spec.tiers, self.shared_store)
+                              spec.tiers, self.shared_store, self.adapters)
         self.decode_policy = DecodePolicy(DecodePolicyConfig(block_size=block_size, seed=spec.seed,
                                                              **spec.decode_policy))
         self.decode_routing = PoolRouting()  # what the ingress asks of the decode pool's index
@@ -115,7 +131,7 @@ class SimCluster:
         self.prefill = None
         if spec.prefill is not None:
             self.prefill = SimPool("prefill", spec.prefill, loop, self.network, spec.seed + 1, self._prefill_outputs,
-                                   self.host, spec.tiers, self.shared_store)
+                                   self.host, spec.tiers, self.shared_store, self.adapters)
             self.prefill.placement = placement or self._prefill_placement()
         else:
             self.decode.placement = placement
@@ -151,11 +167,14 @@ class SimCluster:
 
     # The ingress ------------------------------------------------------------
 
-    def submit(self, request_id: str, prompt: list[int], params: SamplingParams) -> RequestRecord:
-        """A request arrives at the ingress now."""
+    def submit(self, request_id: str, prompt: list[int], params: SamplingParams,
+               adapter: str | None = None) -> RequestRecord:
+        """A request arrives at the ingress now, under LoRA ``adapter`` (a name in ``spec.adapters``) if given."""
+        root = ROOT_HASH if adapter is None else self.adapters.key(adapter).root_hash
         record = RequestRecord(self.loop.now, len(prompt))
         self.records[request_id] = record
-        flow = _Flow(record, prompt, hash_block_tokens(prompt, self.spec.block_size), params)
+        flow = _Flow(record, prompt, hash_block_tokens(prompt, self.spec.block_size, parent_hash=root), params,
+                     adapter=adapter)
         self._flows[request_id] = flow
         self._start_reports()
         if self.spec.ingress_s:
@@ -201,7 +220,15 @@ class SimCluster:
         return rule.wants_remote(len(prompt), uncached, self.prefill.total_in_flight)
 
     def _arrival(self, request_id: str, flow: _Flow) -> Arrival:
-        return Arrival(request_id, flow.hashes, len(flow.prompt), self.loop.now)
+        return Arrival(request_id, flow.hashes, len(flow.prompt), self.loop.now, self._hinted_adapter(flow))
+
+    def _hinted_adapter(self, flow: _Flow) -> str | None:
+        """The adapter the request's routing hints name."""
+        return flow.adapter if self.spec.adapter_hints else None
+
+    @staticmethod
+    def _engine_options(flow: _Flow) -> dict:
+        return {} if flow.adapter is None else {"lora": flow.adapter}
 
     def _send_prefill(self, request_id: str, flow: _Flow) -> None:
         pool = self.prefill
@@ -209,7 +236,8 @@ class SimCluster:
         pool.sent(replica_id)
         replica = pool.replicas[replica_id]
         self.loop.at(self.loop.now + self.spec.call_s,
-                     lambda: replica.add(request_id, flow.prompt, flow.params, pin_kv=True))
+                     lambda: replica.add(request_id, flow.prompt, flow.params, pin_kv=True,
+                                         **self._engine_options(flow)))
 
     def _prefill_outputs(self, replica_id: str, outputs: list[RequestOutput]) -> None:
         for output in outputs:
@@ -245,7 +273,8 @@ class SimCluster:
                 allowed = set(self.gray.allowed([load.replica_id for load in loads]))
                 loads = [load for load in loads if load.replica_id in allowed]
             runs = pool.index.match_tiers(flow.hashes, [load.replica_id for load in loads])
-            decision: RoutingDecision = self.decode_policy.choose(loads, runs, len(flow.prompt))
+            decision: RoutingDecision = self.decode_policy.choose(loads, runs, len(flow.prompt),
+                                                                  self._hinted_adapter(flow))
             self.decode_policy.record_routed(decision)
             replica_id = decision.replica_id
             if kv_handle is None:  # a local prefill: it queues there
@@ -256,9 +285,10 @@ class SimCluster:
         replica = pool.replicas[replica_id]
 
         def call() -> None:
-            options = {}
+            options = self._engine_options(flow)
             if kv_handle is not None:
-                options["remote_kv"] = replica.engine.open_kv_handle(kv_handle, flow.prompt)
+                lora = None if flow.adapter is None else self.adapters.key(flow.adapter)
+                options["remote_kv"] = replica.engine.open_kv_handle(kv_handle, flow.prompt, lora)
                 options["first_token_id"] = first_token_id
             replica.add(request_id, flow.prompt, flow.params, **options)
 
@@ -301,6 +331,7 @@ class SimCluster:
         predictor = self.decode_policy.predictor
         for replica_id, stats in self.decode.reports.items():
             predictor.observe(replica_id, stats, self.loop.now)
+            self.decode_policy.reported(replica_id)
             if self.gray is not None:
                 self.gray.observe(replica_id, stats, self.loop.now)
         if self.gray is not None:  # judged once a report period, as the app's routers judge once a second

@@ -13,6 +13,14 @@ and a disk tier and a shared store (``disk_kv_cache_path``,
 by ``sim.tiers`` in the event loop's time. Requests end at their
 ``max_tokens`` (``ignore_eos``), as a trace's output lengths say.
 
+With ``enable_lora``, the engine's own adapter code runs (``sim.adapters``):
+its ``LoraManager`` resolves a request's adapter from the deployment's
+``AdapterCatalog``, its scheduler admits at most ``max_loras`` adapters at
+once, and before each step the runner gives the step's adapters slots with
+the engine's ``SlotTable``, each load costing its bytes at the host link's
+rate (``CostModel.per_host_byte_s``) in that step. A replica reports the
+adapters in its slots (``routing_stats``).
+
 A replica over several GPUs by expert parallelism (``expert_parallel_size``
 n, attention split over the same ranks: ``tensor_parallel_size`` n) is one
 engine too, as in a deployment, where rank 0 schedules for all of them: its
@@ -42,9 +50,14 @@ from pd.engine.kv_layout import kv_dtype, model_pool
 from pd.engine.model_runner import step_threads
 from pd.engine.outputs import ForwardOutput, SchedulerOutput
 from pd.engine.tiers.stats import HostTierStats
+from pd.lora import AdapterId
+from pd.lora.registry import LoraRegistry
+from pd.lora.slot_table import SlotTable
 from pd.model.config import ModelConfig, load_model_config
 from pd.model.kv_scales import unit_scales
 from pd.model.loader import resolve_dtype
+from router.protocol import RoutingStats
+from sim.adapters import NO_ADAPTERS, AdapterCatalog
 from sim.clock import EventLoop
 from sim.cost import CostModel, StepShape
 from sim.tiers import ModelledStore, ModelledTierIO, TierModels
@@ -92,7 +105,8 @@ class ModelledRunner:
     """``ModelRunner``'s interface, without a model: each ``execute`` records its modelled seconds."""
 
     def __init__(self, config: EngineConfig, model_config: ModelConfig, model_dir: Path, num_blocks: int,
-                 max_model_len: int, *, cost: CostModel, seed: int, decode_cost: CostModel | None = None):
+                 max_model_len: int, *, cost: CostModel, seed: int, decode_cost: CostModel | None = None,
+                 adapters: AdapterCatalog = NO_ADAPTERS, lora: LoraRegistry | None = None):
         self.dtype = resolve_dtype(config.dtype, model_config)
         self.kv_dtype = kv_dtype(config.kv_cache_dtype, self.dtype)
         self.kv_scales = unit_scales(model_config.num_layers)  # an FP8 pool's, as a checkpoint without any
@@ -114,10 +128,14 @@ class ModelledRunner:
         self.drafts: DraftModel | None = None  # with speculative decoding: how its lookups fare
         self._copied_blocks = 0
         self._block_bytes = self.kv_cache[0].nbytes  # a meta tensor's size costs a torch call: read it once
+        # LoRA: the engine's slot policy, each load the catalog's bytes (``lora``, the engine's registry, as
+        # ``ModelRunner`` takes it: its adapters hold no weights here).
+        self.adapters = adapters
+        self.lora_slots = SlotTable(config.max_loras) if config.enable_lora else None
 
     def execute(self, out: SchedulerOutput, block_tables: list[list[int]]) -> ForwardOutput:
         seconds, self.last_step_threads = self.price(StepShape.of(out.scheduled))
-        self.last_step_seconds = seconds + self._host_copy_seconds()
+        self.last_step_seconds = seconds + self._host_copy_seconds() + self._adapter_load_seconds(out)
         self.num_steps += 1
         if self.drafts is not None and any(item.draft_token_ids for item in out.scheduled):
             sampled = [token for item in out.scheduled if item.samples for token in self._verify(item)]
@@ -149,10 +167,41 @@ class ModelledRunner:
         return [randrange(vocab_size) for _ in range(num_samples)]
 
     def record_run(self, seconds: list[float], threads: int | None) -> None:
-        """Steps run without ``execute`` (``sim.fast_forward``; their tokens from ``sample``), counted as its."""
+        """Steps run without ``execute`` (``sim.fast_forward``; their tokens from ``sample``), counted as its.
+
+        Their adapters were in slots all along (``holds_adapters``) and are not marked used: a run ends
+        before a step of the engine's own that runs every one of them, so the slots' order comes out the same.
+        """
         self.num_steps += len(seconds)
         self.num_fast_forwarded_steps += len(seconds)
         self.last_step_seconds, self.last_step_threads = seconds[-1], threads
+
+    def _adapter_load_seconds(self, out: SchedulerOutput) -> float:
+        """The step's adapters take slots (``ModelRunner._lora_slots``' policy); the time of the loads that takes.
+        They come in the schedule's order, not a set's (whose order follows the process's string hashes), so
+        that a run repeats exactly."""
+        if self.lora_slots is None:
+            return 0.0
+        keys = dict.fromkeys(item.request.lora for item in out.scheduled if item.request.lora is not None)
+        if not keys:
+            return 0.0
+        _, loads = self.lora_slots.assign(keys)
+        return self.adapters.load_bytes(key for key, _ in loads) * self.cost.per_host_byte_s
+
+    def holds_adapters(self, keys: frozenset[AdapterId]) -> bool:
+        """Whether every one of ``keys`` sits in a slot (a step of them loads nothing)."""
+        return not keys or (self.lora_slots is not None and keys <= set(self.lora_slots.held))
+
+    @property
+    def num_adapter_loads(self) -> int:
+        """Adapters copied into slots so far."""
+        return self.lora_slots.num_loads if self.lora_slots is not None else 0
+
+    def adapter_names(self) -> tuple[str, ...]:
+        """The names of the adapters in its slots, each once, in slot order."""
+        if self.lora_slots is None:
+            return ()
+        return tuple(dict.fromkeys(key.name for key in self.lora_slots.held if key is not None))
 
     def _host_copy_seconds(self) -> float:
         """The time of the blocks the host tier copied since the last step (the scheduler's promotions, demotions)."""
@@ -179,7 +228,7 @@ class ModelledRunner:
 def sim_engine(config: EngineConfig, cost: CostModel, seed: int = 0, *, transport: KVTransport | None = None,
                loop: EventLoop | None = None, tier_models: TierModels = TierModels(),
                shared_store: ModelledStore | None = None, decode_cost: CostModel | None = None,
-               drafts: DraftModel | None = None) -> LLMEngine:
+               drafts: DraftModel | None = None, adapters: AdapterCatalog = NO_ADAPTERS) -> LLMEngine:
     """A real engine for ``config.model`` (its config and tokenizer are read; no weights are loaded).
 
     With a ``loop``, the engine's clock is the loop's (leases expire and pulls
@@ -188,6 +237,7 @@ def sim_engine(config: EngineConfig, cost: CostModel, seed: int = 0, *, transpor
     needs the loop: their I/O lands in it, priced by ``tier_models``;
     ``shared_store`` is the deployment's, one for every replica (a new one
     if None). The runner's ``tier_io.on_event`` is then for the replica's wake.
+    With ``enable_lora``, requests may name the adapters of ``adapters``.
     """
     config = one_engine(config, cost)
     tier_io = None
@@ -197,14 +247,25 @@ def sim_engine(config: EngineConfig, cost: CostModel, seed: int = 0, *, transpor
         tier_io = ModelledTierIO(loop, tier_models, shared_store)
     clock = SYSTEM_CLOCK if loop is None else Clock(wall=loop.time, monotonic=loop.time)
     engine = LLMEngine(config, transport, make_runner=functools.partial(ModelledRunner, cost=cost, seed=seed,
-                                                                  decode_cost=decode_cost),
+                                                                  decode_cost=decode_cost, adapters=adapters),
                        clock=clock, tier_io=tier_io)
+    if engine.lora is not None:
+        adapters.serve(engine)
     engine.runner.host_tier_stats = engine.tiers.host_stats  # zeros that never change without a host tier
     engine.runner.tier_io = tier_io
     if engine.speculator is not None:  # the real speculator plans; its lookups and their fate are modelled
         engine.runner.drafts = drafts or DraftModel()
         engine.speculator.proposer = ModelledProposer(engine.runner.drafts, engine.model_config.vocab_size, seed)
     return engine
+
+
+def routing_stats(engine: LLMEngine, after_seq: int | None = None) -> RoutingStats:
+    """``engine.routing_stats``, with the adapters in its runner's slots and its ``max_loras`` where it serves
+    adapters: what a replica reports (the engine's own report does not carry them yet)."""
+    stats = engine.routing_stats(after_seq=after_seq)
+    if engine.lora is None:
+        return stats
+    return stats.replace(adapters=engine.runner.adapter_names(), max_loras=engine.config.max_loras)
 
 
 def one_engine(config: EngineConfig, cost: CostModel) -> EngineConfig:

@@ -21,7 +21,8 @@ steps begun by then, as stepping would have them. What the applied steps stream 
 ``RunOutputs``, each token at its own step's end.
 
 What keeps a replica stepping one step at a time: a shared host (its steps stretch with the others'),
-KV tiers, transfers or leases in flight, logprobs, stop tokens, a grammar, an EOS that could stop a request.
+KV tiers, transfers or leases in flight, logprobs, stop tokens, a grammar, an EOS that could stop a request,
+a LoRA adapter not in a device slot (its load is the engine's step's).
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ def run_length(engine: LLMEngine) -> int:
             or scheduler.speculator is not None  # a verify step's tokens are the speculator's to plan
             or engine.has_pending_transfers() or len(running) > scheduler.config.max_num_batched_tokens):
         return 0
+    if not engine.runner.holds_adapters(_adapters(running)):
+        return 0
     max_model_len = scheduler.config.max_model_len
     steps = max_model_len
     for request in running:
@@ -56,6 +59,11 @@ def run_length(engine: LLMEngine) -> int:
         steps = min(steps, request.sampling_params.max_tokens - len(request.output_token_ids) - 1,
                     max_model_len - request.num_tokens - 1)
     return _within_free_blocks(engine, steps) if steps >= MIN_RUN_STEPS else 0
+
+
+def _adapters(running: list[Request]) -> frozenset:
+    """The LoRA adapters of ``running`` (``AdapterId``s)."""
+    return frozenset(request.lora for request in running if request.lora is not None)
 
 
 def _plain_decode(request: Request) -> bool:

@@ -4,7 +4,7 @@
 compute pool computes (the prefill pool; the decode pool when colocated).
 A placement sees what a Serve request router sees:
 
-- the prompt's chained block hashes and length (``Arrival``, as ``RouteHints``);
+- the prompt's chained block hashes and length, and its LoRA adapter (``Arrival``, as ``RouteHints``);
 - each replica's load as last reported, and the report itself (``report``),
   every ``report_period_s``;
 - the requests this ingress sent each replica that have not come back
@@ -33,9 +33,10 @@ class Arrival:
     """One prompt to place, as its routing hints describe it."""
 
     request_id: str
-    block_hashes: Sequence[bytes]  # chained, in the engines' block size
+    block_hashes: Sequence[bytes]  # chained, in the engines' block size, from the adapter's root
     num_prompt_tokens: int
     now_s: float
+    adapter: str | None = None  # the LoRA adapter's name, where the ingress names it (None: the base model)
 
 
 class PoolView(Protocol):
@@ -85,7 +86,7 @@ class AffinityPlacement:
     def place(self, arrival: Arrival, pool: PoolView) -> str:
         policy = self.policies[self._next]
         self._next = (self._next + 1) % len(self.policies)
-        decision = policy.choose(arrival.block_hashes, arrival.num_prompt_tokens, pool.loads())
+        decision = policy.choose(arrival.block_hashes, arrival.num_prompt_tokens, pool.loads(), arrival.adapter)
         policy.record_routed(decision, arrival.block_hashes)
         return decision.replica_id
 
@@ -110,7 +111,8 @@ class LatencyPlacement(AffinityPlacement):
     def place(self, arrival: Arrival, pool: PoolView) -> str:
         policy = self.policies[self._next]
         self._next = (self._next + 1) % len(self.policies)
-        decision = policy.choose(arrival.block_hashes, arrival.num_prompt_tokens, pool.loads(), arrival.now_s)
+        decision = policy.choose(arrival.block_hashes, arrival.num_prompt_tokens, pool.loads(), arrival.now_s,
+                                 arrival.adapter)
         policy.record_routed(decision, arrival.block_hashes, arrival.now_s)
         return decision.replica_id
 

@@ -22,9 +22,10 @@ from router.cache_feed import CacheEventFeed
 from router.policy import ReplicaLoad
 from router.prefix_index import PrefixIndex
 from router.protocol import NO_STATS, RoutingStats, replica_load
+from sim.adapters import NO_ADAPTERS, AdapterCatalog
 from sim.clock import EventLoop
 from sim.cost import CostModel
-from sim.engine import sim_engine
+from sim.engine import routing_stats, sim_engine
 from sim.host import SharedHost
 from sim.placement import Placement
 from sim.replica import SimReplica
@@ -51,8 +52,10 @@ class SimPool:
 
     def __init__(self, name: str, spec: PoolSpec, loop: EventLoop, network: SimNetwork | None, seed: int,
                  on_outputs: Callable[[str, list[RequestOutput]], None], host: SharedHost | None,
-                 tier_models: TierModels = TierModels(), shared_store: ModelledStore | None = None):
+                 tier_models: TierModels = TierModels(), shared_store: ModelledStore | None = None,
+                 adapters: AdapterCatalog = NO_ADAPTERS):
         self.name = name
+        self._adapters = adapters  # the deployment's LoRA adapters, for engines with enable_lora
         self._tier_models = tier_models
         self._shared_store = shared_store  # the deployment's (sim.tiers), for engines with a shared_kv_bucket
         self.spec = spec
@@ -98,7 +101,8 @@ class SimPool:
         transport = network.transport(replica_id, on_event=lambda: None) if network else None
         engine = sim_engine(self.spec.engine, self.spec.cost, seed=self._seed * 100_003 + index,
                             transport=transport, loop=loop, tier_models=self._tier_models,
-                            shared_store=self._shared_store, decode_cost=self.spec.decode_cost)
+                            shared_store=self._shared_store, decode_cost=self.spec.decode_cost,
+                            adapters=self._adapters)
         replica = SimReplica(loop, engine, replica_id, host=self._host, threads=self.spec.threads,
                              on_outputs=lambda outputs: self._on_outputs(replica_id, outputs))
         if transport is not None:
@@ -196,7 +200,7 @@ class SimPool:
         for replica_id in self.live_ids():
             if replica_id in self._starting:
                 continue
-            stats = self.replicas[replica_id].engine.routing_stats(after_seq=self._last_seq.get(replica_id))
+            stats = routing_stats(self.replicas[replica_id].engine, after_seq=self._last_seq.get(replica_id))
             if stats.last_seq is not None:
                 self._last_seq[replica_id] = stats.last_seq
             self.reports[replica_id] = stats
@@ -208,3 +212,8 @@ class SimPool:
     def loads(self) -> list[ReplicaLoad]:
         """Each serving replica's load as of its last report (what a router sees between reports)."""
         return self._loads
+
+    @property
+    def num_adapter_loads(self) -> int:
+        """LoRA adapters copied into device slots, over every replica there has been."""
+        return sum(replica.engine.runner.num_adapter_loads for replica in self.replicas.values())
