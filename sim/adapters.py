@@ -8,9 +8,11 @@ admits at most ``max_loras`` adapters among its running requests
 (``pd.lora.admission``), and before each step the runner gives the step's
 adapters device slots with the engine's own LRU policy
 (``pd.lora.slot_table.SlotTable``). Only the weights are modelled: an
-``AdapterCatalog`` names each adapter's size and registers it with each
-engine, already read (``serve``); a copy into a slot costs its bytes at the
-host link's rate (``CostModel.per_host_byte_s``), in the step that needs it.
+``AdapterCatalog`` names each adapter's size, is each engine's adapter
+loader (``LLMEngine(lora_loader=...)``, so an adapter evicted from host
+memory is read again as on a real engine) and registers every adapter with
+it (``serve``); a copy into a slot costs its bytes at the host link's rate
+(``CostModel.per_host_byte_s``), in the step that needs it.
 """
 
 from __future__ import annotations
@@ -92,15 +94,16 @@ class AdapterCatalog:
         return LoraAdapter(name=name, path=Path(f"sim://{name}"), digest=adapter.key.digest, rank=max_rank,
                            modules={}, num_bytes=adapter.num_bytes)
 
+    def load(self, name: str, path: str, model: ModelConfig, max_rank: int) -> LoraAdapter:
+        """The engine's adapter loader (``LLMEngine(lora_loader=...)``): ``name``'s weights, from its path
+        ``sim://<name>``."""
+        return self.adapter(name, max_rank)
+
     def serve(self, engine: LLMEngine) -> None:
-        """Register every adapter with ``engine``'s ``LoraManager``, already read. ``ValueError`` where its host
-        memory (``max_cpu_loras``) holds fewer: an adapter it evicted would be read again, from no file."""
-        config = engine.config
-        if len(self) > config.cpu_loras:
-            raise ValueError(f"a simulated engine keeps every adapter in host memory: max_cpu_loras "
-                             f"({config.cpu_loras}) must be >= the {len(self)} adapters served")
+        """Register every adapter with ``engine``'s ``LoraManager``, read by ``load`` (again after an eviction
+        from its host memory)."""
         for name in self._by_name:
-            engine.lora.add(name, f"sim://{name}", self.adapter(name, config.max_lora_rank))
+            engine.lora.load(name, f"sim://{name}")
 
 
 NO_ADAPTERS = AdapterCatalog()  # a deployment that serves none

@@ -248,7 +248,7 @@ def sim_engine(config: EngineConfig, cost: CostModel, seed: int = 0, *, transpor
     clock = SYSTEM_CLOCK if loop is None else Clock(wall=loop.time, monotonic=loop.time)
     engine = LLMEngine(config, transport, make_runner=functools.partial(ModelledRunner, cost=cost, seed=seed,
                                                                   decode_cost=decode_cost, adapters=adapters),
-                       clock=clock, tier_io=tier_io)
+                       clock=clock, tier_io=tier_io, lora_loader=adapters.load)
     if engine.lora is not None:
         adapters.serve(engine)
     engine.runner.host_tier_stats = engine.tiers.host_stats  # zeros that never change without a host tier
@@ -260,12 +260,8 @@ def sim_engine(config: EngineConfig, cost: CostModel, seed: int = 0, *, transpor
 
 
 def routing_stats(engine: LLMEngine, after_seq: int | None = None) -> RoutingStats:
-    """``engine.routing_stats``, with the adapters in its runner's slots and its ``max_loras`` where it serves
-    adapters: what a replica reports (the engine's own report does not carry them yet)."""
-    stats = engine.routing_stats(after_seq=after_seq)
-    if engine.lora is None:
-        return stats
-    return stats.replace(adapters=engine.runner.adapter_names(), max_loras=engine.config.max_loras)
+    """``engine.routing_stats``: what a replica reports, the adapters in its runner's slots among it."""
+    return engine.routing_stats(after_seq=after_seq)
 
 
 def one_engine(config: EngineConfig, cost: CostModel) -> EngineConfig:

@@ -28,6 +28,7 @@ from pd.engine.structured import GrammarCompiler
 from pd.engine.tiers.io import TierIO
 from pd.engine.tiers.tiers import build_tiers
 from pd.lora import AdapterId, LoRARequest
+from pd.lora.adapter import LoraAdapter, load_adapter
 from pd.lora.manager import LoraManager, no_lora_error
 from pd.model.config import load_model_config
 from pd.model.paths import resolve_model_path
@@ -54,7 +55,7 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, transport: KVTransport | None = None, *,
                  make_runner: Callable[..., ModelRunner] = ModelRunner, clock: Clock = SYSTEM_CLOCK,
-                 tier_io: TierIO | None = None):
+                 tier_io: TierIO | None = None, lora_loader: Callable[..., LoraAdapter] = load_adapter):
         self.config = config
         self.engine_id = uuid.uuid4().hex
         self.model_dir = resolve_model_path(config.model, config.revision)
@@ -64,7 +65,7 @@ class LLMEngine:
         self.max_model_len = max_model_len(config.max_model_len, mc.max_position_embeddings)
         ranks = config.num_ranks
         runner_options = {}
-        self.lora = self._make_lora(config, mc)
+        self.lora = self._make_lora(config, mc, lora_loader)
         if self.lora is not None:
             runner_options["lora"] = self.lora.registry
         if ranks > 1 and transport is not None:  # each rank reads and serves its own heads
@@ -113,7 +114,7 @@ class LLMEngine:
         logger.info("engine ready: %s, %d KV blocks of %d tokens", self.model_dir, num_blocks, config.block_size)
 
     @staticmethod
-    def _make_lora(config: EngineConfig, mc) -> LoraManager | None:
+    def _make_lora(config: EngineConfig, mc, loader: Callable[..., LoraAdapter]) -> LoraManager | None:
         """The engine's adapters (``pd.lora``), with ``enable_lora``; ``ValueError`` for a model they cannot adapt."""
         if not config.enable_lora:
             return None
@@ -122,7 +123,7 @@ class LLMEngine:
                              "supported")
         if config.expert_parallel_size > 1:
             raise ValueError("enable_lora with expert_parallel_size > 1 is not supported yet")
-        return LoraManager(config, mc)
+        return LoraManager(config, mc, loader)
 
     def _make_connector(self, transport: KVTransport | None, clock: Clock) -> KVConnector:
         """What serves and pulls this engine's disaggregated KV (``pd.engine.disagg.connector``), over every
@@ -320,7 +321,9 @@ class LLMEngine:
             num_decode_context_tokens=decode_context, kv_usage=used / (free + used) if free + used else 0.0,
             num_free_blocks=free, num_pulled_blocks=pulls.num_pulled_blocks,
             pull_seconds_total=pulls.pull_seconds_total, step_gram=tuple(self.step_sums.gram),
-            step_moments=tuple(self.step_sums.moments))
+            step_moments=tuple(self.step_sums.moments),
+            adapters=self.runner.adapter_names() if self.lora is not None else (),
+            max_loras=self.config.max_loras if self.lora is not None else 0)
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model, update (``pd.engine.stepper``). Requests that ended at admission come out

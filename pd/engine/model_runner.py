@@ -276,11 +276,17 @@ class ModelRunner:
         has one (the step adds no delta)."""
         if self.lora_slots is None:
             return None
-        keys = {item.request.lora for item in out.scheduled if item.request.lora is not None}
+        keys = dict.fromkeys(item.request.lora for item in out.scheduled if item.request.lora is not None)
         if not keys:
             return None
         return self.lora_slots.assign(((key, self.lora_registry.weights(key)) for key in keys),
                                       self._tell_ranks if self.workers is not None else None)
+
+    def adapter_names(self) -> tuple[str, ...]:
+        """The names of the adapters in its slots, each once, in slot order (what its replica reports)."""
+        if self.lora_slots is None:
+            return ()
+        return tuple(dict.fromkeys(key.name for key in self.lora_slots.table.held if key is not None))
 
     def _tell_ranks(self, slot: int, key: AdapterId) -> None:
         """Have every worker rank load its shard of ``key`` into ``slot`` before the step."""

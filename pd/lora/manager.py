@@ -10,6 +10,7 @@ ends (``finish``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -31,8 +32,9 @@ def no_lora_error(name: str) -> ValueError:
 
 
 class LoraManager:
-    def __init__(self, config: EngineConfig, model: ModelConfig):
-        self.registry = LoraRegistry(model, config.max_lora_rank, config.cpu_loras)
+    def __init__(self, config: EngineConfig, model: ModelConfig, loader: Callable[..., LoraAdapter] = load_adapter):
+        """``loader`` reads an adapter (``load_adapter``; the simulator's knows sizes only)."""
+        self.registry = LoraRegistry(model, config.max_lora_rank, config.cpu_loras, loader)
         self.num_requests: dict[str, int] = {}  # requests started per adapter name, for the metrics
         for name, path in (config.lora_modules or {}).items():
             self.registry.add(name, path)
@@ -59,7 +61,7 @@ class LoraManager:
 
     def read(self, name: str, path: str | Path) -> LoraAdapter:
         """Read and check the adapter at ``path`` without registering it (any thread): for ``add``."""
-        return load_adapter(name, path, self.registry.model, self.registry.max_rank)
+        return self.registry.read(name, path)
 
     def add(self, name: str, path: str | Path, adapter: LoraAdapter) -> str:
         """Register ``adapter`` (``read`` from ``path``) as ``name``; its digest."""

@@ -142,9 +142,13 @@ class LoraRegistry:
     def num_in_memory(self) -> int:
         return sum(entry.adapter is not None for entry in self._entries.values())
 
+    def read(self, name: str, path: str | Path) -> LoraAdapter:
+        """The adapter at ``path``, read and checked by the loader, not registered (any thread)."""
+        return self._load(name, str(path), self.model, self.max_rank)
+
     def _read(self, name: str, path: str) -> LoraAdapter:
         self.num_loads += 1
-        return self._load(name, path, self.model, self.max_rank)
+        return self.read(name, path)
 
     def _drop_if_unused(self, key: AdapterId) -> None:
         """Weights no name points to and no request uses are gone for good."""

@@ -237,7 +237,8 @@ class PoolClient:
             decode_replica = None  # a pinned call to a replica that is gone would wait for it forever
         tracker = StreamTracker(self.metrics, TextStream(self.tokenizer, token_ids, stop), len(token_ids), timeline)
         hints = RouteHints(request_id=request_id, num_prompt_tokens=len(token_ids),
-                           block_hashes=self._block_hashes(token_ids, lora), target_replica_id=decode_replica)
+                           block_hashes=self._block_hashes(token_ids, lora), target_replica_id=decode_replica,
+                           adapter=lora.name if lora is not None else None)
         request = PoolRequest(request_id=request_id, token_ids=tuple(token_ids), sampling=params, lora=lora)
         with tracker.timeline.span("route", request_id=request_id, num_prompt_tokens=len(token_ids)) as route:
             remote = decode_replica is None and self.wants_remote_prefill(hints)
@@ -304,7 +305,7 @@ class PoolClient:
             request = prompt.replace(request_id=request_id, kv_handle=None, first_token_id=None)
         hints = RouteHints(request_id=request_id, num_prompt_tokens=len(request.token_ids),
                            block_hashes=self._block_hashes(request.token_ids, prompt.lora),
-                           exclude_replica_ids=excluded)
+                           exclude_replica_ids=excluded, adapter=prompt.lora.name if prompt.lora is not None else None)
         return request, hints
 
     def _block_hashes(self, token_ids, lora: LoraRef | None) -> tuple[bytes, ...]:

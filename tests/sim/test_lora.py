@@ -143,9 +143,16 @@ def test_adapters_need_engines_that_serve_them():
         CATALOG.key("z")
     with pytest.raises(ValueError, match="named twice"):
         AdapterCatalog([SimAdapter("x", 1), SimAdapter("x", 2)])
-    few = EngineConfig(**{**vars(CONFIG), "max_cpu_loras": 4})
-    with pytest.raises(ValueError, match=r"max_cpu_loras \(4\) must be >= the 5 adapters"):
-        sim_engine(few, COST, adapters=AdapterCatalog([SimAdapter(f"a{i}", 1) for i in range(5)]))
+
+
+def test_host_memory_holds_max_cpu_loras_and_an_evicted_adapter_is_read_again_by_the_sims_loader():
+    few = EngineConfig(**{**vars(CONFIG), "max_loras": 2, "max_cpu_loras": 2})
+    engine = sim_engine(few, COST, adapters=AdapterCatalog([SimAdapter(f"a{i}", 1) for i in range(3)]))
+    assert engine.stats().num_loras_loaded == 3 and engine.stats().num_loras_in_memory == 2  # a0 evicted
+    engine.add_request("r", list(range(100, 140)), SamplingParams(max_tokens=2), lora="a0")
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.stats().num_lora_loads == 4  # a0 read again
 
 
 def test_a_rank_16_adapter_of_llama_3_8b_is_about_84_mb():
