@@ -111,3 +111,33 @@ def test_keys_never_reach_logs_or_error_bodies(ray_cluster):
     # ... and nothing written anywhere in the session's logs names a key or the guess.
     for secret in (config_key, env_key, guess):
         assert _logs_mention(secret) == [], secret
+
+
+def test_adapters_load_and_unload_only_with_a_key(ingress):
+    import asyncio
+
+    from pd.serve.openai_protocol import LoadLoraAdapterRequest, UnloadLoraAdapterRequest
+
+    class Control:  # what the endpoints would act on: never reached without a key
+        calls: list = []
+
+        async def load(self, name, path):
+            self.calls.append(("load", name, path))
+            return {}
+
+        async def unload(self, name):
+            self.calls.append(("unload", name))
+            return {}
+
+    ingress._api_keys = configured_api_keys(["k1"], "")
+    ingress.adapter_control = Control()
+    load = LoadLoraAdapterRequest(lora_name="a", lora_path="/adapters/a")
+    unload = UnloadLoraAdapterRequest(lora_name="a")
+    for call in (ingress.load_lora_adapter(load, _request({})), ingress.unload_lora_adapter(unload, _request({}))):
+        with pytest.raises(OpenAIError) as info:
+            asyncio.run(call)
+        assert info.value.status == 401
+    assert Control.calls == []
+    asyncio.run(ingress.load_lora_adapter(load, _request({"Authorization": "Bearer k1"})))
+    asyncio.run(ingress.unload_lora_adapter(unload, _request({"Authorization": "Bearer k1"})))
+    assert Control.calls == [("load", "a", "/adapters/a"), ("unload", "a")]
