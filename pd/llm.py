@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from pd.config import EngineConfig
+from pd.engine.admission import check_priority
 from pd.engine.engine import LLMEngine
 from pd.engine.logprobs import PromptLogprob
 from pd.lora import LoRARequest
@@ -107,11 +108,13 @@ class LLM:
         prompts: Sequence[str] | Sequence[Sequence[int]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[CompletionOutput]:
         """Run every prompt to completion; outputs come back in prompt order.
 
         ``lora_request``: the LoRA adapter every prompt runs under, or a list of one per prompt (None: the base
-        model); the engine needs ``enable_lora=True``.
+        model); the engine needs ``enable_lora=True``. ``priority``: one per prompt (lower is more urgent), as
+        vLLM's.
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             raise ValueError("prompts must be a list of strings or a list of token-id lists")
@@ -122,6 +125,9 @@ class LLM:
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts")
         loras = self._per_prompt(lora_request, len(prompts))
+        priorities = [0] * len(prompts) if priority is None else [check_priority(p) for p in priority]
+        if len(priorities) != len(prompts):
+            raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
         # Validate everything before adding anything, so a bad prompt leaves the engine untouched.
         token_lists = [self._prompt_token_ids(p) for p in prompts]
         for token_ids, params in zip(token_lists, sampling_params):
@@ -130,9 +136,9 @@ class LLM:
             self.engine.resolve_lora(lora)
         outputs: dict[str, CompletionOutput] = {}
         order = []
-        for token_ids, params, lora in zip(token_lists, sampling_params, loras):
+        for token_ids, params, lora, urgency in zip(token_lists, sampling_params, loras, priorities):
             request_id = f"offline-{next(self._ids)}"
-            self.engine.add_request(request_id, token_ids, params, lora=lora)
+            self.engine.add_request(request_id, token_ids, params, lora=lora, priority=urgency)
             outputs[request_id] = CompletionOutput(
                 prompt_token_ids=token_ids, logprobs=[] if params.logprobs is not None else None
             )

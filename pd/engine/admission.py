@@ -71,6 +71,17 @@ def check_num_generated(num_generated: int, prompt_len: int) -> None:
         raise ValueError(f"num_generated {num_generated} is not in [0, {prompt_len}] (the prompt's length)")
 
 
+# The priorities a request may have: vLLM's field is any integer; this bound keeps it an integer a wire carries.
+PRIORITY_BOUND = 2**31
+
+
+def check_priority(priority: int) -> int:
+    """``priority`` (lower is more urgent), an integer within ``±PRIORITY_BOUND``."""
+    if isinstance(priority, bool) or not isinstance(priority, int) or not -PRIORITY_BOUND < priority < PRIORITY_BOUND:
+        raise ValueError(f"priority must be an integer within ±2**31 (lower is more urgent), got {priority!r}")
+    return priority
+
+
 def first_token(remote_kv: KVHandle | None, first_token_id: int | None, vocab_size: int) -> int | None:
     """The request's first output token, sampled elsewhere: the handle's, checked against ``first_token_id``."""
     if remote_kv is not None:

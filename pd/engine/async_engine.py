@@ -19,6 +19,7 @@ from typing import AsyncIterator, Callable
 import torch
 
 from pd.config import EngineConfig
+from pd.engine.admission import check_priority
 from pd.engine.engine import LLMEngine
 from pd.engine.memory import release_free_memory
 from pd.engine.model_runner import ModelRunner
@@ -105,13 +106,14 @@ class AsyncLLMEngine:
         first_token_id: int | None = None,
         num_generated: int = 0,
         lora: str | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Queue a request and return the stream of its incremental outputs.
 
         Bad input raises ``ValueError`` here, before anything is queued. Leaving
         the stream early (``aclose()``, or cancelling its consumer) aborts it.
-        ``pin_kv``, ``remote_kv``, ``first_token_id``, ``num_generated`` and ``lora`` (a loaded adapter's name:
-        ``ensure_lora`` first) are as in ``LLMEngine.add_request``.
+        ``pin_kv``, ``remote_kv``, ``first_token_id``, ``num_generated``, ``lora`` (a loaded adapter's name:
+        ``ensure_lora`` first) and ``priority`` are as in ``LLMEngine.add_request``.
         """
         if self._closed:
             raise RuntimeError("engine is shut down")
@@ -124,7 +126,7 @@ class AsyncLLMEngine:
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = queue
         options = {"pin_kv": pin_kv, "remote_kv": remote_kv, "first_token_id": first_token_id,
-                   "num_generated": num_generated, "lora": lora}
+                   "num_generated": num_generated, "lora": lora, "priority": check_priority(priority)}
         self._pending_adds.append((request_id, list(prompt_token_ids), params, options))
         self._wakeup.set()
         return self._stream(request_id, queue)

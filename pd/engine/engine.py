@@ -9,7 +9,14 @@ import uuid
 from typing import Callable
 
 from pd.config import EngineConfig, SchedulerConfig
-from pd.engine.admission import check_num_generated, check_request, first_token, max_model_len, start_grammar
+from pd.engine.admission import (
+    check_num_generated,
+    check_priority,
+    check_request,
+    first_token,
+    max_model_len,
+    start_grammar,
+)
 from pd.engine.block_pool import BlockPool, Evictions
 from pd.engine.clock import SYSTEM_CLOCK, Clock
 from pd.engine.derived import layout_fingerprint, num_pool_blocks, worker_transport
@@ -179,6 +186,7 @@ class LLMEngine:
         first_token_id: int | None = None,
         num_generated: int = 0,
         lora: LoRARequest | str | None = None,
+        priority: int = 0,
     ) -> Request:
         """Queue a request.
 
@@ -194,7 +202,8 @@ class LLMEngine:
         token it samples; ``ValueError`` if one does not follow it. Compiling the
         grammar is client-controlled work, bounded as ``GrammarCompiler`` says.
         ``lora``: the adapter it runs under (``pd.lora``), a ``LoRARequest`` or a loaded adapter's name;
-        ``UnknownAdapter`` (a ``ValueError``) for a name not loaded.
+        ``UnknownAdapter`` (a ``ValueError``) for a name not loaded. ``priority``: vLLM's, lower is more
+        urgent (``pd.engine.priority``).
         """
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -205,7 +214,8 @@ class LLMEngine:
         if pin_kv:
             self.connector.require_transport()
             params = params.replace(max_tokens=1)
-        request = Request(request_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids, pin_kv=pin_kv)
+        request = Request(request_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids, pin_kv=pin_kv,
+                          priority=check_priority(priority))
         first_token_id = first_token(remote_kv, first_token_id, self.model_config.vocab_size)
         generated = prompt_token_ids[len(prompt_token_ids) - num_generated:]
         grammar = None if params.structured is None else start_grammar(

@@ -114,6 +114,8 @@ class Request:
     # Speculative decoding (``pd.engine.spec``): draft tokens verified for it, and those accepted.
     num_spec_draft_tokens: int = 0
     num_spec_accepted_tokens: int = 0
+    # vLLM's scheduling priority: lower is more urgent (``pd.engine.priority``).
+    priority: int = 0
     # The LoRA adapter it runs under (``pd.lora``); None: the base model.
     lora: AdapterId | None = None
     # Steps it waited for a device slot for its adapter while others were admitted (``Scheduler``).

@@ -12,6 +12,10 @@ spending budget: it gets its blocks (reusing this engine's own prefix hits)
 and waits in ``remote_waiting`` while the engine pulls the rest. When the pull
 lands it joins ``running`` as a decode; when it fails it goes back to
 ``waiting`` and recomputes its prompt here.
+
+Both queues are in priority order (``pd.engine.priority``: vLLM's
+``priority``, lower first): the most urgent are admitted and budgeted first,
+and preemption takes the least urgent.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from pd.engine.block_pool import BlockPool
 from pd.engine.kv_cache_manager import NO_MATCH, KVCacheManager
 from pd.engine.logprobs import PromptLogprob
 from pd.engine.outputs import EngineTimings, ForwardOutput, RequestOutput, ScheduledRequest, SchedulerOutput
+from pd.engine.priority import enqueue, requeue
 from pd.engine.request import FinishReason, KVSource, Request, RequestStatus, finish_reason
 from pd.engine.spec.verify import verified_rows
 from pd.engine.tiers.base import NO_TIERS, Tiers
@@ -80,7 +85,7 @@ class Scheduler:
         return tokens, pairs, decoding, context
 
     def add(self, request: Request) -> None:
-        self.waiting.append(request)
+        enqueue(self.waiting, request)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -89,6 +94,13 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
+            if self.waiting and self.waiting[0].priority < request.priority and not out.preempted:
+                # More urgent than the rest of the batch: admitted (and budgeted) ahead of it, so a batch
+                # job's chunks never hold the budget from an urgent prompt. They sort in ahead of it.
+                num_running = len(self.running)
+                budget = self._admit_waiting(budget, out, below=request.priority)
+                index += len(self.running) - num_running
+                continue
             num_new = min(request.num_tokens_with_unread - request.num_scheduled_tokens, budget)
             if num_new <= 0 or self._ends_with_unread_token(request):
                 index += 1  # it ends when the step in flight is read: nothing more to compute for it
@@ -121,21 +133,24 @@ class Scheduler:
                 return False
         return True
 
-    def _admit_waiting(self, budget: int, out: SchedulerOutput) -> int:
-        """Admit waiting requests in order while the budget, the blocks and ``max_num_seqs`` allow; one whose
-        LoRA adapter finds no slot is passed over (``pd.lora.admission``)."""
+    def _admit_waiting(self, budget: int, out: SchedulerOutput, below: int | None = None) -> int:
+        """Admit waiting requests in order while the budget, the blocks and ``max_num_seqs`` allow (with
+        ``below``, only those more urgent than that priority); one whose LoRA adapter finds no slot is passed
+        over (``pd.lora.admission``)."""
         room = AdapterRoom(self.config.max_loras, [*self.running, *self.remote_waiting]) \
             if self.config.max_loras else None
         passed: list[Request] = []
         try:
-            return self._admit_in_order(budget, out, room, passed)
+            return self._admit_in_order(budget, out, room, passed, below)
         finally:
             self.waiting.extendleft(reversed(passed))
 
     def _admit_in_order(self, budget: int, out: SchedulerOutput, room: AdapterRoom | None,
-                        passed: list[Request]) -> int:
+                        passed: list[Request], below: int | None) -> int:
         while self.waiting and len(self.running) + len(self.remote_waiting) < self.config.max_num_seqs:
             request = self.waiting[0]
+            if below is not None and request.priority >= below:
+                break
             if room is not None and not room.fits(request):
                 request.num_lora_waits += 1
                 if request.num_lora_waits > MAX_WAITS:
@@ -166,7 +181,7 @@ class Scheduler:
                 self.num_prompt_tokens += request.num_prompt_tokens
             request.num_computed_tokens += prefix.num_tokens
             request.status = RequestStatus.RUNNING
-            self.running.append(request)
+            enqueue(self.running, request)
             if room is not None:
                 room.admitted(request)
             out.scheduled.append(self._scheduled(request, num_new))
@@ -195,14 +210,14 @@ class Scheduler:
             request.num_computed_tokens = request.num_prompt_tokens
             request.status = RequestStatus.RUNNING
             self.kv_cache.cache_blocks(request)
-            self.running.append(request)
+            enqueue(self.running, request)
             return
         self.kv_cache.free(request)
         request.remote_kv = None
         request.kv_source = KVSource.RECOMPUTE
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
-        self.waiting.appendleft(request)
+        requeue(self.waiting, request)
 
     @staticmethod
     def _scheduled(request: Request, num_new: int, draft: tuple[int, ...] = ()) -> ScheduledRequest:
@@ -223,7 +238,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        requeue(self.waiting, request)
 
     def update(self, out: SchedulerOutput, forward: ForwardOutput) -> list[RequestOutput]:
         """Advance each scheduled request by its chunk and append sampled tokens (``launched`` ran on ``out``).

@@ -44,11 +44,12 @@ class _Done:
 
 async def run_choices(pools: PoolClient, request_id: str, token_ids: list[int], params: SamplingParams,
                       stop: list[str], n: int, timeline: Timeline | None = None, lora: LoraRef | None = None,
-                      ) -> AsyncIterator[tuple[int, GenerationEvent]]:
+                      priority: int = 0) -> AsyncIterator[tuple[int, GenerationEvent]]:
     """``(choice index, event)`` pairs of ``n`` choices, interleaved as they arrive (all in one ``timeline``),
-    each run under the LoRA adapter ``lora`` (None: the base model)."""
+    each run under the LoRA adapter ``lora`` (None: the base model) at scheduling ``priority``."""
     if n == 1:
-        async for event in pools.generate(request_id, token_ids, params, stop, timeline=timeline, lora=lora):
+        async for event in pools.generate(request_id, token_ids, params, stop, timeline=timeline, lora=lora,
+                                          priority=priority):
             yield 0, event
         return
     queue: asyncio.Queue = asyncio.Queue()
@@ -59,7 +60,8 @@ async def run_choices(pools: PoolClient, request_id: str, token_ids: list[int], 
         choice_params = params.replace(seed=choice_seed(params.seed, index))
         try:
             async for event in pools.generate(choice_id, token_ids, choice_params, stop,
-                                              decode_replica=decode_replica, timeline=timeline, lora=lora):
+                                              decode_replica=decode_replica, timeline=timeline, lora=lora,
+                                              priority=priority):
                 if len(tasks) == index + 1:
                     start_next(pools.decode_replica_of(choice_id) or decode_replica, event.finish_reason is not None)
                 queue.put_nowait((index, event))

@@ -60,7 +60,7 @@ class DecodeServer(EngineServer):
         arrived_ns = time.time_ns()
         stream = self.engine.add_request(request.request_id, token_ids, request.sampling,
                                          remote_kv=remote_kv, first_token_id=request.first_token_id,
-                                         num_generated=request.num_generated, lora=lora)
+                                         num_generated=request.num_generated, lora=lora, priority=request.priority)
         last_token_at = timings = last = None
         num_tokens = 0
         try:

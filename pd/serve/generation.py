@@ -222,13 +222,15 @@ class PoolClient:
     async def generate(
         self, request_id: str, token_ids: list[int], params: SamplingParams, stop: list[str],
         decode_replica: str | None = None, timeline: Timeline | None = None, lora: LoraRef | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[GenerationEvent]:
         """Run one request; the last event carries the finish reason.
 
         ``decode_replica`` pins the request to that decode replica, prefilled
         there (it holds the prompt's KV already: see ``pd.serve.choices``).
         Its calls are recorded in ``timeline`` (the HTTP request's). ``lora``:
-        the adapter it runs under, whose root its block hashes chain from.
+        the adapter it runs under, whose root its block hashes chain from;
+        ``priority`` its scheduling priority on both pools.
         """
         self.probes.start()
         if lora is not None:
@@ -239,7 +241,8 @@ class PoolClient:
         hints = RouteHints(request_id=request_id, num_prompt_tokens=len(token_ids),
                            block_hashes=self._block_hashes(token_ids, lora), target_replica_id=decode_replica,
                            adapter=lora.name if lora is not None else None)
-        request = PoolRequest(request_id=request_id, token_ids=tuple(token_ids), sampling=params, lora=lora)
+        request = PoolRequest(request_id=request_id, token_ids=tuple(token_ids), sampling=params, lora=lora,
+                              priority=priority)
         with tracker.timeline.span("route", request_id=request_id, num_prompt_tokens=len(token_ids)) as route:
             remote = decode_replica is None and self.wants_remote_prefill(hints)
             route.set(prefill="remote" if remote else "local", pinned_decode_replica=decode_replica)
@@ -300,7 +303,8 @@ class PoolClient:
             request = PoolRequest(request_id=request_id, token_ids=prompt.token_ids + tuple(output[:-1]),
                                   sampling=params.replace(max_tokens=params.max_tokens - len(output) + 1,
                                                           prompt_logprobs=None),
-                                  first_token_id=output[-1], num_generated=len(output) - 1, lora=prompt.lora)
+                                  first_token_id=output[-1], num_generated=len(output) - 1, lora=prompt.lora,
+                                  priority=prompt.priority)
         else:
             request = prompt.replace(request_id=request_id, kv_handle=None, first_token_id=None)
         hints = RouteHints(request_id=request_id, num_prompt_tokens=len(request.token_ids),

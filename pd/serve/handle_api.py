@@ -28,6 +28,7 @@ class GenerateRequest(BaseModel):
     stop: list[Text] = Field(default_factory=list)
     ignore_eos: bool = False
     logprobs: bool = False
+    priority: int = Field(0, gt=-2**31, lt=2**31)  # lower is more urgent
 
     @model_validator(mode="after")
     def _one_input(self) -> "GenerateRequest":

@@ -263,9 +263,9 @@ class Ingress:
 
     def _choices(self, call: "_Call", token_ids: list[int], params: SamplingParams, stop: list[str], n: int):
         call.timeline.set(num_prompt_tokens=len(token_ids), max_tokens=params.max_tokens, n=n,
-                          lora=call.lora.name if call.lora is not None else None)
-        return with_deadline(run_choices(self.pools, call.rid, token_ids, params, stop, n, call.timeline, call.lora),
-                             self.args.request_timeout_s)
+                          lora=call.lora.name if call.lora is not None else None, priority=call.body.priority)
+        return with_deadline(run_choices(self.pools, call.rid, token_ids, params, stop, n, call.timeline, call.lora,
+                                         call.body.priority), self.args.request_timeout_s)
 
     def _open(self, request: Request, kind: str, endpoint: str, stream: bool) -> Timeline:
         """The completion's id (``kind-<hex>``) and its timeline in the ring, found by it and by ``x-request-id``."""
@@ -380,7 +380,7 @@ class Ingress:
         )
         self.prompts.check_lengths(token_ids, params)
         events = self.pools.generate(f"handle-{uuid.uuid4().hex}", token_ids, params,
-                                     self.prompts.check_stop(request.stop), lora=lora)
+                                     self.prompts.check_stop(request.stop), lora=lora, priority=request.priority)
         async for event in with_deadline(events, self.args.request_timeout_s):
             yield GenerateChunk(
                 token_ids=event.token_ids, text=event.text, logprobs=event.logprobs,

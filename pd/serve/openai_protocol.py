@@ -140,6 +140,7 @@ class _Common(BaseModel):
     # Extensions, as in vLLM.
     top_k: int | None = Field(None, ge=1)
     ignore_eos: bool = False
+    priority: StrictInt = Field(0, gt=-2**31, lt=2**31)  # lower is more urgent (the engines' scheduling order)
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
     guided_choice: list[Text] | None = Field(None, min_length=1)

@@ -36,7 +36,7 @@ class PrefillServer(EngineServer):
             return RequestFailed(request_id=request.request_id, error=str(exc)).encode()
         arrived_ns = time.time_ns()
         stream = self.engine.add_request(request.request_id, list(request.token_ids), request.sampling, pin_kv=True,
-                                         lora=lora)
+                                         lora=lora, priority=request.priority)
         last = timings = None
         try:
             async with contextlib.aclosing(stream):

@@ -76,7 +76,8 @@ class PoolRequest(WireMessage, frozen=True, kw_only=True):
     the decode replica recomputes it and continues after that token.
     ``traceparent`` (W3C trace context) is the ingress's span of this call
     when tracing is on: the replica's own spans go under it. ``lora``: the
-    adapter it runs under (None: the base model).
+    adapter it runs under (None: the base model); ``priority``: its
+    scheduling priority on every replica it reaches.
     """
 
     KIND: ClassVar[str] = "pool_request"
@@ -91,8 +92,11 @@ class PoolRequest(WireMessage, frozen=True, kw_only=True):
     num_generated: NonNegativeInt = 0
     traceparent: str = ""
     lora: LoraRef | None = None
+    priority: int = 0  # vLLM's: lower is more urgent (``pd.engine.priority``)
 
     def validate(self) -> None:
+        if not -2**31 < self.priority < 2**31:
+            raise ValueError(f"priority must be within ±2**31, got {self.priority}")
         if self.traceparent and not TRACEPARENT.fullmatch(self.traceparent):
             raise ValueError(f"traceparent must be a W3C trace context (00-<32 hex>-<16 hex>-<2 hex>), "
                              f"got {self.traceparent[:80]!r}")

@@ -7,13 +7,14 @@ import pytest
 
 from pd import SamplingParams
 from pd.engine.request import FinishReason, KVSource
-from pd.serve.protocol import DecodeChunk, PoolControl, PoolRequest, PrefillResult
+from pd.serve.protocol import DecodeChunk, LoraRef, PoolControl, PoolRequest, PrefillResult
 from router.protocol import CacheEvent, RouteHints, RoutingStats, read_route_hints
 from tests.wire import body_of, sealed
 from transfer.wire import WireError
 
 REQUEST = PoolRequest(request_id="r1", token_ids=(1, 2, 3), sampling=SamplingParams(max_tokens=5, seed=7),
-                      kv_handle=b"handle", first_token_id=9)
+                      kv_handle=b"handle", first_token_id=9, priority=-3,
+                      lora=LoraRef(name="sql", path="/adapters/sql", digest="ab" * 16))
 CHUNK = DecodeChunk(request_id="r1", token_ids=(5, 6), logprobs=(), finish_reason=None, num_cached_tokens=0,
                     kv_source=KVSource.REMOTE)
 HINTS = RouteHints(request_id="r1", num_prompt_tokens=3, block_hashes=(b"12345678",), target_replica_id="abc",
@@ -60,6 +61,9 @@ def _request(**fields) -> bytes:
     (_request(sampling={"temprature": 0.5}), "unknown field `temprature`"),
     (_request(target_replica_id="abc"), "unknown field `target_replica_id`"),
     (REQUEST.encode().replace(b"r1", b"r2"), "digest check"),
+    (_request(priority=2**31), r"priority must be within"),
+    (_request(priority="high"), r"Expected `int`, got `str` - at `\$.priority`"),
+    (_request(lora={"name": "", "path": "/a", "digest": "d"}), r"at `\$.lora.name`"),
 ])
 def test_bad_requests_are_refused_naming_the_problem(data, match):
     with pytest.raises(WireError, match=match):
