@@ -32,7 +32,7 @@ from pd.engine.logprobs import PromptLogprob
 from pd.engine.outputs import EngineTimings, ForwardOutput, RequestOutput, ScheduledRequest, SchedulerOutput
 from pd.engine.priority import enqueue, requeue
 from pd.engine.request import FinishReason, KVSource, Request, RequestStatus, finish_reason
-from pd.engine.spec.verify import verified_rows
+from pd.engine.spec.verify import append_verified, verified_rows
 from pd.engine.tiers.base import NO_TIERS, Tiers
 from pd.lora.admission import MAX_WAITS, AdapterRoom
 
@@ -303,23 +303,7 @@ class Scheduler:
         accepted = sum(1 for j, row in enumerate(rows) if j < len(drafts) and sampled[row] == drafts[j])
         if self.speculator is not None:
             self.speculator.observe(request, len(drafts), accepted)
-        tokens, logprobs, tops = [], [], []
-        reason = None
-        for row in rows:
-            token_id = sampled[row]
-            logprob = forward.logprobs[row] if forward.logprobs is not None else None
-            request.append_output(token_id, logprob)
-            request.num_computed_tokens += 1  # the token before it is computed: its KV is this step's
-            tokens.append(token_id)
-            if logprob is not None:
-                logprobs.append(logprob)
-            if forward.top_logprobs is not None and forward.top_logprobs[row] is not None:
-                tops.append(forward.top_logprobs[row])
-            reason = FinishReason.STOP if row in forward.stop_rows else finish_reason(
-                request.sampling_params, token_id, len(request.output_token_ids), len(request.token_ids),
-                self.config.max_model_len, request.eos_token_ids)
-            if reason is not None:
-                break
+        tokens, logprobs, tops, reason = append_verified(request, forward, rows, self.config.max_model_len)
         if reason is not None:
             self._finish(request, reason)
         else:

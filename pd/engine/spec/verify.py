@@ -15,13 +15,21 @@ with probability ``p(d)``, and on rejection the token is ``s ~ p`` given
 ``s != d``, which is the residual ``max(0, p - q)`` renormalised. So sampled
 requests keep the target distribution, and greedy and seeded requests return
 exactly the tokens the non-speculative engine returns, whatever was drafted.
-(A draft model's proposals carry a distribution ``q`` and need the general
-rule; none is served yet.)
+A draft model's proposals are its argmax: the same rule keeps every output
+token the target's own draw, accepted at ``sum p·q`` rather than
+``sum min(p, q)`` for sampled requests.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from pd.engine.request import FinishReason, finish_reason
+
+if TYPE_CHECKING:
+    from pd.engine.outputs import ForwardOutput
+    from pd.engine.request import Request
 
 
 def verified_rows(sampled: Sequence[int | None], drafts: Sequence[int], first_row: int,
@@ -43,3 +51,29 @@ def verified_rows(sampled: Sequence[int | None], drafts: Sequence[int], first_ro
         if stops(row, token) or j == len(drafts) or token != drafts[j]:
             break
     return rows
+
+
+def append_verified(request: Request, forward: ForwardOutput, rows: Sequence[int], max_model_len: int,
+                    ) -> tuple[list[int], list[float], list, FinishReason | None]:
+    """Append the tokens of ``rows`` (``verified_rows``) to ``request``, each advancing its computed KV by one
+    (the token before it is this step's), until one ends it: the tokens, their logprobs, their alternatives,
+    and why it ended (None: it goes on)."""
+    sampled = forward.sampled_token_ids
+    tokens, logprobs, tops = [], [], []
+    reason = None
+    for row in rows:
+        token_id = sampled[row]
+        logprob = forward.logprobs[row] if forward.logprobs is not None else None
+        request.append_output(token_id, logprob)
+        request.num_computed_tokens += 1
+        tokens.append(token_id)
+        if logprob is not None:
+            logprobs.append(logprob)
+        if forward.top_logprobs is not None and forward.top_logprobs[row] is not None:
+            tops.append(forward.top_logprobs[row])
+        reason = FinishReason.STOP if row in forward.stop_rows else finish_reason(
+            request.sampling_params, token_id, len(request.output_token_ids), len(request.token_ids),
+            max_model_len, request.eos_token_ids)
+        if reason is not None:
+            break
+    return tokens, logprobs, tops, reason
