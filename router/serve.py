@@ -27,7 +27,7 @@ from ray.util import metrics
 
 from router.cache_feed import CacheEventFeed
 from router.decode_policy import DecodePolicy, DecodePolicyConfig
-from router.gray import GrayFailureConfig, GrayFailureDetector
+from router.gray import GrayFailureConfig, GrayFailureDetector, probe_targets
 from router.latency import LatencyPolicyConfig, LatencyPredictor, PredictedLatencyPolicy
 from router.policy import PolicyConfig, PrefixAffinityPolicy, ReplicaLoad, RoutingDecision
 from router.prefix_index import PrefixIndex
@@ -166,11 +166,13 @@ class PinnedRequestRouter(RequestRouter):
 class GrayFailureWatch:
     """A router's gray-failure detector (``router.gray``): judged at most once a second, shared with the ingress.
 
-    The quarantine goes to the pool's routing in this process (the ingress
-    moves a quarantined replica's streams), to the log and to metrics. A
-    replica quarantined past ``replace_after_s`` goes to the routing's
-    ``replace_due``: the ingress asks it to fail its health check, and Serve
-    replaces it (``pd.serve.probes``).
+    The quarantine and each replica's last slowness reading go to the pool's
+    routing in this process: the ingress moves a quarantined replica's
+    streams, and probes the quarantined and the suspects
+    (``router.gray.probe_targets`` of these two). Changes and new suspects go
+    to the log and to metrics. A replica quarantined past ``replace_after_s``
+    goes to the routing's ``replace_due``: the ingress asks it to fail its
+    health check, and Serve replaces it (``pd.serve.probes``).
     """
 
     def __init__(self, detector: GrayFailureDetector, pool: PoolRouting, scope: str):
@@ -182,6 +184,10 @@ class GrayFailureWatch:
                                    description="replicas held back as persistently slow (gray failures)")
         self._changes = metrics.Counter("pd_router_quarantine_changes_total", tag_keys=("pool", "kind"),
                                         description="replicas quarantined, readmitted, or due for replacement")
+        self._suspected = metrics.Gauge("pd_router_suspect_replicas", tag_keys=("pool",),
+                                        description="replicas measured slow but not quarantined: the ingress probes "
+                                                    "them (gray failures)")
+        self._suspects: set[str] = set()
 
     def allowed(self, allowed: list[RunningReplica], every: Iterable[RunningReplica],
                 reports: ReplicaReports) -> list[RunningReplica]:
@@ -192,21 +198,28 @@ class GrayFailureWatch:
             for replica in replicas:
                 reports.get(replica)  # every new report reaches the detector, not only the ranked replicas'
             for change in self.detector.update([r.replica_id.unique_id for r in replicas], now):
-                logger.warning("%s replica %s %s (%.1fx the pool's median step time)", self.scope,
+                logger.warning("%s replica %s %s (%.1fx the time the pool's step cost predicts)", self.scope,
                                change.replica_id, change.kind, change.slowness)
                 self._changes.inc(tags={"pool": self.scope, "kind": change.kind})
                 if change.kind == "replace":
                     self.pool.replace_due[change.replica_id] = (
-                        f"persistently slow: {change.slowness:.1f}x the pool's median step time, quarantined "
-                        f"for {self.detector.config.replace_after_s:g} s")
+                        f"persistently slow: {change.slowness:.1f}x the time the pool's step cost predicts, "
+                        f"quarantined for {self.detector.config.replace_after_s:g} s")
             live = {r.replica_id.unique_id for r in replicas}
             self.pool.replace_due = {r: why for r, why in self.pool.replace_due.items() if r in live}
             self.pool.quarantined = frozenset(self.detector.quarantined())
-            self.pool.slowness = {r.replica_id.unique_id: self.detector.slowness(r.replica_id.unique_id)
-                                  for r in replicas}
+            self.pool.slowness = {r: self.detector.slowness(r) for r in sorted(live)}
+            self._note_suspects(set(probe_targets(self.pool.quarantined, self.pool.slowness)) - self.pool.quarantined)
             self._held.set(len(self.pool.quarantined), tags={"pool": self.scope})
         keep = set(self.detector.allowed([r.replica_id.unique_id for r in allowed]))
         return [r for r in allowed if r.replica_id.unique_id in keep]
+
+    def _note_suspects(self, suspects: set[str]) -> None:
+        for replica_id in sorted(suspects - self._suspects):
+            logger.warning("%s replica %s suspect (%.1fx the time the pool's step cost predicts): the ingress "
+                           "probes it", self.scope, replica_id, self.pool.slowness[replica_id])
+        self._suspects = suspects
+        self._suspected.set(len(suspects), tags={"pool": self.scope})
 
 
 def _hints(pending_request: PendingRequest | None) -> RouteHints | None:
