@@ -2,6 +2,8 @@
 
     python -m bench.gray_isolation --out /tmp/gray                    # a 5x slow decode replica, 20 s to 60 s
     python -m bench.gray_isolation --no-fault --bursty --duration-s 600 --out /tmp/calm   # false positives?
+    python -m bench.gray_isolation --pool prefill --out /tmp/p        # a 5x slow prefill replica, long prompts
+    python -m bench.gray_isolation --pool prefill --clients 1 --think-s 3 --out /tmp/light  # ... at a light load
 
 Starts a private Ray with Serve and deploys ``serve_configs/default.yaml``'s
 app (the built-in tiny model) with two decode replicas (``--pool prefill``:
@@ -12,11 +14,15 @@ each one after another (a mix of short prompts, decoded where they are
 prefilled, and long ones, prefilled remotely), or with ``--bursty`` as many
 of them as the load tests' bursty profile gives at that moment
 (``BurstyTraceConfig.rate_per_s``: a diurnal ramp with a 3x step, over the
-run). With a fault, the busiest replica of that pool has its process stopped
-and resumed on a duty cycle (``SIGSTOP``/``SIGCONT``, 16 ms of every 20: five
-times slower, alive, its health checks passing) from ``--fault-at`` for
-``--fault-for`` seconds. Each second the ingress's quarantined replicas and
-their slowness are recorded.
+run); ``--think-s`` pauses each client between its streams (a light load).
+With a fault, the busiest replica of that pool (``--pool prefill``: the one
+that computed the most prompt tokens) has its process stopped and resumed on
+a duty cycle (``SIGSTOP``/``SIGCONT``, 16 ms of every 20: five times slower,
+alive, its health checks passing) from ``--fault-at`` for ``--fault-for``
+seconds. Each second the ingress's quarantined replicas, its suspects
+(``router.gray.probe_targets``: measured slow, probed) and every replica's
+slowness are recorded, and for the prefill pool each replica's computed
+prompt tokens.
 
 Prints one JSON object, and writes it with a PNG of ITL p99 over time (the
 fault shaded, the quarantine and readmission marked) under ``--out``: the
@@ -25,9 +31,13 @@ fault); ``itl_p99_quarantined_s`` (from ``--settle-s`` after the quarantine to
 the fault's end) and their ratio (goal: <= 1.5); from the quarantine to the
 fault's end, the slowest stream's own ITL over the median stream's
 (``slowest_stream_over_median``; goal: under the detector's ``slow_factor``,
-3: no stream stays on the slow replica); ``quarantined_after_s`` (goal: <= 30)
-and ``readmitted_after_s`` (from the fault's end); every quarantine change;
-and the streams that did not finish (goal: none).
+3: no stream stays on the slow replica); ``suspect_after_s`` (a probe target,
+from the fault's start), ``quarantined_after_s`` (goal: <= 30) and
+``readmitted_after_s`` (from the fault's end); with ``--pool prefill``, the
+prompt tokens each replica computed during the fault before the quarantine
+(``fault_tokens_before_quarantine``: the evidence the detector had, probes
+included); every quarantine change; and the streams that did not finish
+(goal: none).
 """
 
 from __future__ import annotations
@@ -48,6 +58,7 @@ from bench.configs import BENCH_MODEL, bench_app_args, load_config
 from pd.serve.local import deploy_args, local_serve, pool_stats
 from pd.workload.host import cpu_flags, cpu_name
 from pd.workload.trace import BurstyTraceConfig
+from router.gray import probe_targets
 
 LONG_PROMPT = " ".join(f"word{i}" for i in range(300))  # past the default remote-prefill threshold
 STOPPED_S, PERIOD_S = 0.016, 0.02  # five times slower; short, so that stops land inside steps
@@ -62,10 +73,11 @@ class StreamingLoad:
     """
 
     def __init__(self, url: str, clients: int = 6, max_tokens: int = 48, model: str = BENCH_MODEL,
-                 active=None, long_every: int = 0):
+                 active=None, long_every: int = 0, think_s: float = 0.0):
         self.url, self.max_tokens, self.model = urllib.parse.urlsplit(url), max_tokens, model
         self.active = active or (lambda t: clients)
         self.long_every = long_every  # every n-th stream of a client has a long prompt (0: none)
+        self.think_s = think_s  # each client's pause between its streams
         self.outcomes: list[str] = []
         self.gaps: list[tuple[float, float]] = []  # (arrival time, gap since the stream's previous token)
         self.arrivals: list[list[float]] = []  # each stream's token arrival times
@@ -93,6 +105,7 @@ class StreamingLoad:
             count += 1
             long = self.long_every and count % self.long_every == 0
             self.outcomes.append(self._one(LONG_PROMPT if long else "tell me"))
+            self._stop.wait(self.think_s)  # a client's pause between streams, not synchronisation
 
     def _one(self, text: str) -> str:
         conn = http.client.HTTPConnection(self.url.hostname, self.url.port, timeout=120)
@@ -197,16 +210,22 @@ def watch(load: StreamingLoad, args) -> tuple[list[dict], dict | None]:
     """Sample the ingress's quarantine each second, and run the fault from ``fault_at`` for ``fault_for``."""
     samples, fault, slow = [], None, None
     fault_end = args.fault_at + args.fault_for
+    busiest = "num_computed_prompt_tokens" if args.pool == "prefill" else "num_running"
     while (t := time.monotonic() - load.started) < args.duration_s:
         if args.fault and fault is None and t >= args.fault_at and slow is None:
-            slow = max(pool_stats(DEPLOYMENTS[args.pool]), key=lambda s: s["num_running"])
+            slow = max(pool_stats(DEPLOYMENTS[args.pool]), key=lambda s: s[busiest])
             fault = DutyCycle(slow["pid"]).__enter__()
         if fault is not None and t >= fault_end:
             fault.__exit__(None, None, None)
             fault = None
         stats = ingress_stats()
-        samples.append({"t_s": round(t, 2), "quarantined": stats["quarantined"][args.pool],
-                        "slowness": {k[-8:]: round(v, 2) for k, v in stats["slowness"][args.pool].items()}})
+        quarantined, slowness = stats["quarantined"][args.pool], stats["slowness"][args.pool]
+        samples.append({"t_s": round(t, 2), "quarantined": quarantined,
+                        "suspects": [r for r in probe_targets(quarantined, slowness) if r not in quarantined],
+                        "slowness": {k[-8:]: round(v, 2) for k, v in slowness.items()}})
+        if args.pool == "prefill":
+            samples[-1]["computed_tokens"] = {s["replica_id"][-8:]: s["num_computed_prompt_tokens"]
+                                              for s in pool_stats(DEPLOYMENTS[args.pool])}
         readmitted = slow is not None and t > fault_end + 5 and not samples[-1]["quarantined"] and any(
             s["quarantined"] for s in samples)
         if readmitted and t > fault_end + args.after_s:
@@ -230,7 +249,7 @@ def summarise(load: StreamingLoad, samples: list[dict], slow: dict | None, args)
             held = sample["quarantined"]
             changes.append({"t_s": sample["t_s"], "quarantined": [r[-8:] for r in held]})
     result = {"bench": "gray_isolation", "pool": args.pool, "cpu": cpu_name(), "cpu_flags": cpu_flags(),
-              "model": args.model,
+              "model": args.model, "clients": args.clients, "think_s": args.think_s, "gray": json.loads(args.gray),
               "fault": args.fault, "bursty": args.bursty, "duration_s": samples[-1]["t_s"],
               "streams": len(load.outcomes), "failed_streams": [o for o in load.outcomes if o != "done"][:10],
               "num_failed_streams": sum(o != "done" for o in load.outcomes),
@@ -241,10 +260,15 @@ def summarise(load: StreamingLoad, samples: list[dict], slow: dict | None, args)
     fault_end = args.fault_at + args.fault_for
     held_at = next((c["t_s"] for c in changes if slow["replica_id"][-8:] in c["quarantined"]), None)
     freed_at = next((c["t_s"] for c in changes if not c["quarantined"] and c["t_s"] > fault_end), None)
+    suspect_at = next((s["t_s"] for s in samples if s["t_s"] >= args.fault_at and slow["replica_id"] in
+                       (*s["suspects"], *s["quarantined"])), None)
     result.update(slow_replica=slow["replica_id"][-8:], fault_at_s=args.fault_at, fault_end_s=fault_end,
                   itl_p99_baseline_s=round(load.itl_p99(t0 + args.warmup_s, t0 + args.fault_at), 4),
+                  suspect_after_s=None if suspect_at is None else round(suspect_at - args.fault_at, 1),
                   quarantined_after_s=None if held_at is None else round(held_at - args.fault_at, 1),
                   readmitted_after_s=None if freed_at is None else round(freed_at - fault_end, 1))
+    if args.pool == "prefill":
+        result["fault_tokens_before_quarantine"] = _computed_between(samples, args.fault_at, held_at or fault_end)
     if held_at is not None and held_at + args.settle_s < fault_end:
         quarantined = load.itl_p99(t0 + held_at + args.settle_s, t0 + fault_end)
         itls = load.stream_itls(t0 + held_at, t0 + fault_end)
@@ -252,6 +276,13 @@ def summarise(load: StreamingLoad, samples: list[dict], slow: dict | None, args)
                       ratio=round(quarantined / result["itl_p99_baseline_s"], 3),
                       slowest_stream_over_median=round(max(itls) / statistics.median(itls), 2) if itls else None)
     return result
+
+
+def _computed_between(samples: list[dict], start_s: float, end_s: float) -> dict[str, int]:
+    """The prompt tokens each prefill replica computed between the samples nearest ``start_s`` and ``end_s``."""
+    first = next(s for s in samples if s["t_s"] >= start_s)
+    last = [s for s in samples if s["t_s"] <= end_s][-1]
+    return {r: last["computed_tokens"].get(r, 0) - tokens for r, tokens in first["computed_tokens"].items()}
 
 
 def write_plot(path: Path, result: dict) -> None:
@@ -290,6 +321,7 @@ def main() -> None:
     parser.add_argument("--pool", choices=sorted(DEPLOYMENTS), default="decode",
                         help="the pool with two replicas, one of them made slow (prefill: every prompt long)")
     parser.add_argument("--clients", type=int, default=6)
+    parser.add_argument("--think-s", type=float, default=0.0, help="each client's pause between its streams")
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--gray", default="{}", help="router.gray.GrayFailureConfig fields, as JSON")
     parser.add_argument("--no-fault", dest="fault", action="store_false")
@@ -311,7 +343,8 @@ def main() -> None:
         deploy_args(local, app_args(args.model, gray, args.pool), ready_url=url)
         active = bursty_clients(args.clients, args.duration_s) if args.bursty else None
         long_every = 1 if args.pool == "prefill" else 4  # prefill: every prompt goes to the prefill pool
-        with StreamingLoad(url, args.clients, args.max_tokens, args.model, active, long_every) as load:
+        with StreamingLoad(url, args.clients, args.max_tokens, args.model, active, long_every,
+                           args.think_s) as load:
             samples, slow = watch(load, args)
     result = summarise(load, samples, slow, args)
     print(json.dumps(result))
