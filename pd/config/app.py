@@ -15,6 +15,7 @@ from pydantic import Field, ValidationError, create_model, field_validator, mode
 
 from pd.config import EngineConfig
 from pd.config.autoscaling import DecodeAutoscalingArgs, PoolAutoscalingArgs, PrefillAutoscalingArgs, StrictModel
+from pd.config.flow_control import FlowControlArgs
 from router.remote_prefill import RemotePrefillRule
 from router.shared import DECODE_SCOPE, PREFILL_SCOPE
 
@@ -285,6 +286,9 @@ class AppArgs(StrictModel):
     # OpenTelemetry traces of every request, over OTLP/HTTP to this collector (e.g. http://host:4318/v1/traces;
     # vLLM's --otlp-traces-endpoint). None: off, and nothing is built.
     otlp_traces_endpoint: str | None = Field(None, pattern=r"^https?://")
+    # Admission at the ingress: priority bands, tenants' weights and quotas, deadlines and shedding
+    # (pd.config.flow_control, router.flow_control). None: off.
+    flow_control: FlowControlArgs | None = None
 
     @model_validator(mode="after")
     def _valid_routers(self) -> "AppArgs":
@@ -357,8 +361,10 @@ class AppArgs(StrictModel):
             raise ValueError("invalid pd app args:\n" + describe_errors(exc)) from None
 
     def for_pools(self) -> dict[str, Any]:
-        """The args the engine pools get: everything but the API keys, which only the ingress needs."""
-        return {**self.model_dump(), "api_keys": []}
+        """The args the engine pools get: everything but the API keys (the tenants' too), which only the ingress
+        needs."""
+        flow_control = self.flow_control.for_pools() if self.flow_control is not None else None
+        return {**self.model_dump(), "api_keys": [], "flow_control": flow_control}
 
     @property
     def served_model_name(self) -> str:
@@ -384,6 +390,9 @@ class AppArgs(StrictModel):
 
 
 SECRET_FIELDS = ("api_keys",)
+# Sections holding secrets below their top (flow_control's tenants' api_keys): only their numbers and booleans are
+# echoed, never a string (a key, or a key under a misspelt field) nor a mapping or list that may hold one.
+SECRET_SECTIONS = ("flow_control",)
 
 
 def describe_errors(exc: ValidationError) -> str:
@@ -392,9 +401,14 @@ def describe_errors(exc: ValidationError) -> str:
     for error in exc.errors(include_url=False):
         where = ".".join(str(part) for part in error["loc"]) or "args"
         line = f"  {where}: {error['msg']}"
-        # A model-wide error's input is the whole args, secrets included: never echoed.
-        echo = bool(error["loc"]) and error["loc"][0] not in SECRET_FIELDS
-        if echo and "input" in error:
+        if "input" in error and _echoes(error["loc"], error["input"]):
             line += f" (got {error['input']!r:.200})"
         lines.append(line)
     return "\n".join(lines)
+
+
+def _echoes(loc: tuple, value: Any) -> bool:
+    # A model-wide error's input is the whole args, secrets included: never echoed.
+    if not loc or any(part in SECRET_FIELDS for part in loc):
+        return False
+    return loc[0] not in SECRET_SECTIONS or value is None or isinstance(value, (bool, int, float))

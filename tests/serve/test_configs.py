@@ -286,3 +286,83 @@ def test_prefill_replicas_neither_speculate_nor_load_a_draft():
     args = AppArgs.model_validate({**config_args("default.yaml"), "engine": {"speculative_config": spec}})
     assert args.engine_config("decode").speculative_config.model == "builtin:tiny-llama"
     assert args.engine_config("prefill").speculative_config is None  # it stops at the first token
+
+
+FLOW_CONTROL = {
+    "bands": [{"name": "interactive", "max_priority": 0, "ttft_deadline_ms": 2000},
+              {"name": "batch", "min_priority": 1}],
+    "tenants": {"a": {"weight": 1, "api_keys": ["sk-flow-a"]},
+                "b": {"weight": 2, "api_keys": ["sk-flow-b"]},
+                "c": {"default_priority": 1, "quota_tokens_per_min": 600000, "max_queued": 128,
+                      "api_keys": ["sk-flow-c"]}},
+    "default_tenant": "a",
+    "saturation": {"max_waiting": 2, "max_kv_usage": 0.9},
+}
+
+
+def _with_flow_control(**changes) -> dict:
+    return {**config_args("default.yaml"), "flow_control": {**FLOW_CONTROL, **changes}}
+
+
+def test_flow_control_is_off_by_default_and_its_settings_become_the_cores():
+    from router.flow_config import FlowIdentity, key_digest
+
+    assert AppArgs.parse(config_args("default.yaml")).flow_control is None
+    args = AppArgs.parse(_with_flow_control())
+    config = args.flow_control.config()
+    assert [(band.name, band.min_priority, band.max_priority, band.ttft_deadline_s) for band in config.bands] == [
+        ("interactive", None, 0, 2.0), ("batch", 1, None, None)]
+    c = config.tenant("c")
+    assert (c.weight, c.default_priority, c.quota_tokens_per_min, c.max_queued) == (1.0, 1, 600000, 128)
+    assert config.tenant("b").weight == 2.0 and config.key_tenants[key_digest("sk-flow-b")] == "b"
+    assert (config.shed_margin, config.max_queued, config.trust_tenant_header) == (0.1, 4096, False)
+    assert (config.saturation.max_waiting, config.saturation.max_kv_usage) == (2, 0.9)
+    assert config.classify("r", FlowIdentity(api_key="sk-flow-c"), 10, 10, 0.0).band == 1
+    assert sorted(args.flow_control.api_keys()) == ["sk-flow-a", "sk-flow-b", "sk-flow-c"]
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"bandz": []}, "flow_control.bandz: Extra inputs"),
+    ({"tenants": {"a": {"wieght": 1}}}, "flow_control.tenants.a.wieght: Extra inputs"),
+    ({"bands": []}, "flow_control.bands: List should have at least 1 item"),
+    ({"bands": [{"name": "x", "min_priority": 0}, {"name": "y", "max_priority": 5}]}, "overlap or are out of order"),
+    ({"bands": [{"name": "x", "min_priority": 3, "max_priority": 1}]}, "min_priority \\(3\\) is above max_priority"),
+    ({"bands": [{"name": "x", "ttft_deadline_ms": 0}]}, "flow_control.bands.0.ttft_deadline_ms"),
+    ({"tenants": {"a": {"weight": 0}}}, "flow_control.tenants.a.weight: Input should be greater than 0"),
+    ({"tenants": {"a": {"quota_tokens_per_min": 0}}}, "flow_control.tenants.a.quota_tokens_per_min"),
+    ({"tenants": {"a": {}, "b c": {}}}, "'b c' is not a valid tenant name"),
+    ({"default_tenant": "zed"}, "default_tenant 'zed' is not a tenant \\(tenants: a, b, c\\)"),
+    ({"tenants": {"a": {"default_priority": 7}}, "bands": [{"name": "only", "max_priority": 0}]},
+     "tenant 'a': default_priority 7 is in no band"),
+    ({"shed_margin": -1}, "flow_control.shed_margin"),
+    ({"saturation": {"max_kv_usage": 2}}, "flow_control.saturation.max_kv_usage"),
+])
+def test_flow_control_mistakes_name_the_field(changes, message):
+    with pytest.raises(ValueError, match=message):
+        build_app(_with_flow_control(**changes))
+
+
+def test_a_key_in_two_tenants_is_refused_naming_both_and_no_key_is_ever_echoed():
+    tenants = {"a": {"api_keys": ["sk-shared-secret"]}, "b": {"api_keys": ["sk-other", "sk-shared-secret"]}}
+    with pytest.raises(ValueError, match="an API key of tenant 'b' is also one of tenant 'a'") as refused:
+        AppArgs.parse(_with_flow_control(tenants=tenants))
+    assert "sk-shared-secret" not in str(refused.value)
+    for tenants in ({"a": {"api_key": "sk-misspelt-secret"}},  # a misspelt field's value is a key all the same
+                    {"a": {"api_keys": "sk-not-a-list-secret"}},
+                    {"a": {"api_keys": ["sk-ok", 5]}, "b": {"weight": "heavy", "api_keys": ["sk-beside-secret"]}},
+                    {"a": {"api_keys": [""]}}):
+        with pytest.raises(ValueError, match="flow_control") as refused:
+            AppArgs.parse(_with_flow_control(tenants=tenants))
+        assert "secret" not in str(refused.value)
+    with pytest.raises(ValueError, match=r"flow_control.tenants.a.weight: .*\(got 0\)"):
+        AppArgs.parse(_with_flow_control(tenants={"a": {"weight": 0}}))  # numbers are still echoed
+
+
+def test_tenants_keys_stay_at_the_ingress():
+    args = AppArgs.parse(_with_flow_control())
+    pools = args.for_pools()
+    assert all(tenant["api_keys"] == [] for tenant in pools["flow_control"]["tenants"].values())
+    assert pools["flow_control"]["bands"] == args.flow_control.model_dump()["bands"]
+    assert AppArgs.parse(pools).flow_control.config().key_tenants == {}  # the pools' args validate, keyless
+    assert "sk-flow" not in repr(args) and "sk-flow" not in repr(args.flow_control.config())
+    assert AppArgs.parse(config_args("default.yaml")).for_pools()["flow_control"] is None
