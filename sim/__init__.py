@@ -15,6 +15,11 @@ It runs in one process, without Ray. Where a prompt is computed is a seam
 ``bench.router_lora`` adapter-aware routing on a multi-LoRA trace
 (``sim.lora_trace``).
 
+The ingress's flow control can stand before a deployment (``sim.flow_gate``:
+the app's own ``FlowController``, fed the routers' predictions and the
+replicas' reports).
+
 Commands: ``sim.profile``, ``sim.validate`` (against the real app),
-``sim.scale``, ``sim.plan`` (pool sizing), ``sim.run`` (one replica).
+``sim.scale``, ``sim.plan`` (pool sizing), ``sim.run`` (one replica),
+``sim.flow`` (overload through flow control: tenants, bands, deadlines).
 """

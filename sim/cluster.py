@@ -27,16 +27,24 @@ A request may run under a LoRA adapter of the deployment's (``adapters``,
 ``sim.adapters``): the ingress hashes its prompt from the adapter's root,
 names the adapter in its routing hints (unless ``adapter_hints`` is off:
 adapter-blind routing) and asks both engines to run it under the adapter.
+
+A ``Gate`` may stand before the ingress's decision (``sim.flow_gate``: the
+app's flow control): it is told of every request once the ingress has done
+its own work on it, of every report period and of every request finished,
+and places a request (``release(True)``) or refuses it (``release(False)``:
+nothing is computed and its record gets no token).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Callable, Protocol, Sequence
 
 from pd.engine.outputs import RequestOutput
 from pd.sampling_params import SamplingParams
 from router.decode_policy import DecodePolicy, DecodePolicyConfig
+from router.flow_config import FlowIdentity
 from router.gray import GrayFailureConfig, GrayFailureDetector, Transition
 from router.hashing import ROOT_HASH, hash_block_tokens
 from router.latency import LatencyPolicyConfig, LatencyPredictor
@@ -103,6 +111,22 @@ class _Flow:
     params: SamplingParams
     remote: bool = False
     adapter: str | None = None  # its LoRA adapter's name; None: the base model
+    identity: FlowIdentity | None = None  # who sent it and how urgent it is, for a gate
+
+
+class Gate(Protocol):
+    """Admission before the ingress's decision (module docstring)."""
+
+    def arrive(self, request_id: str, identity: FlowIdentity, block_hashes: Sequence[bytes], num_prompt_tokens: int,
+               max_tokens: int, arrival_s: float, release: Callable[[bool], None]) -> None:
+        """A request the ingress is about to place, which arrived at ``arrival_s``: ``release(True)`` places it,
+        ``release(False)`` refuses it."""
+
+    def reported(self) -> None:
+        """The pools reported (every ``report_period_s``)."""
+
+    def finished(self, request_id: str, num_output_tokens: int) -> None:
+        """A placed request's last token streamed."""
 
 
 class SimCluster:
@@ -114,8 +138,10 @@ class SimCluster:
     colocated pool); ``bench.router`` passes the routers it compares.
     """
 
-    def __init__(self, loop: EventLoop, spec: ClusterSpec, placement: Placement | None = None):
+    def __init__(self, loop: EventLoop, spec: ClusterSpec, placement: Placement | None = None,
+                 gate: Gate | None = None):
         self.loop = loop
+        self.gate = gate
         self.spec = spec
         block_size = spec.block_size
         self.network = SimNetwork(loop, spec.transfer) if spec.prefill is not None else None
@@ -168,34 +194,50 @@ class SimCluster:
     # The ingress ------------------------------------------------------------
 
     def submit(self, request_id: str, prompt: list[int], params: SamplingParams,
-               adapter: str | None = None) -> RequestRecord:
-        """A request arrives at the ingress now, under LoRA ``adapter`` (a name in ``spec.adapters``) if given."""
+               adapter: str | None = None, identity: FlowIdentity | None = None) -> RequestRecord:
+        """A request arrives at the ingress now, under LoRA ``adapter`` (a name in ``spec.adapters``) if given;
+        ``identity``: its tenant's key or header, priority and deadline header, for the gate (none: the defaults)."""
         root = ROOT_HASH if adapter is None else self.adapters.key(adapter).root_hash
         record = RequestRecord(self.loop.now, len(prompt))
         self.records[request_id] = record
         flow = _Flow(record, prompt, hash_block_tokens(prompt, self.spec.block_size, parent_hash=root), params,
-                     adapter=adapter)
+                     adapter=adapter, identity=identity)
         self._flows[request_id] = flow
         self._start_reports()
         if self.spec.ingress_s:
             self._ingress(request_id, flow)
         else:
-            self._place(request_id, flow)
+            self._admit(request_id, flow)
         return record
 
     def _ingress(self, request_id: str, flow: _Flow) -> None:
         """``ingress_s`` of work before the decision: CPU on the cores the engines share, if they share them."""
         if self.host is None:
-            self.loop.at(self.loop.now + self.spec.ingress_s, lambda: self._place(request_id, flow))
+            self.loop.at(self.loop.now + self.spec.ingress_s, lambda: self._admit(request_id, flow))
             return
         key = f"ingress:{request_id}"
         stretch = self.host.begin(key, 1)
 
         def done() -> None:
             self.host.end(key)
-            self._place(request_id, flow)
+            self._admit(request_id, flow)
 
         self.loop.at(self.loop.now + self.spec.ingress_s * stretch, done)
+
+    def _admit(self, request_id: str, flow: _Flow) -> None:
+        """Through the gate, if there is one: placed when it releases the request, dropped when it refuses it."""
+        if self.gate is None:
+            self._place(request_id, flow)
+            return
+
+        def release(admitted: bool) -> None:
+            if admitted:
+                self._place(request_id, flow)
+            else:
+                del self._flows[request_id]
+
+        self.gate.arrive(request_id, flow.identity or FlowIdentity(), flow.hashes, len(flow.prompt),
+                         flow.params.max_tokens, flow.record.arrival_s, release)
 
     def _place(self, request_id: str, flow: _Flow) -> None:
         """The ingress's decision: prefill remotely or on the decode replica."""
@@ -313,7 +355,9 @@ class SimCluster:
                 self._done(output.request_id)
 
     def _done(self, request_id: str) -> None:
-        del self._flows[request_id]
+        flow = self._flows.pop(request_id)
+        if self.gate is not None:
+            self.gate.finished(request_id, len(flow.record.token_times_s))
 
     # Reports ------------------------------------------------------------------
 
@@ -336,6 +380,8 @@ class SimCluster:
                 self.gray.observe(replica_id, stats, self.loop.now)
         if self.gray is not None:  # judged once a report period, as the app's routers judge once a second
             self.gray_changes += self.gray.update(self.decode.replica_ids, self.loop.now)
+        if self.gate is not None:
+            self.gate.reported()
         if self.loop.has_events():  # arrivals, steps or reads to come; with none, nothing can change
             self.loop.at(self.loop.now + self.spec.report_period_s, self._report)
         else:
