@@ -38,7 +38,8 @@ class PoolRouting:
         self._live: set[str] | None = None  # None until a router has seen the pool
         self._predictor: LatencyPredictor | None = None
         self.quarantined: frozenset[str] = frozenset()  # slow replicas its router holds back (router.gray)
-        self.slowness: dict[str, float] = {}  # each replica's step time over the pool's median, as last judged
+        # Each replica's last slowness reading, confirmed or not (router.gray.probe_targets reads it).
+        self.slowness: dict[str, float] = {}
         self.replace_due: dict[str, str] = {}  # replicas quarantined too long -> why Serve should replace them
 
     def is_quarantined(self, replica_id: str | None) -> bool:
