@@ -366,3 +366,8 @@ def test_tenants_keys_stay_at_the_ingress():
     assert AppArgs.parse(pools).flow_control.config().key_tenants == {}  # the pools' args validate, keyless
     assert "sk-flow" not in repr(args) and "sk-flow" not in repr(args.flow_control.config())
     assert AppArgs.parse(config_args("default.yaml")).for_pools()["flow_control"] is None
+
+
+def test_an_app_with_flow_control_is_refused_until_the_ingress_runs_it():
+    with pytest.raises(ValueError, match="flow_control is not served yet"):
+        build_app(_with_flow_control())
