@@ -43,6 +43,7 @@ import pd_kernels.cpu
 from bench.timing import DeviceTimer
 from pd.config import EngineConfig
 from pd.engine.engine import LLMEngine
+from pd.engine.reports import uncomputed_prompt_tokens
 from pd.sampling_params import SamplingParams
 from pd.workload.host import cpu_flags, cpu_name
 from pd.workload.stats import percentile
@@ -143,7 +144,7 @@ def prefill(engine: LLMEngine, batch: int, max_tokens: int) -> None:
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     for index in range(batch):
         engine.add_request(f"r{index}", [(index * 31 + i * 7) % 500 + 1 for i in range(PROMPT_LEN)], params)
-    while engine.scheduler.num_uncomputed_prompt_tokens() or engine.scheduler.waiting:
+    while uncomputed_prompt_tokens(engine.scheduler) or engine.scheduler.waiting:
         engine.step()
 
 

@@ -15,6 +15,7 @@ from pydantic import Field, ValidationError, create_model, field_validator, mode
 
 from pd.config import EngineConfig
 from pd.config.autoscaling import DecodeAutoscalingArgs, PoolAutoscalingArgs, PrefillAutoscalingArgs, StrictModel
+from pd.config.errors import describe_errors
 from pd.config.flow_control import FlowControlArgs
 from router.remote_prefill import RemotePrefillRule
 from router.shared import DECODE_SCOPE, PREFILL_SCOPE
@@ -387,28 +388,3 @@ class AppArgs(StrictModel):
                                  threshold_per_in_flight=self.remote_prefill_threshold_per_in_flight,
                                  predicted=self.remote_prefill_predicted,
                                  stall_weight=self.remote_prefill_stall_weight)
-
-
-SECRET_FIELDS = ("api_keys",)
-# Sections holding secrets below their top (flow_control's tenants' api_keys): only their numbers and booleans are
-# echoed, never a string (a key, or a key under a misspelt field) nor a mapping or list that may hold one.
-SECRET_SECTIONS = ("flow_control",)
-
-
-def describe_errors(exc: ValidationError) -> str:
-    """One line per error: where, what, and the offending value unless the field holds secrets."""
-    lines = []
-    for error in exc.errors(include_url=False):
-        where = ".".join(str(part) for part in error["loc"]) or "args"
-        line = f"  {where}: {error['msg']}"
-        if "input" in error and _echoes(error["loc"], error["input"]):
-            line += f" (got {error['input']!r:.200})"
-        lines.append(line)
-    return "\n".join(lines)
-
-
-def _echoes(loc: tuple, value: Any) -> bool:
-    # A model-wide error's input is the whole args, secrets included: never echoed.
-    if not loc or any(part in SECRET_FIELDS for part in loc):
-        return False
-    return loc[0] not in SECRET_SECTIONS or value is None or isinstance(value, (bool, int, float))

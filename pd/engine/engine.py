@@ -25,6 +25,7 @@ from pd.engine.kv_layout import kv_block_bytes, pool_blocks, pool_heads
 from pd.engine.model_runner import ModelRunner
 from pd.engine.outputs import RequestOutput
 from pd.engine.overlap import StepPipeline
+from pd.engine.reports import engine_stats, routing_stats
 from pd.engine.request import FinishReason, KVSource, Request, RequestStatus, finish_reason
 from pd.engine.scheduler import make_scheduler
 from pd.engine.spec.speculator import make_speculator
@@ -36,7 +37,7 @@ from pd.engine.tiers.io import TierIO
 from pd.engine.tiers.tiers import build_tiers
 from pd.lora import AdapterId, LoRARequest
 from pd.lora.adapter import LoraAdapter, load_adapter
-from pd.lora.manager import LoraManager, no_lora_error
+from pd.lora.manager import LoraManager, make_lora_manager, no_lora_error
 from pd.model.config import load_model_config
 from pd.model.paths import resolve_model_path
 from pd.model.tokenizer import Tokenizer
@@ -72,7 +73,7 @@ class LLMEngine:
         self.max_model_len = max_model_len(config.max_model_len, mc.max_position_embeddings)
         ranks = config.num_ranks
         runner_options = {}
-        self.lora = self._make_lora(config, mc, lora_loader)
+        self.lora = make_lora_manager(config, mc, lora_loader)
         if self.lora is not None:
             runner_options["lora"] = self.lora.registry
         if ranks > 1 and transport is not None:  # each rank reads and serves its own heads
@@ -120,18 +121,6 @@ class LLMEngine:
         self._finished_at_admission: list[RequestOutput] = []
         logger.info("engine ready: %s, %d KV blocks of %d tokens", self.model_dir, num_blocks, config.block_size)
 
-    @staticmethod
-    def _make_lora(config: EngineConfig, mc, loader: Callable[..., LoraAdapter]) -> LoraManager | None:
-        """The engine's adapters (``pd.lora``), with ``enable_lora``; ``ValueError`` for a model they cannot adapt."""
-        if not config.enable_lora:
-            return None
-        if mc.mla is not None:
-            raise ValueError(f"enable_lora: LoRA on multi-head latent attention ({mc.architecture}) is not "
-                             "supported")
-        if config.expert_parallel_size > 1:
-            raise ValueError("enable_lora with expert_parallel_size > 1 is not supported yet")
-        return LoraManager(config, mc, loader)
-
     def _make_connector(self, transport: KVTransport | None, clock: Clock) -> KVConnector:
         """What serves and pulls this engine's disaggregated KV (``pd.engine.disagg.connector``), over every
         tensor-parallel rank's heads."""
@@ -171,9 +160,13 @@ class LLMEngine:
     def resolve_lora(self, lora: LoRARequest | str) -> AdapterId:
         """The adapter a request naming ``lora`` would run under, loaded now if a ``LoRARequest`` names it
         first; ``ValueError`` (``UnknownAdapter`` for a name not loaded) as ``add_request`` would raise."""
+        return self._lora_manager(lora).resolve(lora)
+
+    def _lora_manager(self, lora: LoRARequest | str) -> LoraManager:
+        """The engine's adapters; ``ValueError`` naming ``lora`` if it runs without any."""
         if self.lora is None:
             raise no_lora_error(lora if isinstance(lora, str) else lora.lora_name)
-        return self.lora.resolve(lora)
+        return self.lora
 
     def add_request(
         self,
@@ -207,8 +200,8 @@ class LLMEngine:
         """
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        if lora is not None and self.lora is None:
-            raise no_lora_error(lora if isinstance(lora, str) else lora.lora_name)
+        if lora is not None:
+            self._lora_manager(lora)
         self.validate(prompt_token_ids, params)
         check_num_generated(num_generated, len(prompt_token_ids))
         if pin_kv:
@@ -220,16 +213,8 @@ class LLMEngine:
         generated = prompt_token_ids[len(prompt_token_ids) - num_generated:]
         grammar = None if params.structured is None else start_grammar(
             self.grammar_compiler, params.structured, generated, first_token_id)
-        if first_token_id is not None:
-            request.append_output(first_token_id, None)
-            request.kv_source = KVSource.RECOMPUTE
-            reason = FinishReason.STOP if grammar is not None and grammar.is_terminated else finish_reason(
-                params, first_token_id, 1, request.num_tokens, self.max_model_len, self.eos_token_ids)
-            if reason is not None:  # the first token already ends it: nothing to pull or compute
-                self._finished_at_admission.append(RequestOutput(
-                    request_id=request_id, new_token_ids=[], new_logprobs=[], finished=True, finish_reason=reason,
-                    num_cached_tokens=0, kv_source=KVSource.RECOMPUTE))
-                return request
+        if first_token_id is not None and self._take_first_token(request, first_token_id, grammar):
+            return request
         request.grammar = grammar
         if lora is not None:
             request.lora = self.lora.resolve(lora)
@@ -243,6 +228,20 @@ class LLMEngine:
         self._requests[request_id] = request
         self._queue(request)
         return request
+
+    def _take_first_token(self, request: Request, token_id: int, grammar) -> bool:
+        """A first token sampled elsewhere becomes ``request``'s first output; True if it already ends it (the
+        request then finishes at admission: nothing to pull or compute)."""
+        request.append_output(token_id, None)
+        request.kv_source = KVSource.RECOMPUTE
+        reason = FinishReason.STOP if grammar is not None and grammar.is_terminated else finish_reason(
+            request.sampling_params, token_id, 1, request.num_tokens, self.max_model_len, self.eos_token_ids)
+        if reason is None:
+            return False
+        self._finished_at_admission.append(RequestOutput(
+            request_id=request.request_id, new_token_ids=[], new_logprobs=[], finished=True, finish_reason=reason,
+            num_cached_tokens=0, kv_source=KVSource.RECOMPUTE))
+        return True
 
     def _queue(self, request: Request) -> None:
         """To the scheduler; or held while its blocks load from the lower tiers, until ``poll_transfers``.
@@ -317,23 +316,9 @@ class LLMEngine:
         return self.block_pool.cache_event_window(after_seq)
 
     def routing_stats(self, after_seq: int | None = None) -> RoutingStats:
-        """What this engine's replica publishes to request routers: its load and prefix-cache event window.
-
-        ``after_seq``: only the events after it (for a reader known to have applied the rest).
-        """
-        pool, scheduler, pulls = self.block_pool, self.scheduler, self.connector.stats
-        free, used = pool.num_free_blocks, pool.num_used_blocks
-        waiting_tokens, waiting_pairs, decoding, decode_context = scheduler.load_shape()
-        first_seq, events = self.cache_events(after_seq)
-        return RoutingStats.of(
-            first_seq, events, num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
-            num_waiting_tokens=waiting_tokens, num_waiting_pairs=waiting_pairs, num_decoding=decoding,
-            num_decode_context_tokens=decode_context, kv_usage=used / (free + used) if free + used else 0.0,
-            num_free_blocks=free, num_pulled_blocks=pulls.num_pulled_blocks,
-            pull_seconds_total=pulls.pull_seconds_total, step_gram=tuple(self.step_sums.gram),
-            step_moments=tuple(self.step_sums.moments),
-            adapters=self.runner.adapter_names() if self.lora is not None else (),
-            max_loras=self.config.max_loras if self.lora is not None else 0)
+        """What this engine's replica publishes to request routers (``pd.engine.reports``); ``after_seq``: only
+        the cache events after it (for a reader known to have applied the rest)."""
+        return routing_stats(self, after_seq)
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model, update (``pd.engine.stepper``). Requests that ended at admission come out
@@ -390,21 +375,5 @@ class LLMEngine:
         self.tiers.release(request_id)  # a request that never had a prefix match holds nothing either
 
     def stats(self) -> EngineStats:
-        return EngineStats(
-            num_free_blocks=self.block_pool.num_free_blocks,
-            num_used_blocks=self.block_pool.num_used_blocks,
-            num_cached_blocks=self.block_pool.num_cached_blocks,
-            num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
-            num_waiting_tokens=self.scheduler.num_uncomputed_prompt_tokens(),
-            num_prompt_tokens=self.scheduler.num_prompt_tokens,
-            num_computed_prompt_tokens=self.scheduler.num_computed_prompt_tokens,
-            num_prefix_hit_tokens=self.scheduler.num_prefix_hit_tokens,
-            num_preemptions=self.scheduler.num_preemptions,
-            **self.tiers.counters(),
-            **vars(self.step_times),
-            **self.experts.counters(),
-            **vars(self.connector.stats),  # flat scalars: asdict's deep copy cost more than the rest of stats()
-            **(vars(self.speculator.counters) if self.speculator is not None else {}),
-            **(self.lora.counters() if self.lora is not None else {}),
-        )
+        """The engine's counters (``pd.engine.reports``)."""
+        return engine_stats(self)

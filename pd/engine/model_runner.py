@@ -107,25 +107,14 @@ class ModelRunner:
         # Attention (and the dense layers) split over the ranks, or whole on each expert-parallel rank.
         shard = TPShard(group.rank, tp) if tp > 1 else SINGLE
         self.experts: ExpertParallel | None = None
-        schedule = None  # the driver's: when the ranks sync and move experts
         try:
             self.local_config = shard.local_config(model_config, experts=config.expert_parallel_size == 1)
-            held = None
-            if config.expert_parallel_size > 1:
-                self.experts = ExpertParallel.for_model(group, model_config, config, self.device)
-                held = self.experts.held(self.experts.moe_layers[0])
-                if self.workers is not None:
-                    schedule = EplbSchedule(self.experts.moe_layers, config.eplb_interval_steps)
+            held, schedule = self._start_experts(config, model_config, group)
             # The cpu backend's few-row kernel takes decode steps' dense layers (pd.model.linear).
             weights = load_weights(model_dir, model_config, self.dtype, self.device, shard, self.linear_form,
                                    few_rows=self.backend == "cpu", experts=held)
             self.weight_bytes = weights.num_bytes
-            # LoRA adapters' slots (``pd.lora.slots``), on the device before the pool takes what is left; the
-            # driver's registry says what to load (a worker rank is told, ``load_lora_slot``).
-            self.lora_registry = lora
-            self.lora_slots = LoraSlots(model_config, config.max_loras, config.max_lora_rank, self.dtype,
-                                        self.device, shard) if config.enable_lora else None
-            self._rank_adapters: dict[tuple[str, str], LoraAdapter] = {}  # a worker rank's adapters read
+            self._start_lora(config, model_config, shard, lora)
             rope = cos_sin_cache(model_config.rope, model_config.head_dim, max_model_len).to(self.device)
             self.model = CausalLM(self.local_config, weights, rope, group if tp > 1 else None, self.experts,
                                   kv_scales=self.kv_scales)
@@ -146,6 +135,25 @@ class ModelRunner:
         self.kv_views = layer_views(self.kv_cache)
         self.sampler = Sampler(config.seed, self.device)
         self.graphs = self._decode_graphs(max_model_len) if group is None else None
+
+    def _start_experts(self, config: EngineConfig, model_config: ModelConfig, group: TPGroup | None):
+        """Expert parallelism's parts of this rank: ``(its experts of the first MoE layer, when the ranks sync and
+        move experts: the driver's)``; ``(None, None)`` without it."""
+        if config.expert_parallel_size == 1:
+            return None, None
+        self.experts = ExpertParallel.for_model(group, model_config, config, self.device)
+        schedule = EplbSchedule(self.experts.moe_layers, config.eplb_interval_steps) \
+            if self.workers is not None else None
+        return self.experts.held(self.experts.moe_layers[0]), schedule
+
+    def _start_lora(self, config: EngineConfig, model_config: ModelConfig, shard: TPShard,
+                    registry: LoraRegistry | None) -> None:
+        """LoRA adapters' slots (``pd.lora.slots``), on the device before the pool takes what is left; the
+        driver's ``registry`` says what to load (a worker rank is told, ``load_lora_slot``)."""
+        self.lora_registry = registry
+        self.lora_slots = LoraSlots(model_config, config.max_loras, config.max_lora_rank, self.dtype, self.device,
+                                    shard) if config.enable_lora else None
+        self._rank_adapters: dict[tuple[str, str], LoraAdapter] = {}  # a worker rank's adapters read
 
     def _decode_graphs(self, max_model_len: int) -> DecodeGraphs | None:
         """Decode steps replayed from CUDA graphs captured now (CUDA and Triton, one rank); None elsewhere."""

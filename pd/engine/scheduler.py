@@ -58,32 +58,6 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.remote_waiting)
 
-    def num_uncomputed_prompt_tokens(self) -> int:
-        """Prompt tokens still to compute, queued or running. Safe to call from another thread."""
-        pending = list(self.waiting) + list(self.running)
-        return sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in pending)
-
-    def load_shape(self) -> tuple[int, int, int, int]:
-        """What is left to run here, as a latency predictor prices it (``router.latency``).
-
-        ``(prompt tokens still to compute, their query-key pairs, requests
-        decoding, the tokens those decodes attend to)``: a waiting or running
-        request still in its prompt counts in the first two, a running one past
-        it in the last two. Safe to call from another thread.
-        """
-        tokens = pairs = decoding = context = 0
-        num_waiting = len(self.waiting)
-        for index, request in enumerate([*self.waiting, *self.running]):
-            computed = request.num_computed_tokens
-            left = request.num_prompt_tokens - computed
-            if left > 0:
-                tokens += left
-                pairs += left * computed + left * (left + 1) // 2
-            elif index >= num_waiting:
-                decoding += 1
-                context += computed
-        return tokens, pairs, decoding, context
-
     def add(self, request: Request) -> None:
         enqueue(self.waiting, request)
 

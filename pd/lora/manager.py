@@ -23,12 +23,25 @@ if TYPE_CHECKING:
     from pd.config import EngineConfig
     from pd.engine.request import Request
 
-__all__ = ["LoraManager", "UnknownAdapter", "no_lora_error"]
+__all__ = ["LoraManager", "UnknownAdapter", "make_lora_manager", "no_lora_error"]
 
 
 def no_lora_error(name: str) -> ValueError:
     return ValueError(f"LoRA adapter {name!r} was asked for, but this engine runs without adapters: "
                       "set enable_lora: true")
+
+
+def make_lora_manager(config: EngineConfig, model: ModelConfig,
+                      loader: Callable[..., LoraAdapter] = load_adapter) -> LoraManager | None:
+    """An engine's adapters, with ``enable_lora``; ``ValueError`` for a model they cannot adapt."""
+    if not config.enable_lora:
+        return None
+    if model.mla is not None:
+        raise ValueError(f"enable_lora: LoRA on multi-head latent attention ({model.architecture}) is not "
+                         "supported")
+    if config.expert_parallel_size > 1:
+        raise ValueError("enable_lora with expert_parallel_size > 1 is not supported yet")
+    return LoraManager(config, model, loader)
 
 
 class LoraManager:
