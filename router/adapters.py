@@ -39,6 +39,14 @@ class AdapterFit(enum.Enum):
     LOAD = "load"  # a free slot: one load
     EVICT = "evict"  # every slot held: a load, another's reload, perhaps a wait for a slot
 
+    def price(self, load: float, wait: float) -> float:
+        """The case in a policy's own units, given what one ``load`` and a ``wait`` for a slot cost: nothing
+        held, one load for a free slot, and for a full one the load, the evicted adapter's next load and the
+        wait."""
+        if self is AdapterFit.HELD:
+            return 0.0
+        return load if self is AdapterFit.LOAD else 2 * load + wait
+
 
 def adapter_fit(adapter: str | None, held: Collection[str], max_loras: int) -> AdapterFit:
     """The case of a request under ``adapter`` (None: the base model) on a replica holding ``held`` of its

@@ -15,7 +15,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from router.adapters import AdapterFit, SentAdapters
+from router.adapters import SentAdapters
 from router.latency import LatencyPredictor
 from router.policy import ReplicaLoad, RoutingDecision, RoutingReason, Scored, decide
 from router.recent import RecentRouted
@@ -154,12 +154,7 @@ class DecodePolicy:
     def _adapter_cost(self, replica: ReplicaLoad, adapter: str) -> float:
         """``adapter(r)`` of the class docstring, in active decodes."""
         fit = self.adapters_sent.fit(adapter, replica.replica_id, replica.adapters, replica.max_loras)
-        if fit is AdapterFit.HELD:
-            return 0.0
-        config = self.config
-        if fit is AdapterFit.LOAD:
-            return config.w_adapter_load
-        return 2 * config.w_adapter_load + config.w_adapter_wait
+        return fit.price(self.config.w_adapter_load, self.config.w_adapter_wait)
 
     def _active(self, candidates: Sequence[ReplicaLoad], num_prompt_tokens: int) -> list[float]:
         """Each candidate's active requests, or their predicted weight on its steps (class docstring).

@@ -75,7 +75,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Mapping, NamedTuple, Sequence
 
-from router.adapters import AdapterFit, SentAdapters
+from router.adapters import SentAdapters
 from router.prefix_index import PrefixIndex
 from router.recent import RecentRouted
 from router.tiers import TierHitValues, matched_tokens, valued_tokens
@@ -280,12 +280,7 @@ class PrefixAffinityPolicy:
     def adapter_load(self, replica: ReplicaLoad, adapter: str) -> float:
         """What ``adapter`` adds to the replica's ``load`` (module docstring), in prompt tokens."""
         fit = self.adapters_sent.fit(adapter, replica.replica_id, replica.adapters, replica.max_loras)
-        if fit is AdapterFit.HELD:
-            return 0.0
-        config = self.config
-        if fit is AdapterFit.LOAD:
-            return config.adapter_load_tokens
-        return 2 * config.adapter_load_tokens + config.adapter_wait_tokens
+        return fit.price(self.config.adapter_load_tokens, self.config.adapter_wait_tokens)
 
     def routed(self, replica_id: str) -> float:
         """The recent requests sent ``replica_id``, as the relative bound counts them."""
