@@ -38,3 +38,9 @@ class SlotTable:
             self._last_used[slot] = self._steps
         self.num_loads += len(loads)
         return slot_of, loads
+
+    def drop(self, key: Hashable) -> None:
+        """Forget ``key``'s slot: it is loaded again before any use."""
+        for slot, held in enumerate(self.held):
+            if held == key:
+                self.held[slot] = None
