@@ -57,6 +57,9 @@ class RoutingStats(WireMessage, frozen=True, kw_only=True):
 
     KIND: ClassVar[str] = "routing_stats"
 
+    # This replica's report number, from 1 (0: never numbered). A reader that sees the same number again has
+    # heard nothing new: a replica that stopped answering keeps its last report, which then grows stale.
+    seq: NonNegativeInt = 0
     # Load, as the policies weigh it.
     num_running: NonNegativeInt = 0
     num_waiting: NonNegativeInt = 0

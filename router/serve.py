@@ -146,8 +146,14 @@ class PinnedRequestRouter(RequestRouter):
             self.pool.note_routed(hints.request_id, replica_id.unique_id)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        """Serve's new view of the pool, which it sends whenever a replica's report changes: each new report is
+        read now (policies, predictor, detector), and the pool's reports go to the ingress's flow control, which
+        must hear of them while it holds every request back and nothing is routed."""
         super().update_replicas(replicas)
         self.pool.set_replicas(replica.replica_id.unique_id for replica in replicas)
+        reports = {replica.replica_id.unique_id: self.reports.get(replica) for replica in replicas}
+        self.reports.retain(set(reports))
+        self.pool.set_reports({replica_id: stats for replica_id, stats in reports.items() if stats is not NO_STATS})
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)

@@ -18,6 +18,7 @@ from typing import Sequence
 from router.latency import LatencyPredictor
 from router.policy import uncached_tokens
 from router.prefix_index import PrefixIndex
+from router.protocol import RoutingStats
 from router.remote_prefill import PoolPredictions
 
 # Request ids whose routed replica is remembered, per pool.
@@ -41,6 +42,9 @@ class PoolRouting:
         # Each replica's last slowness reading, confirmed or not (router.gray.probe_targets reads it).
         self.slowness: dict[str, float] = {}
         self.replace_due: dict[str, str] = {}  # replicas quarantined too long -> why Serve should replace them
+        # Each serving replica's latest RoutingStats, replaced whole by the router as Serve hands it new ones
+        # (flow control reads it from the ingress's own loop: one assignment, never a dict changing under it).
+        self.reports: dict[str, RoutingStats] = {}
 
     def is_quarantined(self, replica_id: str | None) -> bool:
         return replica_id in self.quarantined
@@ -81,6 +85,15 @@ class PoolRouting:
     def routed_replica(self, request_id: str) -> str | None:
         """The replica the last call for ``request_id`` was routed to."""
         return self._routed.get(request_id)
+
+    def set_reports(self, reports: dict[str, RoutingStats]) -> None:
+        """The pool's serving replicas and their latest reports (``reports``; flow control's ``Capacity``)."""
+        self.reports = reports
+
+    def backlog_s(self, replica_id: str, now_s: float) -> float | None:
+        """The predicted prompt work queued at ``replica_id``; None until a router shared a ready predictor."""
+        predictor = self._predictor
+        return predictor.wait_s(replica_id, now_s) if predictor is not None and predictor.ready() else None
 
     def share_predictor(self, predictor: LatencyPredictor) -> None:
         """A router's latency predictor of this pool (``router.latency``), fed by that router's reports."""

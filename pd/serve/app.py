@@ -17,9 +17,6 @@ def build_app(args: dict[str, Any] | None = None):
     from pd.serve.prefill_server import PrefillServer
 
     parsed = AppArgs.parse(args)
-    if parsed.flow_control is not None:  # refused, never ignored: the ingress does not run its admission yet
-        raise ValueError("flow_control is not served yet: its admission runs in the simulator only "
-                         "(python -m sim.flow); remove flow_control from the app's args")
     pools = parsed.for_pools()
     prefill = None
     if parsed.mode == "disaggregated":

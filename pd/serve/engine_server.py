@@ -131,6 +131,7 @@ class EngineServer:
         # What the SLO planner reads (``record_autoscaling_stats``), over its period.
         self.latency_window = LatencyWindow(planner.period_s if planner else DEFAULT_LATENCY_WINDOW_S)
         self.num_prefilled = 0
+        self.num_reports = 0  # RoutingStats.seq of the last report
         self.replacement_reason = ""  # set when the ingress asks Serve to replace this replica (a gray failure)
         logger.info("%s replica %s ready", self.role, self.replica_id)
 
@@ -174,7 +175,8 @@ class EngineServer:
         """Reaches this deployment's request routers as ``replica.routing_stats`` (``RoutingStats``)."""
         self.metrics.record_state(self.engine.stats())
         self.metrics.record_experts(self.engine.expert_stats())
-        return self.engine.routing_stats().publish()
+        self.num_reports += 1
+        return self.engine.routing_stats().replace(seq=self.num_reports).publish()
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's custom autoscaling metrics of this replica (``autoscale.serve.replica_metrics``)."""

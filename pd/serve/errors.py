@@ -28,7 +28,7 @@ def error_body(error: OpenAIError, request_id: str | None, timeline: Timeline | 
     if request_id is not None:
         body["error"]["request_id"] = request_id
     if timeline is not None:
-        status = "timeout" if error.status == 504 else "error"
+        status = {504: "timeout", 429: "shed"}.get(error.status, "error")
         timeline.finish(status, http_status=error.status, error=error.message)
     return body
 
@@ -40,8 +40,8 @@ def error_response(request: Request, error: OpenAIError) -> JSONResponse:
     # A 500 is answered outside the middleware that names every other response: named here, unless the
     # proxy in front names it (pd.serve.request_id).
     own = request_id is not None and not getattr(state, "request_id_from_proxy", False)
-    headers = {HEADER: request_id} if own else None
-    return JSONResponse(body, status_code=error.status, headers=headers)
+    headers = {**({HEADER: request_id} if own else {}), **(error.headers or {})}
+    return JSONResponse(body, status_code=error.status, headers=headers or None)
 
 
 def classify(exc: Exception) -> OpenAIError:

@@ -238,9 +238,7 @@ class PoolClient:
         if decode_replica is not None and not self.decode_routing.is_live(decode_replica):
             decode_replica = None  # a pinned call to a replica that is gone would wait for it forever
         tracker = StreamTracker(self.metrics, TextStream(self.tokenizer, token_ids, stop), len(token_ids), timeline)
-        hints = RouteHints(request_id=request_id, num_prompt_tokens=len(token_ids),
-                           block_hashes=self._block_hashes(token_ids, lora), target_replica_id=decode_replica,
-                           adapter=lora.name if lora is not None else None)
+        hints = self.route_hints(request_id, token_ids, lora).replace(target_replica_id=decode_replica)
         request = PoolRequest(request_id=request_id, token_ids=tuple(token_ids), sampling=params, lora=lora,
                               priority=priority)
         with tracker.timeline.span("route", request_id=request_id, num_prompt_tokens=len(token_ids)) as route:
@@ -311,6 +309,12 @@ class PoolClient:
                            block_hashes=self._block_hashes(request.token_ids, prompt.lora),
                            exclude_replica_ids=excluded, adapter=prompt.lora.name if prompt.lora is not None else None)
         return request, hints
+
+    def route_hints(self, request_id: str, token_ids, lora: LoraRef | None) -> RouteHints:
+        """A prompt's routing hints: its length and block hashes, under its adapter."""
+        return RouteHints(request_id=request_id, num_prompt_tokens=len(token_ids),
+                          block_hashes=self._block_hashes(token_ids, lora),
+                          adapter=lora.name if lora is not None else None)
 
     def _block_hashes(self, token_ids, lora: LoraRef | None) -> tuple[bytes, ...]:
         """The prompt's block hashes as the engines chain them: from its adapter's root, if it has one."""

@@ -28,7 +28,8 @@ class GenerateRequest(BaseModel):
     stop: list[Text] = Field(default_factory=list)
     ignore_eos: bool = False
     logprobs: bool = False
-    priority: int = Field(0, gt=-2**31, lt=2**31)  # lower is more urgent
+    # Lower is more urgent; unset: 0, or the default tenant's default under flow control.
+    priority: int | None = Field(None, gt=-2**31, lt=2**31)
 
     @model_validator(mode="after")
     def _one_input(self) -> "GenerateRequest":

@@ -6,12 +6,10 @@ strings. The pools see token ids only. It keeps the last requests' timelines
 """
 
 import asyncio
-import hmac
 import json
 import logging
 import os
 import threading
-import time
 import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
@@ -26,10 +24,12 @@ from pd.model.paths import resolve_model_path
 from pd.model.tokenizer import Tokenizer
 from pd.sampling_params import SamplingParams, StructuredOutput
 from pd.serve.adapters import AdapterControl, AdapterTable
+from pd.serve.auth import authorize, configured_api_keys
 from pd.serve.body_limit import BodyLimit
 from pd.serve.choices import run_choices
 from pd.serve.errors import classify, error_body, install_error_handlers
-from pd.serve.generation import GenerationEvent, PoolClient
+from pd.serve.flow import FlowTicket, IngressFlow, identity_of
+from pd.serve.generation import PoolClient
 from pd.serve.handle_api import GenerateChunk, GenerateRequest
 from pd.serve.openai_protocol import (
     ChatCompletionRequest,
@@ -45,9 +45,11 @@ from pd.serve.openai_render import ChatRenderer, ChoiceOutput, CompletionRendere
 from pd.serve.prompts import PromptEncoder
 from pd.serve.protocol import LoraRef
 from pd.serve.request_id import RequestIds
+from pd.serve.stream import with_deadline
 from pd.serve.timeline import RequestRing, Timeline
 from pd.serve.tools import tool_call_mode
 from pd.serve.tracing import RequestTracer, client_context, tracer_provider
+from router.flow_config import FlowIdentity
 from router.shared import RoutingScopes
 
 logger = logging.getLogger(__name__)
@@ -56,29 +58,6 @@ app = FastAPI(title="pd: disaggregated prefill/decode serving")
 app.add_middleware(BodyLimit, limit=lambda: getattr(app.state, "max_request_body_bytes", None))
 app.add_middleware(RequestIds)  # outermost: a 413 from BodyLimit is named too
 install_error_handlers(app)
-
-
-async def with_deadline(events: AsyncIterator[GenerationEvent], timeout_s: float) -> AsyncIterator[GenerationEvent]:
-    """``events`` until ``timeout_s`` has passed; then they are closed (cancelling the pools' work)."""
-    deadline = time.monotonic() + timeout_s
-    try:
-        while True:
-            try:
-                event = await asyncio.wait_for(events.__anext__(), max(0.0, deadline - time.monotonic()))
-            except StopAsyncIteration:
-                return
-            except asyncio.TimeoutError:
-                raise OpenAIError(504, f"request timed out after {timeout_s:g} s", type="timeout_error",
-                                  code="request_timeout") from None
-            yield event
-    finally:
-        await events.aclose()
-
-
-def configured_api_keys(from_config: list[str], from_env: str) -> list[bytes]:
-    """Keys from the app config plus the comma-separated environment variable."""
-    keys = list(from_config) + [k.strip() for k in from_env.split(",")]
-    return [k.encode() for k in keys if k]
 
 
 def _sse(payload: Any) -> str:
@@ -120,7 +99,12 @@ class Ingress:
                                 self.routing_scopes)
         self.prompts = PromptEncoder(self.tokenizer, model_config.vocab_size, self.max_model_len,
                                      self.args.tokenizer_threads, self.args.max_stop_strings, self.args.max_stop_chars)
-        self._api_keys = configured_api_keys(self.args.api_keys, os.environ.get(self.args.api_keys_env, ""))
+        flow_control = self.args.flow_control
+        tenant_keys = flow_control.api_keys() if flow_control is not None else []
+        self._api_keys = configured_api_keys(self.args.api_keys + tenant_keys,
+                                             os.environ.get(self.args.api_keys_env, ""))
+        self.flow = None if flow_control is None else IngressFlow(flow_control.config(), self.args.ingress.num_replicas,
+                                                                  self.pools)
         app.state.max_request_body_bytes = self.args.max_request_body_bytes
         self.vocab_size = model_config.vocab_size
         self._grammar_compiler = None
@@ -136,16 +120,7 @@ class Ingress:
     # Input checks shared by every entry point --------------------------------
 
     def _authorize(self, request: Request) -> None:
-        if not self._api_keys:
-            return
-        header = request.headers.get("authorization", "")
-        key = header[7:].encode() if header.lower().startswith("bearer ") else b""
-        # Compare against every key, in constant time, so timing reveals nothing.
-        matched = False
-        for candidate in self._api_keys:
-            matched |= hmac.compare_digest(key, candidate)
-        if not matched:
-            raise OpenAIError(401, "missing or invalid API key", type="authentication_error", code="invalid_api_key")
+        authorize(self._api_keys, request.headers)
 
     def _check_model(self, model: str) -> LoraRef | None:
         """The LoRA adapter ``model`` names (None: the base model); 404 for a model not served here."""
@@ -204,7 +179,8 @@ class Ingress:
         renderer = CompletionRenderer(self._token_text, body.logprobs, token_ids, echo_text, generate)
         call = _Call(timeline.request_id, body.model, "text_completion", len(token_ids), generate, body, timeline,
                      lora)
-        events = self._choices(call, token_ids, params, stop, num_runs)
+        ticket = await self._admit(request, call, token_ids, params.max_tokens * num_runs)
+        events = self._choices(call, token_ids, params, stop, num_runs, ticket)
         if body.stream:
             return self._stream(events, renderer, call)
         return await self._collect(events, renderer, call, n)
@@ -225,7 +201,8 @@ class Ingress:
         renderer = ChatRenderer(self._token_text, body.logprobs_k(), tools)
         kind = "chat.completion.chunk" if body.stream else "chat.completion"
         call = _Call(timeline.request_id, body.model, kind, len(token_ids), True, body, timeline, lora)
-        events = self._choices(call, token_ids, params, stop, n)
+        ticket = await self._admit(request, call, token_ids, params.max_tokens * n)
+        events = self._choices(call, token_ids, params, stop, n, ticket)
         if body.stream:
             return self._stream(events, renderer, call)
         return await self._collect(events, renderer, call, n)
@@ -261,11 +238,24 @@ class Ingress:
                 self._grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.pools.eos_token_ids)
         self._grammar_compiler.compile(constraint)
 
-    def _choices(self, call: "_Call", token_ids: list[int], params: SamplingParams, stop: list[str], n: int):
+    async def _admit(self, request: Request, call: "_Call", token_ids: list[int],
+                     max_output_tokens: int) -> FlowTicket | None:
+        """Flow control's admission (``pd.serve.flow``), where the app has it: waits, or raises 400 or 429."""
+        if self.flow is None:
+            return None
+        hints = self.pools.route_hints(call.rid, token_ids, call.lora)
+        return await self.flow.admit(call.rid, identity_of(request.headers, call.body.priority), hints,
+                                     max_output_tokens, call.timeline)
+
+    def _choices(self, call: "_Call", token_ids: list[int], params: SamplingParams, stop: list[str], n: int,
+                 ticket: FlowTicket | None = None):
+        """The choices' events, within the request's deadline; at the admitted level's priority under flow control."""
+        priority = ticket.level if ticket is not None else call.body.priority or 0
         call.timeline.set(num_prompt_tokens=len(token_ids), max_tokens=params.max_tokens, n=n,
-                          lora=call.lora.name if call.lora is not None else None, priority=call.body.priority)
-        return with_deadline(run_choices(self.pools, call.rid, token_ids, params, stop, n, call.timeline, call.lora,
-                                         call.body.priority), self.args.request_timeout_s)
+                          lora=call.lora.name if call.lora is not None else None, priority=priority)
+        events = with_deadline(run_choices(self.pools, call.rid, token_ids, params, stop, n, call.timeline, call.lora,
+                                           priority), self.args.request_timeout_s)
+        return events if ticket is None else ticket.track(events)
 
     def _open(self, request: Request, kind: str, endpoint: str, stream: bool) -> Timeline:
         """The completion's id (``kind-<hex>``) and its timeline in the ring, found by it and by ``x-request-id``."""
@@ -350,6 +340,8 @@ class Ingress:
     async def __del__(self) -> None:
         """Serve calls this when it stops the replica: the probes stop, and traces still held are sent."""
         await self.pools.probes.close()
+        if self.flow is not None:
+            self.flow.close()
         if self.tracer is not None:
             self.tracer.shutdown()
 
@@ -364,7 +356,8 @@ class Ingress:
         slowness = {"prefill": dict(self.pools.prefill_routing.slowness),
                     "decode": dict(self.pools.decode_routing.slowness)}
         return {"rss_bytes": resident_bytes(), "pid": os.getpid(), "num_migrations": self.pools.num_migrations,
-                "quarantined": quarantined, "slowness": slowness}
+                "quarantined": quarantined, "slowness": slowness,
+                "flow": self.flow.stats() if self.flow is not None else None}
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         """Stream ``GenerateChunk``s for a ``GenerateRequest`` (for other Ray apps)."""
@@ -379,9 +372,16 @@ class Ingress:
             logprobs=0 if request.logprobs else None,
         )
         self.prompts.check_lengths(token_ids, params)
-        events = self.pools.generate(f"handle-{uuid.uuid4().hex}", token_ids, params,
-                                     self.prompts.check_stop(request.stop), lora=lora, priority=request.priority)
-        async for event in with_deadline(events, self.args.request_timeout_s):
+        request_id, ticket = f"handle-{uuid.uuid4().hex}", None
+        if self.flow is not None:  # the default tenant, at the request's priority
+            ticket = await self.flow.admit(request_id, FlowIdentity(priority=request.priority),
+                                           self.pools.route_hints(request_id, token_ids, lora), params.max_tokens,
+                                           Timeline(request_id))
+        priority = ticket.level if ticket is not None else request.priority or 0
+        events = self.pools.generate(request_id, token_ids, params, self.prompts.check_stop(request.stop), lora=lora,
+                                     priority=priority)
+        events = with_deadline(((0, event) async for event in events), self.args.request_timeout_s)
+        async for _, event in events if ticket is None else ticket.track(events):
             yield GenerateChunk(
                 token_ids=event.token_ids, text=event.text, logprobs=event.logprobs,
                 finish_reason=event.finish_reason,

@@ -44,8 +44,9 @@ class OpenAIError(Exception):
     """An error with an OpenAI-style JSON body and an HTTP status."""
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
+                 code: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
+        self.headers = headers  # sent with the response (a 429's Retry-After)
         self.status = status
         self.message = message
         self.type = type
@@ -140,7 +141,8 @@ class _Common(BaseModel):
     # Extensions, as in vLLM.
     top_k: int | None = Field(None, ge=1)
     ignore_eos: bool = False
-    priority: StrictInt = Field(0, gt=-2**31, lt=2**31)  # lower is more urgent (the engines' scheduling order)
+    # Lower is more urgent (the engines' scheduling order); unset: 0, or the tenant's default under flow control.
+    priority: StrictInt | None = Field(None, gt=-2**31, lt=2**31)
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
     guided_choice: list[Text] | None = Field(None, min_length=1)

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
+from typing import AsyncIterator
 
 from pd.engine.logprobs import PromptLogprob, TopLogprobs
 from pd.engine.request import FinishReason
 from pd.serve.metrics import RequestMetrics
+from pd.serve.openai_protocol import OpenAIError
 from pd.serve.text import TextDelta, TextStream
 from pd.serve.timeline import Timeline
 
@@ -87,3 +90,20 @@ class StreamTracker:
                 return (TextDelta("".join(texts), True), token_ids[:kept], logprobs[:kept],
                         list(top_logprobs)[:kept])
         return TextDelta("".join(texts), False), token_ids, logprobs, top_logprobs
+
+
+async def with_deadline(events: AsyncIterator[GenerationEvent], timeout_s: float) -> AsyncIterator[GenerationEvent]:
+    """``events`` until ``timeout_s`` has passed; then they are closed (cancelling the pools' work)."""
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            try:
+                event = await asyncio.wait_for(events.__anext__(), max(0.0, deadline - time.monotonic()))
+            except StopAsyncIteration:
+                return
+            except asyncio.TimeoutError:
+                raise OpenAIError(504, f"request timed out after {timeout_s:g} s", type="timeout_error",
+                                  code="request_timeout") from None
+            yield event
+    finally:
+        await events.aclose()

@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from pd.serve.ingress import with_deadline
 from pd.serve.openai_protocol import OpenAIError
+from pd.serve.stream import with_deadline
 
 
 def test_slow_generation_times_out_and_is_closed():

@@ -7,7 +7,8 @@ import json
 import pytest
 from starlette.requests import Request
 
-from pd.serve.ingress import Ingress, configured_api_keys
+from pd.serve.auth import configured_api_keys
+from pd.serve.ingress import Ingress
 from pd.serve.openai_protocol import OpenAIError
 
 
