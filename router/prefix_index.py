@@ -35,7 +35,9 @@ Pure Python, no Ray: one instance per router, not shared between processes.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import operator
+from collections import OrderedDict, deque
+from itertools import compress, count, repeat
 from typing import Iterable, Sequence
 
 from router.tiers import Tier
@@ -86,7 +88,27 @@ class PrefixIndex:
         blocks are touched last first, so the prompt's first block ends up the
         most recently used. Routing inserts on the device, where a prefill
         leaves a prompt's blocks; ``SHARED_STORE`` holds its blocks in ``Tier.SHARED``.
+
+        A routed prompt's head is usually held already (its tenant's context,
+        the history before this turn) and only its tail is new: where every
+        entry is on the device, the held head's entries are only moved to the
+        LRU's end, which ``map`` does without a Python step per block, after
+        the tail's (the order the one-block-at-a-time path gives).
         """
+        head = 0
+        if tier == Tier.DEVICE and not self._num_off_device and block_hashes:
+            head = self._run_of(replica_id, block_hashes)
+        self._touch(replica_id, block_hashes[head:], tier)
+        if head:
+            deque(map(self._lru.move_to_end, zip(reversed(block_hashes[:head]), repeat(replica_id))), maxlen=0)
+        lru = self._lru
+        while len(lru) > self.max_blocks:
+            (block_hash, holder), _ = lru.popitem(last=False)
+            self._forget(block_hash, holder)
+            self.num_dropped += 1
+
+    def _touch(self, replica_id: str, block_hashes: Sequence[bytes], tier: int) -> None:
+        """Add or refresh each of ``block_hashes``, last first, in ``tier``; the bound is the caller's."""
         lru = self._lru
         off_device = tier != Tier.DEVICE
         for block_hash in reversed(block_hashes):
@@ -100,10 +122,18 @@ class PrefixIndex:
                 self._num_blocks_by_replica[replica_id] = self._num_blocks_by_replica.get(replica_id, 0) + 1
                 self._num_off_device += off_device
             holders[replica_id] = tier
-        while len(lru) > self.max_blocks:
-            (block_hash, holder), _ = lru.popitem(last=False)
-            self._forget(block_hash, holder)
-            self.num_dropped += 1
+
+    def _run_of(self, replica_id: str, block_hashes: Sequence[bytes]) -> int:
+        """The length of ``replica_id``'s own leading run of ``block_hashes``, any tier, found in C.
+
+        ``compress`` yields the positions whose block ``replica_id`` lacks;
+        the first of them ends the run. It stops there, so a replica holding
+        none of the prompt costs one lookup, and one holding a run of n
+        blocks, n lookups without a Python step each.
+        """
+        holders = map(self._holders.get, block_hashes, repeat(_NO_HOLDERS))
+        lacking = map(operator.not_, map(operator.contains, holders, repeat(replica_id)))
+        return next(compress(count(), lacking), len(block_hashes))
 
     def evict(self, replica_id: str, block_hashes: Iterable[bytes]) -> None:
         """Record that ``replica_id`` no longer holds ``block_hashes``; unknown ones are ignored."""
@@ -164,9 +194,11 @@ class PrefixIndex:
             return {}
         wanted = dict.fromkeys(self.replica_ids() if replica_ids is None else replica_ids)  # an ordered set
         wanted.pop(SHARED_STORE, None)
-        if not self._num_off_device:  # every entry is on a device: the runs of ``match``
-            return {replica_id: (Tier.DEVICE,) * run for replica_id, run in self.match(block_hashes).items()
-                    if replica_id in wanted}
+        if not self._num_off_device:  # every entry is on a device: each wanted holder's run, found in C
+            first = self._holders.get(block_hashes[0], _NO_HOLDERS)
+            holding = [replica_id for replica_id in wanted if replica_id in first] if len(wanted) < len(first) \
+                else [replica_id for replica_id in first if replica_id in wanted]
+            return {replica_id: (Tier.DEVICE,) * self._run_of(replica_id, block_hashes) for replica_id in holding}
         first = self._holders.get(block_hashes[0], _NO_HOLDERS)
         alive = list(wanted) if SHARED_STORE in first else [r for r in first if r in wanted]
         runs: dict[str, list[int]] = {replica_id: [] for replica_id in alive}
@@ -183,6 +215,37 @@ class PrefixIndex:
                 break
             alive = still
         return {replica_id: tuple(run) for replica_id, run in runs.items() if run}
+
+    def deepest_holders(self, block_hashes: Sequence[bytes]) -> tuple[int, list[str]]:
+        """``(blocks, replica_ids)``: the replicas holding the deepest of ``block_hashes`` that any replica
+        holds (its own copy, in any tier), and how many blocks deep it is; ``(0, [])`` when none holds any.
+
+        A binary search, O(log blocks) lookups and no step per replica. It
+        counts on what chained hashes give: a replica holds a prompt's blocks
+        as a leading run (both the engine and this index forget a prompt's
+        tail before its head). Where a replica has a gap, the block found may
+        not be the deepest, and a holder's run may be shorter than ``blocks``:
+        ``match_tiers`` gives the exact runs of the replicas it is asked about.
+        """
+        holders_of = self._holders.get
+
+        def held(position: int) -> bool:
+            holders = holders_of(block_hashes[position])
+            return bool(holders) and (len(holders) > 1 or SHARED_STORE not in holders)
+
+        if not block_hashes or not held(0):
+            return 0, []
+        low, high = 0, len(block_hashes)  # held(low); nothing at or past high is known to be held
+        while high - low > 1:
+            middle = (low + high) // 2
+            if held(middle):
+                low = middle
+            else:
+                high = middle
+        replica_ids = list(holders_of(block_hashes[low]))
+        if SHARED_STORE in holders_of(block_hashes[low]):
+            replica_ids.remove(SHARED_STORE)
+        return low + 1, replica_ids
 
     def _forget(self, block_hash: bytes, replica_id: str) -> None:
         holders = self._holders[block_hash]

@@ -122,7 +122,49 @@ def test_random_operations_keep_the_bound_and_agree_with_a_model():
             if run:
                 expected[holder] = run
         assert index.match(probe) == expected
+        subset = rng.sample("abcd", rng.randint(1, 4))
+        assert index.match_tiers(probe, subset) == {
+            holder: (Tier.DEVICE,) * run for holder, run in expected.items() if holder in subset}
         assert sum(index.num_blocks(holder) for holder in "abcd") == len(index)
+
+
+def test_a_held_head_is_refreshed_after_the_new_tail_as_one_block_at_a_time_would():
+    """The fast path (the held head moved in C) leaves the LRU order of the slow one: last block first."""
+    prompt, other = hashes(6), hashes(3, first_token=500)
+    fast, slow = PrefixIndex(max_blocks=100), PrefixIndex(max_blocks=100)
+    for index in (fast, slow):
+        index.insert("a", prompt[:4])
+        index.insert("a", other)
+        index.insert("b", prompt[:2])
+    fast.insert("a", prompt)
+    slow.insert("a", prompt[4:])  # the tail, then the head, block by block
+    for block_hash in reversed(prompt[:4]):
+        slow.insert("a", [block_hash])
+    assert list(fast._lru) == list(slow._lru)
+    assert list(fast._lru)[-1] == (prompt[0], "a") and fast.num_blocks("a") == 9
+
+
+def test_the_bound_is_kept_when_a_held_head_meets_a_new_tail():
+    prompt = hashes(6)
+    index = PrefixIndex(max_blocks=5)
+    index.insert("a", prompt[:4])
+    index.insert("a", prompt)  # 6 entries for a bound of 5: the oldest touched, the last block, goes
+    assert len(index) == 5 and index.match(prompt) == {"a": 5} and index.num_dropped == 1
+
+
+def test_deepest_holders_finds_the_longest_prefix_without_a_step_per_replica():
+    prompt = hashes(8)
+    index = PrefixIndex(max_blocks=1000)
+    assert index.deepest_holders(prompt) == (0, [])
+    for replica in "abcdefgh":
+        index.insert(replica, prompt[:2])  # a shared head everyone holds
+    index.insert("c", prompt[:6])
+    index.insert("e", prompt[:6])
+    index.insert(SHARED_STORE, prompt, Tier.SHARED)  # the shared store is no holder of its own
+    depth, holders = index.deepest_holders(prompt)
+    assert depth == 6 and sorted(holders) == ["c", "e"]
+    assert index.deepest_holders(prompt[:2])[0] == 2 and len(index.deepest_holders(prompt[:2])[1]) == 8
+    assert index.deepest_holders(hashes(3, first_token=900)) == (0, [])
 
 
 def test_max_blocks_must_be_positive():
