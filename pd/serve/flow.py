@@ -242,6 +242,7 @@ class IngressFlow:
         """For ``process_stats``: what is waiting and in flight, and the counters so far."""
         counters = self.controller.counters
         return {"waiting": self.controller.num_waiting, "in_flight": self.controller.num_in_flight,
+                "limit": self.controller.capacity.limit,
                 "admitted": {f"{t}/{b}": n for (t, b), n in counters.admitted.items()},
                 "shed": {f"{t}/{b}/{r.value}": n for (t, b, r), n in counters.shed.items()},
                 "served_tokens": dict(counters.served_tokens)}
