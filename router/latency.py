@@ -49,22 +49,31 @@ clearly better.
 and with no ``prior`` coefficients, ``PrefixAffinityPolicy``'s token cost
 decides; such a decision has no ``predicted_s``.
 
-**Bounds.** The absolute overload bounds (``PolicyConfig``) hold as in
-``router.policy``. The relative bound (recent requests, each weighed by the
-replica's measured speed, over the least-routed candidate's) depends on
-what the request has to lose:
+**Candidates.** A decision scores a few replicas, not the pool
+(``router.candidates``): those holding the prompt's longest cached prefix
+and ``num_sampled`` drawn at random, so it costs the same at 16 replicas as
+at 1,000.
 
-- a *cold* request, whose prompt no replica holds ``bound_exempt_tokens``
-  of (valued as they would survive), is held to ``cold_routed_ratio``: the
-  short traffic moves off a busy replica first;
-- a *hot* one may go to a replica holding that much of it up to
-  ``hot_routed_ratio``, and elsewhere up to ``max_routed_ratio``.
+**No balance bound.** The least predicted cost wins, wherever its queue
+is: a replica that holds a hot tenant's history keeps taking its turns
+while recomputing them elsewhere would take longer than waiting there, and
+its queue, priced in seconds, is what moves the next one off. A bound on
+requests per replica (``router.policy``'s ``max_routed_ratio``) moved long
+histories off the replica holding them to even out counts; each such move
+recomputed tens of thousands of tokens (``python -m bench.router_matrix``).
+The absolute overload bounds (``PolicyConfig``: queued tokens, active
+requests, KV usage) still pass a replica over.
 
-One bound for all (``router.policy``'s) moved long histories off the
-replica holding them to even out request counts, and each such move
-recomputed tens of thousands of tokens and copied them into a second
-cache; with the cold traffic kept off their holders first, they rarely
-need to move (``python -m bench.router_matrix``).
+**The guard** is for what the predictor cannot see. Within one report
+interval a router sees its own sends (``record_routed`` queues each behind
+the replica's reported backlog), so a burst it routes spreads as the
+queues it builds grow. It cannot see the other ingress replicas' sends
+until the next report: with ``num_ingress`` of them, each charges what it
+sends as if each of the others had sent the same replica as much (the
+worst case, that they all read the same report the same way; the random
+sample keeps them from it in the common case). With one ingress, there is
+no guard at all.
+
 Pure Python and numpy, no Ray; not thread-safe (a router calls it from its
 one event loop).
 """
@@ -77,8 +86,8 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from router.adapters import AdapterFit
+from router.candidates import sample_candidates
 from router.policy import (
-    ROUTED_SLACK,
     PolicyConfig,
     PrefixAffinityPolicy,
     ReplicaLoad,
@@ -104,11 +113,12 @@ class LatencyPolicyConfig(PolicyConfig):
     min_steps: float = 32.0  # the pool's recent steps before its fit is trusted
     min_replica_steps: float = 8.0  # a replica's recent steps before its speed is its own (the pool's until then)
     w_compute: float = 1.0  # prefill compute seconds charged beyond the request's own wait
-    # The relative bound by what a request has to lose (module docstring): a cold request's ratio, and a hot
-    # one's on a replica holding at least ``bound_exempt_tokens`` of it. None: ``max_routed_ratio`` for all.
-    bound_exempt_tokens: int | None = 4096
-    cold_routed_ratio: float = 1.15
-    hot_routed_ratio: float = 1.8
+    # The candidates a decision scores (``router.candidates``): a random few, and the most prefix holders.
+    num_sampled: int = 4
+    max_prefix_candidates: int = 4
+    # The guard (module docstring): ingress replicas each routing into this pool; each assumes the others sent
+    # a replica, since its last report, what it did itself.
+    num_ingress: int = 1
     explore_fraction: float = 0.1  # the most a stale replica's cost is discounted
     explore_after_s: float = 30.0  # the age of a replica's last measurement at which the discount is whole
     # A LoRA adapter's copy into a device slot, in seconds (a rank-16 adapter of an 8B model, 84 MB, over PCIe 4).
@@ -118,13 +128,11 @@ class LatencyPolicyConfig(PolicyConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.bound_exempt_tokens is not None and self.bound_exempt_tokens < 1:
-            raise ValueError(f"bound_exempt_tokens must be >= 1 or None, got {self.bound_exempt_tokens}")
-        for name in ("cold_routed_ratio", "hot_routed_ratio"):
-            if getattr(self, name) < 1.0:
+        for name in ("max_num_batched_tokens", "num_sampled", "num_ingress"):
+            if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_prefix_candidates < 0:
+            raise ValueError(f"max_prefix_candidates must be >= 0, got {self.max_prefix_candidates}")
         for name in ("half_life_s", "explore_after_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
@@ -245,9 +253,10 @@ class LatencyPredictor:
         """This router sent ``replica_id`` a prompt of that much uncomputed work: it queues behind the rest."""
         if not self.ready():
             return
+        unseen = self.config.num_ingress  # the guard: the other ingresses' sends, as many as this one's
         queue = self._queues.setdefault(replica_id, _Queue())
-        queue.busy_until_s = max(queue.busy_until_s, now_s) + self.compute_s(replica_id, tokens, pairs)
-        queue.tokens_ahead += int(tokens)
+        queue.busy_until_s = max(queue.busy_until_s, now_s) + unseen * self.compute_s(replica_id, tokens, pairs)
+        queue.tokens_ahead += int(unseen * tokens)
 
     def survival(self, replica_id: str) -> float:
         """The chance a cached prefix there is still cached when a prompt sent now starts.
@@ -284,17 +293,19 @@ class PredictedLatencyPolicy(PrefixAffinityPolicy):
 
     def choose(self, block_hashes: Sequence[bytes], num_prompt_tokens: int, candidates: Sequence[ReplicaLoad],
                now_s: float = 0.0, adapter: str | None = None) -> RoutingDecision:
-        """The candidate of least predicted cost within bounds; ``PrefixAffinityPolicy``'s before data.
-        ``adapter``: the request's LoRA adapter, by name; None for the base model."""
+        """The scored candidate of least predicted cost, of a few (``router.candidates``); before data,
+        ``PrefixAffinityPolicy``'s over all. ``adapter``: the request's LoRA adapter, by name; None for the
+        base model. ``ranked_replica_ids`` holds the scored ones only."""
         if not candidates:
             raise ValueError("no candidate replicas")
         predictor, config = self.predictor, self.config
         if not predictor.ready():
             return super().choose(block_hashes, num_prompt_tokens, candidates, adapter)
-        runs = self.index.match_tiers(block_hashes, [replica.replica_id for replica in candidates])
-        routed_limit, cold_limit, hot_limit = self.routed_limits(candidates)
+        scored_loads = sample_candidates(self.index, block_hashes, candidates, config.num_sampled,
+                                         config.max_prefix_candidates, self._rng, adapter)
+        runs = self.index.match_tiers(block_hashes, [replica.replica_id for replica in scored_loads])
         scored, ttfts = [], {}
-        for replica in candidates:
+        for replica in scored_loads:
             replica_id = replica.replica_id
             matched, valued, compute, ttft = predictor.estimate(replica_id, runs.get(replica_id), num_prompt_tokens,
                                                                 now_s)
@@ -305,15 +316,7 @@ class PredictedLatencyPolicy(PrefixAffinityPolicy):
                 cost += adapter_wait + adapter_reload
             ttfts[replica_id] = ttft
             cost *= self._exploration(replica_id, now_s)
-            scored.append((replica, cost, matched, valued))
-        exempt = config.bound_exempt_tokens if config.bound_exempt_tokens is not None else math.inf
-        cold = max(entry[3] for entry in scored) < exempt
-
-        def limit(valued: float) -> float:
-            return cold_limit if cold else hot_limit if valued >= exempt else routed_limit
-
-        scored = [Scored(replica.replica_id, self.is_overloaded(replica, limit(valued)), cost, matched, valued)
-                  for replica, cost, matched, valued in scored]
+            scored.append(Scored(replica_id, self.is_overloaded(replica), cost, matched, valued))
         decision = decide(scored, num_prompt_tokens, self._rng, adapter)
         return dataclasses.replace(decision, predicted_s=ttfts[decision.replica_id])
 
@@ -327,27 +330,6 @@ class PredictedLatencyPolicy(PrefixAffinityPolicy):
             return load_s, 0.0
         wait_s = self.predictor.compute_s(replica.replica_id, self.config.adapter_wait_tokens, 0.0)
         return load_s + wait_s, load_s
-
-    def routed_limits(self, candidates: Sequence[ReplicaLoad]) -> tuple[float, float, float]:
-        """The relative bound's limits: ``max_routed_ratio``'s, a cold request's and a holder's of a hot one."""
-        config = self.config
-        if config.max_routed_ratio is None or len(candidates) < 2:
-            return math.inf, math.inf, math.inf
-        least = min(self.routed(replica.replica_id) for replica in candidates)
-        limit = config.max_routed_ratio * least + ROUTED_SLACK
-        if config.bound_exempt_tokens is None:
-            return limit, limit, limit
-        return (limit, min(limit, config.cold_routed_ratio * least + ROUTED_SLACK),
-                max(limit, config.hot_routed_ratio * least + ROUTED_SLACK))
-
-    def routed(self, replica_id: str) -> float:
-        """Recent requests, each weighing the replica's speed over the pool's fastest: the relative bound
-        holds the replicas to within ``max_routed_ratio`` of each other's work, not of each other's count,
-        so a replica measured three times slower may be sent a third as many requests."""
-        fit = self.predictor.fit
-        if not self.predictor.ready():
-            return self.recent.requests(replica_id)
-        return self.recent.requests(replica_id) * fit.speed(replica_id) / fit.fastest()
 
     def _exploration(self, replica_id: str, now_s: float) -> float:
         age = now_s - self.predictor.fit.measured_s(replica_id)

@@ -4,6 +4,7 @@ replica's speed from its reports, follows a change of speed, and falls back befo
 from __future__ import annotations
 
 import random
+from collections import Counter
 
 import pytest
 
@@ -11,10 +12,11 @@ from router.hashing import hash_block_tokens
 from router.latency import LatencyPolicyConfig, LatencyPredictor, PredictedLatencyPolicy, prefill_seconds
 from router.policy import PolicyConfig, PrefixAffinityPolicy, ReplicaLoad
 from router.protocol import RoutingStats
-from router.step_cost import StepShape, StepSums, linear_seconds
+from router.step_cost import StepShape, StepSums, linear_seconds, prefill_pairs
 
 BLOCK = 16
 COST = (2e-3, 4e-5, 2e-9, 1e-4, 2e-4)  # base, per token, per pair, per seq, per sample
+FREE = 10**9  # free blocks reported: a cached prefix survives any queue ahead of it
 
 
 class Replica:
@@ -166,6 +168,9 @@ def test_a_restarted_replica_is_fitted_from_its_new_sums():
     ("half_life_s", 0.0, "half_life_s"),
     ("explore_fraction", 1.0, "explore_fraction"),
     ("w_compute", -1.0, "w_compute"),
+    ("num_sampled", 0, "num_sampled"),
+    ("num_ingress", 0, "num_ingress"),
+    ("max_prefix_candidates", -1, "max_prefix_candidates"),
     ("prior", (1.0, 2.0), "prior"),
 ])
 def test_bad_settings_are_refused_by_name(field, value, message):
@@ -199,26 +204,102 @@ def test_decode_placement_weighs_each_replicas_decodes_by_its_measured_speed():
     assert decode.choose(candidates, {}, 256).replica_id == "fast"
 
 
-def test_a_long_history_stays_on_its_holder_past_the_bound_that_moves_cold_traffic():
-    """The holder of a long history has been sent 1.6x the least-routed replica's recent requests: over
-    max_routed_ratio (1.45), within hot_routed_ratio (1.8). The history's next turn still goes there; a
-    prompt nobody holds does not, and neither does one once the holder passes 1.8x."""
-    policy = _policy(max_routed_ratio=1.45, cold_routed_ratio=1.15, hot_routed_ratio=1.8, bound_exempt_tokens=1024)
-    _warm(policy, [Replica("a", 0), Replica("b", 1)])
-    history = list(range(256 * BLOCK))  # 4,096 tokens
-    turn = history + list(range(50_000, 50_000 + 4 * BLOCK))
-    policy.index.insert("a", hash_block_tokens(history, BLOCK))
-    recent = policy.recent
-    recent.requests_of(["a", "b"])  # both known before any is recorded
-    for _ in range(30):
-        recent.record("b", 0)
-    for _ in range(48):
-        recent.record("a", 0)
-    assert 1.45 < recent.requests("a") / recent.requests("b") < 1.8
-    hashes = hash_block_tokens(turn, BLOCK)
-    assert policy.choose(hashes, len(turn), _candidates("a", "b")).replica_id == "a"
-    cold = [token + 100_000 for token in turn]
-    assert policy.choose(hash_block_tokens(cold, BLOCK), len(cold), _candidates("a", "b")).replica_id == "b"
-    for _ in range(20):
-        recent.record("a", 0)
-    assert policy.choose(hashes, len(turn), _candidates("a", "b")).replica_id == "b"
+def test_predicted_ttft_is_the_reported_queue_less_the_time_since_plus_the_prompts_own_prefill():
+    """A known queue: b reported 3,000 tokens waiting (and their pairs) at t=1; at t=1.02 the prediction on b is
+    that backlog's prefill less 20 ms, plus the prompt's uncached prefill after its 32 cached tokens."""
+    policy = _policy(prior=COST, min_steps=1e9)  # the prior is the fit: every figure below is exact
+    waiting = dict(num_waiting_tokens=3000, num_waiting_pairs=3000 * 1500)
+    for name in ("a", "b"):
+        policy.observe(name, RoutingStats(num_free_blocks=FREE, **(waiting if name == "b" else {})), 1.0)
+    prompt = list(range(40 * BLOCK))
+    hashes = hash_block_tokens(prompt, BLOCK)
+    policy.index.insert("b", hashes[:2])
+    backlog = prefill_seconds(COST, 3000, 3000 * 1500, 0, 0, 256)
+    own = prefill_seconds(COST, len(prompt) - 2 * BLOCK, (len(prompt) - 2 * BLOCK) * 2 * BLOCK
+                          + (len(prompt) - 2 * BLOCK) * (len(prompt) - 2 * BLOCK + 1) // 2, 0, 0, 256)
+    assert policy.predictor.wait_s("b", 1.02) == pytest.approx(backlog - 0.02)
+    on_b = policy.choose(hashes, len(prompt), _candidates("b"), now_s=1.02)
+    assert on_b.predicted_s == pytest.approx(backlog - 0.02 + own)
+    decision = policy.choose(hashes, len(prompt), _candidates("a", "b"), now_s=1.02)
+    assert decision.replica_id == "a"  # idle, its whole prefill sooner than b's backlog
+    assert decision.predicted_s == pytest.approx(prefill_seconds(COST, len(prompt), len(prompt) * (len(prompt) + 1)
+                                                                 // 2, 0, 0, 256))
+
+
+def test_a_hotspot_costs_its_queue_and_moves_off_once_waiting_outweighs_recomputing():
+    """No balance bound: a's history keeps its turns while the queue they build there costs less than
+    recomputing the history on idle b; each turn lengthens a's predicted wait by its own prefill; the turn
+    whose wait would outweigh the recompute goes to b. A prompt nobody holds goes to b at once."""
+    policy = _policy(prior=COST, min_steps=1e9)
+    for name in ("a", "b"):
+        policy.observe(name, RoutingStats(num_free_blocks=FREE), 0.0)
+    history = hash_block_tokens(list(range(256 * BLOCK)), BLOCK)  # 4,096 tokens
+    policy.index.insert("a", history)
+    turns, waits = [], []
+    for turn in range(40):
+        tail = hash_block_tokens(list(range(100_000 * (turn + 1), 100_000 * (turn + 1) + 8 * BLOCK)), BLOCK,
+                                 parent_hash=history[-1])
+        decision = policy.choose(history + tail, 264 * BLOCK, _candidates("a", "b"), now_s=0.0)
+        turns.append(decision.replica_id)
+        waits.append(policy.predictor.wait_s("a", 0.0))
+        if decision.replica_id == "b":
+            break
+        policy.record_routed(decision, history + tail, now_s=0.0)
+    assert turns[:-1] == ["a"] * (len(turns) - 1) and turns[-1] == "b" and len(turns) > 5
+    recompute = policy.predictor.compute_s("b", 264 * BLOCK, prefill_pairs(264 * BLOCK, 0))
+    assert waits[-2] < recompute <= waits[-1] + policy.predictor.compute_s("a", 8 * BLOCK,
+                                                                           prefill_pairs(8 * BLOCK, 256 * BLOCK))
+    assert policy.recent.requests("a") > 5 * policy.recent.requests("b")  # far past any balance bound
+    cold = hash_block_tokens(list(range(900_000, 900_000 + 264 * BLOCK)), BLOCK)
+    assert policy.choose(cold, 264 * BLOCK, _candidates("a", "b"), now_s=0.0).replica_id == "b"
+
+
+def test_the_guard_charges_what_the_other_ingresses_may_have_sent():
+    """One ingress charges a replica what it sent it since its report; one of three charges it three times
+    as much (the others may have sent as much); a report replaces either estimate."""
+    prompt = list(range(32 * BLOCK))
+    hashes = hash_block_tokens(prompt, BLOCK)
+    waits = {}
+    for num_ingress in (1, 3):
+        policy = _policy(prior=COST, min_steps=1e9, num_ingress=num_ingress)
+        policy.observe("a", RoutingStats(), 0.0)
+        decision = policy.choose(hashes, len(prompt), _candidates("a"), now_s=0.0)
+        policy.record_routed(decision, hashes, now_s=0.0)
+        waits[num_ingress] = policy.predictor.wait_s("a", 0.0)
+        policy.observe("a", RoutingStats(), 0.5)
+        assert policy.predictor.wait_s("a", 0.5) == 0.0
+    assert waits[1] == pytest.approx(policy.predictor.compute_s("a", len(prompt), prefill_pairs(len(prompt), 0)))
+    assert waits[3] == pytest.approx(3 * waits[1])
+
+
+def test_a_burst_within_one_report_interval_spreads_over_the_pool():
+    """Distinct prompts arriving faster than reports: each queues behind the last this router sent, so the
+    burst spreads evenly over 4 idle replicas without any bound."""
+    policy = _policy(prior=COST, min_steps=1e9)
+    for name in "abcd":
+        policy.observe(name, RoutingStats(), 0.0)
+    sent = Counter()
+    for number in range(40):
+        prompt = list(range(10_000 * number, 10_000 * number + 32 * BLOCK))
+        hashes = hash_block_tokens(prompt, BLOCK)
+        decision = policy.choose(hashes, len(prompt), _candidates(*"abcd"), now_s=0.0)
+        policy.record_routed(decision, hashes, now_s=0.0)
+        sent[decision.replica_id] += 1
+    assert sorted(sent.values()) == [10, 10, 10, 10]
+
+
+def test_a_decision_scores_a_few_candidates_not_the_pool():
+    """256 replicas: the holder of the prompt's prefix and num_sampled others are scored, no more."""
+    policy = _policy(prior=COST, min_steps=1e9, num_sampled=3, max_prefix_candidates=2)
+    pool = _candidates(*(f"r{i}" for i in range(256)))
+    for replica in pool:
+        policy.observe(replica.replica_id, RoutingStats(), 0.0)
+    prompt = list(range(64 * BLOCK))
+    hashes = hash_block_tokens(prompt, BLOCK)
+    policy.index.insert("r200", hashes)
+    scored = []
+    estimate = policy.predictor.estimate
+    policy.predictor.estimate = lambda replica_id, *args: scored.append(replica_id) or estimate(replica_id, *args)
+    decision = policy.choose(hashes, len(prompt), pool, now_s=0.0)
+    assert decision.replica_id == "r200" and scored[0] == "r200"
+    assert 3 <= len(scored) <= 4 and len(decision.ranked_replica_ids) == len(scored)
