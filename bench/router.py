@@ -1,6 +1,7 @@
 """Trace-driven comparison of prefill routers, in the cluster simulator (``sim``).
 
-``python -m bench.router [--trace FILE | --generate {multi_tenant,system_prompt,mooncake,long_history}] [--replicas 8]
+``python -m bench.router [--trace FILE | --generate {multi_tenant,system_prompt,mooncake,long_history,
+flash_crowd,long_short}] [--replicas 8]
 [--cache-blocks 256]`` serves one Mooncake-format trace (``pd.workload.trace``) with
 every policy and prints one JSON line per policy:
 
@@ -41,6 +42,7 @@ from dataclasses import dataclass
 
 from bench.baseline_routers import PowerOfTwo, RoundRobin
 from bench.ray_prefix import RayPrefixRouter
+from bench.router_traces import FlashCrowdTraceConfig, LongShortTraceConfig, generate_flash_crowd, generate_long_short
 from pd.config import EngineConfig
 from pd.model.config import load_model_config
 from pd.workload.stats import percentile, percentiles
@@ -83,7 +85,7 @@ class ReplayConfig:
     max_num_batched_tokens: int = 8192
     time_scale: float = 1.0
     report_interval_s: float = DEFAULT_REPORT_INTERVAL_S
-    num_ingress: int = 1  # pd only: ingress replicas, each with its own router
+    num_ingress: int = 1  # pd and latency: ingress replicas, each with its own router
     seed: int = 0
 
     def cluster_spec(self) -> ClusterSpec:
@@ -127,8 +129,8 @@ def make_placement(policy: str, config: ReplayConfig, pd_config: PolicyConfig, l
     if policy == "pd":
         return AffinityPlacement(pd_config, config.num_ingress)
     if policy == "latency":
-        latency_config = LatencyPolicyConfig(**{**vars(pd_config), "max_num_batched_tokens":
-                                                config.max_num_batched_tokens})
+        latency_config = LatencyPolicyConfig(**{**vars(pd_config), "num_ingress": config.num_ingress,
+                                                "max_num_batched_tokens": config.max_num_batched_tokens})
         return LatencyPlacement(latency_config, loop.time, config.num_ingress)
     if policy == "round_robin":
         return RoundRobin()
@@ -190,12 +192,18 @@ def replay(policy: str, trace: list[TraceRequest], config: ReplayConfig, pd_conf
     )
 
 
-GENERATORS = ("multi_tenant", "system_prompt", "mooncake", "long_history")
+GENERATORS = ("multi_tenant", "system_prompt", "mooncake", "long_history", "flash_crowd", "long_short")
 
 
 def build_trace(args: argparse.Namespace) -> tuple[str, list[TraceRequest]]:
     if args.trace:
         return args.trace, load_trace(args.trace)
+    if args.generate in ("flash_crowd", "long_short"):
+        preset = FlashCrowdTraceConfig() if args.generate == "flash_crowd" else LongShortTraceConfig()
+        generate = generate_flash_crowd if args.generate == "flash_crowd" else generate_long_short
+        config = dataclasses.replace(preset, num_requests=args.requests or preset.num_requests,
+                                     rate_per_s=args.rate or preset.rate_per_s, seed=args.seed)
+        return args.generate, generate(config)
     if args.generate == "system_prompt":
         config = SystemPromptTraceConfig(num_requests=args.requests or SystemPromptTraceConfig.num_requests,
                                          rate_per_s=args.rate or SystemPromptTraceConfig.rate_per_s, seed=args.seed)

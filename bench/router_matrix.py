@@ -1,20 +1,26 @@
-"""The prefill routers over a matrix of traces and seeds, in the cluster simulator, with medians and spreads.
+"""The prefill routers over a matrix of traces, loads and seeds, in the cluster simulator, with medians and spreads.
 
-``python -m bench.router_matrix [--traces multi_tenant,mooncake,long_history] [--seeds 6]
+``python -m bench.router_matrix [--traces system_prompt,multi_tenant,...] [--loads 0.5,0.75,0.9] [--seeds 6]
 [--policies pd,round_robin,ray_prefix,latency] [--candidate latency] [--replicas 8] [--cache-blocks 256]``
 
-For every trace and every seed ``s`` (0 to ``--seeds`` - 1) it generates the
-trace with seed ``s`` (``bench.router.build_trace``) and serves it with every
-policy (``bench.router.replay``: the same simulated pool, its engines and the
-random policies seeded ``s`` too). One seed is one draw of the traffic; the
-spread over seeds says how much a difference between policies is the draw's.
+For every trace, a pilot serves its seed-0 draw with ``PILOT_POLICY``
+(today's default router) at the trace's default time scale
+(``TRACE_DEFAULTS``) and reads the pool's utilization; each load in
+``--loads`` is then that time scale times load over utilization (the load
+is a fraction of what the pool can compute under today's router). For
+every load and every seed ``s`` (0 to ``--seeds`` - 1) it generates the
+trace with seed ``s`` (``bench.router.build_trace``) and serves it with
+every policy (``bench.router.replay``: the same simulated pool, its engines
+and the random policies seeded ``s`` too). One seed is one draw of the
+traffic; the spread over seeds says how much a difference between policies
+is the draw's.
 
 It prints JSON lines:
 
 - ``machine``: the CPU and its vector ISA, since decision times are wall time
   here (on a loaded machine a decision's p99 is the odd one the OS preempted;
   its p50 is the decision's own cost);
-- one per (trace, policy): ``median``, ``min`` and ``max`` over seeds of
+- one per (trace, load, policy): ``median``, ``min`` and ``max`` over seeds of
   ``ttft_p99_s``, ``ttft_p50_s``, ``hit_rate``, ``max_min_load_ratio`` (null:
   some replica got no request), ``decide_us_p50`` and ``decide_us_p99``, as
   ``bench.router`` defines them, ``utilization``, and the trace's
@@ -22,19 +28,20 @@ It prints JSON lines:
   pool's caches hold: above 1, caches must evict) and ``cacheable_hit_rate``
   (the hit rate of one unbounded cache: prompt tokens in full blocks an
   earlier request sent);
-- one per trace with the goals of ``--candidate`` against the best of the
-  *other* policies in the same seed: per seed and their median,
+- one per (trace, load) with the goals of ``--candidate`` against the best of
+  the *other* policies in the same seed: per seed and their median,
   ``ttft_p99_ratio`` (candidate over the lowest TTFT p99, goal <= 1),
+  ``ttft_p50_ratio`` (over the lowest TTFT p50, goal <= 1.05),
   ``hit_rate_ratio`` (over the highest hit rate, goal >= 0.98),
-  ``max_min_load_ratio`` (its own, goal <= 1.5) and ``decide_us_p99`` (goal
-  <= 1000, meant at 16 replicas), each with whether the median meets it;
+  ``decide_us_p99`` (goal <= 1000) and, on the shared-system-prompt trace,
+  ``ttft_p99_over_p50`` (no collapse onto the prompt's holder: goal <= 2),
+  each with whether the median meets it, and ``all_met``;
 - the wall time of the whole matrix.
 
-Each trace's default size and time scale (``TRACE_DEFAULTS``) keep a pool of 8
-replicas about half to three quarters busy (``utilization``), as
-``bench.router``'s defaults do, over a working set at or above what the caches
-hold, and keep the default matrix of 4 policies x 3 traces x 6 seeds to about
-10 minutes on 2 shared cores.
+The traces are ``bench.router``'s generators: four of the project's and two
+built to break a prefix router (``bench.router_traces``: a flash crowd on
+one tenant, 100-token prompts among 30k-token ones). Each trace's default
+size (``TRACE_DEFAULTS``) is 800 requests.
 """
 
 from __future__ import annotations
@@ -55,15 +62,20 @@ from router.policy import PolicyConfig
 # Per trace: (requests, time scale). A conversation's turns come minutes apart,
 # so a trace's first few hundred requests arrive far slower than its nominal
 # rate; the time scale brings them back to a pool that queues.
-TRACE_DEFAULTS = {"multi_tenant": (800, 3.0), "mooncake": (800, 4.0), "long_history": (800, 3.0)}
-DEFAULT_TRACES = ("multi_tenant", "mooncake", "long_history")
+TRACE_DEFAULTS = {"multi_tenant": (800, 3.0), "mooncake": (800, 4.0), "long_history": (800, 3.0),
+                  "system_prompt": (800, 1.0), "flash_crowd": (800, 3.0), "long_short": (800, 1.0)}
+DEFAULT_TRACES = ("system_prompt", "multi_tenant", "mooncake", "long_history", "flash_crowd", "long_short")
 DEFAULT_POLICIES = ("pd", "round_robin", "ray_prefix", "latency")
+DEFAULT_LOADS = (0.5, 0.75, 0.9)
+PILOT_POLICY = "pd"  # the router whose utilization a load is a fraction of (today's default)
 METRICS = ("ttft_p99_s", "ttft_p50_s", "hit_rate", "max_min_load_ratio", "decide_us_p50", "decide_us_p99")
-# The routing goals: the candidate's TTFT p99 and hit rate against the best other policy, its own balance and cost.
+# The routing goals: the candidate's TTFT p99 and p50 and its hit rate against the best other policy in the same
+# seed, its decision's cost, and, where every prompt shares one prefix, no collapse onto its holder.
 TTFT_P99_RATIO_GOAL = 1.0
+TTFT_P50_RATIO_GOAL = 1.05
 HIT_RATE_RATIO_GOAL = 0.98
-MAX_MIN_LOAD_GOAL = 1.5
 DECIDE_US_P99_GOAL = 1000.0
+COLLAPSE_GOAL = 2.0  # TTFT p99 over p50, on the shared-system-prompt trace
 
 
 def machine_info() -> dict:
@@ -104,20 +116,37 @@ def cacheable_hit_rate(trace: list[TraceRequest]) -> float:
     return num_cacheable / max(1, sum(request.input_length for request in trace))
 
 
-def run_seed(trace_name: str, seed: int, args: argparse.Namespace, policies: list[str]) -> SeedRun:
-    default_requests, default_time_scale = TRACE_DEFAULTS.get(trace_name, (0, 1.0))
+def seed_trace(trace_name: str, seed: int, args: argparse.Namespace) -> list[TraceRequest]:
+    default_requests, _ = TRACE_DEFAULTS.get(trace_name, (0, 1.0))
     trace_args = argparse.Namespace(trace=None, generate=trace_name, requests=args.requests or default_requests,
                                     rate=args.rate, seed=seed)
-    _, trace = build_trace(trace_args)
-    config = ReplayConfig(num_replicas=args.replicas, cache_blocks=args.cache_blocks,
-                          time_scale=args.time_scale or default_time_scale, seed=seed)
+    return build_trace(trace_args)[1]
+
+
+def pilot_time_scales(trace_name: str, args: argparse.Namespace) -> dict[float, float]:
+    """Each load's time scale: ``PILOT_POLICY``'s utilization on seed 0 at the trace's default time scale,
+    scaled linearly to the load. With ``--time-scale``, that one scale, its load unknown (0)."""
+    if args.time_scale:
+        return {0.0: args.time_scale}
+    _, default_time_scale = TRACE_DEFAULTS.get(trace_name, (0, 1.0))
+    config = ReplayConfig(num_replicas=args.replicas, cache_blocks=args.cache_blocks, time_scale=default_time_scale)
+    busy = replay(PILOT_POLICY, seed_trace(trace_name, 0, args), config,
+                  PolicyConfig(block_size=config.block_size)).utilization
+    return {load: default_time_scale * load / max(busy, 1e-3) for load in args.load_values}
+
+
+def run_seed(trace_name: str, seed: int, time_scale: float, args: argparse.Namespace,
+             policies: list[str]) -> SeedRun:
+    trace = seed_trace(trace_name, seed, args)
+    config = ReplayConfig(num_replicas=args.replicas, cache_blocks=args.cache_blocks, time_scale=time_scale,
+                          seed=seed)
     pd_config = PolicyConfig(block_size=config.block_size, seed=seed)
     results = {}
     for policy in policies:
         started = time.perf_counter()
         results[policy] = replay(policy, trace, config, pd_config)
-        print(f"{trace_name} seed {seed} {policy}: {len(trace)} requests, {time.perf_counter() - started:.1f} s",
-              file=sys.stderr, flush=True)
+        print(f"{trace_name} x{time_scale:.2f} seed {seed} {policy}: {len(trace)} requests, "
+              f"{time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
     return SeedRun(seed, working_set_over_pool(trace, config), cacheable_hit_rate(trace), results)
 
 
@@ -153,17 +182,21 @@ def seed_ratios(candidate: str, run: SeedRun) -> dict:
     own = run.results[candidate]
     others = [result for policy, result in run.results.items() if policy != candidate]
     best_ttft_p99 = min(result.ttft_p99_s for result in others)
+    best_ttft_p50 = min(result.ttft_p50_s for result in others)
     best_hit_rate = max(result.hit_rate for result in others)
     return {"ttft_p99_ratio": own.ttft_p99_s / best_ttft_p99 if best_ttft_p99 > 0 else float("inf"),
+            "ttft_p50_ratio": own.ttft_p50_s / best_ttft_p50 if best_ttft_p50 > 0 else float("inf"),
             "hit_rate_ratio": own.hit_rate / best_hit_rate if best_hit_rate > 0 else 1.0,
-            "max_min_load_ratio": metric(own, "max_min_load_ratio"),
-            "decide_us_p99": own.decide_us_p99}
+            "decide_us_p99": own.decide_us_p99,
+            "ttft_p99_over_p50": own.ttft_p99_s / own.ttft_p50_s if own.ttft_p50_s > 0 else float("inf")}
 
 
-def goal_checks(trace_name: str, candidate: str, runs: list[SeedRun], num_replicas: int) -> dict:
+def goal_checks(trace_name: str, candidate: str, runs: list[SeedRun], num_replicas: int, load: float = 0.0) -> dict:
     per_seed = [seed_ratios(candidate, run) for run in runs]
-    goals = {"ttft_p99_ratio": ("<=", TTFT_P99_RATIO_GOAL), "hit_rate_ratio": (">=", HIT_RATE_RATIO_GOAL),
-             "max_min_load_ratio": ("<=", MAX_MIN_LOAD_GOAL), "decide_us_p99": ("<=", DECIDE_US_P99_GOAL)}
+    goals = {"ttft_p99_ratio": ("<=", TTFT_P99_RATIO_GOAL), "ttft_p50_ratio": ("<=", TTFT_P50_RATIO_GOAL),
+             "hit_rate_ratio": (">=", HIT_RATE_RATIO_GOAL), "decide_us_p99": ("<=", DECIDE_US_P99_GOAL)}
+    if trace_name == "system_prompt":
+        goals["ttft_p99_over_p50"] = ("<=", COLLAPSE_GOAL)
     checks = {}
     for name, (sense, goal) in goals.items():
         values = [ratios[name] for ratios in per_seed]
@@ -172,8 +205,8 @@ def goal_checks(trace_name: str, candidate: str, runs: list[SeedRun], num_replic
                         "goal": f"{sense} {goal}", "met": median <= goal if sense == "<=" else median >= goal,
                         "seeds_met": sum(value <= goal if sense == "<=" else value >= goal for value in values)}
     baselines = sorted(policy for policy in runs[0].results if policy != candidate)
-    return {"trace": trace_name, "candidate": candidate, "against_best_of": baselines, "replicas": num_replicas,
-            "goals": checks}
+    return {"trace": trace_name, "load": load, "candidate": candidate, "against_best_of": baselines,
+            "replicas": num_replicas, "goals": checks, "all_met": all(check["met"] for check in checks.values())}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -190,9 +223,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--cache-blocks", type=int, default=256, help="KV per replica, in 512-token blocks")
     parser.add_argument("--requests", type=int, default=0, help="requests per trace (0: TRACE_DEFAULTS)")
     parser.add_argument("--rate", type=float, default=0.0, help="generated arrivals per second (0: the generator's)")
+    parser.add_argument("--loads", default=",".join(map(str, DEFAULT_LOADS)),
+                        help=f"comma-separated fractions of the pool's capacity ({PILOT_POLICY}'s utilization)")
     parser.add_argument("--time-scale", type=float, default=0.0,
-                        help="arrivals come this many times faster (0: TRACE_DEFAULTS)")
+                        help="arrivals come this many times faster: one load, no pilot (0: from --loads)")
     args = parser.parse_args(argv)
+    args.load_values = [float(value) for value in args.loads.split(",") if value.strip()]
+    if not args.load_values or min(args.load_values) <= 0:
+        parser.error("--loads needs positive fractions")
     args.trace_names = [name.strip() for name in args.traces.split(",") if name.strip()]
     args.policy_names = [name.strip() for name in args.policies.split(",") if name.strip()]
     for name in args.trace_names:
@@ -212,11 +250,13 @@ def main(argv: list[str] | None = None) -> None:
     print(json.dumps({"machine": machine_info(), "replicas": args.replicas, "cache_blocks": args.cache_blocks,
                       "seeds": args.seeds, "policies": args.policy_names}), flush=True)
     for trace_name in args.trace_names:
-        runs = [run_seed(trace_name, seed, args, args.policy_names) for seed in range(args.seeds)]
-        for policy in args.policy_names:
-            print(json.dumps(policy_summary(trace_name, policy, runs)), flush=True)
-        if args.candidate in args.policy_names and len(args.policy_names) > 1:
-            print(json.dumps(goal_checks(trace_name, args.candidate, runs, args.replicas)), flush=True)
+        for load, time_scale in pilot_time_scales(trace_name, args).items():
+            runs = [run_seed(trace_name, seed, time_scale, args, args.policy_names) for seed in range(args.seeds)]
+            for policy in args.policy_names:
+                summary = policy_summary(trace_name, policy, runs)
+                print(json.dumps({"load": load, "time_scale": round(time_scale, 3), **summary}), flush=True)
+            if args.candidate in args.policy_names and len(args.policy_names) > 1:
+                print(json.dumps(goal_checks(trace_name, args.candidate, runs, args.replicas, load)), flush=True)
     print(json.dumps({"wall_s": round(time.perf_counter() - started, 1)}), flush=True)
 
 

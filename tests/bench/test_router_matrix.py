@@ -19,18 +19,20 @@ def test_goal_checks_compare_the_candidate_with_the_best_other_policy_in_each_se
         router_matrix.SeedRun(1, 1.5, 0.5, {"new": result("new", 3.0, 0.9, [4, 0]),
                                             "a": result("a", 2.0, 0.9, [1, 1]), "b": result("b", 4.0, 0.3, [1, 1])}),
     ]
-    checks = router_matrix.goal_checks("t", "new", runs, num_replicas=2)
-    assert checks["against_best_of"] == ["a", "b"]
+    checks = router_matrix.goal_checks("t", "new", runs, num_replicas=2, load=0.75)
+    assert checks["against_best_of"] == ["a", "b"] and checks["load"] == 0.75
     goals = checks["goals"]
     assert goals["ttft_p99_ratio"]["per_seed"] == [0.8, 1.5]  # against b's 1.25, then a's 2.0
     assert goals["ttft_p99_ratio"]["median"] == 1.15 and not goals["ttft_p99_ratio"]["met"]
     assert goals["ttft_p99_ratio"]["seeds_met"] == 1
+    assert goals["ttft_p50_ratio"]["per_seed"] == [0.8, 1.5]  # each p50 is its p99 / 4
     assert goals["hit_rate_ratio"]["per_seed"] == [0.9, 1.0]  # against a's hit rates
     assert goals["hit_rate_ratio"]["median"] == 0.95 and not goals["hit_rate_ratio"]["met"]
     assert goals["hit_rate_ratio"]["seeds_met"] == 1
-    # A replica that got nothing makes the ratio unbounded: null in JSON, the goal missed.
-    assert goals["max_min_load_ratio"]["per_seed"] == [1.5, None]
-    assert goals["max_min_load_ratio"]["median"] is None and not goals["max_min_load_ratio"]["met"]
+    assert "ttft_p99_over_p50" not in goals and not checks["all_met"]
+    # On the shared-system-prompt trace, no collapse: the candidate's p99 within 2x its p50 (4x here).
+    collapse = router_matrix.goal_checks("system_prompt", "new", runs, num_replicas=2)["goals"]["ttft_p99_over_p50"]
+    assert collapse["per_seed"] == [4.0, 4.0] and not collapse["met"]
     summary = router_matrix.policy_summary("t", "b", runs)
     assert summary["ttft_p99_s"] == {"median": 2.625, "min": 1.25, "max": 4.0}
     assert summary["max_min_load_ratio"] == {"median": None, "min": 1.0, "max": None}
@@ -44,12 +46,15 @@ def test_cacheable_hit_rate_counts_full_blocks_sent_before():
 
 def test_main_prints_summaries_goals_and_the_machine(capsys):
     router_matrix.main(["--traces", "multi_tenant", "--seeds", "2", "--policies", "pd,round_robin",
-                        "--candidate", "pd", "--requests", "40", "--replicas", "2"])
+                        "--candidate", "pd", "--requests", "40", "--replicas", "2", "--loads", "0.5,0.9"])
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert set(lines[0]["machine"]["isa"]) <= {"avx2", "avx512f"} and lines[0]["machine"]["cpu"]
-    summaries, goals, wall = lines[1:3], lines[3], lines[4]
-    assert [(line["trace"], line["policy"]) for line in summaries] == [("multi_tenant", "pd"),
-                                                                       ("multi_tenant", "round_robin")]
+    summaries, goals, wall = lines[1:3], lines[3], lines[7]
+    assert [(line["trace"], line["load"], line["policy"]) for line in summaries] == [
+        ("multi_tenant", 0.5, "pd"), ("multi_tenant", 0.5, "round_robin")]
+    # The pilot's time scales: linear in the load.
+    assert lines[4]["load"] == 0.9 and lines[4]["time_scale"] == pytest.approx(1.8 * summaries[0]["time_scale"],
+                                                                                 abs=2e-3)
     for line in summaries:
         assert line["seeds"] == [0, 1]
         for name in router_matrix.METRICS:
@@ -67,3 +72,5 @@ def test_unknown_trace_or_policy_is_refused():
         router_matrix.parse_args(["--traces", "nope"])
     with pytest.raises(SystemExit):
         router_matrix.parse_args(["--policies", "pd,nope"])
+    with pytest.raises(SystemExit):
+        router_matrix.parse_args(["--loads", "0"])
