@@ -114,7 +114,7 @@ class LatencyPolicyConfig(PolicyConfig):
     min_replica_steps: float = 8.0  # a replica's recent steps before its speed is its own (the pool's until then)
     w_compute: float = 1.0  # prefill compute seconds charged beyond the request's own wait
     # The candidates a decision scores (``router.candidates``): a random few, and the most prefix holders.
-    num_sampled: int = 4
+    num_sampled: int = 8
     max_prefix_candidates: int = 4
     # The guard (module docstring): ingress replicas each routing into this pool; each assumes the others sent
     # a replica, since its last report, what it did itself.

@@ -30,6 +30,9 @@ def test_goal_checks_compare_the_candidate_with_the_best_other_policy_in_each_se
     assert goals["hit_rate_ratio"]["median"] == 0.95 and not goals["hit_rate_ratio"]["met"]
     assert goals["hit_rate_ratio"]["seeds_met"] == 1
     assert "ttft_p99_over_p50" not in goals and not checks["all_met"]
+    # Of the seed-medians: new's 2.0 over the best other median, a's 2.0 (b's is 2.625).
+    assert goals["ttft_p99_ratio"]["of_medians"] == 1.0 and goals["ttft_p99_ratio"]["met_of_medians"]
+    assert goals["hit_rate_ratio"]["of_medians"] == round(0.81 / 0.85, 4)
     # On the shared-system-prompt trace, no collapse: the candidate's p99 within 2x its p50 (4x here).
     collapse = router_matrix.goal_checks("system_prompt", "new", runs, num_replicas=2)["goals"]["ttft_p99_over_p50"]
     assert collapse["per_seed"] == [4.0, 4.0] and not collapse["met"]
