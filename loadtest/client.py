@@ -43,6 +43,10 @@ class StreamResult:
     prompt_tokens: int = 0
     output_tokens: int = 0
     error: str | None = None
+    status_code: int | None = None  # the HTTP status, once it came
+    error_code: str | None = None  # an error body's ``code`` (a 429's names why it was shed)
+    retry_after_s: float | None = None  # a 429's or 503's Retry-After
+    request_id: str | None = None  # the server's x-request-id
     text_parts: list[str] = field(default_factory=list)  # the answer's pieces as they streamed (choice 0)
 
     @property
@@ -87,8 +91,13 @@ def send(session: requests.Session, base_url: str, path: str, body: dict, option
     try:
         with session.post(base_url.rstrip("/") + path, json=body, headers=headers(options),
                           stream=body.get("stream", False), timeout=(10.0, options.timeout_s)) as response:
+            result.status_code = response.status_code
+            result.request_id = response.headers.get("x-request-id")
             if response.status_code != 200:
                 result.error = f"HTTP {response.status_code}: {_error_message(response.text)}"
+                result.error_code = _error_code(response.text)
+                retry = response.headers.get("retry-after")
+                result.retry_after_s = float(retry) if retry and retry.isdigit() else None
             elif body.get("stream"):
                 _read_stream(response, start, result)
             else:
@@ -167,6 +176,14 @@ def _message(error: object) -> str:
     if isinstance(error, dict):
         return str(error.get("message") or error)
     return str(error)
+
+
+def _error_code(text: str) -> str | None:
+    try:
+        code = json.loads(text)["error"].get("code")
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return code if isinstance(code, str) else None
 
 
 def _error_message(text: str) -> str:

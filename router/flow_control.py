@@ -157,6 +157,7 @@ class FlowCounters:
     shed: Counter[tuple[str, str, ShedReason]] = field(default_factory=Counter)
     cancelled: Counter[tuple[str, str]] = field(default_factory=Counter)
     served_tokens: Counter[str] = field(default_factory=Counter)  # prompt + output of finished requests
+    dispatched_tokens: int = 0  # the cost of every request admitted: what has left the queue, in its units
 
 
 @dataclass
@@ -335,6 +336,7 @@ class FlowController:
         self.capacity.note_in_flight(len(self._in_flight))
         band = self.band_name(held.request)
         self.counters.admitted[request.tenant, band] += 1
+        self.counters.dispatched_tokens += request.cost
         if held.borrowing:
             self.counters.borrowed[request.tenant] += 1
         return Admit(request, band, held.level, held.borrowing, max(0.0, now_s - request.arrival_s))

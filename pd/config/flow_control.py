@@ -120,6 +120,18 @@ class FlowControlArgs(StrictModel):
         """Every tenant's keys: the ingress accepts them as it accepts ``AppArgs.api_keys``."""
         return [key for tenant in self.tenants.values() for key in tenant.api_keys]
 
+    def ingress_max_ongoing(self, ingress_max_ongoing: int, explicit: bool) -> int:
+        """The ingress replica's ``max_ongoing_requests`` under flow control: its waiting requests are ongoing
+        HTTP requests, and beyond the bound Serve's proxy would queue them where flow control cannot see them.
+        Unset, it rises to ``max_queued`` plus the default's room for those in flight; set, it must hold them."""
+        if not explicit:
+            return max(ingress_max_ongoing, self.max_queued + ingress_max_ongoing)
+        if ingress_max_ongoing <= self.max_queued:
+            raise ValueError(f"ingress.max_ongoing_requests ({ingress_max_ongoing}) must be above "
+                             f"flow_control.max_queued ({self.max_queued}): requests waiting in flow control are "
+                             "ongoing requests of the ingress, and past its bound they would queue unseen")
+        return ingress_max_ongoing
+
     def for_pools(self) -> dict[str, Any]:
         """These settings without the tenants' keys, which only the ingress needs."""
         dumped = self.model_dump()

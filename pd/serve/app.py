@@ -24,4 +24,7 @@ def build_app(args: dict[str, Any] | None = None):
     decode_prefill = prefill if parsed.transfer_backend == "torch" else None
     decode = DecodeServer.options(**parsed.deployment_options("decode")).bind(pools, decode_prefill)
     ingress_options = parsed.ingress.model_dump()
+    if parsed.flow_control is not None:
+        ingress_options["max_ongoing_requests"] = parsed.flow_control.ingress_max_ongoing(
+            parsed.ingress.max_ongoing_requests, "max_ongoing_requests" in parsed.ingress.model_fields_set)
     return Ingress.options(**ingress_options).bind(parsed.model_dump(), prefill, decode)

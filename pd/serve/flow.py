@@ -151,7 +151,8 @@ class IngressFlow:
             self.poll()
         if isinstance(outcome, Shed):
             timeline.set(shed=outcome.reason.value, retry_after_s=round(outcome.retry_after_s, 3),
-                         predicted_ttft_s=outcome.predicted_ttft_s)
+                         predicted_ttft_s=outcome.predicted_ttft_s, tokens_ahead=round(outcome.tokens_ahead),
+                         queue_drain_s=outcome.queue_drain_s)
             raise shed_error(outcome)
         timeline.set(borrowing=outcome.borrowing or None, flow_level=outcome.level)
         return FlowTicket(self, request_id, outcome.level)
@@ -245,4 +246,4 @@ class IngressFlow:
                 "limit": self.controller.capacity.limit,
                 "admitted": {f"{t}/{b}": n for (t, b), n in counters.admitted.items()},
                 "shed": {f"{t}/{b}/{r.value}": n for (t, b, r), n in counters.shed.items()},
-                "served_tokens": dict(counters.served_tokens)}
+                "served_tokens": dict(counters.served_tokens), "dispatched_tokens": counters.dispatched_tokens}

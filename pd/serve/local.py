@@ -44,8 +44,8 @@ class LocalServe:
         """Deploy ``app`` (a bound Serve application, e.g. ``build_app(args)``) and wait until it runs.
 
         Waits for the application to be ``RUNNING`` and, with ``ready_url``
-        (the server's base URL), for ``GET ready_url/v1/models`` to answer, so
-        the HTTP proxy routes to it. Raises ``RuntimeError`` if the app fails
+        (the server's base URL), for ``GET ready_url/health`` to answer, so
+        the HTTP proxy routes to it (``/health`` needs no API key). Raises ``RuntimeError`` if the app fails
         to deploy, ``TimeoutError`` after ``timeout_s``.
         """
         from ray import serve
@@ -147,9 +147,9 @@ def _sigint_ignored() -> Iterator[None]:
 
 
 def _answers(base_url: str) -> bool:
-    """Whether ``GET base_url/v1/models`` answers with JSON (the proxy routes to the app)."""
+    """Whether ``GET base_url/health`` answers with JSON (the proxy routes to the app)."""
     try:
-        with urllib.request.urlopen(base_url.rstrip("/") + "/v1/models", timeout=10) as response:
+        with urllib.request.urlopen(base_url.rstrip("/") + "/health", timeout=10) as response:
             json.loads(response.read())
             return True
     except (urllib.error.URLError, OSError, ValueError):

@@ -368,5 +368,12 @@ def test_tenants_keys_stay_at_the_ingress():
     assert AppArgs.parse(config_args("default.yaml")).for_pools()["flow_control"] is None
 
 
-def test_an_app_with_flow_control_builds():
-    assert build_app(_with_flow_control()) is not None
+def test_an_app_with_flow_control_gives_its_ingress_room_for_the_waiting():
+    app = build_app(_with_flow_control())
+    ingress = app._bound_deployment
+    assert ingress._deployment_config.max_ongoing_requests == 4096 + 256  # max_queued + the default's room
+    explicit = {**_with_flow_control(), "ingress": {"max_ongoing_requests": 5000}}
+    assert build_app(explicit)._bound_deployment._deployment_config.max_ongoing_requests == 5000
+    with pytest.raises(ValueError, match=r"ingress.max_ongoing_requests \(300\) must be above "
+                                         r"flow_control.max_queued \(4096\)"):
+        build_app({**_with_flow_control(), "ingress": {"max_ongoing_requests": 300}})

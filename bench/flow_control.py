@@ -1,0 +1,342 @@
+"""Flow control served: the default P/D app under 2x its capacity, three tenants, two bands, as clients see it.
+
+    python -m bench.flow_control [--duration-s 60] [--out DIR]
+
+Starts a private Ray with Serve and deploys ``serve_configs/default.yaml``'s
+app (the trained SmolLM2) with ``flow_control:`` (``flow_control_args``): two
+bands (interactive: priority 0, TTFT deadline 2 s; batch: priority 1, none)
+and three tenants of equal weight, ``a``, ``b`` and ``c``, each named by its
+API key. The traffic is ``sim.flow_trace``'s (the simulator's replay, served
+for real): Poisson arrivals, ``c`` sending 70% of the requests, 30% of each
+tenant's interactive, prompts of random token ids (no prefix shared) and
+outputs of 16 to 96 tokens. Each request is sent when its arrival comes
+(an open loop) with the project's load-test client (``loadtest.client.send``),
+streamed; a 429's ``Retry-After`` is kept.
+
+Runs, each printed as one JSON line, with ``sim.flow_report``'s figures (per
+tenant and band: offered, served, shed, TTFT p50/p99, goodput; Jain's index):
+
+1. ``capacity``: requests and tokens per second the app finishes with
+   ``--capacity-clients`` clients sending the trace's mix back to back.
+2. ``overload``: 2x capacity with flow control; the same trace with nothing
+   shed (``no_shed``: no margin, no queue bound), and its interactive
+   requests alone (``load_off``). ``shedding``: how soon a 429 came, whether
+   the deadline sheds would have missed in ``no_shed``, and each shed's
+   ``Retry-After`` (its predicted queue drain, from its timeline) against the
+   drain seen: the time until the ingress had dispatched the tokens that were
+   ahead of it (sampled from its flow counters every ``SAMPLE_S``).
+3. ``moderate``: 0.7x capacity, with flow control and without (a second app).
+4. ``quota``: ``c`` alone at 2x capacity with a quota of a third of capacity,
+   ``a`` and ``b`` joining at ``--quota-return-s``.
+
+The last line, ``goals``, sets the figures against issue 58's goals 1-4
+(``sim.flow.goals``). The CPU and its ISA are named in the first line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import requests
+
+from bench.configs import load_config
+from loadtest import client
+from pd.config.flow_control import FlowControlArgs
+from pd.serve.local import deploy_args, local_serve
+from pd.workload.host import cpu_flags, cpu_name
+from sim.flow import INTERACTIVE_DEADLINE_S, TENANTS, goals
+from sim.flow_report import Window, summarize
+from sim.flow_trace import FlowArrival, FlowRun, FlowTraceConfig, generate
+from sim.replica import RequestRecord
+
+WARMUP_S = 10.0
+SAMPLE_S = 0.25  # how often the ingress's flow counters are sampled
+KEYS = {tenant: f"sk-bench-{tenant}" for tenant in TENANTS}
+
+
+def flow_control_args(quota_c_tokens_per_min: int | None = None, shedding: bool = True) -> dict:
+    """``sim.flow.default_flow`` as the app's YAML: without ``shedding`` nothing is shed (the replay that shows
+    what shedding spared)."""
+    unbounded = 1 << 20
+    tenants = {name: {"api_keys": [KEYS[name]], "max_queued": 256 if shedding else unbounded,
+                      **({"quota_tokens_per_min": quota_c_tokens_per_min}
+                         if name == "c" and quota_c_tokens_per_min else {})} for name in TENANTS}
+    return {"bands": [{"name": "interactive", "max_priority": 0, "ttft_deadline_ms": INTERACTIVE_DEADLINE_S * 1000},
+                      {"name": "batch", "min_priority": 1}],
+            "tenants": tenants, "default_tenant": "a", "shed_margin": 0.1 if shedding else 1e9,
+            "max_queued": 4096 if shedding else unbounded}
+
+
+def app_args(flow: dict | None) -> dict:
+    base = load_config("default.yaml")["applications"][0]["args"]
+    return {**base, "flow_control": flow, "debug_requests_kept": 20_000, "request_timeout_s": 600}
+
+
+@dataclass
+class Served:
+    """One request as its client saw it, on the bench's monotonic clock."""
+
+    sent_s: float
+    result: client.StreamResult
+    status: int | None = None  # None: no answer came
+    retry_after_s: float | None = None
+    request_id: str | None = None
+    done_s: float = math.nan
+
+
+@dataclass
+class Load:
+    """Sends a trace open-loop; samples the ingress's flow counters meanwhile."""
+
+    url: str
+    model: str
+    served: dict[str, Served] = field(default_factory=dict)
+    samples: list[tuple[float, int]] = field(default_factory=list)  # (time, dispatched tokens)
+
+    def run(self, arrivals: list[FlowArrival], drain_s: float = 120.0) -> float:
+        """Send every arrival at its time; wait for all; the start on the bench's clock."""
+        start = time.monotonic()
+        stop = threading.Event()
+        sampler = threading.Thread(target=self._sample, args=(stop,), daemon=True)
+        sampler.start()
+        with ThreadPoolExecutor(max_workers=1024) as pool:
+            for arrival in arrivals:
+                delay = start + arrival.time_s - time.monotonic()
+                if delay > 0:
+                    time.sleep(delay)  # the open loop's schedule, not synchronisation
+                pool.submit(self._send, arrival)
+        stop.set()
+        sampler.join(drain_s)
+        return start
+
+    def _send(self, arrival: FlowArrival) -> None:
+        body = {"model": self.model, "prompt": list(arrival.prompt), "max_tokens": arrival.max_tokens,
+                "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True, "temperature": 0,
+                "priority": arrival.priority}
+        options = client.RequestOptions(self.model, api_key=KEYS[arrival.tenant], timeout_s=600)
+        served = Served(time.monotonic(), client.StreamResult(start_time=time.time()))
+        self.served[arrival.request_id] = served
+        with requests.Session() as session:
+            client.send(session, self.url, client.COMPLETIONS_PATH, body, options, served.result)
+        served.done_s = time.monotonic()
+        served.status = served.result.status_code
+        served.retry_after_s = served.result.retry_after_s
+        served.request_id = served.result.request_id
+
+    def _sample(self, stop: threading.Event) -> None:
+        while not stop.wait(SAMPLE_S):
+            flow = ingress_stats()["flow"]
+            if flow is not None:
+                self.samples.append((time.monotonic(), flow["dispatched_tokens"]))
+
+
+def ingress_stats() -> dict:
+    from ray import serve
+
+    return serve.get_app_handle("pd").process_stats.remote().result()
+
+
+def as_run(arrivals: list[FlowArrival], load: Load, start_s: float, flow: dict | None) -> FlowRun:
+    """What the clients saw, as ``sim.flow_report`` reads a replay: records on the trace's clock, and sheds."""
+    records, outcomes = {}, {}
+    for arrival in arrivals:
+        served = load.served[arrival.request_id]
+        record = RequestRecord(arrival.time_s, len(arrival.prompt))
+        result = served.result
+        if result.error is None:
+            first = served.sent_s - start_s + result.ttft_s
+            record.token_times_s = [first] + [first + sum(result.itl_s[:i + 1]) for i in range(len(result.itl_s))]
+            record.finished_s = served.done_s - start_s
+        records[arrival.request_id] = record
+        if served.status == 429:
+            outcomes[arrival.request_id] = _ShedOutcome(served)
+    config = FlowControlArgs(**flow).config() if flow is not None else None
+    return FlowRun(arrivals, records, _Gate(outcomes) if flow is not None else None, None,
+                   max(s.done_s for s in load.served.values()) - start_s, config)
+
+
+class _Gate:
+    def __init__(self, outcomes: dict) -> None:
+        self.outcomes = outcomes
+
+
+class _ShedOutcome:
+    """A 429 as ``sim.flow_report`` counts a shed: by the reason its body named."""
+
+    def __init__(self, served: Served) -> None:
+        from router.flow_control import ShedReason
+
+        reason = (served.result.error_code or "queue_full")
+        self.shed = type("Shed", (), {"reason": ShedReason(reason)})()
+
+
+def shed_figures(arrivals: list[FlowArrival], load: Load, no_shed: FlowRun) -> dict:
+    """How soon 429s came (per reason), whether the deadline sheds would have missed without shedding, and
+    Retry-After against the drain seen."""
+    sheds = [(arrival, load.served[arrival.request_id]) for arrival in arrivals
+             if load.served[arrival.request_id].status == 429]
+    count: dict[str, int] = {}
+    fast: dict[str, int] = {}
+    for _, served in sheds:
+        reason = served.result.error_code or "unknown"
+        count[reason] = count.get(reason, 0) + 1
+        fast[reason] = fast.get(reason, 0) + (served.result.e2e_s <= 0.05)
+    deadline = [arrival for arrival, served in sheds if served.result.error_code in ("deadline", "expired")]
+    missed = sum(not (record := no_shed.records[arrival.request_id]).token_times_s
+                 or record.ttft_s > INTERACTIVE_DEADLINE_S for arrival in deadline)
+    answers = sorted(served.result.e2e_s for _, served in sheds)
+    return {"shed": len(sheds), "by_reason": count,
+            "within_50ms": round(sum(fast.values()) / len(sheds), 3) if sheds else None,
+            "within_50ms_by_reason": {reason: round(fast[reason] / count[reason], 3) for reason in sorted(count)},
+            "answer_ms_p50": round(answers[len(answers) // 2] * 1000, 1) if answers else None,
+            "deadline_shed": len(deadline), "would_have_missed": round(missed / len(deadline), 3) if deadline else None,
+            "retry_after": drain_check(sheds, load)}
+
+
+def drain_check(sheds: list[tuple[FlowArrival, Served]], load: Load, most: int = 300) -> dict:
+    """Each shed's predicted queue drain (its timeline's ``queue_drain_s``) against the drain seen: the time
+    until the ingress had dispatched the tokens that were ahead of it (``tokens_ahead``)."""
+    times = [t for t, _ in load.samples]
+    totals = [tokens for _, tokens in load.samples]
+    ratios, unknown = [], 0
+    with requests.Session() as session:
+        for _, served in sheds[:most]:
+            timeline = session.get(f"{load.url}/debug/requests/{served.request_id}",
+                                   headers={"Authorization": f"Bearer {KEYS['a']}"}).json()
+            attributes = timeline.get("attributes", {})
+            ahead, predicted = attributes.get("tokens_ahead"), attributes.get("queue_drain_s")
+            if not ahead:
+                continue
+            if predicted is None:
+                unknown += 1
+                continue
+            at = served.done_s
+            start = next((i for i, t in enumerate(times) if t >= at), len(times))
+            if start == len(times):
+                continue
+            done = next((i for i in range(start, len(times)) if totals[i] - totals[start] >= ahead), None)
+            actual = times[done] - at if done is not None else math.inf
+            ratios.append(predicted / actual if actual > 0 else math.inf)
+    within = sum(0.5 <= ratio <= 2.0 for ratio in ratios)
+    return {"checked": len(ratios), "no_rate_yet": unknown,
+            "within_2x": round(within / len(ratios), 3) if ratios else None,
+            "median_ratio": round(sorted(ratios)[len(ratios) // 2], 3) if ratios else None}
+
+
+def measure_capacity(url: str, model: str, clients: int, duration_s: float, seed: int) -> dict:
+    """Requests and tokens per second finished by ``clients`` sending the trace's mix back to back."""
+    trace = generate(FlowTraceConfig(rate_rps=100.0, duration_s=duration_s * 2, seed=seed))
+    load = Load(url, model)
+    start = time.monotonic()
+    counter = iter(range(len(trace)))
+    lock = threading.Lock()
+
+    def client_loop() -> None:
+        while time.monotonic() - start < duration_s:
+            with lock:
+                index = next(counter)
+            load._send(trace[index])
+
+    threads = [threading.Thread(target=client_loop) for _ in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    window = Window(start + WARMUP_S, start + duration_s)
+    done = [(a, load.served[a.request_id]) for a in trace if a.request_id in load.served]
+    done = [(a, s) for a, s in done if s.result.error is None and window.holds(s.done_s)]
+    tokens = sum(len(a.prompt) + s.result.output_tokens for a, s in done)
+    return {"requests_per_s": round(len(done) / window.span_s, 3), "tokens_per_s": round(tokens / window.span_s, 1),
+            "clients": clients}
+
+
+def run_trace(url: str, model: str, trace: list[FlowArrival], flow: dict | None, window: Window) -> tuple:
+    load = Load(url, model)
+    start = load.run(trace)
+    run = as_run(trace, load, start, flow)
+    return run, load, summarize(run, window, INTERACTIVE_DEADLINE_S)
+
+
+def overload_phase(local, url: str, model: str, capacity: dict, args) -> dict:
+    trace = generate(FlowTraceConfig(rate_rps=2 * capacity["requests_per_s"], duration_s=args.duration_s,
+                                     seed=args.seed))
+    window = Window(WARMUP_S, args.duration_s)
+    deploy_args(local, app_args(flow_control_args(shedding=False)), ready_url=url)
+    no_shed, _, no_shed_figures = run_trace(url, model, trace, flow_control_args(shedding=False), window)
+    deploy_args(local, app_args(flow_control_args()), ready_url=url)
+    _, load, figures = run_trace(url, model, trace, flow_control_args(), window)
+    _, _, load_off = run_trace(url, model, [a for a in trace if a.interactive], flow_control_args(), window)
+    return {"flow_control": figures, "no_shed": no_shed_figures, "load_off": load_off,
+            "shedding": shed_figures(trace, load, no_shed)}
+
+
+def moderate_phase(local, url: str, model: str, capacity: dict, args) -> dict:
+    trace = generate(FlowTraceConfig(rate_rps=0.7 * capacity["requests_per_s"], duration_s=args.duration_s,
+                                     seed=args.seed + 1))
+    window = Window(WARMUP_S, args.duration_s)
+    _, _, with_flow = run_trace(url, model, trace, flow_control_args(), window)  # the app deployed last
+    deploy_args(local, app_args(None), ready_url=url)
+    _, _, without = run_trace(url, model, trace, None, window)
+    return {"flow_control": with_flow, "no_flow_control": without}
+
+
+def quota_phase(local, url: str, model: str, capacity: dict, args) -> dict:
+    """``c`` alone over its quota of a third of capacity, then ``a`` and ``b`` from ``--quota-return-s``."""
+    from sim.flow import _recovery_s, _served_tokens
+
+    quota_per_min = int(capacity["tokens_per_s"] * 60 / 3)
+    flow = flow_control_args(quota_c_tokens_per_min=quota_per_min)
+    deploy_args(local, app_args(flow), ready_url=url)
+    trace = generate(FlowTraceConfig(rate_rps=2 * capacity["requests_per_s"], duration_s=args.quota_duration_s,
+                                     seed=args.seed + 2, active=(("a", args.quota_return_s, math.inf),
+                                                                 ("b", args.quota_return_s, math.inf))))
+    run, _, _ = run_trace(url, model, trace, flow, Window(WARMUP_S, args.quota_duration_s))
+    alone = _served_tokens(run, "c", WARMUP_S, args.quota_return_s) / (args.quota_return_s - WARMUP_S)
+    return {"quota_c_tokens_per_s": round(quota_per_min / 60, 1), "c_alone_tokens_per_s": round(alone, 1),
+            "c_alone_over_quota": round(alone / (quota_per_min / 60), 3),
+            "recovery_s": _recovery_s(run, args.quota_return_s, args.quota_duration_s),
+            "after_return": summarize(run, Window(args.quota_return_s + 10.0, args.quota_duration_s),
+                                      INTERACTIVE_DEADLINE_S)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--duration-s", type=float, default=60.0)
+    parser.add_argument("--capacity-clients", type=int, default=8)
+    parser.add_argument("--capacity-rps", type=float, default=None, help="skip measuring: requests/s")
+    parser.add_argument("--capacity-tokens-per-s", type=float, default=None, help="with --capacity-rps")
+    parser.add_argument("--quota-return-s", type=float, default=40.0)
+    parser.add_argument("--quota-duration-s", type=float, default=80.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--port", type=int, default=8000)
+    args = parser.parse_args()
+    model = load_config("default.yaml")["applications"][0]["args"]["engine"]["model"]
+    url = f"http://127.0.0.1:{args.port}"
+    print(json.dumps({"bench": "flow_control", "cpu": cpu_name(), "cpu_flags": cpu_flags(), "model": model}),
+          flush=True)
+    with local_serve(http_port=args.port) as local:
+        deploy_args(local, app_args(None), ready_url=url)
+        capacity = ({"requests_per_s": args.capacity_rps, "tokens_per_s": args.capacity_tokens_per_s}
+                    if args.capacity_rps is not None else
+                    measure_capacity(url, model, args.capacity_clients, args.duration_s, args.seed))
+        print(json.dumps({"run": "capacity", **capacity}), flush=True)
+        over = overload_phase(local, url, model, capacity, args)
+        for name, figures in over.items():
+            print(json.dumps({"run": f"overload/{name}", **figures}), flush=True)
+        mod = moderate_phase(local, url, model, capacity, args)
+        for name, figures in mod.items():
+            print(json.dumps({"run": f"moderate/{name}", **figures}), flush=True)
+        quota = quota_phase(local, url, model, capacity, args)
+        print(json.dumps({"run": "quota", **quota}), flush=True)
+    pressure = {"flow_control": over["flow_control"], "shedding": over["shedding"]}
+    print(json.dumps({"run": "goals", **goals(over, pressure, mod, quota)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
