@@ -41,6 +41,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence
 
+from pd.config.app import LATENCY_ROUTER, PREFILL_ROUTER
 from pd.engine.outputs import RequestOutput
 from pd.sampling_params import SamplingParams
 from router.decode_policy import DecodePolicy, DecodePolicyConfig
@@ -185,8 +186,9 @@ class SimCluster:
                                    max_num_batched_tokens=pool.engine.max_num_batched_tokens, **fields)
 
     def _prefill_placement(self) -> Placement:
-        """The app's prefill router: the predicted-latency one under the predicted rule."""
-        if self.spec.rule.predicted:
+        """The app's prefill router: the predicted-latency one under the predicted rule, or where the app's
+        default prefill router is it (``pd.config.app``), so that switching the default switches it here."""
+        if self.spec.rule.predicted or PREFILL_ROUTER == LATENCY_ROUTER:
             return LatencyPlacement(self._latency_config(self.spec.prefill, self.spec.prefill_policy), self.loop.time)
         return AffinityPlacement(PolicyConfig(block_size=self.spec.block_size, seed=self.spec.seed,
                                               **self.spec.prefill_policy))

@@ -9,7 +9,7 @@ import random
 from pd.config import EngineConfig
 from pd.sampling_params import SamplingParams
 from pd.workload.stats import percentile
-from router.latency import LatencyPolicyConfig
+from router.latency import LatencyPolicyConfig, PredictedLatencyPolicy
 from router.policy import PolicyConfig
 from sim.clock import EventLoop
 from sim.cluster import ClusterSpec, PoolSpec, SimCluster
@@ -51,3 +51,18 @@ def test_a_slow_replica_is_learned_and_sent_less():
     p99 = {name: percentile([r.ttft_s for r in cluster.records.values()], 99)
            for name, cluster in (("latency", latency), ("tokens", tokens))}
     assert p99["latency"] < p99["tokens"]
+
+
+def test_the_simulator_runs_the_apps_default_prefill_router(monkeypatch):
+    """The simulator places prefills with whichever router the app defaults to (``pd.config.app``), the real
+    policy unmodified: switching the default to the predicted-latency router switches it here."""
+    import sim.cluster
+    from pd.config.app import LATENCY_ROUTER
+
+    spec = ClusterSpec(decode=PoolSpec(1, CONFIG, COST), prefill=PoolSpec(2, CONFIG, COST))
+    monkeypatch.setattr(sim.cluster, "PREFILL_ROUTER", "router.serve:PrefixAffinityRouter")
+    assert type(SimCluster(EventLoop(), spec).prefill.placement) is AffinityPlacement
+    monkeypatch.setattr(sim.cluster, "PREFILL_ROUTER", LATENCY_ROUTER)
+    placement = SimCluster(EventLoop(), spec).prefill.placement
+    assert isinstance(placement, LatencyPlacement)
+    assert type(placement.policies[0]) is PredictedLatencyPolicy
