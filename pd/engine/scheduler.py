@@ -66,14 +66,18 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         drafts = self.speculator.plan(self.running) if self.speculator is not None else {}
         index = 0
+        kv_short = blocked = False
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            if self.waiting and self.waiting[0].priority < request.priority and not out.preempted:
+            if self.waiting and self.waiting[0].priority < request.priority and not (kv_short or blocked):
                 # More urgent than the rest of the batch: admitted (and budgeted) ahead of it, so a batch
-                # job's chunks never hold the budget from an urgent prompt. They sort in ahead of it.
-                num_running = len(self.running)
+                # job's chunks never hold the budget from an urgent prompt. They sort in ahead of it. Short of
+                # blocks, it takes the least urgent's not yet scheduled in this step, one at a time.
+                num_running, num_waiting = len(self.running), len(self.waiting)
                 budget = self._admit_waiting(budget, out, below=request.priority)
-                index += len(self.running) - num_running
+                if len(self.waiting) == num_waiting and not self._preempt_for(self.waiting[0], index, out):
+                    blocked = True  # it cannot fit in this step: the batch goes on without it
+                index += max(0, len(self.running) - num_running)
                 continue
             num_new = min(request.num_tokens_with_unread - request.num_scheduled_tokens, budget)
             if num_new <= 0 or self._ends_with_unread_token(request):
@@ -82,8 +86,10 @@ class Scheduler:
             draft = drafts.get(request, ())[:budget - num_new]  # the budget counts a verify step's k + 1
             if draft and not self.kv_cache.allocate_slots(request, num_new + len(draft)):
                 draft = ()  # drafts take free blocks only: speculation never preempts
+            num_preempted = len(out.preempted)
             if not draft and not self._allocate_or_preempt(request, num_new, out):
                 break  # the request preempted itself; everything after it is gone too
+            kv_short |= len(out.preempted) > num_preempted
             num_new += len(draft)
             out.scheduled.append(self._scheduled(request, num_new, draft))
             budget -= num_new
@@ -105,6 +111,16 @@ class Scheduler:
             out.preempted.append(victim)
             if victim is request:
                 return False
+        return True
+
+    def _preempt_for(self, urgent: Request, index: int, out: SchedulerOutput) -> bool:
+        """Preempt the least urgent running request, if it is less urgent than ``urgent`` and not yet scheduled
+        in this step (at ``index`` or after); whether one was."""
+        if len(self.running) <= index or self.running[-1].priority <= urgent.priority:
+            return False
+        victim = self.running.pop()
+        self._preempt(victim)
+        out.preempted.append(victim)
         return True
 
     def _admit_waiting(self, budget: int, out: SchedulerOutput, below: int | None = None) -> int:

@@ -4,6 +4,8 @@ nothing."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from pd import LLM, SamplingParams
@@ -62,6 +64,20 @@ def test_kv_pressure_preempts_the_least_urgent_even_when_it_is_the_older():
     assert [r.request_id for r in sched.waiting] == ["batch"] and sched.waiting[0].num_preemptions == 1
     assert step(sched) == ["urgent"]
     assert sched.running[0].num_preemptions == 0
+
+
+def test_an_urgent_request_that_finds_no_blocks_preempts_the_least_urgent_rather_than_spinning():
+    sched = scheduler(num_blocks=4)
+    sched.add(request("batch", 5, prompt_len=12))  # three of the four blocks
+    sched.add(request("mid", 3, prompt_len=4))  # the fourth
+    assert step(sched) == ["mid", "batch"]
+    sched.add(request("urgent", 0, prompt_len=8))  # two blocks, none free
+    steps: list[list[str]] = []
+    worker = threading.Thread(target=lambda: steps.append(step(sched)), daemon=True)
+    worker.start()
+    worker.join(10)  # the scheduler once looped here for ever, retrying an admission that could not fit
+    assert steps == [["urgent", "mid"]]
+    assert [r.request_id for r in sched.waiting] == ["batch"] and sched.waiting[0].num_preemptions == 1
 
 
 def test_priorities_are_checked_and_one_priority_changes_nothing(checkpoint):
