@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -108,6 +109,18 @@ class EngineTimings:
     num_cached_tokens: int = 0
     num_prompt_chunks: int = 0
     num_preemptions: int = 0
+
+    @classmethod
+    def first_of(cls, request: Request) -> "EngineTimings | None":
+        """``request``'s timings, on its first output with a token (None on later ones)."""
+        if request.first_token_time is not None:
+            return None
+        request.first_token_time = now = time.monotonic()
+        return cls(queue_s=request.queue_seconds, first_token_s=now - (request.first_scheduled_time or now),
+                   pull_s=request.pull_seconds, num_pulled_bytes=request.num_pulled_bytes,
+                   num_pulled_blocks=request.num_pulled_blocks, num_pull_descriptors=request.num_pull_descriptors,
+                   pull_error=request.pull_error, num_cached_tokens=request.num_cached_tokens,
+                   num_prompt_chunks=request.num_prompt_chunks, num_preemptions=request.num_preemptions)
 
 
 @dataclass(frozen=True)

@@ -367,7 +367,7 @@ class Scheduler:
             queue_seconds=request.queue_seconds,
             error=error,
             new_top_logprobs=top_logprobs or [],
-            timings=_first_token_timings(request) if token_ids else None,
+            timings=EngineTimings.first_of(request) if token_ids else None,
             num_spec_draft_tokens=request.num_spec_draft_tokens if reason is not None else 0,
             num_spec_accepted_tokens=request.num_spec_accepted_tokens if reason is not None else 0,
         )
@@ -393,16 +393,3 @@ def make_scheduler(config: SchedulerConfig, pool: BlockPool, tiers: Tiers = NO_T
     """A scheduler over ``pool`` (``config.num_blocks`` blocks, fresh, as an engine starts with) and ``tiers``."""
     return Scheduler(config, KVCacheManager(pool, config.block_size, tiers=tiers))
 
-
-def _first_token_timings(request: Request) -> EngineTimings | None:
-    """The request's ``EngineTimings``, on the first output with a token (None on later ones)."""
-    if request.first_token_time is not None:
-        return None
-    request.first_token_time = now = time.monotonic()
-    return EngineTimings(
-        queue_s=request.queue_seconds, first_token_s=now - (request.first_scheduled_time or now),
-        pull_s=request.pull_seconds, num_pulled_bytes=request.num_pulled_bytes,
-        num_pulled_blocks=request.num_pulled_blocks, num_pull_descriptors=request.num_pull_descriptors,
-        pull_error=request.pull_error, num_cached_tokens=request.num_cached_tokens,
-        num_prompt_chunks=request.num_prompt_chunks,
-        num_preemptions=request.num_preemptions)
