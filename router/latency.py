@@ -1,7 +1,8 @@
 """Predicted-latency placement: each candidate's time to first token for this prompt, in seconds.
 
     ttft(r)  = wait(r) + adapter_wait(r) + compute(r)
-    cost(r)  = ttft(r) + w_compute * compute(r) + adapter_reload(r)   (discounted for exploration, below)
+    cost(r)  = ttft(r) + w_compute * compute(r) + adapter_reload(r) + w_cached_s * cached(r) / most cached
+               (discounted for exploration, below)
 
 ``compute(r)`` is this prompt's prefill on ``r``: the tokens ``r`` does not
 hold (a block in a slower tier counts as ``router.tiers`` values it), in
@@ -64,6 +65,16 @@ recomputed tens of thousands of tokens (``python -m bench.router_matrix``).
 The absolute overload bounds (``PolicyConfig``: queued tokens, active
 requests, KV usage) still pass a replica over.
 
+**Where the cache is.** ``w_cached_s`` (5 ms) is charged the candidate
+whose cache the index says holds the most blocks, the others in
+proportion: a tie-break among replicas predicted within a few
+milliseconds of each other. It sends a prompt nobody holds (a short
+request, a new session) where the fewest cached prefixes are, which is
+where the fewest later requests will follow (Ray's prefix router sends a
+cold prompt to its smallest tenant for the same reason). Without it two
+long sessions started on the same idle replica, and their turns then
+queued behind each other (``bench.router_matrix``, long histories).
+
 **The guard** is for what the predictor cannot see. Within one report
 interval a router sees its own sends (``record_routed`` queues each behind
 the replica's reported backlog), so a burst it routes spreads as the
@@ -116,6 +127,8 @@ class LatencyPolicyConfig(PolicyConfig):
     # The candidates a decision scores (``router.candidates``): a random few, and the most prefix holders.
     num_sampled: int = 8
     max_prefix_candidates: int = 4
+    # Seconds charged the candidate holding the most cached blocks, the others in proportion (module docstring).
+    w_cached_s: float = 0.005
     # The guard (module docstring): ingress replicas each routing into this pool; each assumes the others sent
     # a replica, since its last report, what it did itself.
     num_ingress: int = 1
@@ -136,7 +149,7 @@ class LatencyPolicyConfig(PolicyConfig):
         for name in ("half_life_s", "explore_after_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("min_steps", "min_replica_steps", "w_compute", "adapter_load_s"):
+        for name in ("min_steps", "min_replica_steps", "w_compute", "adapter_load_s", "w_cached_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not 0.0 <= self.explore_fraction < 1.0:
@@ -305,11 +318,15 @@ class PredictedLatencyPolicy(PrefixAffinityPolicy):
                                          config.max_prefix_candidates, self._rng, adapter)
         runs = self.index.match_tiers(block_hashes, [replica.replica_id for replica in scored_loads])
         scored, ttfts = [], {}
-        for replica in scored_loads:
+        cached = [self.index.num_blocks(replica.replica_id) for replica in scored_loads] if config.w_cached_s else ()
+        most_cached = max(cached, default=0) or 1
+        for position, replica in enumerate(scored_loads):
             replica_id = replica.replica_id
             matched, valued, compute, ttft = predictor.estimate(replica_id, runs.get(replica_id), num_prompt_tokens,
                                                                 now_s)
             cost = ttft + config.w_compute * compute
+            if cached:
+                cost += config.w_cached_s * cached[position] / most_cached
             if adapter is not None:
                 adapter_wait, adapter_reload = self.adapter_seconds(replica, adapter)
                 ttft += adapter_wait

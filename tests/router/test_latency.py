@@ -43,7 +43,7 @@ class Replica:
 
 def _policy(**overrides) -> PredictedLatencyPolicy:
     config = dict(block_size=BLOCK, max_num_batched_tokens=256, min_steps=16, min_replica_steps=4,
-                  max_routed_ratio=None, explore_fraction=0.0, w_compute=0.0)
+                  max_routed_ratio=None, explore_fraction=0.0, w_compute=0.0, w_cached_s=0.0)
     return PredictedLatencyPolicy(LatencyPolicyConfig(**{**config, **overrides}))
 
 
@@ -171,6 +171,7 @@ def test_a_restarted_replica_is_fitted_from_its_new_sums():
     ("num_sampled", 0, "num_sampled"),
     ("num_ingress", 0, "num_ingress"),
     ("max_prefix_candidates", -1, "max_prefix_candidates"),
+    ("w_cached_s", -0.001, "w_cached_s"),
     ("prior", (1.0, 2.0), "prior"),
 ])
 def test_bad_settings_are_refused_by_name(field, value, message):
@@ -303,3 +304,21 @@ def test_a_decision_scores_a_few_candidates_not_the_pool():
     decision = policy.choose(hashes, len(prompt), pool, now_s=0.0)
     assert decision.replica_id == "r200" and scored[0] == "r200"
     assert 3 <= len(scored) <= 4 and len(decision.ranked_replica_ids) == len(scored)
+
+
+def test_a_cold_prompt_goes_where_the_fewest_cached_blocks_are():
+    """Two idle replicas predicted alike for a prompt neither holds: the one whose cache holds less (where fewer
+    later requests will follow) takes it. Without the charge, a coin decides."""
+    prompt = list(range(900_000, 900_000 + 32 * BLOCK))
+    hashes = hash_block_tokens(prompt, BLOCK)
+    chosen = {}
+    for w_cached_s in (0.0, 0.005):
+        policy = _policy(prior=COST, min_steps=1e9, w_cached_s=w_cached_s)
+        for name in ("a", "b"):
+            policy.observe(name, RoutingStats(num_free_blocks=FREE), 0.0)
+        policy.index.insert("a", hash_block_tokens(list(range(200 * BLOCK)), BLOCK))  # a long session's history
+        policy.index.insert("b", hash_block_tokens(list(range(500_000, 500_000 + 20 * BLOCK)), BLOCK))
+        chosen[w_cached_s] = Counter(policy.choose(hashes, len(prompt), _candidates("a", "b")).replica_id
+                                     for _ in range(40))
+    assert chosen[0.005] == Counter(b=40)
+    assert chosen[0.0]["a"] > 5 and chosen[0.0]["b"] > 5
