@@ -60,6 +60,10 @@ SAMPLE_S = 0.25  # how often the ingress's flow counters are sampled
 KEYS = {tenant: f"sk-bench-{tenant}" for tenant in TENANTS}
 
 
+FLOW_EXTRA: dict = {}  # --flow: fields over every run's flow_control
+APP_EXTRA: dict = {}  # --app: fields over every run's app args
+
+
 def flow_control_args(quota_c_tokens_per_min: int | None = None, shedding: bool = True) -> dict:
     """``sim.flow.default_flow`` as the app's YAML: without ``shedding`` nothing is shed (the replay that shows
     what shedding spared)."""
@@ -69,12 +73,20 @@ def flow_control_args(quota_c_tokens_per_min: int | None = None, shedding: bool 
                          if name == "c" and quota_c_tokens_per_min else {})} for name in TENANTS}
     return {"bands": [{"name": "interactive", "max_priority": 0, "ttft_deadline_ms": INTERACTIVE_DEADLINE_S * 1000},
                       {"name": "batch", "min_priority": 1}],
-            "tenants": tenants, "default_tenant": "a", "shed_margin": 0.1 if shedding else 1e9,
-            "max_queued": 4096 if shedding else unbounded}
+            "tenants": tenants, "default_tenant": "a", "max_queued": 4096 if shedding else unbounded,
+            **FLOW_EXTRA, "shed_margin": FLOW_EXTRA.get("shed_margin", 0.1) if shedding else 1e9}
+
+
+def merged(base: dict, over: dict) -> dict:
+    """``over``'s fields over ``base``'s, section by section."""
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = merged(base[key], value) if isinstance(value, dict) and isinstance(base.get(key), dict) else value
+    return out
 
 
 def app_args(flow: dict | None) -> dict:
-    base = load_config("default.yaml")["applications"][0]["args"]
+    base = merged(load_config("default.yaml")["applications"][0]["args"], APP_EXTRA)
     return {**base, "flow_control": flow, "debug_requests_kept": 20_000, "request_timeout_s": 600}
 
 
@@ -98,6 +110,7 @@ class Load:
     model: str
     served: dict[str, Served] = field(default_factory=dict)
     samples: list[tuple[float, int]] = field(default_factory=list)  # (time, dispatched tokens)
+    states: list[tuple[int, int, int | None]] = field(default_factory=list)  # (waiting, in flight, limit)
 
     def run(self, arrivals: list[FlowArrival], drain_s: float = 120.0) -> float:
         """Send every arrival at its time; wait for all; the start on the bench's clock."""
@@ -134,6 +147,29 @@ class Load:
             flow = ingress_stats()["flow"]
             if flow is not None:
                 self.samples.append((time.monotonic(), flow["dispatched_tokens"]))
+                self.states.append((flow["waiting"], flow["in_flight"], flow["limit"]))
+
+    def controller(self) -> dict:
+        """What the ingress's controller held over the run: its queue, requests in flight and their limit."""
+        if not self.states:
+            return {}
+        waiting, in_flight, limits = zip(*self.states)
+        limits = sorted(limit for limit in limits if limit is not None)
+        return {"waiting_max": max(waiting), "in_flight_p50": sorted(in_flight)[len(in_flight) // 2],
+                "in_flight_max": max(in_flight), "limit_p50": limits[len(limits) // 2] if limits else None,
+                "limit_max": limits[-1] if limits else None}
+
+
+def pool_counters() -> dict:
+    """Each pool's preemptions and local recomputes so far (where overload turns into wasted work)."""
+    from ray import serve
+
+    out = {}
+    for name in ("PrefillServer", "DecodeServer"):
+        stats = serve.get_deployment_handle(name, app_name="pd").stats.remote().result()
+        out[name] = {key: stats[key] for key in ("num_preemptions", "num_recompute_fallbacks", "num_running",
+                                                 "num_computed_prompt_tokens", "num_prompt_tokens")}
+    return out
 
 
 def ingress_stats() -> dict:
@@ -229,9 +265,16 @@ def drain_check(sheds: list[tuple[FlowArrival, Served]], load: Load, most: int =
             "median_ratio": round(sorted(ratios)[len(ratios) // 2], 3) if ratios else None}
 
 
+TRACE: dict = {}  # --prompt-lengths, --output-lengths: the trace's mix
+
+
+def trace_config(**fields) -> FlowTraceConfig:
+    return FlowTraceConfig(**fields, **TRACE)
+
+
 def measure_capacity(url: str, model: str, clients: int, duration_s: float, seed: int) -> dict:
     """Requests and tokens per second finished by ``clients`` sending the trace's mix back to back."""
-    trace = generate(FlowTraceConfig(rate_rps=100.0, duration_s=duration_s * 2, seed=seed))
+    trace = generate(trace_config(rate_rps=100.0, duration_s=duration_s * 2, seed=seed))
     load = Load(url, model)
     start = time.monotonic()
     counter = iter(range(len(trace)))
@@ -264,20 +307,21 @@ def run_trace(url: str, model: str, trace: list[FlowArrival], flow: dict | None,
 
 
 def overload_phase(local, url: str, model: str, capacity: dict, args) -> dict:
-    trace = generate(FlowTraceConfig(rate_rps=2 * capacity["requests_per_s"], duration_s=args.duration_s,
+    trace = generate(trace_config(rate_rps=2 * capacity["requests_per_s"], duration_s=args.duration_s,
                                      seed=args.seed))
     window = Window(WARMUP_S, args.duration_s)
     deploy_args(local, app_args(flow_control_args(shedding=False)), ready_url=url)
     no_shed, _, no_shed_figures = run_trace(url, model, trace, flow_control_args(shedding=False), window)
     deploy_args(local, app_args(flow_control_args()), ready_url=url)
     _, load, figures = run_trace(url, model, trace, flow_control_args(), window)
+    figures["controller"] = {**load.controller(), "pools": pool_counters()}
     _, _, load_off = run_trace(url, model, [a for a in trace if a.interactive], flow_control_args(), window)
     return {"flow_control": figures, "no_shed": no_shed_figures, "load_off": load_off,
             "shedding": shed_figures(trace, load, no_shed)}
 
 
 def moderate_phase(local, url: str, model: str, capacity: dict, args) -> dict:
-    trace = generate(FlowTraceConfig(rate_rps=0.7 * capacity["requests_per_s"], duration_s=args.duration_s,
+    trace = generate(trace_config(rate_rps=0.7 * capacity["requests_per_s"], duration_s=args.duration_s,
                                      seed=args.seed + 1))
     window = Window(WARMUP_S, args.duration_s)
     _, _, with_flow = run_trace(url, model, trace, flow_control_args(), window)  # the app deployed last
@@ -293,7 +337,7 @@ def quota_phase(local, url: str, model: str, capacity: dict, args) -> dict:
     quota_per_min = int(capacity["tokens_per_s"] * 60 / 3)
     flow = flow_control_args(quota_c_tokens_per_min=quota_per_min)
     deploy_args(local, app_args(flow), ready_url=url)
-    trace = generate(FlowTraceConfig(rate_rps=2 * capacity["requests_per_s"], duration_s=args.quota_duration_s,
+    trace = generate(trace_config(rate_rps=2 * capacity["requests_per_s"], duration_s=args.quota_duration_s,
                                      seed=args.seed + 2, active=(("a", args.quota_return_s, math.inf),
                                                                  ("b", args.quota_return_s, math.inf))))
     run, _, _ = run_trace(url, model, trace, flow, Window(WARMUP_S, args.quota_duration_s))
@@ -315,11 +359,19 @@ def main() -> None:
     parser.add_argument("--quota-duration-s", type=float, default=80.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--prompt-lengths", default="64,200,400,800", help="the trace's prompt lengths")
+    parser.add_argument("--output-lengths", default="16,48,96", help="the trace's output lengths")
+    parser.add_argument("--flow", default="{}", help="flow_control fields over the bench's, as JSON")
+    parser.add_argument("--app", default="{}", help="app args over default.yaml's, as JSON (e.g. the prefill router)")
     args = parser.parse_args()
+    FLOW_EXTRA.update(json.loads(args.flow))
+    TRACE.update(prompt_lengths=tuple(int(n) for n in args.prompt_lengths.split(",")),
+                 output_lengths=tuple(int(n) for n in args.output_lengths.split(",")))
+    APP_EXTRA.update(json.loads(args.app))
     model = load_config("default.yaml")["applications"][0]["args"]["engine"]["model"]
     url = f"http://127.0.0.1:{args.port}"
-    print(json.dumps({"bench": "flow_control", "cpu": cpu_name(), "cpu_flags": cpu_flags(), "model": model}),
-          flush=True)
+    print(json.dumps({"bench": "flow_control", "cpu": cpu_name(), "cpu_flags": cpu_flags(), "model": model,
+                      "flow": flow_control_args(), "app": APP_EXTRA, "trace": TRACE}), flush=True)
     with local_serve(http_port=args.port) as local:
         deploy_args(local, app_args(None), ready_url=url)
         capacity = ({"requests_per_s": args.capacity_rps, "tokens_per_s": args.capacity_tokens_per_s}
