@@ -4,7 +4,10 @@
 detector judges it: a replica has room while its report is fresh (no older
 than ``max_report_age_s``), its engine's queue is under ``max_waiting``,
 its KV use under ``max_kv_usage`` and, where given, the routers' predicted
-prompt backlog there under ``max_backlog_s``. A pool is *full* when none of
+prompt backlog there under ``max_backlog_s`` and its predicted decode step
+(the inter-token latency of the decodes it reported) under ``max_step_s``:
+a batch grown past the latency its streams are promised is as full as a
+queue. A pool is *full* when none of
 its replicas has room, and *stale* when none has a fresh report.
 
 A request must wait (``saturated``) when some pool is stale; or, while
@@ -64,10 +67,11 @@ class ReplicaReport:
     num_waiting: int
     kv_usage: float
     backlog_s: float | None = None  # the routers' predicted prompt work queued there (LatencyPredictor.wait_s)
+    step_s: float | None = None  # the routers' predicted decode step at its reported decodes
 
     @classmethod
-    def of(cls, stats: RoutingStats, backlog_s: float | None = None) -> "ReplicaReport":
-        return cls(stats.num_waiting, stats.kv_usage, backlog_s)
+    def of(cls, stats: RoutingStats, backlog_s: float | None = None, step_s: float | None = None) -> "ReplicaReport":
+        return cls(stats.num_waiting, stats.kv_usage, backlog_s, step_s)
 
 
 class Capacity:
@@ -114,9 +118,8 @@ class Capacity:
         if now_s - at_s > config.max_report_age_s:
             return 0
         room = config.max_waiting - report.num_waiting
-        full = report.kv_usage >= config.max_kv_usage or (
-            config.max_backlog_s is not None and report.backlog_s is not None
-            and report.backlog_s >= config.max_backlog_s)
+        full = report.kv_usage >= config.max_kv_usage or _over(report.backlog_s, config.max_backlog_s) \
+            or _over(report.step_s, config.max_step_s)
         return min(0, room) if full else room
 
     def _keeping_up(self, now_s: float) -> bool:
@@ -147,6 +150,10 @@ class Capacity:
         if not backlogged and not self.full_pools(now_s):
             return False
         return num_in_flight >= self.limit
+
+
+def _over(value: float | None, bound: float | None) -> bool:
+    return bound is not None and value is not None and value >= bound
 
 
 class DrainRate:

@@ -101,6 +101,7 @@ class SaturationConfig:
     max_waiting: int = 4  # requests waiting in its engine's queue
     max_kv_usage: float = 0.95  # the share of its KV blocks in use
     max_backlog_s: float | None = None  # the routers' predicted prompt work queued there, in seconds; None: unused
+    max_step_s: float | None = None  # its predicted decode step (inter-token latency) at its decodes; None: unused
     max_report_age_s: float = 3.0  # a report older than this counts as saturated
 
     def __post_init__(self) -> None:
@@ -108,8 +109,10 @@ class SaturationConfig:
             raise ValueError(f"max_waiting must be >= 0, got {self.max_waiting}")
         if not 0 < self.max_kv_usage <= 1:
             raise ValueError(f"max_kv_usage must be in (0, 1], got {self.max_kv_usage}")
-        if self.max_backlog_s is not None and not self.max_backlog_s > 0:
-            raise ValueError(f"max_backlog_s must be > 0 or None, got {self.max_backlog_s}")
+        for name in ("max_backlog_s", "max_step_s"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be > 0 or None, got {value}")
         if not self.max_report_age_s > 0:
             raise ValueError(f"max_report_age_s must be > 0, got {self.max_report_age_s}")
 

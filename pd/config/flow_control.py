@@ -15,7 +15,7 @@ Validated here, naming the field, and turned into ``router.flow_config.FlowConfi
       trust_tenant_header: false              # x-tenant-id names the tenant of a request whose key does not
       shed_margin: 0.1                        # shed when the predicted TTFT passes the deadline by 10%
       max_queued: 4096                        # waiting requests of every tenant together
-      saturation: {max_waiting: 4, max_kv_usage: 0.95, max_report_age_s: 3}
+      saturation: {max_waiting: 4, max_kv_usage: 0.95, max_step_s: 0.1, max_report_age_s: 3}
 
 Tenants' API keys are secrets as ``api_keys`` are: never in a repr, an
 error message or the args the pools get (``for_pools``).
@@ -73,6 +73,8 @@ class SaturationArgs(StrictModel):
     max_kv_usage: float = Field(0.95, gt=0, le=1)
     max_backlog_s: float | None = Field(None, gt=0, allow_inf_nan=False,
                                         description="the routers' predicted prompt work queued there")
+    max_step_s: float | None = Field(None, gt=0, allow_inf_nan=False,
+                                     description="the routers' predicted decode step (inter-token latency) there")
     max_report_age_s: float = Field(3.0, gt=0, allow_inf_nan=False, description="older reports count as saturated")
 
     def config(self) -> SaturationConfig:

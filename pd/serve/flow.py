@@ -189,7 +189,8 @@ class IngressFlow:
                 if self._seen.get((pool, replica_id)) == stats.seq:
                     continue
                 self._seen[pool, replica_id] = stats.seq
-                report = ReplicaReport.of(stats, routing.backlog_s(replica_id, now_s))
+                report = ReplicaReport.of(stats, routing.backlog_s(replica_id, now_s),
+                                          routing.decode_step_s(replica_id, stats))
                 self.controller.observe(pool, replica_id, report, now_s)
 
     def poll(self) -> None:

@@ -8,7 +8,7 @@ from router.flow_capacity import Capacity, DrainRate, ReplicaReport, TokenBucket
 from router.flow_config import SaturationConfig
 from router.protocol import RoutingStats
 
-CONFIG = SaturationConfig(max_waiting=4, max_kv_usage=0.9, max_backlog_s=2.0, max_report_age_s=3.0)
+CONFIG = SaturationConfig(max_waiting=4, max_kv_usage=0.9, max_backlog_s=2.0, max_step_s=0.1, max_report_age_s=3.0)
 
 
 def report(waiting: int = 0, kv: float = 0.1, backlog: float | None = None) -> ReplicaReport:
@@ -38,6 +38,16 @@ def test_a_replica_over_its_kv_or_backlog_bound_has_no_room():
     assert capacity.full_pools(0.0) == ["decode"] and capacity.limit == 8
     capacity.observe("decode", "d0", report(waiting=6, backlog=2.5), 0.0, num_in_flight=8)
     assert capacity.limit == 6  # over the backlog bound, and 2 over the queue bound
+
+
+def test_a_decode_replica_whose_predicted_step_passes_the_bound_has_no_room():
+    capacity = Capacity(CONFIG)
+    capacity.observe("decode", "d0", ReplicaReport(0, 0.1, None, step_s=0.05), 0.0, num_in_flight=8)
+    assert capacity.full_pools(0.0) == []
+    capacity.observe("decode", "d0", ReplicaReport(0, 0.1, None, step_s=0.12), 1.0, num_in_flight=8)
+    assert capacity.full_pools(1.0) == ["decode"] and capacity.limit == 8  # a batch past its ITL: no growth
+    with pytest.raises(ValueError, match="max_step_s must be > 0"):
+        SaturationConfig(max_step_s=0)
 
 
 def test_without_a_backlog_requests_go_at_once_while_every_pool_has_room():

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+
 from router.prefix_index import PrefixIndex
-from router.shared import MAX_REMEMBERED, RoutingScopes
+from router.protocol import RoutingStats
+from router.shared import MAX_REMEMBERED, PoolRouting, RoutingScopes
 
 A, B, C = b"a" * 8, b"b" * 8, b"c" * 8
 
@@ -36,3 +39,21 @@ def test_routed_replicas_are_remembered_within_a_bound():
         pool.note_routed(f"req-{i}", "r1")
     assert pool.routed_replica("req-0") is None and pool.routed_replica(f"req-{MAX_REMEMBERED}") == "r1"
     assert pool.routed_replica("unknown") is None
+
+
+def test_a_decode_replicas_step_is_predicted_from_its_reported_decodes():
+    from router.latency import LatencyPolicyConfig, LatencyPredictor
+    from router.step_cost import StepShape, linear_seconds
+    from tests.router.test_latency import COST, Replica
+
+    pool = PoolRouting()
+    stats = RoutingStats(num_decoding=12, num_decode_context_tokens=6000)
+    assert pool.decode_step_s("d0", stats) is None  # no predictor shared yet
+    predictor = LatencyPredictor(LatencyPolicyConfig(block_size=16, min_steps=16, min_replica_steps=4))
+    pool.share_predictor(predictor)
+    replica = Replica("d0", 0)
+    replica.run(50, speed=2.0)  # a replica twice as slow as the pool's law
+    predictor.observe("d0", replica.report(), 0.0)
+    expected = 2.0 * linear_seconds(COST, StepShape(12, 6012, 12, 12).vector())
+    assert pool.decode_step_s("d0", stats) == pytest.approx(expected, rel=1e-2)
+    assert pool.decode_step_s("d0", RoutingStats()) is None  # nothing decoding: no step to predict
