@@ -50,7 +50,9 @@ import math
 from dataclasses import dataclass
 
 from router.flow_config import SaturationConfig
+from router.latency import LatencyPredictor
 from router.protocol import RoutingStats
+from router.step_cost import StepShape, linear_seconds
 
 # The fewest requests the ingress may have in flight, so that a finished request can always be followed.
 MIN_LIMIT = 1
@@ -150,6 +152,17 @@ class Capacity:
         if not backlogged and not self.full_pools(now_s):
             return False
         return num_in_flight >= self.limit
+
+
+def decode_step_s(predictor: LatencyPredictor, replica_id: str, stats: RoutingStats) -> float | None:
+    """The predicted time of ``replica_id``'s decode step at the decodes ``stats`` report (its inter-token
+    latency), from the step cost model ``predictor`` fits; None without decodes or before it is ready."""
+    if not predictor.ready() or not stats.num_decoding:
+        return None
+    decodes = stats.num_decoding
+    shape = StepShape(num_tokens=decodes, attn_pairs=stats.num_decode_context_tokens + decodes, num_seqs=decodes,
+                      num_samples=decodes)
+    return predictor.fit.speed(replica_id) * linear_seconds(predictor.fit.coefficients(), shape.vector())
 
 
 def _over(value: float | None, bound: float | None) -> bool:

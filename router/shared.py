@@ -15,12 +15,12 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Sequence
 
+from router.flow_capacity import decode_step_s
 from router.latency import LatencyPredictor
 from router.policy import uncached_tokens
 from router.prefix_index import PrefixIndex
 from router.protocol import RoutingStats
 from router.remote_prefill import PoolPredictions
-from router.step_cost import StepShape, linear_seconds
 
 # Request ids whose routed replica is remembered, per pool.
 MAX_REMEMBERED = 4096
@@ -99,13 +99,7 @@ class PoolRouting:
     def decode_step_s(self, replica_id: str, stats: RoutingStats) -> float | None:
         """The predicted time of ``replica_id``'s decode step at the decodes ``stats`` report (its inter-token
         latency), from the step cost model the router fits; None without decodes or a ready predictor."""
-        predictor = self._predictor
-        if predictor is None or not predictor.ready() or not stats.num_decoding:
-            return None
-        decodes = stats.num_decoding
-        shape = StepShape(num_tokens=decodes, attn_pairs=stats.num_decode_context_tokens + decodes,
-                          num_seqs=decodes, num_samples=decodes)
-        return predictor.fit.speed(replica_id) * linear_seconds(predictor.fit.coefficients(), shape.vector())
+        return decode_step_s(self._predictor, replica_id, stats) if self._predictor is not None else None
 
     def share_predictor(self, predictor: LatencyPredictor) -> None:
         """A router's latency predictor of this pool (``router.latency``), fed by that router's reports."""

@@ -9,7 +9,8 @@ does (``router.flow_control``'s docstring):
   predicted-latency router's where the remote-prefill rule may send it
   there, the decode router's otherwise (``PoolPredictions.best``);
 - each report period: every serving replica's ``RoutingStats`` observed,
-  with its pool's predicted backlog there (``LatencyPredictor.wait_s``);
+  with its pool's predicted backlog there (``LatencyPredictor.wait_s``) and decode
+  step (``router.flow_capacity.decode_step_s``);
   replicas gone are forgotten;
 - each request finished, and each wake-up the controller asks for
   (``next_wake_s``), and after every decide: ``poll``, its answers applied.
@@ -23,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from router.flow_capacity import ReplicaReport
+from router.flow_capacity import ReplicaReport, decode_step_s
 from router.flow_config import FlowIdentity, FlowRequest, FlowRequestError
 from router.flow_control import Admit, FlowController, Shed, Wait
 from router.latency import LatencyPredictor, Prediction
@@ -94,8 +95,10 @@ class FlowGate:
                 stats = pool.reports.get(replica_id, NO_STATS)
                 if stats is NO_STATS:
                     continue  # no report yet
-                backlog = predictor.wait_s(replica_id, now) if predictor is not None and predictor.ready() else None
-                self.controller.observe(pool.name, replica_id, ReplicaReport.of(stats, backlog), now)
+                ready = predictor is not None and predictor.ready()
+                backlog = predictor.wait_s(replica_id, now) if ready else None
+                step = decode_step_s(predictor, replica_id, stats) if ready else None
+                self.controller.observe(pool.name, replica_id, ReplicaReport.of(stats, backlog, step), now)
         self._poll()
 
     def finished(self, request_id: str, num_output_tokens: int) -> None:
