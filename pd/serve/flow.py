@@ -83,10 +83,11 @@ class FlowMetrics:
 class FlowTicket:
     """An admitted request's place, released once however it ends (module docstring)."""
 
-    def __init__(self, flow: "IngressFlow", request_id: str, level: int) -> None:
+    def __init__(self, flow: "IngressFlow", request_id: str, level: int, waited_s: float = 0.0) -> None:
         self.flow = flow
         self.request_id = request_id
         self.level = level  # the engines' scheduling priority: its band's index, below every band when borrowing
+        self.waited_s = waited_s  # in flow control's queue: spent from the request's timeout
         self.released = False
 
     def release(self, num_output_tokens: int) -> None:
@@ -132,8 +133,9 @@ class IngressFlow:
         self._watcher: asyncio.Task | None = None
 
     async def admit(self, request_id: str, identity: FlowIdentity, hints: RouteHints, max_output_tokens: int,
-                    timeline: Timeline) -> FlowTicket:
-        """Admit the request, after waiting if it must; ``OpenAIError`` 400 (unclassifiable) or 429 (shed)."""
+                    timeline: Timeline, timeout_s: float | None = None) -> FlowTicket:
+        """Admit the request, after waiting if it must; ``OpenAIError`` 400 (unclassifiable), 429 (shed) or 504
+        (still waiting after ``timeout_s``, the request's own timeout)."""
         self._start()
         now = self.clock()
         self.refresh(now)
@@ -145,7 +147,7 @@ class IngressFlow:
         timeline.set(tenant=request.tenant, band=self.controller.band_name(request))
         outcome = self.controller.decide(request, self._prediction(hints, now), now)
         if isinstance(outcome, Wait):
-            outcome = await self._wait(outcome, timeline)
+            outcome = await self._wait(outcome, timeline, timeout_s)
         else:
             self._count(outcome)
             self.poll()
@@ -155,22 +157,24 @@ class IngressFlow:
                          queue_drain_s=outcome.queue_drain_s)
             raise shed_error(outcome)
         timeline.set(borrowing=outcome.borrowing or None, flow_level=outcome.level)
-        return FlowTicket(self, request_id, outcome.level)
+        return FlowTicket(self, request_id, outcome.level, self.clock() - now)
 
-    async def _wait(self, wait: Wait, timeline: Timeline) -> Admit | Shed:
+    async def _wait(self, wait: Wait, timeline: Timeline, timeout_s: float | None) -> Admit | Shed:
         request_id = wait.request.request_id
         future = asyncio.get_running_loop().create_future()
         self._waiters[request_id] = future
         self.poll()
         try:
             with timeline.span("flow.wait", predicted_wait_s=wait.predicted_wait_s):
-                return await future
-        except asyncio.CancelledError:  # the client left while it waited (or just as it was admitted)
+                return await asyncio.wait_for(future, timeout_s)
+        except (asyncio.CancelledError, asyncio.TimeoutError) as exc:  # the client left, or its timeout passed
             self._waiters.pop(request_id, None)
-            now = self.clock()
-            if not self.controller.cancel(request_id, now) and future.done() and not future.cancelled() \
+            if not self.controller.cancel(request_id, self.clock()) and future.done() and not future.cancelled() \
                     and isinstance(future.result(), Admit):
-                self.finished(request_id, 0)
+                self.finished(request_id, 0)  # admitted just as it left: its place frees again
+            if isinstance(exc, asyncio.TimeoutError):
+                raise OpenAIError(504, f"request timed out after {timeout_s:g} s waiting in flow control's queue",
+                                  type="timeout_error", code="request_timeout") from None
             raise
 
     def finished(self, request_id: str, num_output_tokens: int) -> None:

@@ -245,7 +245,7 @@ class Ingress:
             return None
         hints = self.pools.route_hints(call.rid, token_ids, call.lora)
         return await self.flow.admit(call.rid, identity_of(request.headers, call.body.priority), hints,
-                                     max_output_tokens, call.timeline)
+                                     max_output_tokens, call.timeline, self.args.request_timeout_s)
 
     def _choices(self, call: "_Call", token_ids: list[int], params: SamplingParams, stop: list[str], n: int,
                  ticket: FlowTicket | None = None):
@@ -253,8 +253,9 @@ class Ingress:
         priority = ticket.level if ticket is not None else call.body.priority or 0
         call.timeline.set(num_prompt_tokens=len(token_ids), max_tokens=params.max_tokens, n=n,
                           lora=call.lora.name if call.lora is not None else None, priority=priority)
+        timeout_s = self.args.request_timeout_s - (ticket.waited_s if ticket is not None else 0.0)
         events = with_deadline(run_choices(self.pools, call.rid, token_ids, params, stop, n, call.timeline, call.lora,
-                                           priority), self.args.request_timeout_s)
+                                           priority), max(0.0, timeout_s))
         return events if ticket is None else ticket.track(events)
 
     def _open(self, request: Request, kind: str, endpoint: str, stream: bool) -> Timeline:
@@ -376,11 +377,12 @@ class Ingress:
         if self.flow is not None:  # the default tenant, at the request's priority
             ticket = await self.flow.admit(request_id, FlowIdentity(priority=request.priority),
                                            self.pools.route_hints(request_id, token_ids, lora), params.max_tokens,
-                                           Timeline(request_id))
+                                           Timeline(request_id), self.args.request_timeout_s)
         priority = ticket.level if ticket is not None else request.priority or 0
         events = self.pools.generate(request_id, token_ids, params, self.prompts.check_stop(request.stop), lora=lora,
                                      priority=priority)
-        events = with_deadline(((0, event) async for event in events), self.args.request_timeout_s)
+        timeout_s = self.args.request_timeout_s - (ticket.waited_s if ticket is not None else 0.0)
+        events = with_deadline(((0, event) async for event in events), max(0.0, timeout_s))
         async for _, event in events if ticket is None else ticket.track(events):
             yield GenerateChunk(
                 token_ids=event.token_ids, text=event.text, logprobs=event.logprobs,

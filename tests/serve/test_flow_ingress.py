@@ -165,6 +165,20 @@ def test_shed_is_a_429_with_retry_after_and_the_reason_in_body_and_timeline():
     asyncio.run(run())
 
 
+def test_a_request_still_waiting_at_its_timeout_is_a_504_and_leaves_the_queue():
+    async def run():
+        flow, _, _ = flow_with(waiting=5)
+        await fill(flow)
+        timeline = Timeline("r1")
+        with pytest.raises(OpenAIError) as timed_out:
+            await flow.admit("r1", FlowIdentity(), hints("r1"), 16, timeline, timeout_s=0.05)
+        assert timed_out.value.status == 504 and "flow control" in timed_out.value.message
+        assert flow.controller.num_waiting == 0 and flow.controller.counters.cancelled == {("a", "interactive"): 1}
+        flow.close()
+
+    asyncio.run(run())
+
+
 def test_retry_after_is_whole_seconds_at_least_one():
     class Shed:
         retry_after_s = 2.2
