@@ -130,7 +130,8 @@ def make_placement(policy: str, config: ReplayConfig, pd_config: PolicyConfig, l
         return AffinityPlacement(pd_config, config.num_ingress)
     if policy == "latency":
         latency_config = LatencyPolicyConfig(**{**vars(pd_config), "num_ingress": config.num_ingress,
-                                                "max_num_batched_tokens": config.max_num_batched_tokens})
+                                                "max_num_batched_tokens": config.max_num_batched_tokens,
+                                                "decodes_here": True})  # the pool is colocated
         return LatencyPlacement(latency_config, loop.time, config.num_ingress)
     if policy == "round_robin":
         return RoundRobin()

@@ -322,3 +322,22 @@ def test_a_cold_prompt_goes_where_the_fewest_cached_blocks_are():
                                      for _ in range(40))
     assert chosen[0.005] == Counter(b=40)
     assert chosen[0.0]["a"] > 5 and chosen[0.0]["b"] > 5
+
+
+def test_in_a_colocated_pool_a_request_sent_decodes_there_until_the_next_report():
+    """Each request sent to a replica whose pool decodes its own prefills slows that replica's later steps: the
+    next prompt's prefill there is priced with one more decode per step. A prefill pool's requests decode
+    elsewhere; a report replaces the count."""
+    prompt = list(range(32 * BLOCK))
+    hashes = hash_block_tokens(prompt, BLOCK)
+    pairs = prefill_pairs(len(prompt), 0)
+    for decodes_here, extra in ((False, 0), (True, 1)):
+        policy = _policy(prior=COST, min_steps=1e9, decodes_here=decodes_here)
+        policy.observe("a", RoutingStats(num_free_blocks=FREE, num_decoding=2), 0.0)
+        before = policy.predictor.compute_s("a", len(prompt), pairs)
+        policy.record_routed(policy.choose(hashes, len(prompt), _candidates("a")), hashes, 0.0)
+        expected = prefill_seconds(COST, len(prompt), pairs, 2 + extra, 0, 256)
+        assert policy.predictor.compute_s("a", len(prompt), pairs) == pytest.approx(expected)
+        assert (policy.predictor.compute_s("a", len(prompt), pairs) > before) is decodes_here
+        policy.observe("a", RoutingStats(num_free_blocks=FREE, num_decoding=2), 1.0)
+        assert policy.predictor.compute_s("a", len(prompt), pairs) == pytest.approx(before)
