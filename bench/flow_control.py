@@ -359,6 +359,7 @@ def main() -> None:
     parser.add_argument("--quota-duration-s", type=float, default=80.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--overload-only", action="store_true", help="the 2x runs alone, no goals line")
     parser.add_argument("--prompt-lengths", default="64,200,400,800", help="the trace's prompt lengths")
     parser.add_argument("--output-lengths", default="16,48,96", help="the trace's output lengths")
     parser.add_argument("--flow", default="{}", help="flow_control fields over the bench's, as JSON")
@@ -381,6 +382,8 @@ def main() -> None:
         over = overload_phase(local, url, model, capacity, args)
         for name, figures in over.items():
             print(json.dumps({"run": f"overload/{name}", **figures}), flush=True)
+        if args.overload_only:
+            return
         mod = moderate_phase(local, url, model, capacity, args)
         for name, figures in mod.items():
             print(json.dumps({"run": f"moderate/{name}", **figures}), flush=True)

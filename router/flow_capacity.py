@@ -143,15 +143,16 @@ class Capacity:
         return sorted(pool for pool, reports in self._reports.items()
                       if not any(now_s - at_s <= age for _, at_s in reports.values()))
 
-    def saturated(self, now_s: float, num_in_flight: int, backlogged: bool = True) -> bool:
-        """Whether a request must wait (module docstring); ``backlogged``: requests wait here already."""
+    def saturated(self, now_s: float, num_in_flight: int, backlogged: bool = True, share: float = 1.0) -> bool:
+        """Whether a request must wait (module docstring); ``backlogged``: requests wait here already; ``share``:
+        the part of the limit its level may fill (``FlowController``: the rest is left to the levels above)."""
         if self.limit is None:
             return False  # nothing reported yet: nothing to hold requests back for
         if self.stale_pools(now_s):
             return True
         if not backlogged and not self.full_pools(now_s):
             return False
-        return num_in_flight >= self.limit
+        return num_in_flight >= self.limit * share
 
 
 def decode_step_s(predictor: LatencyPredictor, replica_id: str, stats: RoutingStats) -> float | None:

@@ -103,6 +103,7 @@ class SaturationConfig:
     max_backlog_s: float | None = None  # the routers' predicted prompt work queued there, in seconds; None: unused
     max_step_s: float | None = None  # its predicted decode step (inter-token latency) at its decodes; None: unused
     max_report_age_s: float = 3.0  # a report older than this counts as saturated
+    band_reserve: float = 0.0  # the share of the in-flight limit each level leaves to the levels above it
 
     def __post_init__(self) -> None:
         if self.max_waiting < 0:
@@ -115,6 +116,8 @@ class SaturationConfig:
                 raise ValueError(f"{name} must be > 0 or None, got {value}")
         if not self.max_report_age_s > 0:
             raise ValueError(f"max_report_age_s must be > 0, got {self.max_report_age_s}")
+        if not 0 <= self.band_reserve < 1:
+            raise ValueError(f"band_reserve must be in [0, 1), got {self.band_reserve}")
 
 
 @dataclass(frozen=True)

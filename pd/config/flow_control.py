@@ -76,6 +76,8 @@ class SaturationArgs(StrictModel):
     max_step_s: float | None = Field(None, gt=0, allow_inf_nan=False,
                                      description="the routers' predicted decode step (inter-token latency) there")
     max_report_age_s: float = Field(3.0, gt=0, allow_inf_nan=False, description="older reports count as saturated")
+    band_reserve: float = Field(0.0, ge=0, lt=1, description="the share of the in-flight limit each band leaves "
+                                                                  "to the bands above it")
 
     def config(self) -> SaturationConfig:
         return SaturationConfig(**self.model_dump())

@@ -13,10 +13,11 @@ BANDS = (Band("interactive", None, 0, 2.0), Band("batch", 1, None))
 INTERACTIVE, BATCH = 0, 1
 
 
-def controller(*tenants: Tenant, **changes) -> FlowController:
+def controller(*tenants: Tenant, band_reserve: float = 0.0, **changes) -> FlowController:
     tenants = tenants or (Tenant("a"), Tenant("b"), Tenant("c"))
     config = FlowConfig(bands=BANDS, tenants=tenants, default_tenant="a", trust_tenant_header=True,
-                        saturation=SaturationConfig(max_waiting=4, max_report_age_s=3.0), **changes)
+                        saturation=SaturationConfig(max_waiting=4, max_report_age_s=3.0, band_reserve=band_reserve),
+                        **changes)
     return FlowController(config)
 
 
@@ -63,6 +64,20 @@ def test_saturated_requests_wait_and_bands_are_served_strictly_in_order():
         order.append(admitted.request.request_id)
     assert order == ["i1", "b1", "b2"]
     assert admitted.waited_s == 3.0
+
+
+def test_with_a_reserve_each_band_leaves_a_share_of_the_limit_to_the_bands_above():
+    control = controller(band_reserve=0.25)
+    for index in range(4):
+        assert isinstance(decide(control, f"batch-{index}"), Admit)  # nothing reported yet: nothing held back
+    control.observe("decode", "d0", ReplicaReport(num_waiting=4, kv_usage=0.5), 0.0)  # full: the limit is 4
+    control.finished("batch-0", 10, 0.1)  # 3 in flight: under the limit, at the batch band's 3/4 of it
+    assert isinstance(decide(control, "batch-4", 0.1), Wait)
+    assert isinstance(decide(control, "urgent", 0.1, priority=INTERACTIVE), Admit)
+    control.finished("urgent", 10, 0.2)
+    assert control.poll(0.2) == []  # 3 in flight again: the batch band's share is still full
+    control.finished("batch-1", 10, 0.3)
+    assert [outcome.request.request_id for outcome in control.poll(0.3)] == ["batch-4"]
 
 
 def test_tenants_share_a_band_by_weight_in_tokens():
