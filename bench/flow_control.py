@@ -272,6 +272,24 @@ def trace_config(**fields) -> FlowTraceConfig:
     return FlowTraceConfig(**fields, **TRACE)
 
 
+def span_medians(trace: list[FlowArrival], load: Load, interactive: bool = True, most: int = 200) -> dict:
+    """Where the band's served requests spent their time before their first token: each timeline span's
+    median and p90 seconds (``/debug/requests``), over at most ``most`` of them."""
+    durations: dict[str, list[float]] = {}
+    with requests.Session() as session:
+        for arrival in [a for a in trace if a.interactive == interactive][:most]:
+            served = load.served[arrival.request_id]
+            if served.status != 200 or served.request_id is None:
+                continue
+            timeline = session.get(f"{load.url}/debug/requests/{served.request_id}",
+                                   headers={"Authorization": f"Bearer {KEYS['a']}"}).json()
+            for span in timeline.get("spans", []):
+                if span.get("duration_s") is not None and not span["name"].startswith("decode"):
+                    durations.setdefault(span["name"], []).append(span["duration_s"])
+    return {name: {"p50": round(sorted(v)[len(v) // 2], 3), "p90": round(sorted(v)[int(0.9 * (len(v) - 1))], 3),
+                   "n": len(v)} for name, v in sorted(durations.items())}
+
+
 def measure_capacity(url: str, model: str, clients: int, duration_s: float, seed: int) -> dict:
     """Requests and tokens per second finished by ``clients`` sending the trace's mix back to back."""
     trace = generate(trace_config(rate_rps=100.0, duration_s=duration_s * 2, seed=seed))
@@ -314,7 +332,8 @@ def overload_phase(local, url: str, model: str, capacity: dict, args) -> dict:
     no_shed, _, no_shed_figures = run_trace(url, model, trace, flow_control_args(shedding=False), window)
     deploy_args(local, app_args(flow_control_args()), ready_url=url)
     _, load, figures = run_trace(url, model, trace, flow_control_args(), window)
-    figures["controller"] = {**load.controller(), "pools": pool_counters()}
+    figures["controller"] = {**load.controller(), "pools": pool_counters(),
+                             "interactive_spans": span_medians(trace, load)}
     _, _, load_off = run_trace(url, model, [a for a in trace if a.interactive], flow_control_args(), window)
     return {"flow_control": figures, "no_shed": no_shed_figures, "load_off": load_off,
             "shedding": shed_figures(trace, load, no_shed)}

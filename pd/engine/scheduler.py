@@ -67,21 +67,26 @@ class Scheduler:
         drafts = self.speculator.plan(self.running) if self.speculator is not None else {}
         index = 0
         kv_short = blocked = False
+        urgent: int | None = None  # the most urgent priority with a prompt chunk in this step
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             if self.waiting and self.waiting[0].priority < request.priority and not (kv_short or blocked):
                 # More urgent than the rest of the batch: admitted (and budgeted) ahead of it, so a batch
                 # job's chunks never hold the budget from an urgent prompt. They sort in ahead of it. Short of
                 # blocks, it takes the least urgent's not yet scheduled in this step, one at a time.
-                num_running, num_waiting = len(self.running), len(self.waiting)
+                num_running, num_waiting, num_scheduled = len(self.running), len(self.waiting), len(out.scheduled)
                 budget = self._admit_waiting(budget, out, below=request.priority)
+                urgent = _most_urgent_prompt(out.scheduled[num_scheduled:], urgent)
                 if len(self.waiting) == num_waiting and not self._preempt_for(self.waiting[0], index, out):
                     blocked = True  # it cannot fit in this step: the batch goes on without it
                 index += max(0, len(self.running) - num_running)
                 continue
             num_new = min(request.num_tokens_with_unread - request.num_scheduled_tokens, budget)
-            if num_new <= 0 or self._ends_with_unread_token(request):
-                index += 1  # it ends when the step in flight is read: nothing more to compute for it
+            if num_new <= 0 or self._ends_with_unread_token(request) or (
+                    num_new > 1 and urgent is not None and request.priority > urgent):
+                # It ends when the step in flight is read: nothing more to compute for it. Or it is a less
+                # urgent prompt than one in this step: its chunk would lengthen the urgent one's step.
+                index += 1
                 continue
             draft = drafts.get(request, ())[:budget - num_new]  # the budget counts a verify step's k + 1
             if draft and not self.kv_cache.allocate_slots(request, num_new + len(draft)):
@@ -92,10 +97,11 @@ class Scheduler:
             kv_short |= len(out.preempted) > num_preempted
             num_new += len(draft)
             out.scheduled.append(self._scheduled(request, num_new, draft))
+            urgent = _most_urgent_prompt(out.scheduled[-1:], urgent)
             budget -= num_new
             index += 1
         if not out.preempted:
-            budget = self._admit_waiting(budget, out)
+            budget = self._admit_waiting(budget, out, below=None if urgent is None else urgent + 1)
         return out
 
     def _ends_with_unread_token(self, request: Request) -> bool:
@@ -387,6 +393,14 @@ class Scheduler:
                     self._finish(request, FinishReason.ABORT)
                     return request
         return None
+
+
+def _most_urgent_prompt(scheduled: list[ScheduledRequest], urgent: int | None) -> int | None:
+    """``urgent``, or the priority of a more urgent prompt chunk (over one token, no draft) in ``scheduled``."""
+    for item in scheduled:
+        if item.num_new_tokens > 1 and not item.draft_token_ids and (urgent is None or item.request.priority < urgent):
+            urgent = item.request.priority
+    return urgent
 
 
 def make_scheduler(config: SchedulerConfig, pool: BlockPool, tiers: Tiers = NO_TIERS) -> Scheduler:

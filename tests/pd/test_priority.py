@@ -53,6 +53,22 @@ def test_the_budget_goes_to_the_most_urgent_running_requests():
     assert step(sched) == ["urgent"]  # it takes the whole budget ahead of the batch job's chunk
 
 
+def test_no_less_urgent_prompt_chunk_shares_a_step_with_an_urgent_prompt():
+    sched = scheduler(budget=64)
+    sched.add(request("batch", 9, prompt_len=48))
+    sched.add(request("batch-2", 9, prompt_len=8))
+    assert step(sched) == ["batch", "batch-2"]  # one priority: the budget is shared as always
+    sched = scheduler(budget=32)
+    sched.add(request("batch", 9, prompt_len=60))
+    assert step(sched) == ["batch"]  # half its prompt
+    sched.add(request("urgent", 0, prompt_len=8))
+    sched.add(request("later", 9, prompt_len=8))
+    # The urgent prompt's step carries no batch chunk (a step's time grows with its tokens), and admits no
+    # less urgent prompt; the batch job's prompt goes on once the urgent one decodes.
+    assert step(sched) == ["urgent"]
+    assert step(sched) == ["urgent", "batch", "later"]
+
+
 def test_kv_pressure_preempts_the_least_urgent_even_when_it_is_the_older():
     sched = scheduler(num_blocks=4)  # two prompts of two blocks each fill it
     sched.add(request("batch", 5))
