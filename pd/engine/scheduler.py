@@ -30,7 +30,7 @@ from pd.engine.block_pool import BlockPool
 from pd.engine.kv_cache_manager import NO_MATCH, KVCacheManager
 from pd.engine.logprobs import PromptLogprob
 from pd.engine.outputs import EngineTimings, ForwardOutput, RequestOutput, ScheduledRequest, SchedulerOutput
-from pd.engine.priority import enqueue, requeue
+from pd.engine.priority import enqueue, most_urgent_prompt, requeue
 from pd.engine.request import FinishReason, KVSource, Request, RequestStatus, finish_reason
 from pd.engine.spec.verify import append_verified, verified_rows
 from pd.engine.tiers.base import NO_TIERS, Tiers
@@ -76,7 +76,7 @@ class Scheduler:
                 # blocks, it takes the least urgent's not yet scheduled in this step, one at a time.
                 num_running, num_waiting, num_scheduled = len(self.running), len(self.waiting), len(out.scheduled)
                 budget = self._admit_waiting(budget, out, below=request.priority)
-                urgent = _most_urgent_prompt(out.scheduled[num_scheduled:], urgent)
+                urgent = most_urgent_prompt(out.scheduled[num_scheduled:], urgent)
                 if len(self.waiting) == num_waiting and not self._preempt_for(self.waiting[0], index, out):
                     blocked = True  # it cannot fit in this step: the batch goes on without it
                 index += max(0, len(self.running) - num_running)
@@ -84,8 +84,7 @@ class Scheduler:
             num_new = min(request.num_tokens_with_unread - request.num_scheduled_tokens, budget)
             if num_new <= 0 or self._ends_with_unread_token(request) or (
                     num_new > 1 and urgent is not None and request.priority > urgent):
-                # It ends when the step in flight is read: nothing more to compute for it. Or it is a less
-                # urgent prompt than one in this step: its chunk would lengthen the urgent one's step.
+                # It ends when the step in flight is read; or it is a prompt less urgent than one in this step.
                 index += 1
                 continue
             draft = drafts.get(request, ())[:budget - num_new]  # the budget counts a verify step's k + 1
@@ -97,7 +96,7 @@ class Scheduler:
             kv_short |= len(out.preempted) > num_preempted
             num_new += len(draft)
             out.scheduled.append(self._scheduled(request, num_new, draft))
-            urgent = _most_urgent_prompt(out.scheduled[-1:], urgent)
+            urgent = most_urgent_prompt(out.scheduled[-1:], urgent)
             budget -= num_new
             index += 1
         if not out.preempted:
@@ -393,14 +392,6 @@ class Scheduler:
                     self._finish(request, FinishReason.ABORT)
                     return request
         return None
-
-
-def _most_urgent_prompt(scheduled: list[ScheduledRequest], urgent: int | None) -> int | None:
-    """``urgent``, or the priority of a more urgent prompt chunk (over one token, no draft) in ``scheduled``."""
-    for item in scheduled:
-        if item.num_new_tokens > 1 and not item.draft_token_ids and (urgent is None or item.request.priority < urgent):
-            urgent = item.request.priority
-    return urgent
 
 
 def make_scheduler(config: SchedulerConfig, pool: BlockPool, tiers: Tiers = NO_TIERS) -> Scheduler:
