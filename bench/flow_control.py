@@ -45,12 +45,9 @@ from bench.configs import load_config
 from bench.flow_load import KEYS, Load, as_run, pool_counters, shed_figures, span_medians
 from pd.serve.local import deploy_args, local_serve
 from pd.workload.host import cpu_flags, cpu_name
-from sim.flow import INTERACTIVE_DEADLINE_S, TENANTS, goals
+from sim.flow import INTERACTIVE_DEADLINE_S, TENANTS, WARMUP_S, goals, quota_figures
 from sim.flow_report import Window, summarize
 from sim.flow_trace import FlowArrival, FlowTraceConfig, generate
-
-WARMUP_S = 10.0
-
 
 FLOW_EXTRA: dict = {}  # --flow: fields over every run's flow_control
 APP_EXTRA: dict = {}  # --app: fields over every run's app args
@@ -150,8 +147,6 @@ def moderate_phase(local, url: str, model: str, capacity: dict, args) -> dict:
 
 def quota_phase(local, url: str, model: str, capacity: dict, args) -> dict:
     """``c`` alone over its quota of a third of capacity, then ``a`` and ``b`` from ``--quota-return-s``."""
-    from sim.flow import _recovery_s, _served_tokens
-
     quota_per_min = int(capacity["tokens_per_s"] * 60 / 3)
     flow = flow_control_args(quota_c_tokens_per_min=quota_per_min)
     deploy_args(local, app_args(flow), ready_url=url)
@@ -159,12 +154,7 @@ def quota_phase(local, url: str, model: str, capacity: dict, args) -> dict:
                                      seed=args.seed + 2, active=(("a", args.quota_return_s, math.inf),
                                                                  ("b", args.quota_return_s, math.inf))))
     run, _, _ = run_trace(url, model, trace, flow, Window(WARMUP_S, args.quota_duration_s))
-    alone = _served_tokens(run, "c", WARMUP_S, args.quota_return_s) / (args.quota_return_s - WARMUP_S)
-    return {"quota_c_tokens_per_s": round(quota_per_min / 60, 1), "c_alone_tokens_per_s": round(alone, 1),
-            "c_alone_over_quota": round(alone / (quota_per_min / 60), 3),
-            "recovery_s": _recovery_s(run, args.quota_return_s, args.quota_duration_s),
-            "after_return": summarize(run, Window(args.quota_return_s + 10.0, args.quota_duration_s),
-                                      INTERACTIVE_DEADLINE_S)}
+    return quota_figures(run, quota_per_min, args.quota_return_s, args.quota_duration_s)
 
 
 def main() -> None:

@@ -166,7 +166,13 @@ def quota(spec: ClusterSpec, capacity: dict, duration_s: float, return_s: float,
     config = FlowTraceConfig(rate_rps=2 * capacity["requests_per_s"], duration_s=duration_s, seed=seed,
                              active=(("a", return_s, math.inf), ("b", return_s, math.inf)))
     trace = generate(config)
-    run = replay(spec, trace, default_flow(quota_c_tokens_per_min=quota_per_min))
+    return quota_figures(replay(spec, trace, default_flow(quota_c_tokens_per_min=quota_per_min)), quota_per_min,
+                         return_s, duration_s)
+
+
+def quota_figures(run: FlowRun, quota_per_min: int, return_s: float, duration_s: float) -> dict:
+    """How far over its quota ``c`` was served alone, and how soon ``a`` and ``b`` had their share back
+    (``bench.flow_control`` reads a served run with it too)."""
     alone = _served_tokens(run, "c", WARMUP_S, return_s) / (return_s - WARMUP_S)
     return {"quota_c_tokens_per_s": round(quota_per_min / 60, 1), "c_alone_tokens_per_s": round(alone, 1),
             "c_alone_over_quota": round(alone / (quota_per_min / 60), 3),
