@@ -27,7 +27,7 @@ APP_LEVEL_ENGINE_FIELDS = ("kv_lease_s", "kv_read_timeout_s")
 # EngineConfig fields set per pool (``prefill:``, ``decode:``), not under ``engine:``.
 POOL_LEVEL_ENGINE_FIELDS = ("tensor_parallel_size", "expert_parallel_size", "num_redundant_experts")
 # Router kwargs the app sets itself: the engines' block size and the pool's routing scope.
-APP_ROUTER_KWARGS = ("block_size", "max_num_batched_tokens", "routing_scope", "gray_failure")
+APP_ROUTER_KWARGS = ("block_size", "max_num_batched_tokens", "num_ingress", "routing_scope", "gray_failure")
 # The prefill router of the predicted remote-prefill rule, which shares its latency predictor with the ingress.
 LATENCY_ROUTER = "router.serve:PredictedLatencyRouter"
 # Serve's own graceful_shutdown_timeout_s, which the pools keep where nothing asks for more.
@@ -100,10 +100,11 @@ class RouterArgs(StrictModel):
             raise ValueError(f"request_router_class {path!r} cannot be imported: {exc}") from None
 
     def router_kwargs(self, default: str, block_size: int, routing_scope: str,
-                      max_num_batched_tokens: int = 2048) -> dict[str, Any]:
+                      max_num_batched_tokens: int = 2048, num_ingress: int = 1) -> dict[str, Any]:
         """The kwargs Serve passes the router; ``ValueError`` naming a field its policy does not take.
 
-        The app sets ``block_size`` and, where the policy takes it, ``max_num_batched_tokens`` (the engines').
+        The app sets ``block_size`` and, where the policy takes them, ``max_num_batched_tokens`` (the engines')
+        and ``num_ingress`` (the ingress replicas, each routing its own requests).
         """
         from router.serve import PinnedRequestRouter
 
@@ -122,9 +123,9 @@ class RouterArgs(StrictModel):
             raise ValueError(f"request_router_kwargs.{unknown[0]}: not a field of {router_class.__name__}'s policy "
                              f"(its fields: {', '.join(sorted(known)) or 'none'})")
         if config_class is not None:
-            app_set = {"block_size": block_size}
-            if "max_num_batched_tokens" in {f.name for f in dataclasses.fields(config_class)}:
-                app_set["max_num_batched_tokens"] = max_num_batched_tokens
+            fields = {f.name for f in dataclasses.fields(config_class)}
+            app_set = {"block_size": block_size, **{name: value for name, value in (
+                ("max_num_batched_tokens", max_num_batched_tokens), ("num_ingress", num_ingress)) if name in fields}}
             try:
                 config_class(**kwargs, **app_set)
             except (TypeError, ValueError) as exc:
@@ -181,7 +182,7 @@ class PoolArgs(StrictModel):
 
     def deployment_options(self, default_router: str, block_size: int, routing_scope: str,
                            graceful_shutdown_timeout_s: float | None = None,
-                           max_num_batched_tokens: int = 2048) -> dict[str, Any]:
+                           max_num_batched_tokens: int = 2048, num_ingress: int = 1) -> dict[str, Any]:
         from ray.serve.config import RequestRouterConfig
 
         options: dict[str, Any] = {
@@ -191,7 +192,7 @@ class PoolArgs(StrictModel):
             "request_router_config": RequestRouterConfig(
                 request_router_class=self.router.request_router_class or default_router,
                 request_router_kwargs=self.router.router_kwargs(default_router, block_size, routing_scope,
-                                                                max_num_batched_tokens),
+                                                                max_num_batched_tokens, num_ingress),
                 request_routing_stats_period_s=self.router.request_routing_stats_period_s,
             ),
         }
@@ -351,7 +352,7 @@ class AppArgs(StrictModel):
         if pool == "prefill" and graceful is None:
             graceful = max(SERVE_GRACEFUL_SHUTDOWN_S, self.prefill_drain_s)
         return args.deployment_options(default, self.engine.block_size, scope, graceful,
-                                       self.engine.max_num_batched_tokens)
+                                       self.engine.max_num_batched_tokens, self.ingress.num_replicas)
 
     @classmethod
     def parse(cls, args: dict[str, Any] | None) -> "AppArgs":

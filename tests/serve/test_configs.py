@@ -239,6 +239,9 @@ def test_the_predicted_rule_routes_prefill_by_predicted_latency_with_the_engines
     assert parsed.remote_prefill_rule().predicted
     decode = parsed.deployment_options("decode")["request_router_config"].request_router_kwargs
     assert decode["max_num_batched_tokens"] == parsed.engine.max_num_batched_tokens
+    assert options.request_router_kwargs["num_ingress"] == 1 and "num_ingress" not in decode
+    two = AppArgs.parse({**args, "ingress": {"num_replicas": 2}}).deployment_options("prefill")
+    assert two["request_router_config"].request_router_kwargs["num_ingress"] == 2  # the guard counts them all
 
 
 def test_the_predicted_rule_refuses_a_prefill_router_without_a_predictor():
