@@ -19,7 +19,7 @@ from pd.serve.protocol import PoolControl, PoolRequest, PrefillResult
 from router.gray import PREFILL_PROBE_TOKENS, GrayFailureConfig, GrayFailureDetector
 from router.protocol import RouteHints
 from router.shared import PoolRouting
-from tests.router.test_gray_prefill import PrefillReplica, tick
+from tests.router.test_gray_prefill import PrefillReplica, run
 
 INTERVAL_S = GrayFailureConfig().probe_interval_s
 USER_LENGTHS = itertools.cycle((600, 1000, 1400))  # a's prompts: three lengths make the fitted law exact
@@ -64,10 +64,7 @@ def run_pool(seconds: int, prompts, start_s: int, detector, replicas, routing, p
     ``routing`` as the router's watch does, then a probe round at the ingress's period."""
     changes = []
     for t in range(start_s + 1, start_s + seconds + 1):
-        for replica_id, replica in replicas.items():
-            for num_tokens in prompts(replica_id, t):
-                replica.prefill(num_tokens)
-        changes += tick(detector, replicas, float(t))
+        changes += run(detector, replicas, 1, prompts, t - 1)
         routing.quarantined = frozenset(detector.quarantined())
         routing.slowness = {r: detector.slowness(r) for r in replicas}
         if t % int(INTERVAL_S) == 0:
@@ -106,12 +103,7 @@ def test_a_slow_prefill_replica_the_router_starved_is_probed_quarantined_and_rea
 def test_without_probes_the_starved_replica_is_never_judged(pool):
     """The same pool with no probe rounds: b stays a suspect and goes stale, never quarantined."""
     detector, replicas, routing, _, handle = pool
-    changes = []
-    for t in range(1, 61):
-        for replica_id, replica in replicas.items():
-            for num_tokens in user_prompts(b_at=(1,))(replica_id, t):
-                replica.prefill(num_tokens)
-        changes += tick(detector, replicas, float(t))
+    changes = run(detector, replicas, 60, user_prompts(b_at=(1,)))
     assert changes == [] and handle.probes == []
     assert detector.probe_targets() == ["b"] and detector.slowness("b") == pytest.approx(5.0, rel=1e-6)
 
