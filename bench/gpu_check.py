@@ -75,6 +75,20 @@ KERNEL_TESTS = ["tests/pd_kernels/test_triton_attention.py", "tests/pd_kernels/t
                 "tests/pd_kernels/test_triton_fp8_kv.py", "tests/pd_kernels/test_reference_attention.py",
                 "tests/pd_kernels/test_fused_moe.py", "tests/pd_kernels/test_triton_prefill.py",
                 "tests/pd_kernels/test_lora.py"]
+# The device's Python packages beyond the standard library, as import names (its image as read on
+# 2026-11-17: device/KINDS.md), and what ``make gpu-deps`` carries there: every part must run on these
+# alone (tests/bench/test_gpu_imports.py).
+DEVICE_MODULES = (
+    "absl", "accelerate", "aiohttp", "anyio", "attr", "attrs", "certifi", "charset_normalizer", "click",
+    "cloudpickle", "cuda", "cupy", "einops", "filelock", "fsspec", "h11", "httpcore", "httpx", "huggingface_hub",
+    "hf_xet", "hypothesis", "idna", "iniconfig", "jinja2", "markupsafe", "ml_dtypes", "mpmath", "msgpack",
+    "networkx", "numpy", "nvidia", "packaging", "pandas", "peft", "PIL", "pluggy", "prometheus_client", "psutil",
+    "pygments", "pytest", "_pytest", "py", "xdist", "pytest_timeout", "yaml", "regex", "requests", "rich",
+    "safetensors", "scipy", "sentencepiece", "sortedcontainers", "sympy", "tiktoken", "tokenizers", "torch",
+    "torchgen", "functorch", "tqdm", "transformers", "triton", "typing_extensions", "urllib3", "xxhash", "zipp",
+)
+GPU_DEPS = ("msgspec",)
+PROJECT_PACKAGES = ("pd", "pd_kernels", "bench", "tests", "transfer", "router", "sim")
 TOTAL_LIMIT_S = 480
 MIN_PART_S = 15  # a part given less than this is not started
 LOG_KEEP_CHARS = 400_000  # of a part's output in gpu_check.log: its head and tail, the middle elided

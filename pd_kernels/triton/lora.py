@@ -70,13 +70,12 @@ def rank_pad(rank: int) -> int:
     return max(16, next_power_of_2(rank))
 
 
-def choose_num_splits(num_rows: int, in_features: int, t_width: int, tiles: LoraTiles,
-                      device: torch.device) -> int:
+def choose_num_splits(num_rows: int, in_features: int, t_width: int, tiles: LoraTiles, sm_count: int) -> int:
     """Splits of ``in_features`` for the shrink: enough programs for about two per SM over the row and
     column blocks (a row block holds about one slot's rows in a decode batch), each split at least
-    ``MIN_SPLIT_STEPS`` steps of ``BLOCK_K``; 1 where the kernels are interpreted."""
-    sm_count = device_sm_count(device)
-    if sm_count == 0:
+    ``MIN_SPLIT_STEPS`` steps of ``BLOCK_K``; 1 where the kernels are interpreted (``sm_count`` 0) or
+    there are no rows."""
+    if sm_count == 0 or num_rows == 0:
         return 1
     blocks = triton.cdiv(num_rows, tiles.block_m) * triton.cdiv(t_width, shrink_block_n(tiles, t_width))
     most = triton.cdiv(in_features, tiles.block_k * MIN_SPLIT_STEPS)
@@ -187,7 +186,7 @@ def lora_delta(
     """Triton twin of ``pd_kernels.reference.lora_delta``."""
     check_launchable(out.device)
     tiles = lora_tiles(out.element_size())
-    num_splits = choose_num_splits(out.shape[0], x.shape[1], lora_a.shape[1], tiles, out.device)
+    num_splits = choose_num_splits(out.shape[0], x.shape[1], lora_a.shape[1], tiles, device_sm_count(out.device))
     launch_lora_delta(out, x, lora_a, lora_b, row_slots, tuple(slice_starts), tiles, num_splits)
 
 

@@ -15,7 +15,7 @@ import torch
 
 import pd_kernels
 from pd_kernels import NO_LORA, reference
-from pd_kernels.triton.lora import launch_lora_delta, lora_tiles
+from pd_kernels.triton.lora import choose_num_splits, launch_lora_delta, lora_tiles
 from tests.pd_kernels.conftest import DEVICE
 
 # (row_slots, in_features, slice_starts, out_features, rank, num_slots): a decode batch whose rows of one
@@ -159,6 +159,14 @@ def test_triton_split_k_sums_its_partials(num_splits):
     expected = _reference({**args, "out": out})
     launch_lora_delta(out, **args, tiles=lora_tiles(4), num_splits=num_splits)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("num_rows", [0, 1, 32, 4096])
+def test_the_shrinks_splits_on_a_gpu_for_any_row_count(num_rows):
+    # On a GPU (132 SMs) a batch of no rows once divided by its zero row blocks.
+    for element_size in (2, 4):
+        splits = choose_num_splits(num_rows, 4096, 48, lora_tiles(element_size), sm_count=132)
+        assert splits >= 1 and (num_rows > 0 or splits == 1)
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs")

@@ -26,8 +26,6 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import ConfigDict
-
 SPEC_METHODS = ("ngram", "suffix", "draft_model")
 SpecMethod = Literal[SPEC_METHODS]
 # The most draft tokens one verify step may carry per request.
@@ -36,7 +34,9 @@ MAX_SPECULATIVE_TOKENS = 32
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    __pydantic_config__ = ConfigDict(extra="forbid")  # the YAML edge names an unknown key
+    # The YAML edge names an unknown key. A plain dict (pydantic's ConfigDict is a TypedDict): the engine
+    # imports no pydantic, which the GPU machine lacks.
+    __pydantic_config__ = {"extra": "forbid"}
 
     method: SpecMethod = "ngram"
     num_speculative_tokens: int = 4
