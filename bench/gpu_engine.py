@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 import torch
 
-from bench.random_models import load_cached
+from bench.random_models import SHAPES, load_cached
 from pd.workload.stats import percentile
 
 WARM_UP_TOKENS = 8  # compiles and captures what the timed runs use; their length adds nothing
@@ -86,7 +86,7 @@ def main() -> None:
     print(json.dumps(summary(args, engines, median, outputs)), flush=True)
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=("llama3-8b", "qwen3-30b-a3b"), default="llama3-8b")
     parser.add_argument("--layers", type=int, default=32)
@@ -96,7 +96,15 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--async-scheduling", action="store_true",
                         help="also a second engine with async scheduling, graphs (mode graphs_async)")
-    return parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def pool_bytes(args: argparse.Namespace) -> int:
+    """Each engine's KV pool: twice what the batch's sequences hold at their longest. HF's model and two
+    engines share one GPU, so a pool sized for the GPU (16 GiB each) left HF none on an 80 GB H100."""
+    from bench.decode_roofline import kv_bytes
+
+    return kv_bytes(SHAPES[args.model], args.layers, 2 * args.batch * (args.prompt_len + args.new_tokens))
 
 
 def load(args: argparse.Namespace) -> Engines:
@@ -105,12 +113,12 @@ def load(args: argparse.Namespace) -> Engines:
 
     started = time.monotonic()
     path, hf = load_cached(args.model, args.layers)
-    llm = LLM(str(path), dtype="bfloat16", device="cuda", kv_cache_bytes=16 * 1024**3,
+    llm = LLM(str(path), dtype="bfloat16", device="cuda", kv_cache_bytes=pool_bytes(args),
               cuda_graph_max_batch=max(args.batch, 8))
     engines = Engines(hf, llm, llm.engine.runner.graphs)
     if args.async_scheduling:
         try:
-            engines.overlapped = LLM(str(path), dtype="bfloat16", device="cuda", kv_cache_bytes=16 * 1024**3,
+            engines.overlapped = LLM(str(path), dtype="bfloat16", device="cuda", kv_cache_bytes=pool_bytes(args),
                                      cuda_graph_max_batch=max(args.batch, 8), async_scheduling=True)
         except Exception as exc:  # noqa: BLE001 - the other modes' figures still stand; the line names it
             engines.overlap_error = f"{type(exc).__name__}: {str(exc)[:300]}"

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
+import traceback
 import warnings
 from collections import Counter
 from pathlib import Path
@@ -31,6 +32,8 @@ from pd.sampling_params import SamplingParams
 SHAPE = dict(hidden_size=1024, intermediate_size=2816, num_attention_heads=16, num_key_value_heads=4,
              vocab_size=32000, max_position_embeddings=2048)
 EXPECTED_FILE = "readback.py"
+ROOT = Path(__file__).resolve().parent.parent
+ENGINE_PACKAGES = ("pd", "pd_kernels")
 
 
 def make_checkpoint(root: Path, layers: int) -> Path:
@@ -56,6 +59,18 @@ def add_requests(engine: LLMEngine, workload: str, batch: int) -> None:
                                                                         logprobs=0, ignore_eos=True))
 
 
+def sync_site(filename: str, lineno: int, stack: list[traceback.FrameSummary] | None = None) -> str:
+    """Where a sync warned from: the innermost frame of the engine's own code (``pd``, ``pd_kernels``) as
+    ``file:line``, then the warning's own location (often torch's) after ``via``."""
+    frames = stack if stack is not None else traceback.extract_stack()
+    ours = [f for f in frames if Path(f.filename).resolve().is_relative_to(ROOT)
+            and Path(f.filename).resolve().relative_to(ROOT).parts[0] in ENGINE_PACKAGES]
+    where = f"{Path(filename).name}:{lineno}"
+    if not ours:
+        return where
+    return f"{Path(ours[-1].filename).name}:{ours[-1].lineno} via {where}"
+
+
 def count_syncs(path: Path, workload: str, ahead: bool, args) -> dict:
     engine = LLMEngine(EngineConfig(model=str(path), device="cuda", dtype="bfloat16", num_blocks=4096,
                                     max_num_batched_tokens=256, max_model_len=1024, max_num_seqs=args.batch + 16,
@@ -68,17 +83,16 @@ def count_syncs(path: Path, workload: str, ahead: bool, args) -> dict:
         engine.add_request("long", [(7 * i) % 30000 + 1 for i in range(900)],
                            SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))
     sites: Counter[str] = Counter()
-    with warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings():
         warnings.simplefilter("always")
+        warnings.showwarning = lambda message, category, filename, lineno, *rest: sites.update(
+            [sync_site(filename, lineno)] if "synchroniz" in str(message) else [])
         torch.cuda.set_sync_debug_mode("warn")
         try:
             for _ in range(args.steps):
                 engine.step()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    for warning in caught:
-        if "synchroniz" in str(warning.message):
-            sites[f"{Path(warning.filename).name}:{warning.lineno}"] += 1
     engine.close()
     unexpected = {site: n for site, n in sites.items() if not site.startswith(EXPECTED_FILE)}
     return {"workload": workload, "mode": "async" if ahead else "sync", "steps": args.steps,

@@ -62,3 +62,27 @@ def test_checks_run_side_by_side_and_a_part_past_its_limit_keeps_what_it_printed
     lines = (tmp_path / "gpu_check.jsonl").read_text().splitlines()
     assert {json.loads(line)["part"] for line in lines} == set(records)
     assert "===== stuck: rc timeout" in (tmp_path / "gpu_check.log").read_text()
+
+
+def test_the_engine_parts_pools_leave_room_for_hf_and_two_engines_on_an_80_gb_gpu():
+    from bench import gpu_engine
+    from bench.decode_roofline import weight_bytes
+    from bench.random_models import SHAPES
+
+    args = gpu_engine.parse_args([])  # the 8B shape at batch 32, HF's model and two engines on one GPU
+    shape = SHAPES[args.model]
+    weights = weight_bytes(shape, args.layers, batch=0) + 2 * shape.vocab_size * shape.hidden_size
+    assert 3 * weights + 2 * gpu_engine.pool_bytes(args) < 0.8 * 80e9
+
+
+def test_a_sync_is_placed_in_the_engines_code_not_in_torchs():
+    import traceback
+
+    from bench.step_syncs import ROOT, sync_site
+
+    stack = [traceback.FrameSummary(str(ROOT / "bench" / "step_syncs.py"), 70, "count_syncs"),
+             traceback.FrameSummary(str(ROOT / "pd" / "engine" / "block_pool.py"), 12, "grow"),
+             traceback.FrameSummary(str(ROOT / "pd" / "engine" / "readback.py"), 40, "read"),
+             traceback.FrameSummary("/site-packages/torch/__init__.py", 1270, "f")]
+    assert sync_site("/site-packages/torch/__init__.py", 1270, stack) == "readback.py:40 via __init__.py:1270"
+    assert sync_site("/site-packages/torch/__init__.py", 1270, stack[:1]) == "__init__.py:1270"
