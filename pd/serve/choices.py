@@ -12,7 +12,10 @@ still placing by that id (Ray 2.60, ``_pending_requests_by_id``). Issued
 together, all but one were never placed (seen: two of three hung). Started
 one at a time, each is placed before the next is made. Each choice has its own
 request id and, when the request has a seed, its own seed derived from it
-(choice 0 keeps the request's seed, so ``n=1`` is what it always was).
+(choice 0 keeps the request's seed, so ``n=1`` is what it always was). The
+prompt's scores (echo with logprobs) are choice 0's, handed to the others: a
+choice that scored the prompt again would compute every position, cached or
+not, on the decode replica.
 
 One choice failing fails the request: its other choices are cancelled.
 """
@@ -20,6 +23,7 @@ One choice failing fails the request: its other choices are cancelled.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import AsyncIterator
 
 from pd.engine.sampler import position_seed
@@ -55,13 +59,23 @@ async def run_choices(pools: PoolClient, request_id: str, token_ids: list[int], 
     queue: asyncio.Queue = asyncio.Queue()
     tasks: list[asyncio.Task] = []
 
+    prompt_scores: list = []  # choice 0's prompt logprobs, once it has them
+
     async def run(index: int, decode_replica: str | None) -> None:
         choice_id = f"{request_id}-{index}"
         choice_params = params.replace(seed=choice_seed(params.seed, index))
+        if index > 0:  # the prompt's scores are choice 0's: scored again, no cached block would serve it
+            choice_params = choice_params.replace(prompt_logprobs=None)
+        first = True
         try:
             async for event in pools.generate(choice_id, token_ids, choice_params, stop,
                                               decode_replica=decode_replica, timeline=timeline, lora=lora,
                                               priority=priority):
+                if index == 0 and event.prompt_logprobs is not None:
+                    prompt_scores.append(event.prompt_logprobs)
+                elif first and index > 0 and prompt_scores:
+                    event = dataclasses.replace(event, prompt_logprobs=prompt_scores[0])
+                first = False
                 if len(tasks) == index + 1:
                     start_next(pools.decode_replica_of(choice_id) or decode_replica, event.finish_reason is not None)
                 queue.put_nowait((index, event))

@@ -95,14 +95,18 @@ class PoolClient:
             name: (routings[name], handles[name], interval) for name, pool, _, _ in args.pools()
             if handles[name] is not None and (interval := probe_interval_s(pool.router.gray_failure)) is not None})
 
-    def wants_remote_prefill(self, hints: RouteHints) -> bool:
+    def wants_remote_prefill(self, hints: RouteHints, scores_prompt: bool = False) -> bool:
         """``router.remote_prefill``'s rule, while the prefill pool is not cooling down after failures.
 
         "Uncached" is what the decode replica would compute itself, estimated
-        from the decode router's prefix index.
+        from the decode router's prefix index. A request that scores its prompt
+        (prompt logprobs, echo with logprobs) computes every position's logits,
+        which no cached block holds: all of its prompt is uncached.
         """
         if self.args.mode != "disaggregated" or self.prefill is None or time.monotonic() < self.prefill_pool_down_until:
             return False
+        if scores_prompt:
+            hints = hints.replace(block_hashes=())
         if self.rule.predicted:  # by predicted seconds, once both pools' routers have data
             decode, prefill = self.decode_routing.predictions(), self.prefill_routing.predictions()
             remote = None if decode is None or prefill is None else predicted_remote(
@@ -242,7 +246,7 @@ class PoolClient:
         request = PoolRequest(request_id=request_id, token_ids=tuple(token_ids), sampling=params, lora=lora,
                               priority=priority)
         with tracker.timeline.span("route", request_id=request_id, num_prompt_tokens=len(token_ids)) as route:
-            remote = decode_replica is None and self.wants_remote_prefill(hints)
+            remote = decode_replica is None and self.wants_remote_prefill(hints, params.prompt_logprobs is not None)
             route.set(prefill="remote" if remote else "local", pinned_decode_replica=decode_replica)
         prefilled = await self.remote_prefill(request, hints, tracker.timeline) if remote else None
         if prefilled is None:

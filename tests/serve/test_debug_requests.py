@@ -146,3 +146,43 @@ def test_an_unknown_id_is_a_404_naming_it_and_the_list_is_newest_first(default_a
     listing = json.loads(text)
     assert status == 200 and len(listing["data"]) == 2 and listing["capacity"] == 1000
     assert listing["data"][0]["arrived_unix"] >= listing["data"][1]["arrived_unix"]
+
+
+def test_a_prompt_scored_prefills_remotely_though_its_decode_replica_holds_its_prefix(default_app):
+    # best_of's later choices prefill on the first one's decode replica, which then holds the prompt's
+    # blocks; an echo with logprobs needs every position's logits, which no cached block has, so the
+    # decode replica would compute the whole long prompt in its decode steps: it must prefill remotely.
+    prompt = " ".join(f"scored{i}" for i in range(150))
+
+    def route_of(**fields) -> str:
+        status, _, text = _call(f"{default_app.url}/v1/completions", "POST",
+                                {"model": MODEL, "prompt": prompt, "temperature": 0, **fields})
+        assert status == 200, text
+        routes = [span for span in _timeline(default_app, json.loads(text)["id"])["spans"] if span["name"] == "route"]
+        return routes[0]["attributes"]["prefill"]  # best_of's first choice; the others are pinned
+
+    assert route_of(max_tokens=2, best_of=3) == "remote"
+    # Once the decode router has read the replica's cache events (as it routes a stream), a plain request
+    # with the prompt prefills on the decode replica, which holds it.
+    wait_until(lambda: route_of(max_tokens=2) == "local")
+    assert route_of(max_tokens=0, echo=True, logprobs=2) == "remote"
+    assert route_of(max_tokens=2, echo=True, logprobs=1) == "remote"
+
+
+def test_the_choices_of_a_scored_prompt_score_it_once(default_app):
+    # Every choice echoes the prompt's scores, which are the same for all: the later choices, pinned to the
+    # first one's decode replica, must take its cached prompt rather than compute every position again.
+    prompt = " ".join(f"choice{i}" for i in range(150))
+    status, _, text = _call(f"{default_app.url}/v1/completions", "POST",
+                            {"model": MODEL, "prompt": prompt, "max_tokens": 2, "n": 3, "echo": True, "logprobs": 1,
+                             "temperature": 0.8})
+    assert status == 200, text
+    body = json.loads(text)
+    choices = sorted(body["choices"], key=lambda c: c["index"])
+    num_prompt = body["usage"]["prompt_tokens"]
+    echoed = [c["logprobs"]["token_logprobs"][:num_prompt] for c in choices]
+    assert len(echoed[0]) == num_prompt and echoed[0][0] is None and echoed[1] == echoed[0] == echoed[2]
+    timeline = _timeline(default_app, body["id"])
+    later = [span for span in timeline["spans"] if span["name"] == "decode"
+             and not span["attributes"]["request_id"].endswith("-0")]
+    assert len(later) == 2 and all(span["attributes"]["num_cached_tokens"] > 0 for span in later), later
