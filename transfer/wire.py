@@ -26,7 +26,7 @@ from typing import Annotated, Any, ClassVar, TypeVar
 
 import msgspec
 
-WIRE_VERSION = 14
+WIRE_VERSION = 15
 DIGEST_BYTES = 16
 
 NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]

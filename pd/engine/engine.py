@@ -104,6 +104,10 @@ class LLMEngine:
         self.kv_cache = self.scheduler.kv_cache
         if transport is not None:
             transport.register(self.runner.kv_cache, num_heads=pool_heads(self.runner.kv_cache))
+        if num_blocks * config.block_size < self.max_model_len:
+            logger.warning("the KV pool holds %d tokens, fewer than max_model_len %d: a longer request is refused "
+                           "(raise kv_cache_bytes or lower max_model_len)", num_blocks * config.block_size,
+                           self.max_model_len)
         self.step_times = StepTimes()
         self.step_sums = StepSums()  # the fit of this engine's own step cost (router.step_cost)
         # Speculative decoding: drafts for the running decodes, priced by that fit (pd.engine.spec).

@@ -58,9 +58,13 @@ class DecodeServer(EngineServer):
             remote_kv = self.engine.open_kv_handle(request.kv_handle, token_ids, adapter)
         await self.engine.compile_constraint(request.sampling)  # off the event loop
         arrived_ns = time.time_ns()
-        stream = self.engine.add_request(request.request_id, token_ids, request.sampling,
-                                         remote_kv=remote_kv, first_token_id=request.first_token_id,
-                                         num_generated=request.num_generated, lora=lora, priority=request.priority)
+        try:
+            stream = self.engine.add_request(request.request_id, token_ids, request.sampling,
+                                             remote_kv=remote_kv, first_token_id=request.first_token_id,
+                                             num_generated=request.num_generated, lora=lora, priority=request.priority)
+        except ValueError as exc:  # refused as it stands (pd.engine.admission): no replica would take it
+            yield self._failed(request, str(exc), invalid=True)  # a prefill lease ends with the ingress's release
+            return
         last_token_at = timings = last = None
         num_tokens = 0
         try:
@@ -81,10 +85,10 @@ class DecodeServer(EngineServer):
                        kv_source=last.kv_source.value if last is not None else None)
 
     @staticmethod
-    def _failed(request: PoolRequest, error: str) -> bytes:
-        """The one chunk of a request that failed before it reached the engine."""
+    def _failed(request: PoolRequest, error: str, invalid: bool = False) -> bytes:
+        """The one chunk of a request that failed before it reached the engine (``invalid``: refused by it)."""
         return DecodeChunk(request_id=request.request_id, token_ids=(), logprobs=(), finish_reason=FinishReason.ERROR,
-                           num_cached_tokens=0, kv_source=KVSource.LOCAL, error=error).encode()
+                           num_cached_tokens=0, kv_source=KVSource.LOCAL, error=error, invalid=invalid).encode()
 
     def _chunk(self, request: PoolRequest, out) -> bytes:
         """One engine output as an encoded ``DecodeChunk``."""

@@ -53,6 +53,8 @@ def classify(exc: Exception) -> OpenAIError:
     if isinstance(exc, BackPressureError):
         return OpenAIError(503, "the server is overloaded; retry later", type="overloaded_error")
     if isinstance(exc, RequestFailedError):
+        if exc.invalid:
+            return OpenAIError(400, str(exc), type="invalid_request_error")
         return OpenAIError(500, f"this request failed: {exc}", type="internal_error")
     return OpenAIError(500, "internal server error", type="internal_error")
 

@@ -55,7 +55,13 @@ RELEASE_BEFORE_RETRY_S = 1.0
 
 
 class RequestFailedError(RuntimeError):
-    """The request itself failed on an engine (its message says why); no other request is affected."""
+    """The request itself failed on an engine (its message says why); no other request is affected.
+
+    ``invalid``: the engine refused it as it stands (the client's error)."""
+
+    def __init__(self, message: str, invalid: bool = False):
+        super().__init__(message)
+        self.invalid = invalid
 
 
 class DecodeReplicaLost(RuntimeError):
@@ -187,7 +193,7 @@ class PoolClient:
         finally:
             self.prefill_in_flight -= 1
         if isinstance(answer, RequestFailed):
-            raise RequestFailedError(answer.error)
+            raise RequestFailedError(answer.error, answer.invalid)
         self.metrics.prefill.observe(time.monotonic() - start)
         return answer
 
@@ -339,7 +345,7 @@ class PoolClient:
                     raise DecodeReplicaLost(f"request {request.request_id} was aborted by its decode replica")
                 if chunk.finish_reason is FinishReason.ERROR:
                     engine_finished = True
-                    raise RequestFailedError(chunk.error or "the request failed on its decode replica")
+                    raise RequestFailedError(chunk.error or "the request failed on its decode replica", chunk.invalid)
                 if not first_chunk:
                     first_chunk = True
                     self._first_chunk(request, chunk, tracker, lease, span)

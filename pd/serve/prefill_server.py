@@ -35,8 +35,11 @@ class PrefillServer(EngineServer):
         except ValueError as exc:  # the adapter cannot be had here: the request fails, and no retry helps
             return RequestFailed(request_id=request.request_id, error=str(exc)).encode()
         arrived_ns = time.time_ns()
-        stream = self.engine.add_request(request.request_id, list(request.token_ids), request.sampling, pin_kv=True,
-                                         lora=lora, priority=request.priority)
+        try:
+            stream = self.engine.add_request(request.request_id, list(request.token_ids), request.sampling,
+                                             pin_kv=True, lora=lora, priority=request.priority)
+        except ValueError as exc:  # refused as it stands (pd.engine.admission): no replica would take it
+            return RequestFailed(request_id=request.request_id, error=str(exc), invalid=True).encode()
         last = timings = None
         try:
             async with contextlib.aclosing(stream):

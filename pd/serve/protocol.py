@@ -146,6 +146,8 @@ class RequestFailed(WireMessage, frozen=True, kw_only=True):
 
     request_id: str
     error: str
+    # The engine refused the request as it stands (too long for its KV pool, say): the client's error, a 400.
+    invalid: bool = False
 
 
 class DecodeChunk(WireMessage, frozen=True, kw_only=True):
@@ -165,6 +167,7 @@ class DecodeChunk(WireMessage, frozen=True, kw_only=True):
     num_cached_tokens: NonNegativeInt
     kv_source: KVSource
     error: str = ""
+    invalid: bool = False  # with ``error``: as ``RequestFailed.invalid``
     top_logprobs: tuple[TopLogprobs, ...] = ()
     prompt_logprobs: tuple[PromptLogprob, ...] | None = None
     timings: RequestTimings | None = None  # with the first chunk that has a token

@@ -4,6 +4,7 @@ is refused or tokenized without stalling other clients."""
 from __future__ import annotations
 
 import http.client
+import json
 import threading
 import time
 import urllib.parse
@@ -75,3 +76,22 @@ def test_huge_bodies_never_stall_other_clients(ray_cluster):
     assert status == 400 and body["error"]["code"] == "context_length_exceeded", body
     # Stalled behind the 64 MiB upload or the 4 MB prompt's tokenizing, a probe would wait seconds.
     assert slowest and max(slowest) < max(1.0, 4 * quiet), (max(slowest), quiet)
+
+
+def test_a_prompt_longer_than_the_kv_pool_holds_is_a_400_that_harms_no_later_request(ray_cluster):
+    # 8 MiB of tiny-llama KV holds 2,048 tokens, under its max_model_len of 4,096: the engines refuse a
+    # 3,000-token prompt. Refused as it stands, it is the client's error, answered once; before, each
+    # prefill replica's refusal counted as a replica's failure, two of them sent every long prompt to the
+    # decode replica for a cool-down, and the decode replica's refusal was a 500.
+    ensure_app("default.yaml", engine={"model": MODEL, "kv_cache_bytes": 8 * 1024**2})
+    client = Client(ray_cluster["url"])
+    too_long = [3 + i % 1000 for i in range(3000)]
+    for fields in ({"max_tokens": 0, "echo": True, "logprobs": 1}, {"max_tokens": 4}):
+        status, body = client.post("/v1/completions", {"model": MODEL, "prompt": too_long, **fields})
+        assert status == 400 and "KV blocks" in body["error"]["message"], body
+        assert body["error"]["type"] == "invalid_request_error"
+    status, body = client.post("/v1/completions", {"model": MODEL, "prompt": list(range(3, 400)), "max_tokens": 2})
+    assert status == 200, body
+    status, text = client.request("GET", f"/debug/requests/{body['id']}")
+    routes = [span for span in json.loads(text)["spans"] if span["name"] == "route"]
+    assert routes[0]["attributes"]["prefill"] == "remote"  # the prefill pool is not cooling down
