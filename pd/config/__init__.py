@@ -88,6 +88,10 @@ class EngineConfig:
     # Blocks each of those tiers may have in flight to it; more are not written (bounds its bandwidth).
     kv_tier_write_slots: int = 32
     max_num_batched_tokens: int = 2048
+    # Stall-free batching (pd.engine.step_budget): while decodes run, a prompt chunk is cut so that the
+    # step's time, as the engine's step cost fit predicts it, stays within this many seconds (each
+    # stream's inter-token gap); None: max_num_batched_tokens alone bounds a step.
+    itl_target_s: float | None = None
     max_num_seqs: int = 256
     max_model_len: int | None = None
     attention_backend: AttentionBackend = "auto"
@@ -257,6 +261,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.itl_target_s is not None and not self.itl_target_s > 0:
+            raise ValueError(f"itl_target_s must be > 0 seconds or None, got {self.itl_target_s}")
         for name in ("num_blocks", "kv_cache_bytes", "max_model_len", "num_threads", "decode_threads"):
             value = getattr(self, name)
             if value is not None and value < 1:

@@ -30,6 +30,7 @@ from pd.engine.request import FinishReason, KVSource, Request, RequestStatus, fi
 from pd.engine.scheduler import make_scheduler
 from pd.engine.spec.speculator import make_speculator
 from pd.engine.stats import EngineStats
+from pd.engine.step_budget import StepBudget
 from pd.engine.step_times import StepTimes
 from pd.engine.stepper import Stepper
 from pd.engine.structured import GrammarCompiler
@@ -110,6 +111,8 @@ class LLMEngine:
                            self.max_model_len)
         self.step_times = StepTimes()
         self.step_sums = StepSums()  # the fit of this engine's own step cost (router.step_cost)
+        if config.itl_target_s is not None:  # prompt chunks beside decodes cut to it (pd.engine.step_budget)
+            self.scheduler.step_budget = StepBudget(config.itl_target_s, self.step_sums, config.block_size)
         # Speculative decoding: drafts for the running decodes, priced by that fit (pd.engine.spec).
         self.speculator = self.scheduler.speculator = make_speculator(
             config, self.step_sums, num_blocks, self.max_model_len, mc.vocab_size,

@@ -33,6 +33,7 @@ from pd.engine.outputs import EngineTimings, ForwardOutput, RequestOutput, Sched
 from pd.engine.priority import enqueue, most_urgent_prompt, requeue
 from pd.engine.request import FinishReason, KVSource, Request, RequestStatus, finish_reason
 from pd.engine.spec.verify import append_verified, verified_rows
+from pd.engine.step_budget import StepBudget
 from pd.engine.tiers.base import NO_TIERS, Tiers
 from pd.lora.admission import MAX_WAITS, AdapterRoom
 
@@ -53,6 +54,7 @@ class Scheduler:
         self.num_preemptions = 0
         # Speculative decoding (``pd.engine.spec.speculator``): proposes drafts for running decodes.
         self.speculator: Speculator | None = None
+        self.step_budget = StepBudget()  # stall-free chunks beside decodes, once given a target (its module)
 
     @property
     def has_unfinished(self) -> bool:
@@ -64,6 +66,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        self.step_budget.begin(self.running)
         drafts = self.speculator.plan(self.running) if self.speculator is not None else {}
         index = 0
         kv_short = blocked = False
@@ -81,7 +84,8 @@ class Scheduler:
                     blocked = True  # it cannot fit in this step: the batch goes on without it
                 index += max(0, len(self.running) - num_running)
                 continue
-            num_new = min(request.num_tokens_with_unread - request.num_scheduled_tokens, budget)
+            num_new = self.step_budget.cap(min(request.num_tokens_with_unread - request.num_scheduled_tokens, budget),
+                                           request.num_computed_tokens)
             if num_new <= 0 or self._ends_with_unread_token(request) or (
                     num_new > 1 and urgent is not None and request.priority > urgent):
                 # It ends when the step in flight is read; or it is a prompt less urgent than one in this step.
@@ -164,7 +168,8 @@ class Scheduler:
             scores_prompt = request.num_prompt_logprobs_missing > 0
             prefix = self.kv_cache.match_prefix(request) \
                 if request.num_computed_tokens == 0 and not scores_prompt else NO_MATCH
-            num_new = min(request.num_tokens - request.num_computed_tokens - prefix.num_tokens, budget)
+            num_new = self.step_budget.cap(min(request.num_tokens - request.num_computed_tokens - prefix.num_tokens,
+                                               budget), request.num_computed_tokens + prefix.num_tokens)
             if not self.kv_cache.allocate_slots(request, num_new, prefix):
                 break
             self.waiting.popleft()
@@ -361,21 +366,14 @@ class Scheduler:
     @staticmethod
     def _output(request: Request, token_ids: list[int], logprobs: list[float], reason: FinishReason | None,
                 error: str | None = None, top_logprobs: list | None = None) -> RequestOutput:
+        ended = reason is not None
         return RequestOutput(
-            request_id=request.request_id,
-            new_token_ids=token_ids,
-            new_logprobs=logprobs,
-            finished=reason is not None,
-            finish_reason=reason,
-            num_cached_tokens=request.num_cached_tokens,
-            kv_source=request.kv_source,
-            queue_seconds=request.queue_seconds,
-            error=error,
-            new_top_logprobs=top_logprobs or [],
+            request_id=request.request_id, new_token_ids=token_ids, new_logprobs=logprobs, finished=ended,
+            finish_reason=reason, num_cached_tokens=request.num_cached_tokens, kv_source=request.kv_source,
+            queue_seconds=request.queue_seconds, error=error, new_top_logprobs=top_logprobs or [],
             timings=EngineTimings.first_of(request) if token_ids else None,
-            num_spec_draft_tokens=request.num_spec_draft_tokens if reason is not None else 0,
-            num_spec_accepted_tokens=request.num_spec_accepted_tokens if reason is not None else 0,
-        )
+            num_spec_draft_tokens=request.num_spec_draft_tokens if ended else 0,
+            num_spec_accepted_tokens=request.num_spec_accepted_tokens if ended else 0)
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
         request.status = RequestStatus.FINISHED

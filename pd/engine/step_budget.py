@@ -1,0 +1,101 @@
+"""Stall-free batching (Sarathi-Serve's): while decodes run, a prompt chunk is cut to an inter-token budget.
+
+A step that carries decode rows is every running stream's next inter-token
+gap. ``max_num_batched_tokens`` bounds a step in tokens, and a 2,048-token
+chunk beside three streams is seconds of their gap on a CPU. With
+``itl_target_s`` the scheduler asks this budget how much of a prompt chunk
+fits: the largest chunk that keeps the step's predicted time within the
+target, priced by the engine's own fit of the step cost model
+(``router.step_cost``: the law the routers predict its latency by).
+
+Per step, ``begin`` prices the step's decode rows (every running request
+with one token to compute) and keeps what the target leaves; ``cap`` then
+gives each prompt chunk, in the order the scheduler meets them, the most of
+its tokens that the rest pays for. A step without decode rows is not
+limited (no stream waits on it), and a chunk always gets ``min_chunk``
+tokens, so a prompt advances however busy the step. Until the fit has
+seen ``MIN_FIT_STEPS`` steps, a chunk beside decodes gets ``min_chunk``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+
+from pd.engine.request import Request
+from router.step_cost import StepSums, fit_linear, gram_matrix
+
+# Steps recorded before the fit is trusted; the fit is refreshed every REFIT_STEPS steps.
+MIN_FIT_STEPS = 8
+REFIT_STEPS = 16
+
+
+class StepBudget:
+    """The prompt tokens a step may compute beside its decodes (module docstring)."""
+
+    def __init__(self, target_s: float | None = None, sums: StepSums | None = None, min_chunk: int = 1):
+        """``target_s`` None: no step is limited (``max_num_batched_tokens`` alone bounds it)."""
+        if target_s is not None and (target_s <= 0 or sums is None):
+            raise ValueError(f"itl_target_s must be > 0 and priced by a step fit, got {target_s}")
+        self.target_s = target_s
+        self.sums = sums
+        self.min_chunk = max(1, min_chunk)
+        self.coefficients: np.ndarray | None = None
+        self._fitted_at = -REFIT_STEPS
+        self._left_s: float | None = None  # None: this step is not limited
+
+    def begin(self, running: Sequence[Request]) -> None:
+        """A new step over ``running``: price its decode rows and keep what the target leaves."""
+        if self.target_s is None:
+            return
+        decodes = [r for r in running if r.num_tokens_with_unread - r.num_scheduled_tokens == 1]
+        if not decodes:
+            self._left_s = None
+            return
+        coefficients = self._fit()
+        if coefficients is None:
+            self._left_s = 0.0  # no fit yet: only the smallest chunk beside streams
+            return
+        base, per_token, per_pair, per_seq, per_sample = coefficients
+        pairs = sum(r.num_computed_tokens + 1 for r in decodes)
+        num = len(decodes)
+        self._left_s = self.target_s - (base + (per_token + per_seq + per_sample) * num + per_pair * pairs)
+
+    def cap(self, num_new: int, num_computed: int) -> int:
+        """How many of a chunk's ``num_new`` tokens (after ``num_computed``) fit; the time is spent. A decode's one
+        token always does."""
+        if self._left_s is None or num_new <= self.min_chunk:
+            return num_new
+        fits = self._largest(num_computed) if self._left_s > 0 and self.coefficients is not None else 0
+        chunk = min(num_new, max(self.min_chunk, fits))
+        self._left_s -= self._chunk_s(chunk, num_computed)
+        return chunk
+
+    def _largest(self, c: int) -> int:
+        """The largest n whose chunk cost (``_chunk_s``) is within the time left: the quadratic's root."""
+        _, a, b, s, m = self.coefficients
+        budget = self._left_s - s - m
+        if budget <= 0:
+            return 0
+        linear = a + b * (c + 0.5)
+        if b <= 0:
+            return int(budget / linear) if linear > 0 else 1 << 30
+        half = b / 2  # cost(n) = half * n^2 + linear * n: the pairs n*c + n(n+1)/2 at per_pair b
+        return int((-linear + math.sqrt(linear * linear + 4 * half * budget)) / (2 * half))
+
+    def _chunk_s(self, n: int, c: int) -> float:
+        if self.coefficients is None:
+            return 0.0
+        _, a, b, s, m = self.coefficients
+        return a * n + b * (n * c + n * (n + 1) / 2) + s + m
+
+    def _fit(self) -> np.ndarray | None:
+        steps = self.sums.gram[0]  # the count of steps recorded
+        if steps < MIN_FIT_STEPS:
+            return None
+        if steps - self._fitted_at >= REFIT_STEPS or self.coefficients is None:
+            self.coefficients = fit_linear(gram_matrix(self.sums.gram), np.asarray(self.sums.moments))
+            self._fitted_at = steps
+        return self.coefficients

@@ -1,0 +1,110 @@
+"""Stall-free batching: beside decodes, a prompt chunk is cut to the step's inter-token budget."""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+
+from pd.engine.step_budget import MIN_FIT_STEPS, StepBudget
+from router.step_cost import StepShape, StepSums
+
+# base, per token, per pair, per seq, per sample: a step of 3 decodes after 100 tokens costs
+# 1 + 3 * (0.1 + 0.5 + 0.2) + 3 * 101 * 1e-4 = 3.43 ms.
+LAW = (1e-3, 1e-4, 1e-7, 5e-4, 2e-4)
+
+
+def _sums(num_steps: int = 64) -> StepSums:
+    sums, rng = StepSums(), random.Random(0)
+    for _ in range(num_steps):
+        shape = StepShape(num_tokens=rng.randrange(1, 2048), attn_pairs=rng.randrange(1, 10**6),
+                          num_seqs=rng.randrange(1, 32), num_samples=rng.randrange(1, 32))
+        sums.record(shape, sum(c * x for c, x in zip(LAW, shape.vector())))
+    return sums
+
+
+def _decode(computed: int) -> SimpleNamespace:
+    return SimpleNamespace(num_tokens_with_unread=computed + 1, num_scheduled_tokens=computed,
+                           num_computed_tokens=computed)
+
+
+def _chunk_s(n: int, c: int) -> float:
+    return LAW[1] * n + LAW[2] * (n * c + n * (n + 1) / 2) + LAW[3] + LAW[4]
+
+
+def test_a_chunk_beside_decodes_is_the_largest_that_keeps_the_step_within_the_target():
+    budget = StepBudget(0.05, _sums(), min_chunk=16)
+    budget.begin([_decode(100)] * 3)
+    decodes_s = LAW[0] + 3 * (LAW[1] + LAW[3] + LAW[4]) + 3 * 101 * LAW[2]
+    chunk = budget.cap(2048, 0)
+    assert 16 < chunk < 2048
+    assert decodes_s + _chunk_s(chunk, 0) <= 0.05 < decodes_s + _chunk_s(chunk + 1, 0) + 1e-9
+    assert budget.cap(2048, 0) == 16  # the step's time is spent: a second prompt only advances
+    assert budget.cap(1, 500) == 1  # a decode's token is never cut
+
+
+def test_a_step_without_decodes_or_a_target_is_not_limited_and_a_young_fit_limits_to_the_least():
+    budget = StepBudget(0.05, _sums(), min_chunk=16)
+    budget.begin([SimpleNamespace(num_tokens_with_unread=900, num_scheduled_tokens=0, num_computed_tokens=0)])
+    assert budget.cap(2048, 0) == 2048  # only prompts: no stream waits on this step
+    off = StepBudget()
+    off.begin([_decode(100)])
+    assert off.cap(2048, 0) == 2048
+    young = StepBudget(0.05, _sums(MIN_FIT_STEPS - 1), min_chunk=16)
+    young.begin([_decode(100)])
+    assert young.cap(2048, 0) == 16
+
+
+def test_a_longer_context_gets_a_smaller_chunk():
+    chunks = []
+    for computed in (0, 20_000):
+        budget = StepBudget(0.05, _sums(), min_chunk=16)
+        budget.begin([_decode(100)])
+        chunks.append(budget.cap(4096, computed))
+    assert chunks[1] < chunks[0]
+
+
+@pytest.mark.parametrize("target", [0.0, -1.0])
+def test_a_target_that_is_not_positive_is_refused(target):
+    from pd.config import EngineConfig
+
+    with pytest.raises(ValueError, match="itl_target_s"):
+        EngineConfig(model="builtin:tiny-llama", itl_target_s=target)
+
+
+def test_an_engine_chunks_a_prompt_beside_streams_and_its_tokens_are_unchanged():
+    from pd import SamplingParams
+    from pd.config import EngineConfig
+    from pd.engine.engine import LLMEngine
+
+    long_prompt = [3 + i % 900 for i in range(1200)]
+    chunks, tokens = {}, {}
+    for target in (None, 1e-6):  # a target no chunk meets: beside the streams, every chunk is the least
+        engine = LLMEngine(EngineConfig(model="builtin:tiny-llama", num_blocks=512, itl_target_s=target))
+        schedule, seen = engine.scheduler.schedule, []
+
+        def spy(schedule=schedule, seen=seen):
+            out = schedule()
+            seen += [item.num_new_tokens for item in out.scheduled  # the prompt's chunks, not its decodes
+                     if item.request.request_id == "long" and item.num_new_tokens > 1]
+            return out
+
+        engine.scheduler.schedule = spy
+        for i in range(3):
+            engine.add_request(f"s{i}", [5 + i, 6, 7, 8], SamplingParams(max_tokens=40, temperature=0,
+                                                                         ignore_eos=True))
+        for _ in range(MIN_FIT_STEPS + 2):  # the streams decode, and the fit has its steps
+            engine.step()
+        engine.add_request("long", long_prompt, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+        got: dict[str, list[int]] = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                got.setdefault(out.request_id, []).extend(out.new_token_ids)
+        engine.close()
+        chunks[target], tokens[target] = seen, got
+    assert chunks[None] == [1200]  # one chunk of the whole prompt beside the streams
+    block = 16
+    assert chunks[1e-6][0] == block and set(chunks[1e-6][:20]) == {block}  # while the streams run
+    assert sum(chunks[1e-6]) == 1200
+    assert tokens[1e-6] == tokens[None]
