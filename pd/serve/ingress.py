@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from ray import serve
 
 from pd.config.app import AppArgs
@@ -41,7 +41,7 @@ from pd.serve.openai_protocol import (
     now,
     usage,
 )
-from pd.serve.openai_render import ChatRenderer, ChoiceOutput, CompletionRenderer
+from pd.serve.openai_render import ChatRenderer, ChoiceOutput, CompletionRenderer, json_off_loop, sse_frame
 from pd.serve.prompts import PromptEncoder
 from pd.serve.protocol import LoraRef
 from pd.serve.request_id import RequestIds
@@ -284,13 +284,23 @@ class Ingress:
         runs = [outputs[i] for i in sorted(outputs)]
         if len(runs) > n:  # best_of: the n runs the model finds most likely
             runs = sorted(runs, key=lambda out: sum(out.logprobs), reverse=True)[:n]
-        response = call.frame([renderer.choice(i, out) for i, out in enumerate(runs)])
         completion_tokens = sum(out.num_output_tokens for out in outputs.values()) if call.generate else 0
-        response["usage"] = usage(call.num_prompt_tokens, completion_tokens, runs[0].num_cached_tokens)
+
+        def build() -> dict:
+            return {**call.frame([renderer.choice(i, out) for i, out in enumerate(runs)]),
+                    "usage": usage(call.num_prompt_tokens, completion_tokens, runs[0].num_cached_tokens)}
+
+        body = await json_off_loop(build)  # a prompt's scores take seconds to render: not on the event loop
         call.timeline.finish("ok", num_output_tokens=completion_tokens)
-        return response
+        return Response(body, media_type="application/json")
 
     def _stream(self, events, renderer, call: "_Call") -> StreamingResponse:
+        def build(index: int, event, sent: int, cached: int) -> dict:
+            frame = call.frame([renderer.delta(index, event)])
+            if call.body.continuous_usage:
+                frame["usage"] = usage(call.num_prompt_tokens, sent, cached)
+            return frame
+
         async def body() -> AsyncIterator[str]:
             num_output_tokens: dict[int, int] = {}
             num_cached_tokens = 0
@@ -298,11 +308,8 @@ class Ingress:
                 async for index, event in events:
                     num_output_tokens[index] = event.num_output_tokens if call.generate else 0
                     num_cached_tokens = event.num_cached_tokens if index == 0 else num_cached_tokens
-                    frame = call.frame([renderer.delta(index, event)])
-                    if call.body.continuous_usage:
-                        frame["usage"] = usage(call.num_prompt_tokens, sum(num_output_tokens.values()),
-                                               num_cached_tokens)
-                    yield _sse(frame)
+                    yield await sse_frame(build, index, event, sum(num_output_tokens.values()), num_cached_tokens,
+                                          off_loop=event.prompt_logprobs is not None)
                 call.timeline.finish("ok", num_output_tokens=sum(num_output_tokens.values()))
             except Exception as exc:  # noqa: BLE001 - the stream must end with an error event, not a hang
                 if not isinstance(exc, OpenAIError):
