@@ -262,6 +262,7 @@ class AppArgs(StrictModel):
     remote_prefill_predicted: bool = False
     # Seconds of TTFT a second of decodes stalled by a local prefill is worth, under the predicted rule.
     remote_prefill_stall_weight: float = Field(1.0, ge=0)
+    # A prefill call's deadline for each max_num_batched_tokens of its prompt (prefill_deadline_s).
     prefill_timeout_s: float = Field(30.0, gt=0)
     kv_lease_s: float = Field(30.0, gt=0)
     kv_read_timeout_s: float = Field(10.0, gt=0)
@@ -383,6 +384,11 @@ class AppArgs(StrictModel):
         if pool == "prefill" and config.speculative_config is not None:
             config = dataclasses.replace(config, speculative_config=None)
         return config
+
+    def prefill_deadline_s(self, num_prompt_tokens: int) -> float:
+        """How long a prefill call may take: ``prefill_timeout_s`` for each step's worth of prompt (a long one's
+        chunks are that many steps of compute, which a fixed deadline would cut and send to the decode pool)."""
+        return self.prefill_timeout_s * max(1, -(-num_prompt_tokens // self.engine.max_num_batched_tokens))
 
     def remote_prefill_rule(self) -> RemotePrefillRule:
         return RemotePrefillRule(threshold=self.remote_prefill_threshold, queue_bound=self.prefill_queue_bound,

@@ -105,14 +105,9 @@ class LLMEngine:
         self.kv_cache = self.scheduler.kv_cache
         if transport is not None:
             transport.register(self.runner.kv_cache, num_heads=pool_heads(self.runner.kv_cache))
-        if num_blocks * config.block_size < self.max_model_len:
-            logger.warning("the KV pool holds %d tokens, fewer than max_model_len %d: a longer request is refused "
-                           "(raise kv_cache_bytes or lower max_model_len)", num_blocks * config.block_size,
-                           self.max_model_len)
         self.step_times = StepTimes()
         self.step_sums = StepSums()  # the fit of this engine's own step cost (router.step_cost)
-        if config.itl_target_s is not None:  # prompt chunks beside decodes cut to it (pd.engine.step_budget)
-            self.scheduler.step_budget = StepBudget(config.itl_target_s, self.step_sums, config.block_size)
+        self._bound_steps(num_blocks)
         # Speculative decoding: drafts for the running decodes, priced by that fit (pd.engine.spec).
         self.speculator = self.scheduler.speculator = make_speculator(
             config, self.step_sums, num_blocks, self.max_model_len, mc.vocab_size,
@@ -344,6 +339,17 @@ class LLMEngine:
                 results[index] = dataclasses.replace(result, kv_handle=self.connector.pin(request))
             self._forget(result.request_id)
         return results
+
+    def _bound_steps(self, num_blocks: int) -> None:
+        """Cut prompt chunks beside decodes to ``itl_target_s`` (``pd.engine.step_budget``), and say at start
+        if the pool holds less than ``max_model_len``."""
+        config = self.config
+        if config.itl_target_s is not None:
+            self.scheduler.step_budget = StepBudget(config.itl_target_s, self.step_sums, config.block_size)
+        if num_blocks * config.block_size < self.max_model_len:
+            logger.warning("the KV pool holds %d tokens, fewer than max_model_len %d: a longer request is refused "
+                           "(raise kv_cache_bytes or lower max_model_len)", num_blocks * config.block_size,
+                           self.max_model_len)
 
     def warm_up(self) -> None:
         """Run a prefill and a decode step outside any request (``ModelRunner.warm_up``), and log its time."""

@@ -55,9 +55,8 @@ RELEASE_BEFORE_RETRY_S = 1.0
 
 
 class RequestFailedError(RuntimeError):
-    """The request itself failed on an engine (its message says why); no other request is affected.
-
-    ``invalid``: the engine refused it as it stands (the client's error)."""
+    """The request itself failed on an engine (its message says why; ``invalid``: the engine refused it as it
+    stands, the client's error); no other request is affected."""
 
     def __init__(self, message: str, invalid: bool = False):
         super().__init__(message)
@@ -104,10 +103,8 @@ class PoolClient:
     def wants_remote_prefill(self, hints: RouteHints, scores_prompt: bool = False) -> bool:
         """``router.remote_prefill``'s rule, while the prefill pool is not cooling down after failures.
 
-        "Uncached" is what the decode replica would compute itself, estimated
-        from the decode router's prefix index. A request that scores its prompt
-        (prompt logprobs, echo with logprobs) computes every position's logits,
-        which no cached block holds: all of its prompt is uncached.
+        "Uncached" is what the decode replica would compute itself, estimated from the decode router's
+        prefix index; all of a prompt it scores (whose every position's logits no cached block holds).
         """
         if self.args.mode != "disaggregated" or self.prefill is None or time.monotonic() < self.prefill_pool_down_until:
             return False
@@ -172,14 +169,14 @@ class PoolClient:
     async def _prefill_attempt(self, request: PoolRequest, hints: RouteHints) -> PrefillResult:
         """One call, watched: it ends at its deadline, or as soon as its replica is known dead."""
         start = time.monotonic()
-        deadline = start + self.args.prefill_timeout_s
+        deadline = start + self.args.prefill_deadline_s(len(request.token_ids))
         response = self.prefill.prefill.remote(hints.encode(), request.encode())
         call = asyncio.ensure_future(_result(response))
         self.prefill_in_flight += 1
         try:
             while not (await asyncio.wait({call}, timeout=min(LIVENESS_POLL_S, deadline - time.monotonic())))[0]:
                 if time.monotonic() >= deadline:
-                    raise TimeoutError(f"no prefill answer in {self.args.prefill_timeout_s:g} s")
+                    raise TimeoutError(f"no prefill answer in {deadline - start:g} s")
                 routed = self.prefill_routing.routed_replica(request.request_id)
                 if routed is not None and not self.prefill_routing.is_live(routed):
                     raise RuntimeError(f"prefill replica {routed} died")

@@ -380,3 +380,13 @@ def test_an_app_with_flow_control_gives_its_ingress_room_for_the_waiting():
     with pytest.raises(ValueError, match=r"ingress.max_ongoing_requests \(300\) must be above "
                                          r"flow_control.max_queued \(4096\)"):
         build_app({**_with_flow_control(), "ingress": {"max_ongoing_requests": 300}})
+
+
+def test_a_prefill_calls_deadline_grows_with_its_prompts_steps():
+    from pd.config.app import AppArgs
+
+    args = AppArgs.model_validate(config_args("default.yaml"))
+    step = args.engine.max_num_batched_tokens
+    assert args.prefill_deadline_s(10) == args.prefill_deadline_s(step) == args.prefill_timeout_s
+    assert args.prefill_deadline_s(step + 1) == 2 * args.prefill_timeout_s
+    assert args.prefill_deadline_s(8191) == 4 * args.prefill_timeout_s  # the default model's max_model_len - 1
