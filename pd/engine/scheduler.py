@@ -170,7 +170,7 @@ class Scheduler:
                 if request.num_computed_tokens == 0 and not scores_prompt else NO_MATCH
             num_new = self.step_budget.cap(min(request.num_tokens - request.num_computed_tokens - prefix.num_tokens,
                                                budget), request.num_computed_tokens + prefix.num_tokens)
-            if not self.kv_cache.allocate_slots(request, num_new, prefix):
+            if num_new <= 0 or not self.kv_cache.allocate_slots(request, num_new, prefix):
                 break
             self.waiting.popleft()
             if request.first_scheduled_time is None:

@@ -11,10 +11,12 @@ target, priced by the engine's own fit of the step cost model
 Per step, ``begin`` prices the step's decode rows (every running request
 with one token to compute) and keeps what the target leaves; ``cap`` then
 gives each prompt chunk, in the order the scheduler meets them, the most of
-its tokens that the rest pays for. A step without decode rows is not
-limited (no stream waits on it), and a chunk always gets ``min_chunk``
-tokens, so a prompt advances however busy the step. Until the fit has
-seen ``MIN_FIT_STEPS`` steps, a chunk beside decodes gets ``min_chunk``.
+its tokens that the rest pays for, none once it is spent. A step without
+decode rows is not limited (no stream waits on it), and the step's first
+prompt chunk gets ``min_chunk`` tokens at least, so prompts advance however
+busy the step (the others wait: eight prompts arriving together are not
+eight chunks beside the streams). Until the fit has seen ``MIN_FIT_STEPS``
+steps, only that first chunk runs beside decodes.
 """
 
 from __future__ import annotations
@@ -45,9 +47,11 @@ class StepBudget:
         self.coefficients: np.ndarray | None = None
         self._fitted_at = -REFIT_STEPS
         self._left_s: float | None = None  # None: this step is not limited
+        self._granted = False  # a prompt chunk has its tokens in this step
 
     def begin(self, running: Sequence[Request]) -> None:
         """A new step over ``running``: price its decode rows and keep what the target leaves."""
+        self._granted = False
         if self.target_s is None:
             return
         decodes = [r for r in running if r.num_tokens_with_unread - r.num_scheduled_tokens == 1]
@@ -66,11 +70,13 @@ class StepBudget:
     def cap(self, num_new: int, num_computed: int) -> int:
         """How many of a chunk's ``num_new`` tokens (after ``num_computed``) fit; the time is spent. A decode's one
         token always does."""
-        if self._left_s is None or num_new <= self.min_chunk:
+        if self._left_s is None or num_new <= 1:
             return num_new
         fits = self._largest(num_computed) if self._left_s > 0 and self.coefficients is not None else 0
-        chunk = min(num_new, max(self.min_chunk, fits))
-        self._left_s -= self._chunk_s(chunk, num_computed)
+        chunk = min(num_new, max(0 if self._granted else self.min_chunk, fits))
+        if chunk:
+            self._granted = True
+            self._left_s -= self._chunk_s(chunk, num_computed)
         return chunk
 
     def _largest(self, c: int) -> int:

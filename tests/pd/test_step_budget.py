@@ -40,8 +40,11 @@ def test_a_chunk_beside_decodes_is_the_largest_that_keeps_the_step_within_the_ta
     chunk = budget.cap(2048, 0)
     assert 16 < chunk < 2048
     assert decodes_s + _chunk_s(chunk, 0) <= 0.05 < decodes_s + _chunk_s(chunk + 1, 0) + 1e-9
-    assert budget.cap(2048, 0) == 16  # the step's time is spent: a second prompt only advances
+    assert budget.cap(2048, 0) == 0  # the step's time is spent: a second prompt waits for the next
     assert budget.cap(1, 500) == 1  # a decode's token is never cut
+    spent = StepBudget(0.003, _sums(), min_chunk=16)
+    spent.begin([_decode(100)] * 3)  # the decodes alone pass the target
+    assert [spent.cap(2048, 0), spent.cap(8, 0), spent.cap(2048, 0)] == [16, 0, 0]  # the first chunk advances
 
 
 def test_a_step_without_decodes_or_a_target_is_not_limited_and_a_young_fit_limits_to_the_least():
