@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -160,15 +161,20 @@ class ChatRenderer:
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
 
+# One thread renders the big responses, one after another: eight at once in eight threads would leave the
+# event loop a ninth of the interpreter's turns.
+_RENDERER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pd-render")
+
+
 async def json_off_loop(build: Callable[..., Any], *args: Any) -> bytes:
-    """``build(*args)`` encoded as JSON in a worker thread.
+    """``build(*args)`` encoded as JSON in the render thread.
 
     A response or stream frame with a prompt's scores (echo with logprobs)
     holds every prompt position's top-k: 8,191 x 20 entries take a second of
     CPU to render and encode. On the event loop, every stream the ingress
     serves would wait that long; in a thread, the loop keeps its turns.
     """
-    return await asyncio.to_thread(lambda: msgspec.json.encode(build(*args)))
+    return await asyncio.get_running_loop().run_in_executor(_RENDERER, lambda: msgspec.json.encode(build(*args)))
 
 
 async def sse_frame(build: Callable[..., Any], *args: Any, off_loop: bool) -> str:
