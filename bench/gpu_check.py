@@ -82,7 +82,7 @@ DEVICE_MODULES = (
     "absl", "accelerate", "aiohttp", "anyio", "attr", "attrs", "certifi", "charset_normalizer", "click",
     "cloudpickle", "cuda", "cupy", "einops", "filelock", "fsspec", "h11", "httpcore", "httpx", "huggingface_hub",
     "hf_xet", "hypothesis", "idna", "iniconfig", "jinja2", "markupsafe", "ml_dtypes", "mpmath", "msgpack",
-    "networkx", "numpy", "nvidia", "packaging", "pandas", "peft", "PIL", "pluggy", "prometheus_client", "psutil",
+    "networkx", "ninja", "numpy", "nvidia", "packaging", "pandas", "peft", "PIL", "pluggy", "prometheus_client", "psutil",
     "pygments", "pytest", "_pytest", "py", "xdist", "pytest_timeout", "yaml", "regex", "requests", "rich",
     "safetensors", "scipy", "sentencepiece", "sortedcontainers", "sympy", "tiktoken", "tokenizers", "torch",
     "torchgen", "functorch", "tqdm", "transformers", "triton", "typing_extensions", "urllib3", "xxhash", "zipp",
