@@ -86,8 +86,11 @@ def test_a_prompt_longer_than_the_kv_pool_holds_is_a_400_that_harms_no_later_req
     ensure_app("default.yaml", engine={"model": MODEL, "kv_cache_bytes": 8 * 1024**2})
     client = Client(ray_cluster["url"])
     too_long = [3 + i % 1000 for i in range(3000)]
-    for fields in ({"max_tokens": 0, "echo": True, "logprobs": 1}, {"max_tokens": 4}):
-        status, body = client.post("/v1/completions", {"model": MODEL, "prompt": too_long, **fields})
+    # Long prompts, refused by the prefill replica; a short one whose max_tokens the pool cannot hold, by
+    # the decode replica it prefills on.
+    for prompt, fields in ((too_long, {"max_tokens": 0, "echo": True, "logprobs": 1}), (too_long, {"max_tokens": 4}),
+                           (list(range(3, 40)), {"max_tokens": 3000})):
+        status, body = client.post("/v1/completions", {"model": MODEL, "prompt": prompt, **fields})
         assert status == 400 and "KV blocks" in body["error"]["message"], body
         assert body["error"]["type"] == "invalid_request_error"
     status, body = client.post("/v1/completions", {"model": MODEL, "prompt": list(range(3, 400)), "max_tokens": 2})
