@@ -15,7 +15,11 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from bench.gpu_check import BENCHMARKS, CHECKS, DEVICE_MODULES, GPU_DEPS, PROJECT_PACKAGES
+
+pytestmark = pytest.mark.integration  # a process of its own
 
 SCRIPT = textwrap.dedent("""
     import builtins, importlib, sys, tempfile
