@@ -290,7 +290,8 @@ class Ingress:
             return {**call.frame([renderer.choice(i, out) for i, out in enumerate(runs)]),
                     "usage": usage(call.num_prompt_tokens, completion_tokens, runs[0].num_cached_tokens)}
 
-        body = await json_off_loop(build)  # a prompt's scores take seconds to render: not on the event loop
+        # A prompt's scores take a second to render: not on the event loop.
+        body = await json_off_loop(build, off_loop=any(out.prompt_logprobs for out in runs))
         call.timeline.finish("ok", num_output_tokens=completion_tokens)
         return Response(body, media_type="application/json")
 

@@ -166,14 +166,16 @@ class ChatRenderer:
 _RENDERER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pd-render")
 
 
-async def json_off_loop(build: Callable[..., Any], *args: Any) -> bytes:
-    """``build(*args)`` encoded as JSON in the render thread.
+async def json_off_loop(build: Callable[..., Any], *args: Any, off_loop: bool = True) -> bytes:
+    """``build(*args)`` encoded as JSON in the render thread (``off_loop``; a small one here, no thread hop).
 
     A response or stream frame with a prompt's scores (echo with logprobs)
     holds every prompt position's top-k: 8,191 x 20 entries take a second of
     CPU to render and encode. On the event loop, every stream the ingress
     serves would wait that long; in a thread, the loop keeps its turns.
     """
+    if not off_loop:
+        return msgspec.json.encode(build(*args))
     return await asyncio.get_running_loop().run_in_executor(_RENDERER, lambda: msgspec.json.encode(build(*args)))
 
 

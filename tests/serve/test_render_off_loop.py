@@ -44,3 +44,5 @@ def test_the_scores_render_in_a_worker_thread_into_the_json_the_loop_would_write
     frame = asyncio.run(sse_frame(build, off_loop=True))
     assert frame.startswith("data: ") and frame.endswith("\n\n") and json.loads(frame[6:]) == json.loads(encoded)
     assert json.loads(asyncio.run(sse_frame(build, off_loop=False))[6:]) == json.loads(encoded)
+    threads.clear()
+    assert asyncio.run(json_off_loop(build, off_loop=False)) == encoded and threads == [loop_thread]
