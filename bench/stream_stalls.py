@@ -9,12 +9,17 @@ prints one JSON line:
   their sending to a second after the last answer); ``quiet_gap_s``: the same streams' longest gap
   before them; the goal (issue 60) is ``worst_gap_s`` ≤ 0.5 s;
 - ``statuses``, ``seconds``: the case's answers and how long the last took;
+- ``median_gap_s`` and ``quiet_median_gap_s``: the streams' median gap while the case ran and before it (what
+  decode pays for the host it shares with the prefill replica);
 - the CPU and its ISA flags.
 
-Cases (``--prompt-tokens`` sets the long prompts, by default the model's ``max_model_len`` less one for
-``echo_max``):
+Cases (``--prompt-tokens`` sets the long prompts, by default the model's ``max_model_len`` less one for the
+``echo_max`` cases, else 1,550):
 
 - ``echo_max``: ``max_tokens: 0``, ``echo``, ``logprobs: 20`` over a prompt of max_model_len - 1 tokens;
+- ``prompt_logprobs``: vLLM's ``prompt_logprobs: 20`` (the offline ``SamplingParams`` field, served as an extension)
+  with one token generated, over a prompt of max_model_len - 1 tokens;
+- ``echo_max_burst``: 8 ``echo_max`` requests at once;
 - ``best_of``: ``best_of: 8``, ``logprobs: 5``, 64 tokens over a 1,550-token prompt;
 - ``echo_burst``: 8 echo requests at once, ``logprobs: 20``, 1,550-token prompts;
 - ``local_burst``: 8 prompts of about 240 tokens at once, each its own (under
@@ -30,6 +35,7 @@ import argparse
 import http.client
 import json
 import random
+import statistics
 import string
 import threading
 import time
@@ -38,7 +44,8 @@ import urllib.parse
 from pd.workload.host import cpu_flags, cpu_name
 
 MODEL = "builtin:smollm2-135m-instruct"
-CASES = ("echo_max", "best_of", "echo_burst", "local_burst")
+CASES = ("echo_max", "prompt_logprobs", "best_of", "echo_burst", "local_burst", "echo_max_burst")
+AT_MAX_LEN = ("echo_max", "prompt_logprobs", "echo_max_burst")
 MAX_MODEL_LEN = 8192  # the default model's
 
 
@@ -89,18 +96,28 @@ class Streams:
         finally:
             conn.close()
 
+    def gaps(self, start: float, end: float) -> list[float]:
+        """The gaps between two chunks of any stream that ended in ``[start, end]``."""
+        return [b - a for times in self.arrivals for a, b in zip(times, times[1:]) if start <= b <= end]
+
     def worst_gap(self, start: float, end: float) -> float:
-        """The longest gap between two chunks of any stream that ended in ``[start, end]``."""
-        return max((b - a for times in self.arrivals for a, b in zip(times, times[1:]) if start <= b <= end),
-                   default=0.0)
+        return max(self.gaps(start, end), default=0.0)
+
+    def median_gap(self, start: float, end: float) -> float:
+        """What the streams pay for sharing the host while the case runs, against their quiet median."""
+        return statistics.median(self.gaps(start, end) or [0.0])
 
 
 def case_bodies(case: str, prompt_tokens: int | None) -> list[dict]:
-    long_len = prompt_tokens or (MAX_MODEL_LEN - 1 if case == "echo_max" else 1550)
+    long_len = prompt_tokens or (MAX_MODEL_LEN - 1 if case in AT_MAX_LEN else 1550)
     long_prompt = " ".join(["hello"] * long_len)
     echo = {"model": MODEL, "prompt": long_prompt, "max_tokens": 0, "echo": True, "logprobs": 20}
     if case == "echo_max":
         return [echo]
+    if case == "prompt_logprobs":
+        return [{"model": MODEL, "prompt": long_prompt, "max_tokens": 1, "prompt_logprobs": 20}]
+    if case == "echo_max_burst":
+        return [echo] * 8
     if case == "best_of":
         return [{"model": MODEL, "prompt": long_prompt, "max_tokens": 64, "best_of": 8, "logprobs": 5}]
     if case == "echo_burst":
@@ -134,7 +151,9 @@ def run_case(url: str, case: str, num_streams: int, prompt_tokens: int | None, w
         time.sleep(1.0)
     return {"case": case, "streams": num_streams, "requests": len(bodies), "statuses": statuses,
             "seconds": round(answered - sent, 2), "worst_gap_s": round(streams.worst_gap(sent, answered + 1.0), 3),
-            "quiet_gap_s": round(streams.worst_gap(quiet_from, sent), 3), "cpu": cpu_name(), "isa": cpu_flags()}
+            "quiet_gap_s": round(streams.worst_gap(quiet_from, sent), 3),
+            "median_gap_s": round(streams.median_gap(sent, answered), 4),
+            "quiet_median_gap_s": round(streams.median_gap(quiet_from, sent), 4), "cpu": cpu_name(), "isa": cpu_flags()}
 
 
 def main(argv: list[str] | None = None) -> None:

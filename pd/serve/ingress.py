@@ -168,15 +168,15 @@ class Ingress:
         generate = body.max_tokens != 0  # max_tokens=0 (with echo): the prompt's scores alone
         # best_of ranks its runs by their log-probability, asked for or not.
         run_logprobs = body.logprobs if num_runs == n else (body.logprobs or 0)
-        prompt_logprobs = body.logprobs if body.echo else None
         structured = await self._check_structured(body.structured_output(), body, timeline)
-        params = self._params(body, body.max_tokens if generate else 1, run_logprobs, structured, prompt_logprobs)
+        params = self._params(body, body.max_tokens if generate else 1, run_logprobs, structured, body.prompt_scores_k())
         self.prompts.check_lengths(token_ids, params)
         stop = self.prompts.check_stop(body.stop_strings())
         echo_text = None
         if body.echo:
             echo_text = prompt if isinstance(prompt, str) else self._decode(token_ids)
-        renderer = CompletionRenderer(self._token_text, body.logprobs, token_ids, echo_text, generate)
+        renderer = CompletionRenderer(self._token_text, body.logprobs, token_ids, echo_text, generate,
+                                      prompt_logprobs_k=body.prompt_logprobs)
         call = _Call(timeline.request_id, body.model, "text_completion", len(token_ids), generate, body, timeline,
                      lora)
         ticket = await self._admit(request, call, token_ids, params.max_tokens * num_runs)

@@ -216,20 +216,31 @@ class CompletionRequest(_Common):
     echo: bool = False
     best_of: int | None = Field(None, ge=1)
     suffix: str | None = None
+    # vLLM's extension: the prompt's own scores, the top k at each position and the prompt's token (not streamed).
+    prompt_logprobs: TopK | None = None
 
     @model_validator(mode="after")
     def _neutral(self) -> "CompletionRequest":
         self._check_neutral({
             "suffix": (None, ""), "presence_penalty": (0.0,), "frequency_penalty": (0.0,), "logit_bias": (None, {}),
         })
-        if self.max_tokens == 0 and not self.echo:
-            raise OpenAIError(400, "max_tokens=0 asks for nothing; it is only allowed with echo=true",
-                              param="max_tokens")
+        if self.max_tokens == 0 and not self.echo and self.prompt_logprobs is None:
+            raise OpenAIError(400, "max_tokens=0 asks for nothing; it is only allowed with echo=true or "
+                              "prompt_logprobs", param="max_tokens")
+        if self.prompt_logprobs is not None and self.stream:
+            raise OpenAIError(400, "prompt_logprobs cannot be streamed; ask without stream, or use echo with "
+                              "logprobs", param="prompt_logprobs")
         if self.best_of is not None and self.best_of < self.n:
             raise OpenAIError(400, f"best_of ({self.best_of}) must be at least n ({self.n})", param="best_of")
         if self.best_of not in (None, self.n) and self.stream:
             raise OpenAIError(400, "best_of > n cannot be streamed", param="best_of")
         return self
+
+    def prompt_scores_k(self) -> int | None:
+        """How many alternatives the engine scores at each prompt position: for ``echo`` with ``logprobs``
+        and for ``prompt_logprobs``, the larger (None: the prompt is not scored)."""
+        asked = [k for k in (self.logprobs if self.echo else None, self.prompt_logprobs) if k is not None]
+        return max(asked) if asked else None
 
     def single_prompt(self) -> str | list[int]:
         prompt = self.prompt

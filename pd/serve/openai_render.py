@@ -52,12 +52,15 @@ class CompletionRenderer:
     ``logprobs_k`` is the request's ``logprobs`` (None: none). With ``echo``
     the prompt's text (and its scores, with ``logprobs``) comes first; with
     ``max_tokens=0`` (``generate=False``) nothing else does.
+    ``prompt_logprobs_k`` is vLLM's ``prompt_logprobs`` (None: none): each
+    choice then carries ``prompt_logprobs`` as vLLM renders it (``prompt_logprobs``).
     """
 
     def __init__(self, token_text: Callable[[int], str], logprobs_k: int | None, prompt_token_ids: list[int],
-                 echo_text: str | None, generate: bool):
+                 echo_text: str | None, generate: bool, prompt_logprobs_k: int | None = None):
         self.token_text = functools.lru_cache(maxsize=None)(token_text)  # a prompt's top-k repeat their tokens
         self.logprobs_k = logprobs_k
+        self.prompt_logprobs_k = prompt_logprobs_k
         self.prompt_token_ids = prompt_token_ids
         self.echo_text = echo_text
         self.generate = generate
@@ -81,7 +84,11 @@ class CompletionRenderer:
         logprobs = None
         if self.logprobs_k is not None:
             logprobs = self._logprobs(out, echo)
-        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
+        rendered = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
+        if self.prompt_logprobs_k is not None:
+            rendered["prompt_logprobs"] = prompt_logprobs(self.prompt_token_ids, out.prompt_logprobs or [],
+                                                          self.prompt_logprobs_k, self.token_text)
+        return rendered
 
     def _logprobs(self, out: ChoiceOutput, echo: bool) -> dict:
         tokens, values, tops = [], [], []
@@ -102,7 +109,25 @@ class CompletionRenderer:
                 "text_offset": offsets}
 
     def _top(self, top: TopLogprobs) -> dict[str, float]:
-        return {self.token_text(t): value for t, value in zip(top.token_ids, top.logprobs)}
+        k = self.logprobs_k  # the engine scored the larger of this and prompt_logprobs
+        return {self.token_text(t): value for t, value in zip(top.token_ids[:k], top.logprobs[:k])}
+
+
+def prompt_logprobs(prompt_token_ids: list[int], scores: list[PromptLogprob], k: int,
+                    token_text: Callable[[int], str]) -> list[dict[str, dict] | None]:
+    """vLLM's ``prompt_logprobs``: None for the first token, then per position a map from token id to its
+    ``logprob``, ``rank`` and ``decoded_token``: the top ``k`` and the prompt's own token. A prompt token
+    outside the engine's top has ``rank`` null (its rank is known only to be past them)."""
+    rendered: list[dict[str, dict] | None] = [None]
+    for token, score in zip(prompt_token_ids[1:], scores):
+        ids, values = score.top.token_ids, score.top.logprobs
+        entry = {str(t): {"logprob": v, "rank": r + 1, "decoded_token": token_text(t)}
+                 for r, (t, v) in enumerate(zip(ids[:k], values[:k]))}
+        if str(token) not in entry:
+            rank = ids.index(token) + 1 if token in ids else None
+            entry[str(token)] = {"logprob": score.logprob, "rank": rank, "decoded_token": token_text(token)}
+        rendered.append(entry)
+    return rendered
 
 
 class ChatRenderer:

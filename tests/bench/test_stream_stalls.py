@@ -21,6 +21,9 @@ def test_the_long_prompts_are_as_long_as_the_cases_say_and_the_local_ones_prefil
     assert len(tokenizer.encode(echo["prompt"])) == stream_stalls.MAX_MODEL_LEN - 1
     assert echo["max_tokens"] == 0 and echo["echo"] and echo["logprobs"] == 20
     assert len(tokenizer.encode(case_bodies("best_of", None)[0]["prompt"])) == 1550
+    [scored] = case_bodies("prompt_logprobs", None)
+    assert scored["prompt"] == echo["prompt"] and scored["prompt_logprobs"] == 20 and scored["max_tokens"] == 1
+    assert case_bodies("echo_max_burst", None) == [echo] * 8
     local = case_bodies("local_burst", None)
     assert len({body["prompt"] for body in local}) == 8  # each its own: nothing cached between them
     assert all(200 <= len(tokenizer.encode(body["prompt"])) < 256 for body in local)  # remote_prefill_threshold
@@ -34,3 +37,4 @@ def test_the_worst_gap_is_the_longest_that_ended_in_the_window():
     assert streams.worst_gap(1.0, 2.0) == pytest.approx(1.3)  # 0.2 -> 1.5 ended inside
     assert streams.worst_gap(0.0, 0.95) == pytest.approx(0.9)
     assert streams.worst_gap(5.0, 6.0) == 0.0
+    assert streams.median_gap(1.0, 2.0) == pytest.approx(0.1) and streams.median_gap(5.0, 6.0) == 0.0

@@ -190,6 +190,45 @@ def test_completion_echo_scores_the_prompt_like_hf(app, hf_model, offline, path)
 
 
 @PATHS
+def test_prompt_logprobs_as_vllm_renders_them_like_hf(app, hf_model, offline, path):
+    """vLLM's ``prompt_logprobs`` beside a generation: per position the prompt's token and the top k, by id."""
+    prompt = prompt_for(path)
+    status, body = app.post("/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 3, "temperature": 0,
+                                                "prompt_logprobs": 3, "echo": True, "logprobs": 1})
+    assert status == 200, body
+    token_ids = offline.tokenizer.encode(prompt)
+    choice = body["choices"][0]
+    assert body["usage"]["completion_tokens"] == 3 and choice["text"].startswith(prompt)
+    scores = choice["prompt_logprobs"]
+    assert len(scores) == len(token_ids) and scores[0] is None
+    reference = hf_logprobs(hf_model, token_ids)
+    for position, entry in enumerate(scores[1:]):
+        row = reference[position]
+        own = entry[str(token_ids[position + 1])]
+        assert own["logprob"] == pytest.approx(row[token_ids[position + 1]].item(), abs=LOGPROB_ATOL)
+        assert own["decoded_token"] == choice["logprobs"]["tokens"][position + 1]
+        top = sorted(entry.values(), key=lambda e: e["rank"] or 10**9)[:3]
+        assert [e["rank"] for e in top] == [1, 2, 3] and len(entry) in (3, 4)
+        assert top[0]["logprob"] == pytest.approx(row.max().item(), abs=LOGPROB_ATOL)
+        assert own["rank"] is None or own["rank"] == 1 + int((row > row[token_ids[position + 1]]).sum())
+    assert all(len(top) <= 1 for top in choice["logprobs"]["top_logprobs"][1:])  # echo keeps its own k
+
+
+def test_prompt_logprobs_alone_and_refused_streamed(app, offline):
+    status, body = app.post("/v1/completions", {"model": MODEL, "prompt": SHORT, "max_tokens": 0,
+                                                "prompt_logprobs": 0})
+    assert status == 200, body
+    choice = body["choices"][0]
+    assert choice["text"] == "" and len(choice["prompt_logprobs"]) == len(offline.tokenizer.encode(SHORT))
+    assert choice["finish_reason"] == "length" and body["usage"]["completion_tokens"] == 0
+    token_ids = offline.tokenizer.encode(SHORT)
+    assert [list(entry) for entry in choice["prompt_logprobs"][1:]] == [[str(t)] for t in token_ids[1:]]
+    status, body = app.post("/v1/completions", {"model": MODEL, "prompt": SHORT, "max_tokens": 2, "stream": True,
+                                                "prompt_logprobs": 1})
+    assert status == 400 and json.loads(body)["error"]["param"] == "prompt_logprobs", body  # read as a stream
+
+
+@PATHS
 def test_chat_top_logprobs_like_hf(sdk, hf_model, offline, path):
     prompt = prompt_for(path)
     pulls_before = pulls()
