@@ -31,8 +31,9 @@ from pd.engine.request import FinishReason, KVSource, finish_reason
 from pd.sampling_params import SamplingParams
 from pd.serve.lease import Lease
 from pd.serve.metrics import RequestMetrics
+from pd.serve.prefill_calls import PrefillQueues, awaited, release, release_before_retry
 from pd.serve.probes import QuarantineProbes, probe_interval_s
-from pd.serve.protocol import DecodeChunk, LoraRef, PoolControl, PoolRequest, PrefillResult, RequestFailed
+from pd.serve.protocol import DecodeChunk, LoraRef, PoolRequest, PrefillResult, RequestFailed
 from pd.serve.stream import GenerationEvent, StreamTracker
 from pd.serve.text import TextStream
 from pd.serve.timeline import Timeline, place_engine_timings
@@ -50,8 +51,6 @@ PREFILL_POOL_COOLDOWN_S = 5.0
 PREDICTED_CALL_OVERHEAD_S = 0.004  # the remote path's extra Ray calls, as the predicted rule counts them
 # How often a prefill call in flight checks that its replica is still alive.
 LIVENESS_POLL_S = 0.1
-# How long a retry waits for the failed attempt's lease release to go out (see _release_before_retry).
-RELEASE_BEFORE_RETRY_S = 1.0
 
 
 class RequestFailedError(RuntimeError):
@@ -65,10 +64,6 @@ class RequestFailedError(RuntimeError):
 
 class DecodeReplicaLost(RuntimeError):
     """A stream's decode replica died or dropped it; the request can continue on another."""
-
-
-async def _result(response):
-    return await response
 
 
 class PoolClient:
@@ -92,6 +87,7 @@ class PoolClient:
         self.prefill_routing = routing_scopes.open(PREFILL_SCOPE)
         self.decode_routing = routing_scopes.open(DECODE_SCOPE)
         self.prefill_in_flight = 0
+        self.prefill_queues = PrefillQueues()
         self.prefill_pool_down_until = 0.0
         self.num_migrations = 0  # streams moved off a lost decode replica
         handles = {"prefill": prefill_handle, "decode": decode_handle}
@@ -152,7 +148,7 @@ class PoolClient:
                     span.set(replica=failed, error=repr(exc))
                     if failed is not None:
                         excluded.append(failed)
-                        await self._release_before_retry(attempt_id, failed)  # in case it got pinned after all
+                        await release_before_retry(self.prefill_routing, self.prefill, attempt_id, failed)  # in case it got pinned after all
                     logger.warning("request %s: prefill attempt %d failed on %s: %r",
                                    request.request_id, attempt + 1, failed, exc)
                     if attempt == 0:
@@ -167,17 +163,23 @@ class PoolClient:
         return None
 
     async def _prefill_attempt(self, request: PoolRequest, hints: RouteHints) -> PrefillResult:
-        """One call, watched: it ends at its deadline, or as soon as its replica is known dead."""
-        start = time.monotonic()
-        deadline = start + self.args.prefill_deadline_s(len(request.token_ids))
+        """One call, watched: it ends at its deadline (which counts the prompts queued before it on its
+        replica, ``pd.serve.prefill_calls``), or as soon as its replica is known dead."""
+        start, own, placed = time.monotonic(), len(request.token_ids), None
+        deadline = start + self.args.prefill_deadline_s(own)
         response = self.prefill.prefill.remote(hints.encode(), request.encode())
-        call = asyncio.ensure_future(_result(response))
+        call = asyncio.ensure_future(awaited(response))
         self.prefill_in_flight += 1
         try:
             while not (await asyncio.wait({call}, timeout=min(LIVENESS_POLL_S, deadline - time.monotonic())))[0]:
+                routed = self.prefill_routing.routed_replica(request.request_id)
+                if placed is None and routed is not None:
+                    placed, report = routed, self.prefill_routing.reports.get(routed)
+                    ahead = self.prefill_queues.place(routed, request.request_id, own,
+                                                      report.num_waiting_tokens if report is not None else 0)
+                    deadline = start + self.args.prefill_deadline_s(ahead + own)
                 if time.monotonic() >= deadline:
                     raise TimeoutError(f"no prefill answer in {deadline - start:g} s")
-                routed = self.prefill_routing.routed_replica(request.request_id)
                 if routed is not None and not self.prefill_routing.is_live(routed):
                     raise RuntimeError(f"prefill replica {routed} died")
                 if not self.prefill_routing.has_live_replica(excluding=hints.exclude_replica_ids):
@@ -189,38 +191,15 @@ class PoolClient:
             raise
         finally:
             self.prefill_in_flight -= 1
+            if placed is not None:
+                self.prefill_queues.done(placed, request.request_id)
         if isinstance(answer, RequestFailed):
             raise RequestFailedError(answer.error, answer.invalid)
         self.metrics.prefill.observe(time.monotonic() - start)
         return answer
 
-    def _release(self, request_id: str, replica_id: str):
-        """Send the lease release (its response, not awaited); None when the replica is gone with its leases."""
-        if not self.prefill_routing.is_live(replica_id):
-            return None
-        hints = RouteHints(request_id=request_id, target_replica_id=replica_id)
-        return self.prefill.release.remote(hints.encode(), PoolControl(request_id=request_id).encode())
-
-    async def _release_before_retry(self, request_id: str, replica_id: str) -> None:
-        """Release a failed attempt's lease, and let the call be placed before the retry's call is made.
-
-        Calls made for one HTTP request share its Serve request context, and
-        Serve's router indexes the calls it is still placing by the context's
-        internal request id (Ray 2.60): a release and a retry in placement at
-        once could swap replicas (the retry going to the replica it excludes)
-        or leave one never placed. The wait is short: a lease the release
-        misses expires by itself.
-        """
-        response = self._release(request_id, replica_id)
-        if response is None:
-            return
-        try:
-            await asyncio.wait_for(_result(response), RELEASE_BEFORE_RETRY_S)
-        except Exception:  # noqa: BLE001 - timed out or failed: the lease expires by itself
-            response.cancel()
-
     def release_lease(self, result: PrefillResult) -> None:
-        self._release(result.request_id, result.replica_id)
+        release(self.prefill_routing, self.prefill, result.request_id, result.replica_id)
 
     def decode_replica_of(self, request_id: str) -> str | None:
         """The decode replica a request's stream was routed to (None before it is routed)."""

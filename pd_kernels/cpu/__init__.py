@@ -51,6 +51,7 @@ finds first.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import logging
 import os
@@ -133,16 +134,38 @@ def build():
 
             level = isa()
             started = time.monotonic()
-            with project_ninja():
+            directory = _build_directory(level)
+            with project_ninja(), one_builder(directory):
                 _extension = load(
                     name=f"pd_cpu_kernels_{level.lower()}", sources=_SOURCES,
-                    build_directory=str(_build_directory(level)),
+                    build_directory=str(directory),
                     extra_cflags=["-O3", "-fopenmp", "-fopenmp-simd", *capability_flags(level),
                                   f"-DPD_HEADERS={_headers_digest()}"],
                     extra_ldflags=["-fopenmp"], verbose=False,
                 )
             logger.info("cpu kernels (%s) ready in %.1f s", level, time.monotonic() - started)
         return _extension
+
+
+@contextlib.contextmanager
+def one_builder(directory: Path):
+    """Held around torch's build (or load) in ``directory``: one process at a time, by a lock the kernel
+    drops when its holder dies.
+
+    Torch's own lock is a file (``lock``) that a builder removes when done. A builder killed mid-build
+    leaves it, and every later start then waits on it for ever. Whoever holds this lock knows no builder
+    of ours is running, so a ``lock`` file it finds is such a leftover, and it removes it.
+    """
+    with open(directory / "pd-builder.flock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            leftover = directory / "lock"
+            if leftover.exists():
+                logger.warning("removing %s, left by a kernel build that was stopped before it finished", leftover)
+                leftover.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 @contextlib.contextmanager

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import fcntl
+import threading
+
 import pytest
 import torch
 
@@ -158,3 +161,27 @@ def test_the_build_runs_the_ninja_this_project_installs(monkeypatch, tmp_path):
     with cpu.project_ninja():
         assert Path(shutil.which("ninja")).resolve() == (Path(ninja.BIN_DIR) / "ninja").resolve()
     assert shutil.which("ninja") == str(other)
+
+
+def test_a_lock_left_by_a_stopped_build_is_removed_and_a_running_builder_is_waited_for(tmp_path):
+    leftover = tmp_path / "lock"  # torch's: a build killed before it finished leaves it
+    leftover.write_text("")
+    with cpu.one_builder(tmp_path):
+        assert not leftover.exists()
+    # Another builder holds the lock (flock: another open file waits, in this process too) with its own
+    # torch lock in place: that one is left alone until the builder is gone.
+    holder = open(tmp_path / "pd-builder.flock", "a")
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    leftover.write_text("")
+    entered = threading.Event()
+
+    def build() -> None:
+        with cpu.one_builder(tmp_path):
+            entered.set()
+
+    waiter = threading.Thread(target=build)
+    waiter.start()
+    assert not entered.wait(0.3) and leftover.exists()
+    holder.close()  # the builder dies: the kernel drops its lock, its torch lock stays behind
+    waiter.join(10)
+    assert entered.is_set() and not leftover.exists()

@@ -125,3 +125,79 @@ def test_a_retry_is_made_only_after_the_failed_attempts_release_went_out():
     assert asyncio.run(client.remote_prefill(request, RouteHints(request_id="r"))) is None  # then prefilled locally
     assert pool.log == ["prefill r-p0", "release r-p0", "released r-p0", "prefill r-p1", "release r-p1",
                         "released r-p1"]
+
+
+class _QueueingReplica:
+    """A fake prefill handle whose one replica answers its calls in order, ``step_s`` apart (each prompt one step)."""
+
+    def __init__(self, routing, step_s: float):
+        self.routing, self.step_s = routing, step_s
+        self.prefill = self
+        self.answered: list[str] = []
+        self._previous = None
+
+    def remote(self, hints: bytes, data: bytes) -> _Response:
+        import asyncio
+
+        from pd.serve.protocol import RequestFailed
+        from router.protocol import RouteHints
+
+        request_id = RouteHints.decode(hints).request_id
+        self.routing.note_routed(request_id, "only")
+        previous, done = self._previous, asyncio.get_running_loop().create_future()
+        self._previous = done
+
+        async def answer():
+            if previous is not None:
+                await previous
+            await asyncio.sleep(self.step_s)  # its compute, once the calls before it are done
+            done.set_result(None)
+            self.answered.append(request_id)
+            return RequestFailed(request_id=request_id, error="answered").encode()
+
+        return _Response(answer)
+
+
+def test_a_prefill_calls_deadline_counts_the_prompts_queued_before_it_on_its_replica():
+    """Three one-step prompts sent at once to one replica are a queue there: the third, answered after three
+    steps, is not taken for a failed replica at one step's deadline (``pd.serve.prefill_calls``)."""
+    import asyncio
+
+    from pd.config.app import AppArgs
+    from pd.serve.generation import PoolClient, RequestFailedError
+    from pd.serve.protocol import PoolRequest
+    from router.protocol import RouteHints
+    from router.shared import PREFILL_SCOPE, RoutingScopes
+
+    scopes = RoutingScopes()
+    replica = _QueueingReplica(scopes.open(PREFILL_SCOPE), step_s=0.6)
+    args = AppArgs(prefill_timeout_s=1.0, engine={"max_num_batched_tokens": 8})
+    client = PoolClient(args, replica, None, None, (2,), 64, scopes)
+
+    async def attempt(request_id: str) -> str:
+        request = PoolRequest(request_id=request_id, token_ids=tuple(range(8)), sampling=SamplingParams())
+        try:
+            await client._prefill_attempt(request, RouteHints(request_id=request_id))
+        except RequestFailedError:
+            return "answered"
+        except TimeoutError:
+            return "timed out"
+        return "?"
+
+    async def burst() -> list[str]:
+        return await asyncio.gather(*(attempt(f"r{k}") for k in range(3)))
+
+    assert asyncio.run(burst()) == ["answered"] * 3
+    assert replica.answered == ["r0", "r1", "r2"] and client.prefill_queues.tokens_on("only") == 0
+
+
+def test_the_tokens_ahead_are_this_ingresss_calls_or_the_replicas_report_where_more():
+    from pd.serve.prefill_calls import PrefillQueues
+
+    queues = PrefillQueues()
+    assert queues.place("a", "r0", 100) == 0 and queues.place("a", "r1", 50) == 100
+    assert queues.place("a", "r2", 10, reported_waiting_tokens=900) == 900  # other ingresses' prompts there too
+    assert queues.place("b", "r3", 10) == 0
+    queues.done("a", "r0")
+    queues.done("a", "gone")  # never placed: nothing to forget
+    assert queues.tokens_on("a") == 60 and queues.place("a", "r4", 1) == 60
