@@ -6,7 +6,7 @@ A step's batch is what the scheduler put in it. Its shape is four numbers:
     attn_pairs   query-key pairs attended: a chunk of n new tokens after c
                  computed ones attends to c + 1 .. c + n keys, n * c + n * (n + 1) / 2
     num_seqs     requests in the step (per-sequence work: sampling, metadata, a decode's KV read setup)
-    num_samples  logits rows (the LM head and the sampler)
+    num_samples  logits rows (the LM head, and the sampler or a scored prompt token's top k)
 
 and the step's time is linear in them:
 
@@ -57,7 +57,7 @@ class StepShape:
             n, c = item.num_new_tokens, item.request.num_computed_tokens
             tokens += n
             pairs += n * c + n * (n + 1) // 2
-            samples += item.num_samples  # a verify chunk samples each draft too
+            samples += item.num_logits_rows  # a verify chunk samples each draft; a scored prompt, each token
         return cls(num_tokens=tokens, attn_pairs=pairs, num_seqs=len(scheduled), num_samples=samples)
 
     def vector(self) -> list[float]:

@@ -30,6 +30,17 @@ class ScheduledRequest:
         """Logits rows this chunk samples: its last token's, and one per draft token."""
         return (1 + len(self.draft_token_ids)) if self.samples else 0
 
+    @property
+    def num_logits_rows(self) -> int:
+        """Logits rows this chunk computes: those it samples, and, for a request scoring its prompt, one per
+        prompt token it scores (the step cost model's ``num_samples``: each is a row of the LM head)."""
+        rows = self.num_samples
+        if self.request.sampling_params.prompt_logprobs is not None:
+            request = self.request
+            first = max(request.num_computed_tokens, len(request.prompt_logprobs))
+            rows += max(0, min(request.num_computed_tokens + self.num_new_tokens, request.num_prompt_tokens - 1) - first)
+        return rows
+
 
 @dataclass
 class SchedulerOutput:

@@ -67,35 +67,35 @@ class StepBudget:
         num = len(decodes)
         self._left_s = self.target_s - (base + (per_token + per_seq + per_sample) * num + per_pair * pairs)
 
-    def cap(self, num_new: int, num_computed: int) -> int:
+    def cap(self, num_new: int, num_computed: int, scored: bool = False) -> int:
         """How many of a chunk's ``num_new`` tokens (after ``num_computed``) fit; the time is spent. A decode's one
-        token always does."""
+        token always does. ``scored``: the request scores its prompt, so each token is a logits row too."""
         if self._left_s is None or num_new <= 1:
             return num_new
-        fits = self._largest(num_computed) if self._left_s > 0 and self.coefficients is not None else 0
+        fits = self._largest(num_computed, scored) if self._left_s > 0 and self.coefficients is not None else 0
         chunk = min(num_new, max(0 if self._granted else self.min_chunk, fits))
         if chunk:
             self._granted = True
-            self._left_s -= self._chunk_s(chunk, num_computed)
+            self._left_s -= self._chunk_s(chunk, num_computed, scored)
         return chunk
 
-    def _largest(self, c: int) -> int:
+    def _largest(self, c: int, scored: bool) -> int:
         """The largest n whose chunk cost (``_chunk_s``) is within the time left: the quadratic's root."""
         _, a, b, s, m = self.coefficients
         budget = self._left_s - s - m
         if budget <= 0:
             return 0
-        linear = a + b * (c + 0.5)
+        linear = a + b * (c + 0.5) + (max(m, 0.0) if scored else 0.0)
         if b <= 0:
             return int(budget / linear) if linear > 0 else 1 << 30
         half = b / 2  # cost(n) = half * n^2 + linear * n: the pairs n*c + n(n+1)/2 at per_pair b
         return int((-linear + math.sqrt(linear * linear + 4 * half * budget)) / (2 * half))
 
-    def _chunk_s(self, n: int, c: int) -> float:
+    def _chunk_s(self, n: int, c: int, scored: bool = False) -> float:
         if self.coefficients is None:
             return 0.0
         _, a, b, s, m = self.coefficients
-        return a * n + b * (n * c + n * (n + 1) / 2) + s + m
+        return a * n + b * (n * c + n * (n + 1) / 2) + s + m + (max(m, 0.0) * n if scored else 0.0)
 
     def _fit(self) -> np.ndarray | None:
         steps = self.sums.gram[0]  # the count of steps recorded

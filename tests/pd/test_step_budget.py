@@ -68,6 +68,32 @@ def test_a_longer_context_gets_a_smaller_chunk():
     assert chunks[1] < chunks[0]
 
 
+def test_a_chunk_that_scores_its_prompt_pays_a_logits_row_per_token():
+    """``echo`` with ``logprobs`` and ``prompt_logprobs`` compute the LM head (and its top k) at every prompt
+    position: priced as a plain chunk, such a chunk beside streams overran the step by that much."""
+    chunks = {}
+    for scored in (False, True):
+        budget = StepBudget(0.05, _sums(), min_chunk=16)
+        budget.begin([_decode(100)] * 3)
+        chunks[scored] = budget.cap(2048, 0, scored)
+    decodes_s = LAW[0] + 3 * (LAW[1] + LAW[3] + LAW[4]) + 3 * 101 * LAW[2]
+    n = chunks[True]
+    assert 16 < n < chunks[False]
+    assert decodes_s + _chunk_s(n, 0) + LAW[4] * n <= 0.05 < decodes_s + _chunk_s(n + 1, 0) + LAW[4] * (n + 1) + 1e-9
+
+
+def test_the_step_shape_counts_a_scored_prompts_rows_as_logits_rows():
+    from pd import SamplingParams
+    from pd.engine.outputs import ScheduledRequest
+    from pd.engine.request import Request
+
+    plain = Request("a", list(range(10)), SamplingParams(max_tokens=4))
+    scored = Request("b", list(range(10)), SamplingParams(max_tokens=4, prompt_logprobs=2))
+    scored.num_computed_tokens = 4  # the chunk computes positions 4-9; positions 4-8 score tokens 5-9
+    shape = StepShape.of([ScheduledRequest(plain, 6, False), ScheduledRequest(scored, 6, True)])
+    assert shape.num_samples == 5 + 1 and shape.num_tokens == 12
+
+
 @pytest.mark.parametrize("target", [0.0, -1.0])
 def test_a_target_that_is_not_positive_is_refused(target):
     from pd.config import EngineConfig
