@@ -133,9 +133,10 @@ class IngressFlow:
         self._watcher: asyncio.Task | None = None
 
     async def admit(self, request_id: str, identity: FlowIdentity, hints: RouteHints, max_output_tokens: int,
-                    timeline: Timeline, timeout_s: float | None = None) -> FlowTicket:
+                    timeline: Timeline, timeout_s: float | None = None, scores_prompt: bool = False) -> FlowTicket:
         """Admit the request, after waiting if it must; ``OpenAIError`` 400 (unclassifiable), 429 (shed) or 504
-        (still waiting after ``timeout_s``, the request's own timeout)."""
+        (still waiting after ``timeout_s``, the request's own timeout). ``scores_prompt``: it computes its whole
+        prompt (``echo`` with ``logprobs``, ``prompt_logprobs``), and is predicted so."""
         self._start()
         now = self.clock()
         self.refresh(now)
@@ -145,7 +146,7 @@ class IngressFlow:
         except FlowRequestError as exc:
             raise OpenAIError(400, str(exc), param=exc.field) from None
         timeline.set(tenant=request.tenant, band=self.controller.band_name(request))
-        outcome = self.controller.decide(request, self._prediction(hints, now), now)
+        outcome = self.controller.decide(request, self._prediction(hints, now, scores_prompt), now)
         if isinstance(outcome, Wait):
             outcome = await self._wait(outcome, timeline, timeout_s)
         else:
@@ -218,8 +219,10 @@ class IngressFlow:
         else:
             self.metrics.shed.inc(tags={**tags, "reason": outcome.reason.value})
 
-    def _prediction(self, hints: RouteHints, now_s: float) -> Prediction | None:
-        remote = self.pools.wants_remote_prefill(hints)
+    def _prediction(self, hints: RouteHints, now_s: float, scores_prompt: bool) -> Prediction | None:
+        remote = self.pools.wants_remote_prefill(hints, scores_prompt)
+        if scores_prompt:  # no cached block holds a prompt position's scores
+            hints = hints.replace(block_hashes=())
         predictions = self.routings["prefill" if remote else "decode"].predictions()
         return None if predictions is None else predictions.best(hints.block_hashes, hints.num_prompt_tokens, now_s)
 

@@ -179,7 +179,8 @@ class Ingress:
                                       prompt_logprobs_k=body.prompt_logprobs)
         call = _Call(timeline.request_id, body.model, "text_completion", len(token_ids), generate, body, timeline,
                      lora)
-        ticket = await self._admit(request, call, token_ids, params.max_tokens * num_runs)
+        ticket = await self._admit(request, call, token_ids, params.max_tokens * num_runs,
+                                   params.prompt_logprobs is not None)
         events = self._choices(call, token_ids, params, stop, num_runs, ticket)
         if body.stream:
             return self._stream(events, renderer, call)
@@ -238,14 +239,14 @@ class Ingress:
                 self._grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.pools.eos_token_ids)
         self._grammar_compiler.compile(constraint)
 
-    async def _admit(self, request: Request, call: "_Call", token_ids: list[int],
-                     max_output_tokens: int) -> FlowTicket | None:
+    async def _admit(self, request: Request, call: "_Call", token_ids: list[int], max_output_tokens: int,
+                     scores_prompt: bool = False) -> FlowTicket | None:
         """Flow control's admission (``pd.serve.flow``), where the app has it: waits, or raises 400 or 429."""
         if self.flow is None:
             return None
         hints = self.pools.route_hints(call.rid, token_ids, call.lora)
         return await self.flow.admit(call.rid, identity_of(request.headers, call.body.priority), hints,
-                                     max_output_tokens, call.timeline, self.args.request_timeout_s)
+                                     max_output_tokens, call.timeline, self.args.request_timeout_s, scores_prompt)
 
     def _choices(self, call: "_Call", token_ids: list[int], params: SamplingParams, stop: list[str], n: int,
                  ticket: FlowTicket | None = None):

@@ -31,8 +31,10 @@ class Pools:
     def __init__(self) -> None:
         self.prefill_routing = PoolRouting()
         self.decode_routing = PoolRouting()
+        self.asked: list[tuple[tuple[bytes, ...], bool]] = []
 
-    def wants_remote_prefill(self, hints: RouteHints) -> bool:
+    def wants_remote_prefill(self, hints: RouteHints, scores_prompt: bool = False) -> bool:
+        self.asked.append((hints.block_hashes, scores_prompt))
         return False
 
 
@@ -219,3 +221,29 @@ def test_tracked_events_release_the_place_with_their_output_tokens_however_they_
         flow.close()
 
     asyncio.run(run())
+
+
+def test_a_request_scoring_its_prompt_is_predicted_as_computing_all_of_it():
+    """``echo`` with ``logprobs`` and ``prompt_logprobs`` need every position's logits, which no cached block holds:
+    the remote rule and the TTFT prediction behind a shed see the whole prompt uncached."""
+    priced: list[tuple[bytes, ...]] = []
+    held = (b"a" * 16, b"b" * 16)  # blocks a replica caches
+
+    class Predictions:
+        def best(self, block_hashes, num_prompt_tokens, now_s):
+            priced.append(tuple(block_hashes))
+            return None
+
+    async def run():
+        flow, pools, _ = flow_with(waiting=0)
+        pools.decode_routing.predictions = Predictions
+        cached = RouteHints(request_id="r", num_prompt_tokens=64, block_hashes=held)
+        for request_id, scores in (("plain", False), ("scored", True)):
+            ticket = await flow.admit(request_id, FlowIdentity(), cached.replace(request_id=request_id), 16,
+                                      Timeline(request_id), scores_prompt=scores)
+            ticket.release(0)
+        flow.close()
+        return pools.asked
+
+    assert asyncio.run(run()) == [(held, False), (held, True)]  # the rule is told, and drops them itself
+    assert priced == [held, ()]
