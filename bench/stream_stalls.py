@@ -9,6 +9,7 @@ prints one JSON line:
   their sending to a second after the last answer); ``quiet_gap_s``: the same streams' longest gap
   before them; the goal (issue 60) is ``worst_gap_s`` ≤ 0.5 s;
 - ``statuses``, ``seconds``: the case's answers and how long the last took;
+- ``stalls``: each gap over 0.5 s, as [seconds after sending, gap], beside ``answered_at_s``;
 - ``median_gap_s`` and ``quiet_median_gap_s``: the streams' median gap while the case ran and before it (what
   decode pays for the host it shares with the prefill replica);
 - the CPU and its ISA flags.
@@ -47,6 +48,7 @@ MODEL = "builtin:smollm2-135m-instruct"
 CASES = ("echo_max", "prompt_logprobs", "best_of", "echo_burst", "local_burst", "echo_max_burst")
 AT_MAX_LEN = ("echo_max", "prompt_logprobs", "echo_max_burst")
 MAX_MODEL_LEN = 8192  # the default model's
+STREAM_TOKENS = 1000  # each streamed completion's length (``Streams``)
 
 
 def _post(url: str, body: dict, timeout_s: float = 900.0) -> int:
@@ -62,12 +64,21 @@ def _post(url: str, body: dict, timeout_s: float = 900.0) -> int:
 
 
 class Streams:
-    """``n`` streaming completions, each chunk's arrival time kept, until ``stop``."""
+    """``n`` streams, each streaming completions of ``STREAM_TOKENS`` one after another until ``stop``.
+
+    Each completion's chunk arrival times are kept (``arrivals``, one list per completion), and whether it
+    still streams (``open``): a completion starved when the window ends has a gap that has not ended, which
+    counts. Bounded completions keep the streams' KV well within a decode replica's pool for any run's length:
+    three 8,000-token streams outgrow the default app's 11,648 tokens after some minutes, and the preemptions
+    that follow are the streams' own, not the case's.
+    """
 
     def __init__(self, url: str, n: int):
         self.url, self.stop = url, threading.Event()
-        self.arrivals: list[list[float]] = [[] for _ in range(n)]
+        self.arrivals: list[list[float]] = []
+        self.open: list[bool] = []
         self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(n)]
+        self._lock = threading.Lock()
 
     def __enter__(self) -> Streams:
         for thread in self.threads:
@@ -80,28 +91,44 @@ class Streams:
             thread.join(60)
 
     def _run(self, index: int) -> None:
-        body = {"model": MODEL, "prompt": f"Story {index}: once upon a time", "max_tokens": 8000,
+        body = {"model": MODEL, "prompt": f"Story {index}: once upon a time", "max_tokens": STREAM_TOKENS,
                 "ignore_eos": True, "stream": True, "temperature": 0}
         parts = urllib.parse.urlsplit(self.url)
-        conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=600)
-        try:
-            conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
-            response = conn.getresponse()
-            while not self.stop.is_set():
-                line = response.readline()
-                if not line:
-                    break
-                if line.startswith(b"data: "):
-                    self.arrivals[index].append(time.monotonic())
-        finally:
-            conn.close()
+        while not self.stop.is_set():
+            with self._lock:
+                times, slot = [], len(self.open)
+                self.arrivals.append(times)
+                self.open.append(True)
+            conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=600)
+            try:
+                conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+                response = conn.getresponse()
+                while not self.stop.is_set():
+                    line = response.readline()
+                    if not line or line.startswith(b"data: [DONE]"):
+                        self.open[slot] = False
+                        break
+                    if line.startswith(b"data: "):
+                        times.append(time.monotonic())
+            finally:
+                conn.close()
 
     def gaps(self, start: float, end: float) -> list[float]:
-        """The gaps between two chunks of any stream that ended in ``[start, end]``."""
-        return [b - a for times in self.arrivals for a, b in zip(times, times[1:]) if start <= b <= end]
+        """The gaps between two chunks of any completion that ended in ``[start, end]``, and at ``end`` the gap
+        since the last chunk of each completion still streaming then."""
+        ended = [b - a for times in self.arrivals for a, b in zip(times, times[1:]) if start <= b <= end]
+        waiting = [end - times[-1] for times, streaming in zip(self.arrivals, self.open)
+                   if streaming and times and times[-1] <= end]
+        return ended + waiting
 
     def worst_gap(self, start: float, end: float) -> float:
         return max(self.gaps(start, end), default=0.0)
+
+    def stalls(self, start: float, end: float, over_s: float = 0.5) -> list[list[float]]:
+        """Each gap over ``over_s`` that ended in ``[start, end]``: when it ended (seconds after ``start``), and
+        how long it was, to set beside the answers' times."""
+        return sorted([round(b - start, 2), round(b - a, 3)] for times in self.arrivals
+                      for a, b in zip(times, times[1:]) if start <= b <= end and b - a > over_s)
 
     def median_gap(self, start: float, end: float) -> float:
         """What the streams pay for sharing the host while the case runs, against their quiet median."""
@@ -133,11 +160,14 @@ def run_case(url: str, case: str, num_streams: int, prompt_tokens: int | None, w
     bodies = case_bodies(case, prompt_tokens)
     statuses: list[int | str] = [0] * len(bodies)
 
+    done: list[float] = []
+
     def send(k: int) -> None:
         try:
             statuses[k] = _post(url, bodies[k])
         except OSError as exc:
             statuses[k] = type(exc).__name__
+        done.append(time.monotonic())
 
     with Streams(url, num_streams) as streams:
         time.sleep(warm_s)  # the streams' own first tokens and a quiet stretch to compare with
@@ -153,7 +183,8 @@ def run_case(url: str, case: str, num_streams: int, prompt_tokens: int | None, w
             "seconds": round(answered - sent, 2), "worst_gap_s": round(streams.worst_gap(sent, answered + 1.0), 3),
             "quiet_gap_s": round(streams.worst_gap(quiet_from, sent), 3),
             "median_gap_s": round(streams.median_gap(sent, answered), 4),
-            "quiet_median_gap_s": round(streams.median_gap(quiet_from, sent), 4), "cpu": cpu_name(), "isa": cpu_flags()}
+            "quiet_median_gap_s": round(streams.median_gap(quiet_from, sent), 4),
+            "stalls": streams.stalls(sent, answered + 1.0), "answered_at_s": sorted(round(t - sent, 2) for t in done), "cpu": cpu_name(), "isa": cpu_flags()}
 
 
 def main(argv: list[str] | None = None) -> None:

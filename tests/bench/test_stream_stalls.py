@@ -31,10 +31,16 @@ def test_the_long_prompts_are_as_long_as_the_cases_say_and_the_local_ones_prefil
         case_bodies("nope", None)
 
 
-def test_the_worst_gap_is_the_longest_that_ended_in_the_window():
+def test_the_worst_gap_is_the_longest_that_ended_in_the_window_or_is_still_open_at_its_end():
     streams = Streams("http://127.0.0.1:1", 2)
-    streams.arrivals = [[0.0, 0.1, 0.2, 1.5, 1.6], [0.0, 0.9, 1.0]]
+    streams.arrivals, streams.open = [[0.0, 0.1, 0.2, 1.5, 1.6], [0.0, 0.9, 1.0]], [False, False]
     assert streams.worst_gap(1.0, 2.0) == pytest.approx(1.3)  # 0.2 -> 1.5 ended inside
     assert streams.worst_gap(0.0, 0.95) == pytest.approx(0.9)
     assert streams.worst_gap(5.0, 6.0) == 0.0
     assert streams.median_gap(1.0, 2.0) == pytest.approx(0.1) and streams.median_gap(5.0, 6.0) == 0.0
+    assert streams.stalls(1.0, 2.0) == [[0.5, 1.3]] and streams.stalls(0.0, 2.0, over_s=0.85) == [[0.9, 0.9], [1.5, 1.3]]
+    streams.arrivals.append([1.2, 1.3])  # a completion starved since 1.3, still streaming
+    streams.open.append(True)
+    assert streams.worst_gap(1.0, 2.0) == pytest.approx(1.3) and streams.worst_gap(1.0, 3.0) == pytest.approx(1.7)
+    streams.open[-1] = False  # it finished at 1.3: no gap after
+    assert streams.worst_gap(1.0, 3.0) == pytest.approx(1.3)
