@@ -1,0 +1,115 @@
+"""The predicted-latency router and sessions: a waiting turn's cached history is not priced as queued work,
+and a prompt nobody holds goes where the least work keeps arriving."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from router.hashing import hash_block_tokens
+from router.inflow import Inflow
+from router.latency import prefill_seconds
+from router.protocol import RoutingStats
+from router.step_cost import prefill_pairs
+from router.waiting_prefixes import WaitingPrefixes
+from tests.router.test_latency import BLOCK, COST, FREE, _candidates, _policy
+
+HISTORY = hash_block_tokens(list(range(256 * BLOCK)), BLOCK)  # a session's 4,096 cached tokens
+NUM_TURN_TOKENS = 264 * BLOCK  # the history and 128 new tokens
+
+
+def _turn(number: int) -> list[bytes]:
+    return HISTORY + hash_block_tokens(list(range(100_000 * number, 100_000 * number + 8 * BLOCK)), BLOCK,
+                                       parent_hash=HISTORY[-1])
+
+
+
+def test_a_waiting_turns_cached_history_is_not_priced_as_queued_work():
+    """b holds a 4,096-token history and this router sent it two turns of it, still waiting for admission:
+    b's report counts each whole (its prefix is matched only at admission). The prediction takes off what
+    b holds, so b's wait is the two turns' new tokens and the next turn stays on b instead of recomputing
+    the history on idle a. Once b reports them admitted, its report stands as it is."""
+    policy = _policy(prior=COST, min_steps=1e9, w_follow=0.0)
+    for name in ("a", "b"):
+        policy.observe(name, RoutingStats(num_free_blocks=FREE), 0.0)
+    policy.index.insert("b", HISTORY)
+    for number in (1, 2):
+        decision = policy.choose(_turn(number), NUM_TURN_TOKENS, _candidates("a", "b"), now_s=0.0)
+        assert decision.replica_id == "b"
+        policy.record_routed(decision, _turn(number), now_s=0.0)
+    whole = dict(num_waiting=2, num_waiting_tokens=2 * NUM_TURN_TOKENS,
+                 num_waiting_pairs=2 * prefill_pairs(NUM_TURN_TOKENS, 0), num_free_blocks=FREE)
+    policy.observe("b", RoutingStats(**whole), 1.0)
+    assert policy.predictor.wait_s("b", 1.0) == pytest.approx(
+        prefill_seconds(COST, 2 * 8 * BLOCK, 2 * prefill_pairs(8 * BLOCK, 256 * BLOCK), 0, 0, 256))
+    assert policy.choose(_turn(3), NUM_TURN_TOKENS, _candidates("a", "b"), now_s=1.0).replica_id == "b"
+    policy.observe("b", RoutingStats(**dict(whole, num_waiting=0)), 2.0)
+    assert policy.predictor.wait_s("b", 2.0) == pytest.approx(
+        prefill_seconds(COST, 2 * NUM_TURN_TOKENS, 2 * prefill_pairs(NUM_TURN_TOKENS, 0), 0, 0, 256))
+
+
+def test_only_the_latest_sends_count_as_waiting():
+    """Three sends, one waiting: the report's one waiting request is the latest send; the older two were
+    admitted and are forgotten, so a later report with one waiting counts only that one again."""
+    waiting = WaitingPrefixes()
+    for matched in (100, 200, 300):
+        waiting.sent("a", 1000, matched)
+    first = waiting.overstated("a", 1)
+    assert (first.num_tokens, first.num_pairs) == (300, prefill_pairs(1000, 0) - prefill_pairs(700, 300))
+    assert waiting.overstated("a", 3) == first
+    assert waiting.overstated("a", 0).num_tokens == 0 and waiting.overstated("a", 5).num_tokens == 0
+
+
+def test_inflow_is_the_prefill_seconds_sent_per_second_lately():
+    inflow = Inflow(half_life_s=10.0)
+    inflow.sent("a", 2.0, 0.0)
+    inflow.sent("a", 2.0, 10.0)  # the first counts half by then
+    assert inflow.fraction("a", 10.0) == pytest.approx(3.0 * math.log(2) / 10.0)
+    assert inflow.fraction("a", 20.0) == pytest.approx(1.5 * math.log(2) / 10.0)
+    assert inflow.fraction("b", 20.0) == 0.0
+
+
+@pytest.mark.parametrize("w_follow, cold_to", [(1.0, "b"), (0.0, "a")])
+def test_a_prompt_nobody_holds_goes_where_the_least_work_keeps_arriving(w_follow, cold_to):
+    """a took a session's history and its turns lately and has no queue left; b took nothing and has a
+    short queue. A prompt nobody holds would start a little sooner on a, by less than its prefill times a's
+    recent inflow (the work its session keeps bringing): it goes to b (with w_follow 0, to a). The
+    session's next turn computes little on a and stays there."""
+    policy = _policy(prior=COST, min_steps=1e9, w_follow=w_follow, follow_half_life_s=10.0)
+    for name in ("a", "b"):
+        policy.observe(name, RoutingStats(num_free_blocks=FREE), 0.0)
+    for number in range(1, 9):
+        decision = policy.choose(_turn(number), NUM_TURN_TOKENS, _candidates("a"), now_s=0.5 * number)
+        policy.record_routed(decision, _turn(number), now_s=0.5 * number)
+    policy.observe("a", RoutingStats(num_free_blocks=FREE), 5.0)
+    short_queue = dict(num_waiting_tokens=BLOCK, num_waiting_pairs=prefill_pairs(BLOCK, 0), num_free_blocks=FREE)
+    policy.observe("b", RoutingStats(**short_queue), 5.0)
+    cold = hash_block_tokens(list(range(900_000, 900_000 + NUM_TURN_TOKENS)), BLOCK)
+    cold_compute = policy.predictor.compute_s("a", NUM_TURN_TOKENS, prefill_pairs(NUM_TURN_TOKENS, 0))
+    assert 0 < policy.predictor.wait_s("b", 5.0) < cold_compute * policy.predictor.inflow.fraction("a", 5.0)
+    assert policy.choose(cold, NUM_TURN_TOKENS, _candidates("a", "b"), now_s=5.0).replica_id == cold_to
+    assert policy.choose(_turn(9), NUM_TURN_TOKENS, _candidates("a", "b"), now_s=5.0).replica_id == "a"
+
+
+def test_the_inflow_charge_is_for_the_share_of_the_prompt_no_candidate_holds():
+    """a holds a 2,048-token system prompt and has taken much work lately; b holds nothing and both are idle.
+    A prompt of the system prompt and 2,048 tokens of its own would cost a more than b if a were charged its
+    whole inflow, but only its own half is new: a's charge is halved, and a keeps it."""
+    policy = _policy(prior=COST, min_steps=1e9, w_follow=3.0, follow_half_life_s=1.0)
+    for name in ("a", "b"):
+        policy.observe(name, RoutingStats(num_free_blocks=FREE), 0.0)
+    for number in range(3):
+        work = hash_block_tokens(list(range(500_000 * (number + 1), 500_000 * (number + 1) + NUM_TURN_TOKENS)), BLOCK)
+        policy.record_routed(policy.choose(work, NUM_TURN_TOKENS, _candidates("a"), now_s=0.0), work, now_s=0.0)
+    policy.observe("a", RoutingStats(num_free_blocks=FREE), 0.0)
+    system = list(range(128 * BLOCK))
+    policy.index.insert("a", hash_block_tokens(system, BLOCK))
+    prompt = system + list(range(700_000, 700_000 + 128 * BLOCK))
+    hashes = hash_block_tokens(prompt, BLOCK)
+    runs = policy.index.match_tiers(hashes, ["a", "b"])
+    _, _, compute_a, ttft_a = policy.predictor.estimate("a", runs.get("a"), len(prompt), 0.0)
+    _, _, _, ttft_b = policy.predictor.estimate("b", runs.get("b"), len(prompt), 0.0)
+    inflow_a = policy.predictor.inflow.fraction("a", 0.0)
+    assert ttft_a + 0.5 * 3.0 * inflow_a * compute_a < ttft_b < ttft_a + 3.0 * inflow_a * compute_a
+    assert policy.choose(hashes, len(prompt), _candidates("a", "b"), now_s=0.0).replica_id == "a"
