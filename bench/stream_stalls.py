@@ -184,7 +184,8 @@ def run_case(url: str, case: str, num_streams: int, prompt_tokens: int | None, w
             "quiet_gap_s": round(streams.worst_gap(quiet_from, sent), 3),
             "median_gap_s": round(streams.median_gap(sent, answered), 4),
             "quiet_median_gap_s": round(streams.median_gap(quiet_from, sent), 4),
-            "stalls": streams.stalls(sent, answered + 1.0), "answered_at_s": sorted(round(t - sent, 2) for t in done), "cpu": cpu_name(), "isa": cpu_flags()}
+            "stalls": streams.stalls(sent, answered + 1.0), "answered_at_s": sorted(round(t - sent, 2) for t in done),
+            "cpu": cpu_name(), "isa": cpu_flags()}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -38,7 +38,8 @@ class ScheduledRequest:
         if self.request.sampling_params.prompt_logprobs is not None:
             request = self.request
             first = max(request.num_computed_tokens, len(request.prompt_logprobs))
-            rows += max(0, min(request.num_computed_tokens + self.num_new_tokens, request.num_prompt_tokens - 1) - first)
+            end = min(request.num_computed_tokens + self.num_new_tokens, request.num_prompt_tokens - 1)
+            rows += max(0, end - first)
         return rows
 
 

@@ -148,7 +148,8 @@ class PoolClient:
                     span.set(replica=failed, error=repr(exc))
                     if failed is not None:
                         excluded.append(failed)
-                        await release_before_retry(self.prefill_routing, self.prefill, attempt_id, failed)  # in case it got pinned after all
+                        # in case it got pinned after all
+                        await release_before_retry(self.prefill_routing, self.prefill, attempt_id, failed)
                     logger.warning("request %s: prefill attempt %d failed on %s: %r",
                                    request.request_id, attempt + 1, failed, exc)
                     if attempt == 0:
