@@ -170,8 +170,8 @@ def test_a_prefill_calls_deadline_counts_the_prompts_queued_before_it_on_its_rep
     from router.shared import PREFILL_SCOPE, RoutingScopes
 
     scopes = RoutingScopes()
-    replica = _QueueingReplica(scopes.open(PREFILL_SCOPE), step_s=0.6)
-    args = AppArgs(prefill_timeout_s=1.0, engine={"max_num_batched_tokens": 8})
+    replica = _QueueingReplica(scopes.open(PREFILL_SCOPE), step_s=0.3)
+    args = AppArgs(prefill_timeout_s=0.5, engine={"max_num_batched_tokens": 8})
     client = PoolClient(args, replica, None, None, (2,), 64, scopes)
 
     async def attempt(request_id: str) -> str:
