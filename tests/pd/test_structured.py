@@ -90,6 +90,7 @@ SCHEMAS = st.recursive(LEAF_SCHEMAS, _objects_and_arrays, max_leaves=6).map(
     {"type": "object", "properties": {"value": schema}, "required": ["value"], "additionalProperties": False})
 
 
+@pytest.mark.slow  # 50 schemas through the engine, twice each: 5 s
 @settings(max_examples=50, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(schema=SCHEMAS, prompt=st.sampled_from(PROMPTS), seed=st.integers(0, 2**31))
 def test_random_schemas_give_valid_json_greedy_and_sampled(engine, plain_alone, schema, prompt, seed):

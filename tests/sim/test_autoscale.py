@@ -79,6 +79,7 @@ def planner_config(**changes) -> PlannerConfig:
                          scale_down_delay_s=10.0, **changes)
 
 
+@pytest.mark.slow  # minutes of a simulated autoscaled pool: 3 s
 def test_the_planner_follows_the_step_and_spends_less_than_the_static_peak():
     planner = PlannerAutoscaler(planner_config())
     cluster, timeline, replica_seconds = serve(planner)

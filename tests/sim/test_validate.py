@@ -156,6 +156,7 @@ def test_a_calibration_recovers_the_overheads_that_made_a_run():
         assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=0.05), (name, fitted)
 
 
+@pytest.mark.slow  # a simulated run per calibration: 4 s
 def test_the_gaps_line_is_fitted_over_every_calibration_run():
     """A light run, one stream at a time, shows no growth with streams; a heavier one after it does: the per-token
     overhead comes from both together."""
