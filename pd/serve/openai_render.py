@@ -53,7 +53,7 @@ class CompletionRenderer:
     the prompt's text (and its scores, with ``logprobs``) comes first; with
     ``max_tokens=0`` (``generate=False``) nothing else does.
     ``prompt_logprobs_k`` is vLLM's ``prompt_logprobs`` (None: none): each
-    choice then carries ``prompt_logprobs`` as vLLM renders it (``prompt_logprobs``).
+    choice then carries ``prompt_logprobs`` as vLLM renders it (this module's ``prompt_logprobs``).
     """
 
     def __init__(self, token_text: Callable[[int], str], logprobs_k: int | None, prompt_token_ids: list[int],
