@@ -34,13 +34,8 @@ class ScheduledRequest:
     def num_logits_rows(self) -> int:
         """Logits rows this chunk computes: those it samples, and, for a request scoring its prompt, one per
         prompt token it scores (the step cost model's ``num_samples``: each is a row of the LM head)."""
-        rows = self.num_samples
-        if self.request.sampling_params.prompt_logprobs is not None:
-            request = self.request
-            first = max(request.num_computed_tokens, len(request.prompt_logprobs))
-            end = min(request.num_computed_tokens + self.num_new_tokens, request.num_prompt_tokens - 1)
-            rows += max(0, end - first)
-        return rows
+        start = self.request.num_computed_tokens
+        return self.num_samples + len(self.request.prompt_positions_to_score(start, start + self.num_new_tokens))
 
 
 @dataclass

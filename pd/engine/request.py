@@ -159,6 +159,17 @@ class Request:
             return 0
         return self.num_prompt_tokens - 1 - len(self.prompt_logprobs)
 
+    def prompt_positions_to_score(self, start: int, end: int) -> range:
+        """The positions in ``[start, end)`` whose logits score a prompt token not yet scored.
+
+        Position ``p`` scores token ``p + 1``; the request has scored the first
+        ``len(self.prompt_logprobs)`` (position 0 onwards), and a preempted one
+        recomputes positions it has already scored.
+        """
+        if self.num_prompt_logprobs_missing <= 0:
+            return range(0)
+        return range(max(start, len(self.prompt_logprobs)), min(end, self.num_prompt_tokens - 1))
+
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED

@@ -72,7 +72,7 @@ def flatten(out: SchedulerOutput, block_tables: list[list[int]], block_size: int
                 logits_indices.append(len(token_ids) - 1 - offset)
                 rows.sampling_requests.append(request)
                 rows.sample_offsets.append(len(drafts) - offset)
-        scored = _prompt_positions(request, start, end)
+        scored = request.prompt_positions_to_score(start, end)
         if scored:
             offset = len(token_ids) - end  # the flat index of position 0
             prompt_indices.extend(offset + p for p in scored)
@@ -144,16 +144,3 @@ class DriverRows:
     unread_at: list[int] = field(default_factory=list)
     unread_rows: list[int] = field(default_factory=list)
     previous_token_ids: torch.Tensor | None = None  # int64 [previous step's num_samples], on the device
-
-
-def _prompt_positions(request: Request, start: int, end: int) -> range:
-    """The positions in ``[start, end)`` whose logits score a prompt token not yet scored.
-
-    Position ``p`` scores token ``p + 1``; the request has scored the first
-    ``len(request.prompt_logprobs)`` (position 0 onwards), and a preempted one
-    recomputes positions it has already scored.
-    """
-    if request.num_prompt_logprobs_missing <= 0:
-        return range(0)
-    first = max(start, len(request.prompt_logprobs))
-    return range(first, min(end, request.num_prompt_tokens - 1))
