@@ -11,9 +11,9 @@ chunks of the engines' ``max_num_batched_tokens``, each chunk's step also
 carrying the decodes ``r`` reported running. ``wait(r)`` is the prompt work
 queued ahead of it: the replica's reported backlog (prompt tokens not yet
 computed, and their query-key pairs) priced the same way when its report
-came, less the time since, plus what this router sent it after. A waiting
-request's report counts its whole prompt; of what this router sent, the
-prefix the replica holds is taken off again (``router.waiting_prefixes``).
+came, less the time since, plus what this router sent it after. A request
+still waiting there is reported as the prompt after the prefix its
+admission will find cached (``pd.engine.reports.load_shape``).
 
 Both are priced by the project's one step cost model (``router.step_cost``),
 fitted online: every report carries the replica's cumulative step sums,
@@ -206,8 +206,7 @@ class PredictedLatencyPolicy(PrefixAffinityPolicy):
     def record_routed(self, decision: RoutingDecision, block_hashes: Sequence[bytes], now_s: float = 0.0) -> None:
         super().record_routed(decision, block_hashes)
         self.predictor.sent(decision.replica_id, decision.uncached_tokens,
-                            prefill_pairs(decision.uncached_tokens, decision.matched_tokens), now_s,
-                            decision.matched_tokens)
+                            prefill_pairs(decision.uncached_tokens, decision.matched_tokens), now_s)
 
     def remove_replica(self, replica_id: str) -> None:
         super().remove_replica(replica_id)

@@ -23,7 +23,6 @@ from router.protocol import RoutingStats
 from router.step_cost import NUM_TERMS, prefill_pairs
 from router.step_fit import StepCostFit, TransferFit
 from router.tiers import valued_tokens
-from router.waiting_prefixes import WaitingPrefixes
 
 
 @dataclass(frozen=True)
@@ -126,7 +125,6 @@ class LatencyPredictor:
         self.transfer = TransferFit(config.half_life_s)
         self.hit_values = config.hit_values()
         self._queues: dict[str, _Queue] = {}
-        self._waiting = WaitingPrefixes()
         self.inflow = Inflow(config.follow_half_life_s)
 
     def best(self, runs, num_prompt_tokens: int, replica_ids: Sequence[str], now_s: float) -> Prediction | None:
@@ -181,17 +179,13 @@ class LatencyPredictor:
         self.transfer.observe(replica_id, stats, now_s)
         queue = self._queues.setdefault(replica_id, _Queue())
         queue.decoding, queue.decode_context = stats.num_decoding, stats.num_decode_context_tokens
-        overstated = self._waiting.overstated(replica_id, stats.num_waiting)
-        tokens = max(0, stats.num_waiting_tokens - overstated.num_tokens)
-        pairs = max(0, stats.num_waiting_pairs - overstated.num_pairs)
+        tokens, pairs = stats.num_waiting_tokens, stats.num_waiting_pairs  # after the prefixes they will find
         queue.tokens_ahead, queue.free_blocks = tokens, stats.num_free_blocks
         queue.busy_until_s = now_s + (self.compute_s(replica_id, tokens, pairs) if self.ready() else 0.0)
 
-    def sent(self, replica_id: str, tokens: float, pairs: float, now_s: float, matched_tokens: int = 0) -> None:
-        """This router sent ``replica_id`` a prompt of that much uncomputed work, after the ``matched_tokens``
-        it holds: it queues behind the rest."""
+    def sent(self, replica_id: str, tokens: float, pairs: float, now_s: float) -> None:
+        """This router sent ``replica_id`` a prompt of that much uncomputed work: it queues behind the rest."""
         unseen = self.config.num_ingress  # the guard: the other ingresses' sends, as many as this one's
-        self._waiting.sent(replica_id, round(tokens) + matched_tokens, matched_tokens)
         if not self.ready():
             return
         queue = self._queues.setdefault(replica_id, _Queue())
@@ -220,5 +214,4 @@ class LatencyPredictor:
         self.fit.forget(replica_id)
         self.transfer.forget(replica_id)
         self._queues.pop(replica_id, None)
-        self._waiting.forget(replica_id)
         self.inflow.forget(replica_id)

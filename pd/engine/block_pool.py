@@ -170,6 +170,15 @@ class BlockPool:
             block_ids.append(block_id)
         return block_ids
 
+    def num_cached_leading(self, block_hashes: Sequence[bytes]) -> int:
+        """How many of ``block_hashes``, from the first, the prefix cache holds (by hash alone; ``match``
+        checks the tokens too). Reads only."""
+        hash_to_block = self._hash_to_block
+        for index, block_hash in enumerate(block_hashes):
+            if block_hash not in hash_to_block:
+                return index
+        return len(block_hashes)
+
     def insert(self, block_id: int, block_hash: bytes, token_ids: Sequence[int]) -> None:
         """Make a full, computed block findable by its hash.
 

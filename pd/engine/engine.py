@@ -248,8 +248,11 @@ class LLMEngine:
     def _queue(self, request: Request) -> None:
         """To the scheduler; or held while its blocks load from the lower tiers, until ``poll_transfers``.
 
-        A request scoring its prompt computes all of it: it loads nothing.
+        A request scoring its prompt computes all of it: it loads nothing. The others are hashed now, which
+        admission would do, so that reports count the prefix they will find (``pd.engine.reports.load_shape``).
         """
+        if self.kv_cache.enable_prefix_caching and not request.num_prompt_logprobs_missing:
+            self.kv_cache.update_hashes(request)
         if request.num_prompt_logprobs_missing or not self.tiers.begin(request):
             self.scheduler.add(request)
 

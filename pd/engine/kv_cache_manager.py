@@ -49,6 +49,18 @@ class KVCacheManager:
         """Extend ``request.block_hashes`` to every full block of its tokens."""
         update_block_hashes(request, self.block_size)
 
+    def cached_prefix_tokens(self, request: Request) -> int:
+        """Prompt tokens of a waiting ``request`` that its admission would find in the device pool now, as
+        ``match_prefix`` would count them, without its checks of the tokens or its promotions from lower tiers.
+
+        Reads only: safe from another thread (a report), on hashes the engine computed when it queued the
+        request; a preempted request's newer tokens, not yet hashed, count as uncached.
+        """
+        if not self.enable_prefix_caching:
+            return 0
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        return self.pool.num_cached_leading(request.block_hashes[:max_blocks]) * self.block_size
+
     def match_prefix(self, request: Request) -> PrefixMatch:
         """Cached blocks for the request's leading full blocks.
 

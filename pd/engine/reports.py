@@ -25,12 +25,19 @@ def load_shape(scheduler: Scheduler) -> tuple[int, int, int, int]:
     ``(prompt tokens still to compute, their query-key pairs, requests
     decoding, the tokens those decodes attend to)``: a waiting or running
     request still in its prompt counts in the first two, a running one past
-    it in the last two. Safe to call from another thread.
+    it in the last two. A request not yet admitted counts the prompt after
+    the prefix its admission would find cached now: a turn whose long
+    history the replica holds is the turn's new tokens, not its whole
+    prompt (counted whole, two such turns queued made a holder look seconds
+    behind, and a router recomputed the next turn elsewhere). A request
+    scoring its prompt computes all of it. Safe to call from another thread.
     """
     tokens = pairs = decoding = context = 0
     waiting = list(scheduler.waiting)
     for index, request in enumerate([*waiting, *scheduler.running]):
         computed = request.num_computed_tokens
+        if index < len(waiting) and computed == 0 and not request.num_prompt_logprobs_missing:
+            computed = min(request.num_prompt_tokens - 1, scheduler.kv_cache.cached_prefix_tokens(request))
         left = request.num_prompt_tokens - computed
         if left > 0:
             tokens += left

@@ -1,5 +1,5 @@
-"""The predicted-latency router and sessions: a waiting turn's cached history is not priced as queued work,
-and a prompt nobody holds goes where the least work keeps arriving."""
+"""The predicted-latency router and sessions: a prompt nobody holds goes where the least work keeps arriving
+(a waiting turn's cached history is left out of its replica's report by the engine: ``tests/pd/test_reports.py``)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,8 @@ import pytest
 
 from router.hashing import hash_block_tokens
 from router.inflow import Inflow
-from router.latency import prefill_seconds
 from router.protocol import RoutingStats
 from router.step_cost import prefill_pairs
-from router.waiting_prefixes import WaitingPrefixes
 from tests.router.test_latency import BLOCK, COST, FREE, _candidates, _policy
 
 HISTORY = hash_block_tokens(list(range(256 * BLOCK)), BLOCK)  # a session's 4,096 cached tokens
@@ -23,42 +21,6 @@ def _turn(number: int) -> list[bytes]:
     return HISTORY + hash_block_tokens(list(range(100_000 * number, 100_000 * number + 8 * BLOCK)), BLOCK,
                                        parent_hash=HISTORY[-1])
 
-
-
-def test_a_waiting_turns_cached_history_is_not_priced_as_queued_work():
-    """b holds a 4,096-token history and this router sent it two turns of it, still waiting for admission:
-    b's report counts each whole (its prefix is matched only at admission). The prediction takes off what
-    b holds, so b's wait is the two turns' new tokens and the next turn stays on b instead of recomputing
-    the history on idle a. Once b reports them admitted, its report stands as it is."""
-    policy = _policy(prior=COST, min_steps=1e9, w_follow=0.0)
-    for name in ("a", "b"):
-        policy.observe(name, RoutingStats(num_free_blocks=FREE), 0.0)
-    policy.index.insert("b", HISTORY)
-    for number in (1, 2):
-        decision = policy.choose(_turn(number), NUM_TURN_TOKENS, _candidates("a", "b"), now_s=0.0)
-        assert decision.replica_id == "b"
-        policy.record_routed(decision, _turn(number), now_s=0.0)
-    whole = dict(num_waiting=2, num_waiting_tokens=2 * NUM_TURN_TOKENS,
-                 num_waiting_pairs=2 * prefill_pairs(NUM_TURN_TOKENS, 0), num_free_blocks=FREE)
-    policy.observe("b", RoutingStats(**whole), 1.0)
-    assert policy.predictor.wait_s("b", 1.0) == pytest.approx(
-        prefill_seconds(COST, 2 * 8 * BLOCK, 2 * prefill_pairs(8 * BLOCK, 256 * BLOCK), 0, 0, 256))
-    assert policy.choose(_turn(3), NUM_TURN_TOKENS, _candidates("a", "b"), now_s=1.0).replica_id == "b"
-    policy.observe("b", RoutingStats(**dict(whole, num_waiting=0)), 2.0)
-    assert policy.predictor.wait_s("b", 2.0) == pytest.approx(
-        prefill_seconds(COST, 2 * NUM_TURN_TOKENS, 2 * prefill_pairs(NUM_TURN_TOKENS, 0), 0, 0, 256))
-
-
-def test_only_the_latest_sends_count_as_waiting():
-    """Three sends, one waiting: the report's one waiting request is the latest send; the older two were
-    admitted and are forgotten, so a later report with one waiting counts only that one again."""
-    waiting = WaitingPrefixes()
-    for matched in (100, 200, 300):
-        waiting.sent("a", 1000, matched)
-    first = waiting.overstated("a", 1)
-    assert (first.num_tokens, first.num_pairs) == (300, prefill_pairs(1000, 0) - prefill_pairs(700, 300))
-    assert waiting.overstated("a", 3) == first
-    assert waiting.overstated("a", 0).num_tokens == 0 and waiting.overstated("a", 5).num_tokens == 0
 
 
 def test_inflow_is_the_prefill_seconds_sent_per_second_lately():
