@@ -5,8 +5,13 @@ flash_crowd,long_short}] [--replicas 8]
 [--cache-blocks 256]`` serves one Mooncake-format trace (``pd.workload.trace``) with
 every policy and prints one JSON line per policy:
 
-- ``pd``: this project's ``router.policy.PrefixAffinityPolicy``, fed the
-  replicas' own ``RoutingStats`` every report period, as in the app;
+- ``pd``: this project's default prefill router (``pd.config.app.PREFILL_ROUTER``):
+  today ``latency``;
+- ``latency``: ``router.latency.PredictedLatencyPolicy``, the prompt where
+  its first token is predicted soonest;
+- ``affinity``: ``router.policy.PrefixAffinityPolicy``, prefix hits against
+  load under a balance bound (the default before ``latency``);
+  each fed the replicas' own ``RoutingStats`` every report period, as in the app;
 - ``round_robin``;
 - ``pow2``: two random replicas, the one with fewer requests in flight;
 - ``ray_prefix``: Ray Serve LLM's ``PrefixCacheAffinityRouter`` decision logic
@@ -44,6 +49,7 @@ from bench.baseline_routers import PowerOfTwo, RoundRobin
 from bench.ray_prefix import RayPrefixRouter
 from bench.router_traces import FlashCrowdTraceConfig, LongShortTraceConfig, generate_flash_crowd, generate_long_short
 from pd.config import EngineConfig
+from pd.config.app import LATENCY_ROUTER, PREFILL_ROUTER
 from pd.model.config import load_model_config
 from pd.workload.stats import percentile, percentiles
 from pd.workload.trace import (
@@ -69,7 +75,14 @@ from sim.placement import AffinityPlacement, Arrival, LatencyPlacement, Placemen
 from sim.scale import utilization
 from sim.workload import submit_trace
 
-POLICIES = ("pd", "latency", "round_robin", "pow2", "ray_prefix")
+POLICIES = ("pd", "latency", "affinity", "round_robin", "pow2", "ray_prefix")
+
+
+def resolve_policy(policy: str) -> str:
+    """``pd``, the app's default prefill router, as the policy it is; any other name as it is."""
+    if policy != "pd":
+        return policy
+    return "latency" if PREFILL_ROUTER == LATENCY_ROUTER else "affinity"
 DEFAULT_REPORT_INTERVAL_S = 1.0
 
 
@@ -126,7 +139,8 @@ class Timed:
 
 
 def make_placement(policy: str, config: ReplayConfig, pd_config: PolicyConfig, loop: EventLoop) -> Placement:
-    if policy == "pd":
+    policy = resolve_policy(policy)
+    if policy == "affinity":
         return AffinityPlacement(pd_config, config.num_ingress)
     if policy == "latency":
         latency_config = LatencyPolicyConfig(**{**vars(pd_config), "num_ingress": config.num_ingress,

@@ -1,6 +1,6 @@
 """What one prefill routing decision costs, in wall time, by pool size and prompt length.
 
-``python -m bench.router_cost [--replicas 16,256] [--decisions 2000] [--policies pd,latency]``
+``python -m bench.router_cost [--replicas 16,256] [--decisions 2000] [--policies affinity,latency]``
 
 A decision here is what ``bench.router`` times: the policy's ``choose``
 and its bookkeeping (``record_routed``: the index's optimistic insert, the
@@ -27,6 +27,7 @@ import json
 import random
 import time
 
+from bench.router import resolve_policy
 from pd.workload.stats import percentile
 from router.hashing import hash_block_tokens
 from router.latency import LatencyPolicyConfig, PredictedLatencyPolicy
@@ -39,11 +40,13 @@ PRIOR = (4e-3, 6e-5, 3e-11, 2e-5, 1e-4)
 
 
 def make_policy(name: str, seed: int):
-    if name == "pd":
+    """``pd`` (the app's default prefill router), ``latency`` or ``affinity`` (``bench.router``)."""
+    resolved = resolve_policy(name)
+    if resolved == "affinity":
         return PrefixAffinityPolicy(PolicyConfig(block_size=BLOCK_SIZE, seed=seed))
-    if name == "latency":
+    if resolved == "latency":
         return PredictedLatencyPolicy(LatencyPolicyConfig(block_size=BLOCK_SIZE, seed=seed, prior=PRIOR))
-    raise ValueError(f"unknown policy {name!r}; expected pd or latency")
+    raise ValueError(f"unknown policy {name!r}; expected pd, latency or affinity")
 
 
 def prompts(num_tenants: int, context_tokens: int, num_prompts: int, short_share: float,
@@ -99,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
 
     parser = argparse.ArgumentParser(prog="python -m bench.router_cost", description=__doc__.split("\n\n")[0])
     parser.add_argument("--replicas", default="16,256", help="comma-separated pool sizes")
-    parser.add_argument("--policies", default="pd,latency")
+    parser.add_argument("--policies", default="affinity,latency")
     parser.add_argument("--decisions", type=int, default=2000)
     parser.add_argument("--context-tokens", type=int, default=30_000)
     parser.add_argument("--short-share", type=float, default=0.25)

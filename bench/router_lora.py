@@ -1,6 +1,6 @@
 """Adapter-aware against adapter-blind routing of a multi-LoRA trace, in the cluster simulator (``sim``).
 
-``python -m bench.router_lora [--adapters 16] [--zipf 1.0] [--replicas 8] [--max-loras 4] [--policies pd,latency]``
+``python -m bench.router_lora [--adapters 16] [--zipf 1.0] [--replicas 8] [--max-loras 4] [--policies affinity,latency]``
 serves one trace (``sim.lora_trace``: each request under one of ``--adapters``
 LoRA adapters drawn with Zipf popularity, its adapter's system prompt plus its
 own tail) with each policy twice, and prints one JSON line per run:
@@ -10,8 +10,9 @@ own tail) with each policy twice, and prints one JSON line per run:
 - ``blind``: the same policy, the same block hashes (chained from the
   adapter's root, as the engines hash them), hints without the adapter.
 
-Policies: ``pd`` (``router.policy.PrefixAffinityPolicy``), ``latency``
-(``router.latency.PredictedLatencyPolicy``) and ``decode``
+Policies: ``affinity`` (``router.policy.PrefixAffinityPolicy``), ``latency``
+(``router.latency.PredictedLatencyPolicy``), ``pd`` (the app's default prefill
+router: ``latency``) and ``decode``
 (``router.decode_policy.DecodePolicy`` placing a colocated pool, as the app's
 decode router does).
 
@@ -20,7 +21,7 @@ The default trace has each adapter's 1,024-token system prompt ahead of a
 tokens: the prefix caches cannot keep every adapter's system prompt beside
 the documents, so where a request goes decides what stays cached. Where they
 can (``--system-prompt-tokens 2048 --tail-tokens 64,512``), prefix affinity
-alone keeps each adapter on few replicas, and ``pd`` routes the same either way.
+alone keeps each adapter on few replicas, and ``affinity`` routes the same either way.
 
 The pool is the simulator's (``sim.cluster``): ``--replicas`` real
 ``LLMEngine``s with ``enable_lora`` (the real scheduler admits at most
@@ -46,6 +47,7 @@ import argparse
 import json
 from dataclasses import dataclass
 
+from bench.router import resolve_policy
 from pd.config import EngineConfig
 from pd.model.config import load_model_config
 from pd.workload.stats import percentiles
@@ -59,7 +61,7 @@ from sim.lora_trace import LoraTraceConfig, generate_lora_trace, submit_lora_tra
 from sim.placement import AffinityPlacement, LatencyPlacement, Placement
 from sim.scale import utilization
 
-POLICIES = ("pd", "latency", "decode")
+POLICIES = ("pd", "latency", "affinity", "decode")  # pd: the app's default prefill router (bench.router)
 ROUTINGS = ("aware", "blind")
 
 
@@ -94,7 +96,8 @@ class LoraReplayConfig:
 
 def make_placement(policy: str, config: LoraReplayConfig, loop: EventLoop) -> Placement | None:
     """The compute pool's router; None: the cluster's own decode policy places the colocated pool."""
-    if policy == "pd":
+    policy = resolve_policy(policy)
+    if policy == "affinity":
         return AffinityPlacement(PolicyConfig(block_size=config.block_size, seed=config.seed))
     if policy == "latency":
         return LatencyPlacement(LatencyPolicyConfig(block_size=config.block_size, seed=config.seed,
@@ -162,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hardware", choices=sorted(HARDWARE), default=defaults.hardware)
     parser.add_argument("--report-interval", type=float, default=defaults.report_interval_s,
                         help="seconds between the replicas' routing-stats reports")
-    parser.add_argument("--policies", default="pd,latency", help="comma-separated subset of " + ",".join(POLICIES))
+    parser.add_argument("--policies", default="affinity,latency", help="comma-separated subset of " + ",".join(POLICIES))
     args = parser.parse_args(argv)
 
     trace = LoraTraceConfig(num_adapters=args.adapters, zipf_s=args.zipf, num_requests=args.requests,

@@ -1,13 +1,13 @@
 """The prefill routers over a matrix of traces, loads and seeds, in the cluster simulator, with medians and spreads.
 
 ``python -m bench.router_matrix [--traces system_prompt,multi_tenant,...] [--loads 0.5,0.75,0.9] [--seeds 6]
-[--policies pd,round_robin,ray_prefix,latency] [--candidate latency] [--replicas 8] [--cache-blocks 256]``
+[--policies affinity,round_robin,ray_prefix,latency] [--candidate latency] [--replicas 8] [--cache-blocks 256]``
 
 For every trace, a pilot serves its seed-0 draw with ``PILOT_POLICY``
-(today's default router) at the trace's default time scale
+(the prefix-affinity router) at the trace's default time scale
 (``TRACE_DEFAULTS``) and reads the pool's utilization; each load in
 ``--loads`` is then that time scale times load over utilization (the load
-is a fraction of what the pool can compute under today's router). For
+is a fraction of what the pool can compute under that router). For
 every load and every seed ``s`` (0 to ``--seeds`` - 1) it generates the
 trace with seed ``s`` (``bench.router.build_trace``) and serves it with
 every policy (``bench.router.replay``: the same simulated pool, its engines
@@ -67,9 +67,11 @@ from router.policy import PolicyConfig
 TRACE_DEFAULTS = {"multi_tenant": (800, 3.0), "mooncake": (800, 4.0), "long_history": (800, 3.0),
                   "system_prompt": (800, 1.0), "flash_crowd": (800, 3.0), "long_short": (800, 1.0)}
 DEFAULT_TRACES = ("system_prompt", "multi_tenant", "mooncake", "long_history", "flash_crowd", "long_short")
-DEFAULT_POLICIES = ("pd", "round_robin", "ray_prefix", "latency")
+DEFAULT_POLICIES = ("affinity", "round_robin", "ray_prefix", "latency")
 DEFAULT_LOADS = (0.5, 0.75, 0.9)
-PILOT_POLICY = "pd"  # the router whose utilization a load is a fraction of (today's default)
+# The router whose utilization a load is a fraction of: the prefix-affinity one, the default before ``latency``,
+# so that a load means the same arrival rate whichever router is the default.
+PILOT_POLICY = "affinity"
 METRICS = ("ttft_p99_s", "ttft_p50_s", "hit_rate", "max_min_load_ratio", "decide_us_p50", "decide_us_p99")
 # The routing goals: the candidate's TTFT p99 and p50 and its hit rate against the best other policy in the same
 # seed, its decision's cost, and, where every prompt shares one prefix, no collapse onto its holder.

@@ -3,7 +3,7 @@
 ``python -m bench.router_matrix_plot MATRIX.jsonl [MORE.jsonl ...] --out router-matrix.png``
 
 Each panel is one trace: the seed-median TTFT p99 of every policy at each
-load (a fraction of the pool's capacity under today's router), on a log
+load (a fraction of the pool's capacity under the prefix-affinity router), on a log
 scale, with the seeds' min-max as a band. Matplotlib is imported here only.
 """
 

@@ -41,7 +41,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence
 
-from pd.config.app import LATENCY_ROUTER, PREFILL_ROUTER
+from pd.config.app import AFFINITY_ROUTER, LATENCY_ROUTER, PREFILL_ROUTER
 from pd.engine.outputs import RequestOutput
 from pd.sampling_params import SamplingParams
 from router.decode_policy import DecodePolicy, DecodePolicyConfig
@@ -71,6 +71,7 @@ class ClusterSpec:
     decode: PoolSpec
     prefill: PoolSpec | None = None
     rule: RemotePrefillRule = RemotePrefillRule()  # with ``predicted``, the prefill router is the latency one
+    prefill_router: str = PREFILL_ROUTER  # the prefill pool's: LATENCY_ROUTER or AFFINITY_ROUTER (pd.config.app)
     prefill_policy: dict = field(default_factory=dict)  # PolicyConfig fields beyond block_size
     decode_policy: dict = field(default_factory=dict)  # DecodePolicyConfig fields beyond block_size
     transfer: TransferModel = LINKS["loopback"]
@@ -88,6 +89,9 @@ class ClusterSpec:
     adapter_hints: bool = True
 
     def __post_init__(self) -> None:
+        if self.prefill_router not in (LATENCY_ROUTER, AFFINITY_ROUTER):
+            raise ValueError(f"prefill_router {self.prefill_router!r}: the simulator runs {LATENCY_ROUTER} or "
+                             f"{AFFINITY_ROUTER}")
         if self.prefill is not None and self.prefill.engine.block_size != self.decode.engine.block_size:
             raise ValueError("the prefill and decode pools need the same block_size")
         if self.adapters:
@@ -186,9 +190,9 @@ class SimCluster:
                                    max_num_batched_tokens=pool.engine.max_num_batched_tokens, **fields)
 
     def _prefill_placement(self) -> Placement:
-        """The app's prefill router: the predicted-latency one under the predicted rule, or where the app's
-        default prefill router is it (``pd.config.app``), so that switching the default switches it here."""
-        if self.spec.rule.predicted or PREFILL_ROUTER == LATENCY_ROUTER:
+        """The app's prefill router (``spec.prefill_router``, the app's default unless named): the predicted-latency
+        one, which the predicted rule needs, or the prefix-affinity one."""
+        if self.spec.rule.predicted or self.spec.prefill_router == LATENCY_ROUTER:
             return LatencyPlacement(self._latency_config(self.spec.prefill, self.spec.prefill_policy), self.loop.time)
         return AffinityPlacement(PolicyConfig(block_size=self.spec.block_size, seed=self.spec.seed,
                                               **self.spec.prefill_policy))

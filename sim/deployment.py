@@ -17,12 +17,13 @@ import math
 from typing import Any, Callable
 
 from pd.config import EngineConfig
-from pd.config.app import AppArgs, PoolArgs
+from pd.config.app import AFFINITY_ROUTER, DECODE_ROUTER, LATENCY_ROUTER, PREFILL_ROUTER, AppArgs, PoolArgs
 from sim.cluster import ClusterSpec, PoolSpec
 from sim.cost import CostModel
 from sim.transport import TransferModel
 
-DEFAULT_ROUTERS = {"prefill": "router.serve:PrefixAffinityRouter", "decode": "router.serve:DecodeLoadRouter"}
+# The project's routers the simulator runs, per pool: the real policies, unmodified.
+SIMULATED_ROUTERS = {"prefill": (LATENCY_ROUTER, AFFINITY_ROUTER), "decode": (DECODE_ROUTER,)}
 
 
 def pool_threads(pool: PoolArgs, engine: EngineConfig | None = None) -> int:
@@ -45,9 +46,9 @@ def pool_decode_threads(pool: PoolArgs, engine: EngineConfig) -> int:
 
 def _policy_kwargs(name: str, pool: PoolArgs) -> dict[str, Any]:
     router = pool.router
-    if router.request_router_class not in (None, DEFAULT_ROUTERS[name]):
+    if router.request_router_class not in (None, *SIMULATED_ROUTERS[name]):
         raise ValueError(f"{name}.router.request_router_class {router.request_router_class!r}: the simulator "
-                         "runs the project's own routers only")
+                         f"runs the project's own routers only ({', '.join(SIMULATED_ROUTERS[name])})")
     return dict(router.request_router_kwargs)
 
 
@@ -72,6 +73,7 @@ def cluster_spec(args: dict | AppArgs, cost_for_threads: Callable[[int], CostMod
         decode=pool("decode", app.decode),
         prefill=pool("prefill", app.prefill) if disaggregated else None,
         rule=app.remote_prefill_rule(),
+        prefill_router=(app.prefill.router.request_router_class or PREFILL_ROUTER) if disaggregated else PREFILL_ROUTER,
         prefill_policy=_policy_kwargs("prefill", app.prefill) if disaggregated else {},
         decode_policy=_policy_kwargs("decode", app.decode),
         transfer=transfer,

@@ -20,7 +20,10 @@ from pd.config.flow_control import FlowControlArgs
 from router.remote_prefill import RemotePrefillRule
 from router.shared import DECODE_SCOPE, PREFILL_SCOPE
 
-PREFILL_ROUTER = "router.serve:PrefixAffinityRouter"
+# The prefill pool's default router: the prompt where its first token is predicted soonest (``router.latency``);
+# AFFINITY_ROUTER, the default before it, balances prefix hits against load under a bound (``router.policy``).
+PREFILL_ROUTER = "router.serve:PredictedLatencyRouter"
+AFFINITY_ROUTER = "router.serve:PrefixAffinityRouter"
 DECODE_ROUTER = "router.serve:DecodeLoadRouter"
 # EngineConfig fields set once for the whole app, not under ``engine:``.
 APP_LEVEL_ENGINE_FIELDS = ("kv_lease_s", "kv_read_timeout_s")
@@ -71,7 +74,7 @@ class RouterArgs(StrictModel):
     """
 
     request_router_class: str | None = Field(
-        None, description="module:Class; defaults to PrefixAffinityRouter (prefill) or DecodeLoadRouter (decode)"
+        None, description="module:Class; defaults to PredictedLatencyRouter (prefill) or DecodeLoadRouter (decode)"
     )
     request_router_kwargs: dict[str, Any] = Field(default_factory=dict)
     request_routing_stats_period_s: float = Field(1.0, gt=0)

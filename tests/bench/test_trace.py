@@ -23,6 +23,7 @@ from pd.workload.trace import (
 )
 from router.policy import PolicyConfig
 from sim.clock import EventLoop
+from sim.placement import AffinityPlacement, LatencyPlacement
 
 SMALL_MULTI_TENANT = MultiTenantTraceConfig(num_requests=300, num_tenants=12, rate_per_s=10.0, think_time_s=5.0)
 SMALL_SYSTEM_PROMPT = SystemPromptTraceConfig(num_requests=200)
@@ -191,15 +192,19 @@ def test_ray_block_text_is_fixed_length_and_diverges_at_the_first_character():
 def replay_all(requests, num_replicas, cache_blocks=256):
     config = bench_router.ReplayConfig(num_replicas=num_replicas, cache_blocks=cache_blocks)
     pd_config = PolicyConfig(block_size=config.block_size)
-    return {policy: bench_router.replay(policy, requests, config, pd_config) for policy in bench_router.POLICIES}
+    # pd is the app's default prefill router, replayed under its own name (latency)
+    policies = [policy for policy in bench_router.POLICIES if policy != "pd"]
+    return {policy: bench_router.replay(policy, requests, config, pd_config) for policy in policies}
 
 
 @pytest.mark.slow  # a few hundred requests through every router policy on simulated engines
-def test_replay_system_prompt_pins_ray_but_not_pd_and_the_hotspot_queues():
+def test_replay_system_prompt_pins_ray_but_not_ours_and_the_hotspot_queues():
     results = replay_all(generate_system_prompt(SMALL_SYSTEM_PROMPT), num_replicas=4)
     assert results["ray_prefix"].routed_per_replica == [200, 0, 0, 0]
     assert results["ray_prefix"].max_min_load_ratio is None
-    assert results["pd"].max_min_load_ratio <= 1.5
+    assert results["affinity"].max_min_load_ratio <= 1.5
+    assert min(results["latency"].routed_per_replica) > 0  # no collapse onto the holder: its queue moves work off
+    assert results["latency"].ttft_p99_s < results["ray_prefix"].ttft_p99_s / 2
     assert results["round_robin"].routed_per_replica == [50, 50, 50, 50]
     # The simulated engines queue what one replica gets: its TTFT tail is far behind a balanced pool's.
     assert results["ray_prefix"].ttft_p99_s > 2 * results["round_robin"].ttft_p99_s
@@ -210,13 +215,22 @@ def test_replay_system_prompt_pins_ray_but_not_pd_and_the_hotspot_queues():
 
 
 @pytest.mark.slow  # a few hundred requests through every router policy on simulated engines
-def test_replay_multi_tenant_pd_beats_round_robin():
+def test_replay_multi_tenant_our_routers_beat_round_robin():
     # The tenants' contexts fit in the pool's caches together, not in any one of them.
     results = replay_all(generate_multi_tenant(SMALL_MULTI_TENANT), num_replicas=4, cache_blocks=96)
-    assert results["pd"].hit_rate > results["round_robin"].hit_rate + 0.2
-    assert results["pd"].ttft_p99_s < results["round_robin"].ttft_p99_s / 2
-    assert results["pd"].max_min_load_ratio <= 1.5
-    assert sum(results["pd"].extra["reasons"].values()) == 300
+    for ours in ("latency", "affinity"):
+        assert results[ours].hit_rate > results["round_robin"].hit_rate + 0.2
+        assert results[ours].ttft_p99_s < results["round_robin"].ttft_p99_s / 2
+        assert sum(results[ours].extra["reasons"].values()) == 300
+    assert results["affinity"].max_min_load_ratio <= 1.5
+
+
+def test_pd_names_the_apps_default_prefill_router():
+    config = bench_router.ReplayConfig(num_replicas=2)
+    pd_config = PolicyConfig(block_size=config.block_size)
+    placement = bench_router.make_placement("pd", config, pd_config, EventLoop())
+    assert isinstance(placement, LatencyPlacement)
+    assert type(bench_router.make_placement("affinity", config, pd_config, EventLoop())) is AffinityPlacement
 
 
 @pytest.mark.slow  # a few hundred requests through every router policy on simulated engines
@@ -225,12 +239,13 @@ def test_replay_with_several_ingress_routers_still_finds_prefixes_and_balances()
     trace = generate_multi_tenant(SMALL_MULTI_TENANT)
     config = bench_router.ReplayConfig(num_replicas=4, cache_blocks=96, num_ingress=3)
     pd_config = PolicyConfig(block_size=config.block_size)
-    assert len(bench_router.make_placement("pd", config, pd_config, EventLoop()).policies) == 3
-    several = bench_router.replay("pd", trace, config, pd_config)
     round_robin = bench_router.replay("round_robin", trace, config, pd_config)
-    assert several.hit_rate > round_robin.hit_rate + 0.2
-    assert several.max_min_load_ratio <= 1.5
-    assert sum(several.extra["reasons"].values()) == 300
+    for ours in ("pd", "affinity"):
+        assert len(bench_router.make_placement(ours, config, pd_config, EventLoop()).policies) == 3
+        several = bench_router.replay(ours, trace, config, pd_config)
+        assert several.hit_rate > round_robin.hit_rate + 0.2
+        assert sum(several.extra["reasons"].values()) == 300
+    assert several.max_min_load_ratio <= 1.5  # the prefix-affinity router's balance bound
 
 
 def test_main_prints_one_json_line_per_policy(capsys, tmp_path):

@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 import random
 
+import pytest
+
 from pd.config import EngineConfig
 from pd.sampling_params import SamplingParams
 from pd.workload.stats import percentile
@@ -53,16 +55,18 @@ def test_a_slow_replica_is_learned_and_sent_less():
     assert p99["latency"] < p99["tokens"]
 
 
-def test_the_simulator_runs_the_apps_default_prefill_router(monkeypatch):
-    """The simulator places prefills with whichever router the app defaults to (``pd.config.app``), the real
-    policy unmodified: switching the default to the predicted-latency router switches it here."""
-    import sim.cluster
-    from pd.config.app import LATENCY_ROUTER
+def test_the_simulator_runs_the_apps_default_prefill_router_or_the_one_named():
+    """The simulator places prefills with the app's default router (``pd.config.app``: the predicted-latency
+    one), the real policy unmodified, or with the prefix-affinity router where the spec names it; it refuses
+    any other, naming the two it runs."""
+    from pd.config.app import AFFINITY_ROUTER, PREFILL_ROUTER
 
     spec = ClusterSpec(decode=PoolSpec(1, CONFIG, COST), prefill=PoolSpec(2, CONFIG, COST))
-    monkeypatch.setattr(sim.cluster, "PREFILL_ROUTER", "router.serve:PrefixAffinityRouter")
-    assert type(SimCluster(EventLoop(), spec).prefill.placement) is AffinityPlacement
-    monkeypatch.setattr(sim.cluster, "PREFILL_ROUTER", LATENCY_ROUTER)
+    assert spec.prefill_router == PREFILL_ROUTER
     placement = SimCluster(EventLoop(), spec).prefill.placement
     assert isinstance(placement, LatencyPlacement)
     assert type(placement.policies[0]) is PredictedLatencyPolicy
+    affinity = dataclasses.replace(spec, prefill_router=AFFINITY_ROUTER)
+    assert type(SimCluster(EventLoop(), affinity).prefill.placement) is AffinityPlacement
+    with pytest.raises(ValueError, match="PrefixAffinityRouter"):
+        dataclasses.replace(spec, prefill_router="router.serve:PinnedRequestRouter")

@@ -31,6 +31,14 @@ def test_a_serve_config_becomes_its_cluster():
     assert default.prefill.num_replicas == default.decode.num_replicas == 1
     assert default.prefill.cost == COST  # num_cpus 0.5: one thread
     assert default.rule.threshold == 256 and default.rule.queue_bound == 32
+    assert default.prefill_router == "router.serve:PredictedLatencyRouter"  # the app's default
+    affinity = app_args("default.yaml")
+    affinity["prefill"]["router"] = {"request_router_class": "router.serve:PrefixAffinityRouter"}
+    assert cluster_spec(affinity, costs.__getitem__, LINKS["loopback"]).prefill_router == \
+        "router.serve:PrefixAffinityRouter"
+    affinity["prefill"]["router"] = {"request_router_class": "router.serve:PinnedRequestRouter"}
+    with pytest.raises(ValueError, match="the simulator runs the project's own routers only"):
+        cluster_spec(affinity, costs.__getitem__, LINKS["loopback"])
     colocated = cluster_spec(app_args("colocated.yaml"), costs.__getitem__, LINKS["loopback"])
     assert colocated.prefill is None and colocated.decode.cost == costs[2]  # num_cpus 1.5: two threads
     # ... and one for its steps of few tokens, as pd.serve.engine_server.replica_decode_threads gives it
