@@ -230,17 +230,6 @@ def test_the_70b_config_shards_prefill_over_4_gpus_and_decode_over_2():
     assert gpus == 8 and args.transfer_backend == "nixl"
 
 
-def test_the_default_prefill_router_predicts_latency_and_the_prefix_affinity_one_can_be_named():
-    options = AppArgs.parse(config_args("default.yaml")).deployment_options("prefill")["request_router_config"]
-    assert options.request_router_class == "router.serve:PredictedLatencyRouter"
-    args = config_args("default.yaml")
-    args["prefill"]["router"] = {"request_router_class": "router.serve:PrefixAffinityRouter",
-                                 "request_router_kwargs": {"max_routed_ratio": 1.6}}
-    options = AppArgs.parse(args).deployment_options("prefill")["request_router_config"]
-    assert options.request_router_class == "router.serve:PrefixAffinityRouter"
-    assert options.request_router_kwargs["max_routed_ratio"] == 1.6
-
-
 def test_the_predicted_rule_routes_prefill_by_predicted_latency_with_the_engines_chunk():
     args = {**config_args("default.yaml"), "remote_prefill_predicted": True}
     parsed = AppArgs.parse(args)

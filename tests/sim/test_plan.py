@@ -56,6 +56,15 @@ def test_a_serve_config_becomes_its_cluster():
         cluster_spec({**app_args("default.yaml"), "remote_prefill_treshold": 5}, costs.__getitem__, LINKS["loopback"])
 
 
+def test_the_default_prefill_router_predicts_latency_and_the_prefix_affinity_one_can_be_named():
+    args, affinity = app_args("default.yaml"), "router.serve:PrefixAffinityRouter"
+    options = AppArgs.parse(args).deployment_options("prefill")["request_router_config"]
+    assert options.request_router_class == "router.serve:PredictedLatencyRouter"
+    args["prefill"]["router"] = {"request_router_class": affinity, "request_router_kwargs": {"max_routed_ratio": 1.6}}
+    options = AppArgs.parse(args).deployment_options("prefill")["request_router_config"]
+    assert (options.request_router_class, options.request_router_kwargs["max_routed_ratio"]) == (affinity, 1.6)
+
+
 def test_the_tiered_config_runs_in_the_simulator_with_its_disk_tier_modelled(tmp_path):
     """``tiered.yaml``'s disk tier is the real store tier on modelled records: no file is written."""
     from pd.sampling_params import SamplingParams
