@@ -76,6 +76,7 @@ from sim.scale import utilization
 from sim.workload import submit_trace
 
 POLICIES = ("pd", "latency", "affinity", "round_robin", "pow2", "ray_prefix")
+DEFAULT_REPORT_INTERVAL_S = 1.0
 
 
 def resolve_policy(policy: str) -> str:
@@ -83,7 +84,6 @@ def resolve_policy(policy: str) -> str:
     if policy != "pd":
         return policy
     return "latency" if PREFILL_ROUTER == LATENCY_ROUTER else "affinity"
-DEFAULT_REPORT_INTERVAL_S = 1.0
 
 
 @dataclass(frozen=True)
