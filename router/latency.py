@@ -1,7 +1,7 @@
 """Predicted-latency placement: each candidate's time to first token for this prompt, in seconds.
 
     ttft(r)  = wait(r) + adapter_wait(r) + compute(r)
-    cost(r)  = ttft(r) + (w_compute + w_follow * new * inflow(r)) * compute(r) + adapter_reload(r)
+    cost(r)  = ttft(r) + w_compute * compute(r) + w_follow * new * inflow(r) * marginal(r) + adapter_reload(r)
                + w_cached_s * written / max_num_batched_tokens * cached(r) / most cached
                (discounted for exploration, below)
 
@@ -82,20 +82,23 @@ prompt's size, it piled 100-token prompts onto the replicas holding
 nothing, where their decodes slowed each other.
 
 **Where work keeps arriving.** ``w_follow`` (3) charges a prompt its
-prefill once more for each unit of the candidate's recent inflow
-(``router.inflow``: the prefill seconds sent there per second, decayed
-over ``follow_half_life_s``), which is, for the most part, what its cached
-sessions keep bringing, times ``new``: the share of the prompt that no
-candidate holds. A long prompt nobody holds, which starts a session, then
+marginal prefill (``marginal(r)``: its own tokens', pairs' and sampled row's
+terms, without the constant and the decodes of the steps it rides in) once
+more for each unit of the candidate's recent inflow (``router.inflow``: the
+prefill seconds sent there per second, decayed over ``follow_half_life_s``),
+which is, for the most part, what its cached sessions keep bringing, times
+``new``: the share of the prompt that no candidate holds. A long prompt nobody holds, which starts a session, then
 goes where the least work keeps arriving, which keeps long sessions apart;
 a turn of a cached session is mostly held, so it stays with its history;
 a prompt behind a shared system prompt is charged for its own text only.
 Before it a new session could start beside a long one, and a burst of one's
 turns then queued the other's (``bench.router_matrix``: TTFT p99 1.03x Ray's
 router's on long histories at 90% load, 1.02x on multi-tenant at 50%; with
-it 1.005x and 0.994x). It costs 100-token prompts among 30k-token ones some
-of their median (1.03-1.045x the best policy's, from 1.0), as the long
-prompts it spreads share their replicas' steps.
+it 1.005x and 0.994x). Charged on the whole prefill, steps' constant
+included, it pushed 100-token prompts off every replica taking long ones
+onto the few that took none, whose steps then carried more decodes: their
+TTFT p50 was 1.058x the best policy's among 30k-token prompts at 75% load;
+on the marginal prefill, 1.002x.
 
 **Decodes sent.** In a colocated pool (``decodes_here``) each request
 sent also decodes there after its prefill, slowing every step until the
@@ -174,7 +177,10 @@ class PredictedLatencyPolicy(PrefixAffinityPolicy):
         for position, (replica, (matched, valued, compute, ttft)) in enumerate(zip(scored_loads, estimates)):
             replica_id = replica.replica_id
             follow = config.w_follow * new_share * predictor.inflow.fraction(replica_id, now_s)
-            cost = ttft + (config.w_compute + follow) * compute
+            cost = ttft + config.w_compute * compute
+            if follow:
+                cost += follow * predictor.marginal_s(replica_id, num_prompt_tokens - valued,
+                                                      prefill_pairs(num_prompt_tokens - matched, matched))
             if cached:
                 written = (num_prompt_tokens - matched) / config.max_num_batched_tokens
                 cost += config.w_cached_s * written * cached[position] / most_cached

@@ -164,6 +164,12 @@ class LatencyPredictor:
         return self.fit.speed(replica_id) * prefill_seconds(
             coefficients, tokens, pairs, queue.decoding, queue.decode_context, self.config.max_num_batched_tokens)
 
+    def marginal_s(self, replica_id: str, tokens: float, pairs: float) -> float:
+        """What ``tokens`` more (attending ``pairs``) add to the steps ``replica_id`` runs anyway: their own
+        terms, without the steps' constant and decodes."""
+        _, per_token, per_pair, _, per_sample = self.fit.coefficients()
+        return self.fit.speed(replica_id) * (per_token * tokens + per_pair * pairs + per_sample)
+
     def decode_context(self, replica_id: str) -> int:
         """The tokens the replica's decodes attend to each step, as it last reported."""
         queue = self._queues.get(replica_id)
