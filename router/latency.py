@@ -87,8 +87,9 @@ terms, without the constant and the decodes of the steps it rides in) once
 more for each unit of the candidate's recent inflow (``router.inflow``: the
 prefill seconds sent there per second, decayed over ``follow_half_life_s``),
 which is, for the most part, what its cached sessions keep bringing, times
-``new``: the share of the prompt that no candidate holds. A long prompt nobody holds, which starts a session, then
-goes where the least work keeps arriving, which keeps long sessions apart;
+``new``: the share of the prompt that no candidate holds. A long prompt
+nobody holds, which starts a session, then goes where the least work keeps
+arriving, which keeps long sessions apart;
 a turn of a cached session is mostly held, so it stays with its history;
 a prompt behind a shared system prompt is charged for its own text only.
 Before it a new session could start beside a long one, and a burst of one's
