@@ -1,6 +1,7 @@
 """Adapter-aware against adapter-blind routing of a multi-LoRA trace, in the cluster simulator (``sim``).
 
-``python -m bench.router_lora [--adapters 16] [--zipf 1.0] [--replicas 8] [--max-loras 4] [--policies affinity,latency]``
+``python -m bench.router_lora [--adapters 16] [--zipf 1.0] [--replicas 8] [--max-loras 4]
+[--policies affinity,latency]``
 serves one trace (``sim.lora_trace``: each request under one of ``--adapters``
 LoRA adapters drawn with Zipf popularity, its adapter's system prompt plus its
 own tail) with each policy twice, and prints one JSON line per run:
@@ -165,7 +166,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hardware", choices=sorted(HARDWARE), default=defaults.hardware)
     parser.add_argument("--report-interval", type=float, default=defaults.report_interval_s,
                         help="seconds between the replicas' routing-stats reports")
-    parser.add_argument("--policies", default="affinity,latency", help="comma-separated subset of " + ",".join(POLICIES))
+    parser.add_argument("--policies", default="affinity,latency",
+                        help="comma-separated subset of " + ",".join(POLICIES))
     args = parser.parse_args(argv)
 
     trace = LoraTraceConfig(num_adapters=args.adapters, zipf_s=args.zipf, num_requests=args.requests,

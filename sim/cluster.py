@@ -63,6 +63,8 @@ from sim.replica import RequestRecord
 from sim.tiers import ModelledStore, TierModels
 from sim.transport import LINKS, SimNetwork, TransferModel
 
+PREFILL_ROUTERS = (LATENCY_ROUTER, AFFINITY_ROUTER)  # the app's prefill routers the simulator runs, unmodified
+
 
 @dataclass(frozen=True)
 class ClusterSpec:
@@ -89,9 +91,9 @@ class ClusterSpec:
     adapter_hints: bool = True
 
     def __post_init__(self) -> None:
-        if self.prefill_router not in (LATENCY_ROUTER, AFFINITY_ROUTER):
-            raise ValueError(f"prefill_router {self.prefill_router!r}: the simulator runs {LATENCY_ROUTER} or "
-                             f"{AFFINITY_ROUTER}")
+        if self.prefill_router not in PREFILL_ROUTERS:
+            raise ValueError(f"prefill_router {self.prefill_router!r}: the simulator runs "
+                             f"{' or '.join(PREFILL_ROUTERS)}")
         if self.prefill is not None and self.prefill.engine.block_size != self.decode.engine.block_size:
             raise ValueError("the prefill and decode pools need the same block_size")
         if self.adapters:

@@ -17,13 +17,13 @@ import math
 from typing import Any, Callable
 
 from pd.config import EngineConfig
-from pd.config.app import AFFINITY_ROUTER, DECODE_ROUTER, LATENCY_ROUTER, PREFILL_ROUTER, AppArgs, PoolArgs
-from sim.cluster import ClusterSpec, PoolSpec
+from pd.config.app import DECODE_ROUTER, PREFILL_ROUTER, AppArgs, PoolArgs
+from sim.cluster import PREFILL_ROUTERS, ClusterSpec, PoolSpec
 from sim.cost import CostModel
 from sim.transport import TransferModel
 
 # The project's routers the simulator runs, per pool: the real policies, unmodified.
-SIMULATED_ROUTERS = {"prefill": (LATENCY_ROUTER, AFFINITY_ROUTER), "decode": (DECODE_ROUTER,)}
+SIMULATED_ROUTERS = {"prefill": PREFILL_ROUTERS, "decode": (DECODE_ROUTER,)}
 
 
 def pool_threads(pool: PoolArgs, engine: EngineConfig | None = None) -> int:

@@ -245,7 +245,8 @@ def test_replay_with_several_ingress_routers_still_finds_prefixes_and_balances()
         several = bench_router.replay(ours, trace, config, pd_config)
         assert several.hit_rate > round_robin.hit_rate + 0.2
         assert sum(several.extra["reasons"].values()) == 300
-    assert several.max_min_load_ratio <= 1.5  # the prefix-affinity router's balance bound
+        if ours == "affinity":
+            assert several.max_min_load_ratio <= 1.5  # its balance bound
 
 
 def test_main_prints_one_json_line_per_policy(capsys, tmp_path):
