@@ -30,10 +30,12 @@ pytestmark = pytest.mark.destructive
 
 MODEL = "builtin:tiny-llama"
 LONG = " ".join(f"word{i}" for i in range(400))
+# Past the remote-prefill threshold (256 tokens), and short: the stall is then not lost in the prefill's own noise
+MEDIUM = " ".join(f"word{i}" for i in range(120))
 CASES = {  # the slow pool, a prompt that runs there, its tokens, and the span that must hold the excess
     "prefill": ("PrefillServer", lambda: f"{uuid.uuid4().hex} {LONG}", 2, "prefill"),
     "decode": ("DecodeServer", lambda: f"{uuid.uuid4().hex} tell me about the sea", 48, "decode"),
-    "transfer": ("DecodeServer", lambda: f"{uuid.uuid4().hex} {LONG}", 2, "decode.kv_pull"),
+    "transfer": ("DecodeServer", lambda: f"{uuid.uuid4().hex} {MEDIUM}", 2, "decode.kv_pull"),
 }
 STALL_S = 0.4
 STALLED_DECODE = {"num_replicas": 1, "max_ongoing_requests": 64, "max_queued_requests": 128,
