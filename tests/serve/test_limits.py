@@ -38,9 +38,8 @@ def _chunked_upload(url: str, num_bytes: int, results: dict) -> None:
         conn.close()
 
 
-def test_huge_bodies_never_stall_other_clients(ray_cluster):
-    ensure_app("default.yaml")
-    client = Client(ray_cluster["url"])
+def test_huge_bodies_never_stall_other_clients(default_app):
+    client = default_app
     assert client.request("GET", "/health")[0] == 200
     done = threading.Event()
     slowest: list[float] = []

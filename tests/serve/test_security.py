@@ -6,8 +6,6 @@ import ipaddress
 
 import psutil
 
-from tests.serve.conftest import ensure_app
-
 OUR_DEPLOYMENTS = ("Ingress", "PrefillServer", "DecodeServer")
 
 
@@ -28,13 +26,11 @@ def _our_pids() -> dict[str, list[int]]:
     return {"Ingress": [ingress], **{name: [s["pid"] for s in pool_stats(name)] for name in OUR_DEPLOYMENTS[1:]}}
 
 
-def test_no_socket_of_ours_listens_beyond_loopback(ray_cluster):
+def test_no_socket_of_ours_listens_beyond_loopback(default_app):
     """A replica of ours may listen beyond loopback only where any Serve replica does (Ray's own sockets)."""
     import os
 
     from ray import serve
-
-    ensure_app("default.yaml")
 
     @serve.deployment(ray_actor_options={"num_cpus": 0.01})
     def probe() -> int:
