@@ -233,10 +233,39 @@ class PacedLoad:
         assert not self._thread.is_alive(), "a stream hung"
 
 
-def long_stream(client, index: int, max_tokens: int) -> str:
-    from tests.serve.test_faults import _stream
+def long_stream(client, index: int, max_tokens: int, enough: threading.Event, more_events: int = 16) -> str:
+    """A greedy stream read as it comes: 'done' at its end, 'error' or 'broken' as ``test_faults._judge`` says,
+    or 'cut': ``enough`` was set and ``more_events`` events came after it, none an error; the client then
+    disconnects, as a user who has read enough does."""
+    import http.client
+    import json
+    import urllib.parse
 
-    return _stream(client, f"stream {index} {uuid.uuid4().hex}", max_tokens)
+    from tests.serve.test_faults import _judge
+
+    url = urllib.parse.urlsplit(client.url)
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=120)
+    try:
+        conn.request("POST", "/v1/completions", json.dumps({
+            "model": MODEL, "prompt": f"stream {index} {uuid.uuid4().hex}", "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True, "stream": True}), {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        if response.status != 200:
+            return "error" if response.status in (429, 500, 503) else "broken"
+        events, enough_at = [], None
+        for line in response:
+            if not line.startswith(b"data: "):
+                continue
+            events.append(line[6:].decode().strip())
+            if events[-1] == "[DONE]" or "error" in json.loads(events[-1]):
+                break
+            if enough.is_set():
+                enough_at = len(events) if enough_at is None else enough_at
+                if len(events) - enough_at >= more_events:
+                    return "cut"
+        return _judge(events)
+    finally:
+        conn.close()
 
 
 def running_streams() -> dict[str, int]:
