@@ -313,7 +313,7 @@ def test_requests_cut_off_count_against_attainment_only_once_their_slo_is_lost(t
 
 def test_locust_smoke_against_the_default_app(default_app, tmp_path):
     run_dir = tmp_path / "run"
-    done = _locust(default_app.url, run_dir / "locust", "-u", "4", "-r", "4", "--run-time", "20s",
+    done = _locust(default_app.url, run_dir / "locust", "-u", "4", "-r", "4", "--run-time", "10s",
                    "--workload", "mixed", "--max-tokens", "16", timeout=150)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
