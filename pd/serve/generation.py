@@ -157,6 +157,8 @@ class PoolClient:
                     continue
                 span.set(replica=result.replica_id, num_cached_tokens=result.num_cached_tokens,
                          **_decision(self.prefill_routing, attempt_id))
+            if result.handler_s > 0:  # placed back from the answer: before it in the call, Ray's own time
+                timeline.add_before("prefill.handler", result.handler_s, end_s=span.end_s)
             place_engine_timings(timeline, "prefill", result.timings, end_s=span.end_s)
             return result
         timeline.add_before("prefill.given_up", 0.0, reason="two attempts failed; prefilling locally")

@@ -65,6 +65,7 @@ class PrefillServer(EngineServer):
             first_top_logprobs=last.new_top_logprobs[0] if last.new_top_logprobs else None,
             prompt_logprobs=tuple(last.prompt_logprobs) if last.prompt_logprobs is not None else None,
             timings=RequestTimings.of(timings),
+            handler_s=time.monotonic() - started,
         ).encode()
 
     async def release(self, hints: bytes, data: bytes) -> None:

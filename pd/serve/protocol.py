@@ -137,6 +137,13 @@ class PrefillResult(WireMessage, frozen=True, kw_only=True):
     first_top_logprobs: TopLogprobs | None = None
     prompt_logprobs: tuple[PromptLogprob, ...] | None = None
     timings: RequestTimings | None = None
+    # Seconds the replica's handler took, from the call reaching it to its answer (0: not measured). The rest
+    # of the call as the ingress saw it is Ray's: routing, delivery and the reply.
+    handler_s: float = 0.0
+
+    def validate(self) -> None:
+        if not self.handler_s >= 0.0:  # NaN fails too
+            raise ValueError(f"handler_s must be a non-negative number of seconds, got {self.handler_s}")
 
 
 class RequestFailed(WireMessage, frozen=True, kw_only=True):

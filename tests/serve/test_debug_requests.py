@@ -79,7 +79,11 @@ def test_a_remote_prefill_shows_the_prefill_call_and_the_kv_pull(default_app):
     spans = _spans(timeline)
     assert timeline["status"] == "ok" and spans["route"]["attributes"]["prefill"] == "remote"
     assert spans["prefill"]["attributes"]["replica"] in replica_ids("pd", "PrefillServer")
-    assert {"prefill.queue", "prefill.compute", "decode.kv_pull"} <= set(spans)
+    assert {"prefill.handler", "prefill.queue", "prefill.compute", "decode.kv_pull"} <= set(spans)
+    # The replica's handler lies inside the call, and the engine's intervals inside the handler.
+    handler, call = spans["prefill.handler"], spans["prefill"]
+    assert call["start_s"] - 1e-6 <= handler["start_s"] <= spans["prefill.queue"]["start_s"] + 1e-6
+    assert handler["end_s"] == pytest.approx(call["end_s"])
     assert spans["decode"]["attributes"]["kv"] == "remote"
     pull = spans["decode.kv_pull"]["attributes"]
     assert pull["blocks"] > 0 and pull["bytes"] > 0

@@ -70,6 +70,14 @@ def test_bad_requests_are_refused_naming_the_problem(data, match):
         PoolRequest.decode(data)
 
 
+@pytest.mark.parametrize("handler_s", [-0.5, float("nan")])
+def test_a_prefill_result_with_no_sense_of_its_handlers_time_is_refused(handler_s):
+    body = {"request_id": "r1", "replica_id": "abc", "first_token_id": 4, "first_logprob": None,
+            "kv_handle": b"h", "num_cached_tokens": 0, "handler_s": handler_s}
+    with pytest.raises(WireError, match="handler_s must be a non-negative number of seconds"):
+        PrefillResult.decode(sealed("prefill_result", body))
+
+
 @pytest.mark.parametrize("field, value, match", [
     ("finish_reason", "done", r"Invalid enum value 'done' - at `\$.finish_reason`"),
     ("kv_source", "elsewhere", r"Invalid enum value 'elsewhere' - at `\$.kv_source`"),
