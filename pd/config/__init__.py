@@ -92,6 +92,10 @@ class EngineConfig:
     # step's time, as the engine's step cost fit predicts it, stays within this many seconds (each
     # stream's inter-token gap); None: max_num_batched_tokens alone bounds a step.
     itl_target_s: float | None = None
+    # Priority bands (pd.engine.step_budget): a step whose prompt chunks are all less urgent than priority 0
+    # keeps its predicted time within this many seconds, so that an urgent prompt arriving meanwhile waits at
+    # most about this long for the step in flight; None: such a step is not limited.
+    low_priority_step_s: float | None = None
     max_num_seqs: int = 256
     max_model_len: int | None = None
     attention_backend: AttentionBackend = "auto"
@@ -263,6 +267,8 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.itl_target_s is not None and not self.itl_target_s > 0:
             raise ValueError(f"itl_target_s must be > 0 seconds or None, got {self.itl_target_s}")
+        if self.low_priority_step_s is not None and not self.low_priority_step_s > 0:
+            raise ValueError(f"low_priority_step_s must be > 0 seconds or None, got {self.low_priority_step_s}")
         for name in ("num_blocks", "kv_cache_bytes", "max_model_len", "num_threads", "decode_threads"):
             value = getattr(self, name)
             if value is not None and value < 1:

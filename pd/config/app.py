@@ -16,7 +16,7 @@ from pydantic import Field, ValidationError, create_model, field_validator, mode
 from pd.config import EngineConfig
 from pd.config.autoscaling import DecodeAutoscalingArgs, PoolAutoscalingArgs, PrefillAutoscalingArgs, StrictModel
 from pd.config.errors import describe_errors
-from pd.config.flow_control import FlowControlArgs
+from pd.config.flow_control import LOW_PRIORITY_STEP_S, FlowControlArgs
 from router.remote_prefill import RemotePrefillRule
 from router.shared import DECODE_SCOPE, PREFILL_SCOPE
 
@@ -289,11 +289,9 @@ class AppArgs(StrictModel):
     request_timeout_s: float = Field(600.0, gt=0)
     # Timelines of the last this many requests, per ingress replica, for GET /debug/requests/{id} (0: none).
     debug_requests_kept: int = Field(1000, ge=0, le=100_000)
-    # OpenTelemetry traces of every request, over OTLP/HTTP to this collector (e.g. http://host:4318/v1/traces;
-    # vLLM's --otlp-traces-endpoint). None: off, and nothing is built.
+    # OpenTelemetry traces of every request over OTLP/HTTP to this collector (vLLM's --otlp-traces-endpoint).
     otlp_traces_endpoint: str | None = Field(None, pattern=r"^https?://")
-    # Admission at the ingress: priority bands, tenants' weights and quotas, deadlines and shedding
-    # (pd.config.flow_control, router.flow_control). None: off.
+    # Admission at the ingress: bands, tenants' weights and quotas, deadlines, shedding (pd.config.flow_control).
     flow_control: FlowControlArgs | None = None
 
     @model_validator(mode="after")
@@ -368,20 +366,21 @@ class AppArgs(StrictModel):
 
     def for_pools(self) -> dict[str, Any]:
         """The args the engine pools get: everything but the API keys (the tenants' too), which only the ingress
-        needs."""
-        flow_control = self.flow_control.for_pools() if self.flow_control is not None else None
-        return {**self.model_dump(), "api_keys": [], "flow_control": flow_control}
+        needs. With flow control, batch steps are bounded unless ``engine:`` says otherwise."""
+        args = {**self.model_dump(), "api_keys": [], "flow_control": None}
+        if self.flow_control is not None:
+            args["flow_control"] = self.flow_control.for_pools()
+            if "low_priority_step_s" not in self.engine.model_fields_set:
+                args["engine"] = {**args["engine"], "low_priority_step_s": LOW_PRIORITY_STEP_S}
+        return args
 
     @property
     def served_model_name(self) -> str:
         return self.model_name or self.engine.model
 
     def engine_config(self, pool: str = "decode") -> EngineConfig:
-        """The engine of a ``pool`` replica: ``engine:``, the app's lease fields, the pool's own.
-
-        A prefill replica stops at the first token, so it never verifies drafts: it speculates not, and loads no
-        draft model.
-        """
+        """The engine of a ``pool`` replica: ``engine:``, the app's lease fields, the pool's own. A prefill replica
+        stops at the first token, so it never verifies drafts: it speculates not, and loads no draft model."""
         config = self.engine.engine_config(self.kv_lease_s, self.kv_read_timeout_s,
                                            **getattr(self, pool).engine_fields())
         if pool == "prefill" and config.speculative_config is not None:

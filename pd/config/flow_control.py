@@ -31,6 +31,10 @@ from pydantic import Field, model_validator
 from pd.config.autoscaling import StrictModel
 from router.flow_config import NAME_PATTERN, Band, FlowConfig, SaturationConfig, Tenant, key_digest
 
+# ``engine.low_priority_step_s`` where flow control is on and ``engine:`` sets nothing: a step of less urgent
+# bands' prompts only keeps within it, so an urgent prompt arriving meanwhile waits at most about that long
+# for the step in flight (``pd.engine.step_budget``; at 2x load, halved the urgent remote prefill call).
+LOW_PRIORITY_STEP_S = 0.25
 
 class BandArgs(StrictModel):
     """The requests of priorities ``min_priority..max_priority`` (inclusive; unset: unbounded)."""

@@ -344,11 +344,13 @@ class LLMEngine:
         return results
 
     def _bound_steps(self, num_blocks: int) -> None:
-        """Cut prompt chunks beside decodes to ``itl_target_s`` (``pd.engine.step_budget``), and say at start
-        if the pool holds less than ``max_model_len``."""
+        """Cut prompt chunks beside decodes to ``itl_target_s``, and steps of less urgent prompts to
+        ``low_priority_step_s`` (``pd.engine.step_budget``); say at start if the pool holds less than
+        ``max_model_len``."""
         config = self.config
-        if config.itl_target_s is not None:
-            self.scheduler.step_budget = StepBudget(config.itl_target_s, self.step_sums, config.block_size)
+        if config.itl_target_s is not None or config.low_priority_step_s is not None:
+            self.scheduler.step_budget = StepBudget(config.itl_target_s, self.step_sums, config.block_size,
+                                                    low_priority_s=config.low_priority_step_s)
         if num_blocks * config.block_size < self.max_model_len:
             logger.warning("the KV pool holds %d tokens, fewer than max_model_len %d: a longer request is refused "
                            "(raise kv_cache_bytes or lower max_model_len)", num_blocks * config.block_size,

@@ -85,7 +85,8 @@ class Scheduler:
                 index += max(0, len(self.running) - num_running)
                 continue
             num_new = self.step_budget.cap(min(request.num_tokens_with_unread - request.num_scheduled_tokens, budget),
-                                           request.num_computed_tokens, request.num_prompt_logprobs_missing > 0)
+                                           request.num_computed_tokens, request.num_prompt_logprobs_missing > 0,
+                                           request.priority)
             if num_new <= 0 or self._ends_with_unread_token(request) or (
                     num_new > 1 and urgent is not None and request.priority > urgent):
                 # It ends when the step in flight is read; or it is a prompt less urgent than one in this step.
@@ -169,7 +170,8 @@ class Scheduler:
             prefix = self.kv_cache.match_prefix(request) \
                 if request.num_computed_tokens == 0 and not scores_prompt else NO_MATCH
             num_new = self.step_budget.cap(min(request.num_tokens - request.num_computed_tokens - prefix.num_tokens,
-                                               budget), request.num_computed_tokens + prefix.num_tokens, scores_prompt)
+                                               budget), request.num_computed_tokens + prefix.num_tokens, scores_prompt,
+                                           request.priority)
             if num_new <= 0 or not self.kv_cache.allocate_slots(request, num_new, prefix):
                 break
             self.waiting.popleft()

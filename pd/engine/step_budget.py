@@ -17,6 +17,14 @@ prompt chunk gets ``min_chunk`` tokens at least, so prompts advance however
 busy the step (the others wait: eight prompts arriving together are not
 eight chunks beside the streams). Until the fit has seen ``MIN_FIT_STEPS``
 steps, only that first chunk runs beside decodes.
+
+**Priority bands.** With ``low_priority_s``, a step whose first prompt
+chunk is less urgent than priority 0 (vLLM's ``priority``: a batch band) is
+limited to that time as well, decodes or not: an urgent prompt arriving
+meanwhile waits for the step in flight, and a 2,048-token step of batch
+prompts is seconds on a CPU. The scheduler keeps less urgent prompts out of
+a step that computes an urgent one, so a step's first prompt chunk is its
+most urgent. Until the fit has data, such a step is not limited.
 """
 
 from __future__ import annotations
@@ -37,40 +45,50 @@ REFIT_STEPS = 16
 class StepBudget:
     """The prompt tokens a step may compute beside its decodes (module docstring)."""
 
-    def __init__(self, target_s: float | None = None, sums: StepSums | None = None, min_chunk: int = 1):
-        """``target_s`` None: no step is limited (``max_num_batched_tokens`` alone bounds it)."""
-        if target_s is not None and (target_s <= 0 or sums is None):
-            raise ValueError(f"itl_target_s must be > 0 and priced by a step fit, got {target_s}")
-        self.target_s = target_s
+    def __init__(self, target_s: float | None = None, sums: StepSums | None = None, min_chunk: int = 1,
+                 low_priority_s: float | None = None):
+        """``target_s`` None: no step is limited for its decodes (``max_num_batched_tokens`` alone bounds it);
+        ``low_priority_s`` None: none for its prompts' priority."""
+        for name, value in (("itl_target_s", target_s), ("low_priority_step_s", low_priority_s)):
+            if value is not None and (value <= 0 or sums is None):
+                raise ValueError(f"{name} must be > 0 and priced by a step fit, got {value}")
+        self.target_s, self.low_priority_s = target_s, low_priority_s
         self.sums = sums
         self.min_chunk = max(1, min_chunk)
         self.coefficients: np.ndarray | None = None
         self._fitted_at = -REFIT_STEPS
         self._left_s: float | None = None  # None: this step is not limited
+        self._rows_s: float | None = None  # the step's fixed cost and decode rows, once there is a fit
         self._granted = False  # a prompt chunk has its tokens in this step
 
     def begin(self, running: Sequence[Request]) -> None:
         """A new step over ``running``: price its decode rows and keep what the target leaves."""
-        self._granted = False
-        if self.target_s is None:
+        self._granted, self._left_s, self._rows_s = False, None, None
+        if self.target_s is None and self.low_priority_s is None:
             return
         decodes = [r for r in running if r.num_tokens_with_unread - r.num_scheduled_tokens == 1]
-        if not decodes:
-            self._left_s = None
+        if not decodes and self.low_priority_s is None:
             return
         coefficients = self._fit()
-        if coefficients is None:
-            self._left_s = 0.0  # no fit yet: only the smallest chunk beside streams
-            return
-        base, per_token, per_pair, per_seq, per_sample = coefficients
-        pairs = sum(r.num_computed_tokens + 1 for r in decodes)
-        num = len(decodes)
-        self._left_s = self.target_s - (base + (per_token + per_seq + per_sample) * num + per_pair * pairs)
+        if coefficients is not None:
+            base, per_token, per_pair, per_seq, per_sample = coefficients
+            pairs = sum(r.num_computed_tokens + 1 for r in decodes)
+            self._rows_s = base + (per_token + per_seq + per_sample) * len(decodes) + per_pair * pairs
+        if decodes and self.target_s is not None:
+            # No fit yet: only the smallest chunk beside streams.
+            self._left_s = 0.0 if self._rows_s is None else self.target_s - self._rows_s
 
-    def cap(self, num_new: int, num_computed: int, scored: bool = False) -> int:
+    def cap(self, num_new: int, num_computed: int, scored: bool = False, priority: int = 0) -> int:
         """How many of a chunk's ``num_new`` tokens (after ``num_computed``) fit; the time is spent. A decode's one
-        token always does. ``scored``: the request scores its prompt, so each token is a logits row too."""
-        if self._left_s is None or num_new <= 1:
+        token always does. ``scored``: the request scores its prompt, so each token is a logits row too.
+        ``priority``: the request's; the step's first prompt chunk less urgent than 0 limits the step."""
+        if num_new <= 1:
+            return num_new
+        if not self._granted and priority > 0 and self.low_priority_s is not None and self._rows_s is not None:
+            low = self.low_priority_s - self._rows_s
+            self._left_s = low if self._left_s is None else min(self._left_s, low)
+        if self._left_s is None:
+            self._granted = self._granted or num_new > 0
             return num_new
         fits = self._largest(num_computed, scored) if self._left_s > 0 and self.coefficients is not None else 0
         chunk = min(num_new, max(0 if self._granted else self.min_chunk, fits))

@@ -94,12 +94,35 @@ def test_the_step_shape_counts_a_scored_prompts_rows_as_logits_rows():
     assert shape.num_samples == 5 + 1 and shape.num_tokens == 12
 
 
+def test_a_step_of_less_urgent_prompts_is_cut_to_its_target_and_one_of_urgent_ones_is_not():
+    """With ``low_priority_s``, a step whose first prompt chunk is of priority > 0 keeps within that time, decodes
+    or not: an urgent prompt arriving meanwhile waits for it. A step led by an urgent prompt is not cut."""
+    prompts = [SimpleNamespace(num_tokens_with_unread=900, num_scheduled_tokens=0, num_computed_tokens=0)]
+    batch = StepBudget(sums=_sums(), min_chunk=16, low_priority_s=0.05)
+    batch.begin(prompts)
+    chunk = batch.cap(2048, 0, priority=1)
+    assert LAW[0] + _chunk_s(chunk, 0) <= 0.05 < LAW[0] + _chunk_s(chunk + 1, 0) + 1e-9
+    assert batch.cap(2048, 0, priority=1) == 0  # the step's time is spent
+    urgent = StepBudget(sums=_sums(), min_chunk=16, low_priority_s=0.05)
+    urgent.begin(prompts)
+    assert [urgent.cap(2048, 0, priority=0), urgent.cap(2048, 0, priority=1)] == [2048, 2048]
+    both = StepBudget(0.2, _sums(), min_chunk=16, low_priority_s=0.05)  # beside decodes, the tighter target
+    both.begin([_decode(100)] * 3)
+    decodes_s = LAW[0] + 3 * (LAW[1] + LAW[3] + LAW[4]) + 3 * 101 * LAW[2]
+    chunk = both.cap(2048, 0, priority=1)
+    assert decodes_s + _chunk_s(chunk, 0) <= 0.05 < decodes_s + _chunk_s(chunk + 1, 0) + 1e-9
+    young = StepBudget(sums=_sums(MIN_FIT_STEPS - 1), min_chunk=16, low_priority_s=0.05)
+    young.begin(prompts)
+    assert young.cap(2048, 0, priority=1) == 2048  # no fit yet: not limited, as without the target
+
+
+@pytest.mark.parametrize("name", ["itl_target_s", "low_priority_step_s"])
 @pytest.mark.parametrize("target", [0.0, -1.0])
-def test_a_target_that_is_not_positive_is_refused(target):
+def test_a_target_that_is_not_positive_is_refused(name, target):
     from pd.config import EngineConfig
 
-    with pytest.raises(ValueError, match="itl_target_s"):
-        EngineConfig(model="builtin:tiny-llama", itl_target_s=target)
+    with pytest.raises(ValueError, match=name):
+        EngineConfig(model="builtin:tiny-llama", **{name: target})
 
 
 def test_an_engine_chunks_a_prompt_beside_streams_and_its_tokens_are_unchanged():
@@ -137,3 +160,33 @@ def test_an_engine_chunks_a_prompt_beside_streams_and_its_tokens_are_unchanged()
     assert chunks[1e-6][0] == block and set(chunks[1e-6][:20]) == {block}  # while the streams run
     assert sum(chunks[1e-6]) == 1200
     assert tokens[1e-6] == tokens[None]
+
+
+def test_an_engine_cuts_a_batch_prompts_steps_and_not_an_urgent_ones():
+    """With ``low_priority_step_s``, once the engine's fit has its steps, a prompt of priority 1 computes in chunks
+    the target allows (a target no chunk meets: a block each), one of priority 0 in one chunk."""
+    from pd import SamplingParams
+    from pd.config import EngineConfig
+    from pd.engine.engine import LLMEngine
+
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    engine = LLMEngine(EngineConfig(model="builtin:tiny-llama", num_blocks=512, low_priority_step_s=1e-6))
+    schedule, seen = engine.scheduler.schedule, []
+
+    def spy():
+        out = schedule()
+        seen.extend((item.request.request_id, item.num_new_tokens) for item in out.scheduled if item.num_new_tokens > 1)
+        return out
+
+    engine.scheduler.schedule = spy
+    for i in range(MIN_FIT_STEPS + 2):  # the fit has its steps
+        engine.add_request(f"w{i}", [5 + i, 6, 7, 8], params)
+        engine.step()
+    for name, priority, first in (("batch", 1, 3), ("urgent", 0, 400)):  # prompts with no prefix in common
+        engine.add_request(name, [first + i % 300 for i in range(600)], params, priority=priority)
+        while engine.has_unfinished_requests():
+            engine.step()
+    engine.close()
+    chunks = {name: [n for rid, n in seen if rid == name] for name in ("batch", "urgent")}
+    assert chunks["batch"] == [16] * 37 + [8]
+    assert chunks["urgent"] == [600]

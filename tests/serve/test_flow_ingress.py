@@ -247,3 +247,19 @@ def test_a_request_scoring_its_prompt_is_predicted_as_computing_all_of_it():
 
     assert asyncio.run(run()) == [(held, False), (held, True)]  # the rule is told, and drops them itself
     assert priced == [held, ()]
+
+
+def test_with_flow_control_the_pools_bound_batch_steps_unless_the_engine_says_otherwise():
+    from pd.config.app import AppArgs
+    from pd.config.flow_control import LOW_PRIORITY_STEP_S
+    from tests.serve.conftest import config_args
+    from tests.serve.test_configs import _with_flow_control
+
+    def step_s(args: dict) -> float | None:
+        return AppArgs.parse(AppArgs.parse(args).for_pools()).engine_config("prefill").low_priority_step_s
+
+    assert step_s(_with_flow_control()) == LOW_PRIORITY_STEP_S
+    assert step_s(config_args("default.yaml")) is None
+    for given in (None, 0.5):  # set, even to None, it is the operator's
+        args = _with_flow_control()
+        assert step_s({**args, "engine": {**args["engine"], "low_priority_step_s": given}}) == given
