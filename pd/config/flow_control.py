@@ -36,6 +36,7 @@ from router.flow_config import NAME_PATTERN, Band, FlowConfig, SaturationConfig,
 # for the step in flight (``pd.engine.step_budget``; at 2x load, halved the urgent remote prefill call).
 LOW_PRIORITY_STEP_S = 0.25
 
+
 class BandArgs(StrictModel):
     """The requests of priorities ``min_priority..max_priority`` (inclusive; unset: unbounded)."""
 
