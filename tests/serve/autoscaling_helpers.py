@@ -24,9 +24,8 @@ STEP_PROMPT_TOKENS = 2 * PROMPT_TOKENS
 # The load step, as (seconds, share of one prefill replica's capacity measured just before), 15x.
 # High, one replica cannot keep up, so the planner wants two whatever its latency correction; low,
 # a prompt's own compute is most of its TTFT, and one replica is enough (half busy at most where
-# that compute alone misses the target, as on a loaded host). The last low phase is short: the scale-in
-# comes 10-30 s after the high one ends, and the test waits for it whether load still runs or not.
-PHASES = ((8.0, 0.08), (24.0, 1.2), (12.0, 0.08))
+# that compute alone misses the target, as on a loaded host).
+PHASES = ((8.0, 0.08), (24.0, 1.2), (24.0, 0.08))
 
 
 def planner_app(**overrides) -> dict:
