@@ -210,15 +210,16 @@ def test_decode_scaled_down_under_long_streams_moves_them_and_breaks_none(ray_cl
         enough = threading.Event()
         streams = [pool.submit(long_stream, client, i, 3000, enough) for i in range(4)]
         busy = {}  # replica id -> streams running on it, sampled until one replica is going away
-        [gone] = wait_until(lambda: busy.update(running_streams())
-                            or [rid for rid, (state, _) in replicas("DecodeServer").items() if state == "STOPPING"],
-                            timeout=60)
-        try:
+        try:  # on any way out, the streams are cut: a failure does not wait for 3,000 tokens
+            [gone] = wait_until(lambda: busy.update(running_streams())
+                                or [rid for rid, (state, _) in replicas("DecodeServer").items() if state == "STOPPING"],
+                                timeout=60)
             wait_until(lambda: _ingress_stats()["num_migrations"] > migrations_before
                        and gone not in replicas("DecodeServer"), timeout=60)
         except TimeoutError:
-            raise AssertionError(f"{gone} still {replicas('DecodeServer')}, or no stream moved "
-                                 f"({_ingress_stats()['num_migrations']} migrations, {migrations_before} before)") from None
+            raise AssertionError(f"no replica stopped, or it stayed, or no stream moved: {replicas('DecodeServer')}, "
+                                 f"{_ingress_stats()['num_migrations']} migrations, {migrations_before} before, "
+                                 f"streams on each {busy}") from None
         finally:
             enough.set()
         outcomes = [stream.result(timeout=180) for stream in streams]
