@@ -53,7 +53,8 @@ class PrefillServer(EngineServer):
         if last is None or last.finish_reason is FinishReason.ABORT or last.kv_handle is None:
             raise RuntimeError(f"prefill of {request.request_id} was aborted")
         self.metrics.queue.observe(last.queue_seconds)
-        self.latency_window.observe(time.monotonic() - started)
+        handler_s = time.monotonic() - started
+        self.latency_window.observe(handler_s)
         self.num_prefilled += 1
         return PrefillResult(
             request_id=request.request_id,
@@ -65,7 +66,7 @@ class PrefillServer(EngineServer):
             first_top_logprobs=last.new_top_logprobs[0] if last.new_top_logprobs else None,
             prompt_logprobs=tuple(last.prompt_logprobs) if last.prompt_logprobs is not None else None,
             timings=RequestTimings.of(timings),
-            handler_s=time.monotonic() - started,
+            handler_s=handler_s,
         ).encode()
 
     async def release(self, hints: bytes, data: bytes) -> None:
