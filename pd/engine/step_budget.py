@@ -24,7 +24,11 @@ limited to that time as well, decodes or not: an urgent prompt arriving
 meanwhile waits for the step in flight, and a 2,048-token step of batch
 prompts is seconds on a CPU. The scheduler keeps less urgent prompts out of
 a step that computes an urgent one, so a step's first prompt chunk is its
-most urgent. Until the fit has data, such a step is not limited.
+most urgent. Until the fit has data, such a step is not limited. The
+inter-token target protects the streams at least as urgent as the step's
+first prompt: beside batch streams alone an urgent prompt is not cut, so a
+batch job's stream never holds an urgent request's first token back (it
+waits one longer step instead, as vLLM's priority policy preempts it).
 """
 
 from __future__ import annotations
@@ -59,11 +63,13 @@ class StepBudget:
         self._fitted_at = -REFIT_STEPS
         self._left_s: float | None = None  # None: this step is not limited
         self._rows_s: float | None = None  # the step's fixed cost and decode rows, once there is a fit
+        self._itl_left_s: float | None = None  # what the inter-token target leaves the prompts (None: no streams)
+        self._streams_priority = 0  # the most urgent stream's priority
         self._granted = False  # a prompt chunk has its tokens in this step
 
     def begin(self, running: Sequence[Request]) -> None:
         """A new step over ``running``: price its decode rows and keep what the target leaves."""
-        self._granted, self._left_s, self._rows_s = False, None, None
+        self._granted, self._left_s, self._rows_s, self._itl_left_s = False, None, None, None
         if self.target_s is None and self.low_priority_s is None:
             return
         decodes = [r for r in running if r.num_tokens_with_unread - r.num_scheduled_tokens == 1]
@@ -76,7 +82,8 @@ class StepBudget:
             self._rows_s = base + (per_token + per_seq + per_sample) * len(decodes) + per_pair * pairs
         if decodes and self.target_s is not None:
             # No fit yet: only the smallest chunk beside streams.
-            self._left_s = 0.0 if self._rows_s is None else self.target_s - self._rows_s
+            self._itl_left_s = 0.0 if self._rows_s is None else self.target_s - self._rows_s
+            self._streams_priority = min(r.priority for r in decodes)
 
     def cap(self, num_new: int, num_computed: int, scored: bool = False, priority: int = 0) -> int:
         """How many of a chunk's ``num_new`` tokens (after ``num_computed``) fit; the time is spent. A decode's one
@@ -84,9 +91,8 @@ class StepBudget:
         ``priority``: the request's; the step's first prompt chunk less urgent than 0 limits the step."""
         if num_new <= 1:
             return num_new
-        if not self._granted and priority > 0 and self.low_priority_s is not None and self._rows_s is not None:
-            low = self.low_priority_s - self._rows_s
-            self._left_s = low if self._left_s is None else min(self._left_s, low)
+        if not self._granted:
+            self._left_s = self._limit_s(priority)
         if self._left_s is None:
             self._granted = self._granted or num_new > 0
             return num_new
@@ -96,6 +102,17 @@ class StepBudget:
             self._granted = True
             self._left_s -= self._chunk_s(chunk, num_computed, scored)
         return chunk
+
+    def _limit_s(self, priority: int) -> float | None:
+        """The time a step led by a prompt chunk of ``priority`` leaves its prompts (None: not limited). The
+        inter-token target protects the streams at least as urgent as the prompt; the batch bound, a step of
+        prompts less urgent than 0."""
+        limits = []
+        if self._itl_left_s is not None and priority >= self._streams_priority:
+            limits.append(self._itl_left_s)
+        if priority > 0 and self.low_priority_s is not None and self._rows_s is not None:
+            limits.append(self.low_priority_s - self._rows_s)
+        return min(limits) if limits else None
 
     def _largest(self, c: int, scored: bool) -> int:
         """The largest n whose chunk cost (``_chunk_s``) is within the time left: the quadratic's root."""

@@ -24,9 +24,9 @@ def _sums(num_steps: int = 64) -> StepSums:
     return sums
 
 
-def _decode(computed: int) -> SimpleNamespace:
+def _decode(computed: int, priority: int = 0) -> SimpleNamespace:
     return SimpleNamespace(num_tokens_with_unread=computed + 1, num_scheduled_tokens=computed,
-                           num_computed_tokens=computed)
+                           num_computed_tokens=computed, priority=priority)
 
 
 def _chunk_s(n: int, c: int) -> float:
@@ -116,6 +116,24 @@ def test_a_step_of_less_urgent_prompts_is_cut_to_its_target_and_one_of_urgent_on
     assert young.cap(2048, 0, priority=1) == 2048  # no fit yet: not limited, as without the target
 
 
+def test_a_prompt_more_urgent_than_every_stream_is_not_cut_for_them_and_one_as_urgent_as_one_is():
+    """The inter-token target protects the streams at least as urgent as the prompt: a batch job's stream never
+    holds an urgent prompt's first token back; an urgent stream holds back a prompt of any band."""
+    decodes_s = LAW[0] + 3 * (LAW[1] + LAW[3] + LAW[4]) + 3 * 101 * LAW[2]
+    batch_streams = StepBudget(0.01, _sums(), min_chunk=16)
+    batch_streams.begin([_decode(100, priority=1)] * 3)
+    assert [batch_streams.cap(2048, 0, priority=0), batch_streams.cap(2048, 0, priority=0)] == [2048, 2048]
+    for streams, prompt in (([1, 1, 0], 0), ([1, 1, 1], 1), ([2, 2, 1], 1)):
+        budget = StepBudget(0.01, _sums(), min_chunk=16)
+        budget.begin([_decode(100, priority=p) for p in streams])
+        chunk = budget.cap(2048, 0, priority=prompt)
+        assert decodes_s + _chunk_s(chunk, 0) <= 0.01 < decodes_s + _chunk_s(chunk + 1, 0) + 1e-9, (streams, prompt)
+    low = StepBudget(0.2, _sums(), min_chunk=16, low_priority_s=0.01)  # the batch band's bound still holds
+    low.begin([_decode(100, priority=2)] * 3)
+    chunk = low.cap(2048, 0, priority=1)
+    assert decodes_s + _chunk_s(chunk, 0) <= 0.01 < decodes_s + _chunk_s(chunk + 1, 0) + 1e-9
+
+
 @pytest.mark.parametrize("name", ["itl_target_s", "low_priority_step_s"])
 @pytest.mark.parametrize("target", [0.0, -1.0])
 def test_a_target_that_is_not_positive_is_refused(name, target):
@@ -190,3 +208,33 @@ def test_an_engine_cuts_a_batch_prompts_steps_and_not_an_urgent_ones():
     chunks = {name: [n for rid, n in seen if rid == name] for name in ("batch", "urgent")}
     assert chunks["batch"] == [16] * 37 + [8]
     assert chunks["urgent"] == [600]
+
+
+def test_an_engine_computes_an_urgent_prompt_in_one_chunk_beside_batch_streams():
+    """Beside streams of priority 1 only, a prompt of priority 0 is not cut to their inter-token target (a target
+    no chunk meets); beside one stream of priority 0 it is (``test_an_engine_chunks_a_prompt_beside_streams...``)."""
+    from pd import SamplingParams
+    from pd.config import EngineConfig
+    from pd.engine.engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model="builtin:tiny-llama", num_blocks=512, itl_target_s=1e-6))
+    schedule, seen = engine.scheduler.schedule, []
+
+    def spy():
+        out = schedule()
+        seen.extend(item.num_new_tokens for item in out.scheduled
+                    if item.request.request_id == "urgent" and item.num_new_tokens > 1)
+        return out
+
+    engine.scheduler.schedule = spy
+    for i in range(3):
+        engine.add_request(f"s{i}", [5 + i, 6, 7, 8], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True),
+                           priority=1)
+    for _ in range(MIN_FIT_STEPS + 2):  # the streams decode, and the fit has its steps
+        engine.step()
+    engine.add_request("urgent", [3 + i % 900 for i in range(1200)],
+                       SamplingParams(max_tokens=2, temperature=0, ignore_eos=True), priority=0)
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.close()
+    assert seen == [1200]
