@@ -188,6 +188,8 @@ class Scheduler:
                 room.admitted(request)
             out.scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
+            if num_new > 1 and (below is None or request.priority < below - 1):
+                below = request.priority + 1  # no less urgent prompt beside it (``pd.engine.priority``)
         return budget
 
     def _admit_remote(self, request: Request, out: SchedulerOutput) -> bool:

@@ -67,6 +67,11 @@ def test_no_less_urgent_prompt_chunk_shares_a_step_with_an_urgent_prompt():
     # less urgent prompt; the batch job's prompt goes on once the urgent one decodes.
     assert step(sched) == ["urgent"]
     assert step(sched) == ["urgent", "batch", "later"]
+    sched = scheduler(budget=64)  # nothing running: prompts waiting together are admitted by the same rule
+    for name, priority in (("batch", 9), ("urgent", 0), ("urgent-2", 0), ("later", 9)):
+        sched.add(request(name, priority))
+    assert step(sched) == ["urgent", "urgent-2"]
+    assert step(sched) == ["urgent", "urgent-2", "batch", "later"]
 
 
 def test_kv_pressure_preempts_the_least_urgent_even_when_it_is_the_older():
@@ -84,7 +89,8 @@ def test_kv_pressure_preempts_the_least_urgent_even_when_it_is_the_older():
 
 def test_an_urgent_request_that_finds_no_blocks_preempts_the_least_urgent_rather_than_spinning():
     sched = scheduler(num_blocks=4)
-    sched.add(request("batch", 5, prompt_len=12))  # three of the four blocks
+    sched.add(request("batch", 5, prompt_len=11))  # three of the four blocks, room for its next token
+    assert step(sched) == ["batch"]
     sched.add(request("mid", 3, prompt_len=4))  # the fourth
     assert step(sched) == ["mid", "batch"]
     sched.add(request("urgent", 0, prompt_len=8))  # two blocks, none free
