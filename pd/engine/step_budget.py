@@ -24,7 +24,10 @@ limited to that time as well, decodes or not: an urgent prompt arriving
 meanwhile waits for the step in flight, and a 2,048-token step of batch
 prompts is seconds on a CPU. The scheduler keeps less urgent prompts out of
 a step that computes an urgent one, so a step's first prompt chunk is its
-most urgent. Until the fit has data, such a step is not limited. The
+most urgent. Until the fit has its steps, such a step is priced by the
+seconds per token of the steps so far (a prefill replica steps seldom: on
+2 cores its first eight steps of 512-token prompts took 40 s); before any
+step, it is not limited. The
 inter-token target protects the streams at least as urgent as the step's
 first prompt: beside batch streams alone an urgent prompt is not cut, so a
 batch job's stream never holds an urgent request's first token back (it
@@ -76,13 +79,16 @@ class StepBudget:
         if not decodes and self.low_priority_s is None:
             return
         coefficients = self._fit()
+        young = coefficients is None
+        if young and self.low_priority_s is not None:
+            coefficients = self._proportional()
         if coefficients is not None:
             base, per_token, per_pair, per_seq, per_sample = coefficients
             pairs = sum(r.num_computed_tokens + 1 for r in decodes)
             self._rows_s = base + (per_token + per_seq + per_sample) * len(decodes) + per_pair * pairs
         if decodes and self.target_s is not None:
             # No fit yet: only the smallest chunk beside streams.
-            self._itl_left_s = 0.0 if self._rows_s is None else self.target_s - self._rows_s
+            self._itl_left_s = 0.0 if young else self.target_s - self._rows_s
             self._streams_priority = min(r.priority for r in decodes)
 
     def cap(self, num_new: int, num_computed: int, scored: bool = False, priority: int = 0) -> int:
@@ -131,6 +137,15 @@ class StepBudget:
             return 0.0
         _, a, b, s, m = self.coefficients
         return a * n + b * (n * c + n * (n + 1) / 2) + s + m + (max(m, 0.0) * n if scored else 0.0)
+
+    def _proportional(self) -> np.ndarray | None:
+        """Before the fit: every second of the steps so far charged to their tokens (for the batch bound; a
+        step's fixed cost counted per token prices a chunk high, so it errs short). None before any step."""
+        steps_s, tokens = self.sums.moments[0], self.sums.gram[1]
+        if tokens <= 0:
+            return None
+        self.coefficients = np.array([0.0, steps_s / tokens, 0.0, 0.0, 0.0])
+        return self.coefficients
 
     def _fit(self) -> np.ndarray | None:
         steps = self.sums.gram[0]  # the count of steps recorded

@@ -111,9 +111,15 @@ def test_a_step_of_less_urgent_prompts_is_cut_to_its_target_and_one_of_urgent_on
     decodes_s = LAW[0] + 3 * (LAW[1] + LAW[3] + LAW[4]) + 3 * 101 * LAW[2]
     chunk = both.cap(2048, 0, priority=1)
     assert decodes_s + _chunk_s(chunk, 0) <= 0.05 < decodes_s + _chunk_s(chunk + 1, 0) + 1e-9
-    young = StepBudget(sums=_sums(MIN_FIT_STEPS - 1), min_chunk=16, low_priority_s=0.05)
+    sums = _sums(MIN_FIT_STEPS - 1)
+    young = StepBudget(sums=sums, min_chunk=16, low_priority_s=0.05)
     young.begin(prompts)
-    assert young.cap(2048, 0, priority=1) == 2048  # no fit yet: not limited, as without the target
+    per_token = sums.moments[0] / sums.gram[1]  # no fit yet: the steps' seconds per token
+    assert young.cap(2048, 0, priority=1) == max(16, int(0.05 / per_token))
+    assert young.cap(2048, 0, priority=1) == 0
+    new = StepBudget(sums=StepSums(), min_chunk=16, low_priority_s=0.05)
+    new.begin(prompts)
+    assert new.cap(2048, 0, priority=1) == 2048  # no step yet: not limited
 
 
 def test_a_prompt_more_urgent_than_every_stream_is_not_cut_for_them_and_one_as_urgent_as_one_is():
