@@ -125,8 +125,10 @@ class AsyncLLMEngine:
         self._ensure_loop()
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = queue
+        # It arrives now, though the loop takes it in only after the step in flight: that wait is its queue's.
         options = {"pin_kv": pin_kv, "remote_kv": remote_kv, "first_token_id": first_token_id,
-                   "num_generated": num_generated, "lora": lora, "priority": check_priority(priority)}
+                   "num_generated": num_generated, "lora": lora, "priority": check_priority(priority),
+                   "arrival_time": time.monotonic()}
         self._pending_adds.append((request_id, list(prompt_token_ids), params, options))
         self._wakeup.set()
         return self._stream(request_id, queue)

@@ -45,3 +45,44 @@ def test_the_timings_count_the_steps_that_computed_the_prompt():
     engine.add_request("cached", list(range(1, 40)), params)  # 32 cached: the last 7 in one step
     cached = _run(engine)["cached"][0].timings
     assert (long.num_prompt_chunks, cached.num_prompt_chunks) == (3, 1)
+
+
+def test_a_request_added_during_a_step_counts_its_wait_for_that_step_as_queue():
+    """The asyncio engine takes a request in only between steps; its queue time counts from the add call."""
+    import asyncio
+    import threading
+
+    from pd.engine.async_engine import AsyncLLMEngine
+
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    held_s = 0.3
+
+    async def main():
+        engine = AsyncLLMEngine(EngineConfig(model="builtin:tiny-llama", num_blocks=64))
+        inner, entered, gate = engine.engine, threading.Event(), threading.Event()
+        step = inner.step
+
+        def held_step():
+            if not gate.is_set():
+                entered.set()
+                gate.wait(30)
+            return step()
+
+        inner.step = held_step
+        first = asyncio.ensure_future(_last(engine.add_request("first", list(range(1, 20)), params)))
+        assert await asyncio.to_thread(entered.wait, 30)  # the first step is in flight
+        second = asyncio.ensure_future(_last(engine.add_request("second", list(range(30, 50)), params)))
+        await asyncio.sleep(held_s)  # the step in flight lasts this long (the interval measured, not a wait)
+        gate.set()
+        timings = [await first, await second]
+        await engine.shutdown()
+        return timings
+
+    async def _last(stream):
+        timings = None
+        async for out in stream:
+            timings = timings or out.timings
+        return timings
+
+    _, second = asyncio.run(main())
+    assert second.queue_s >= held_s  # taken in after the held step: its wait counted from the add
