@@ -13,9 +13,9 @@ STAMP := $(VENV)/.installed
 venv: $(STAMP)
 
 # Torch goes in first and pinned: an unpinned resolve would pull a multi-GB CUDA build. The C++
-# CPU kernels compile last, once per ISA level (the host's, and AVX2 on an AVX-512 host for the
-# AVX2 path's tests), not in the first engine start that needs them (a source changed later
-# recompiles there, as torch's extension loader checks).
+# CPU kernels compile last, once per ISA level (the host's and each below it, for the lower paths'
+# tests), not in the first engine start or test that needs them (a source changed later recompiles
+# there, as torch's extension loader checks).
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
@@ -66,14 +66,20 @@ serve: venv
 demo: venv
 	$(BIN)/python -m pd.demo
 
+# Everything but the Serve tests runs first, one pytest-xdist worker a core, each computing on one thread;
+# the Serve tests (marked cluster, tests/conftest.py) then run in order on their one shared Ray cluster.
+JOBS ?= $(shell nproc 2>/dev/null || echo 2)
+PARALLEL := OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(JOBS)
+
 test: venv
-	$(BIN)/python -m pytest -q
+	$(PARALLEL) -m "not cluster"
+	$(BIN)/python -m pytest -q -m cluster
 
 # The fast tier: no Ray, no server, no process started (tests/tiers.py), and none of the heavy in-process
 # end-to-end checks (slow); under 2 minutes on 2 cores. PD_TEST_TIER=unit makes a test that starts a
 # process anyway fail, naming the marker it lacks.
 test-unit: venv
-	PD_TEST_TIER=unit $(BIN)/python -m pytest -q -m "not integration and not slow and not soak"
+	PD_TEST_TIER=unit $(PARALLEL) -m "not integration and not slow and not soak"
 
 # Ruff with the rule set stated in pyproject.toml ([tool.ruff]); no formatter.
 lint: venv

@@ -19,6 +19,9 @@ import torch  # noqa: E402
 from tests.checkpoints import make_checkpoint  # noqa: E402
 from tests.tiers import INTEGRATION, INTEGRATION_FIXTURES, refuse_processes, unit_tier  # noqa: E402
 
+CLUSTER = "cluster"  # a registered marker (pyproject.toml)
+SERVE_TESTS = "tests/serve/"
+
 
 @pytest.fixture(scope="session")
 def checkpoint(tmp_path_factory):
@@ -53,12 +56,18 @@ def hf_model():
 def pytest_collection_modifyitems(config, items):
     """Tests on a Ray cluster are integration tests; destructive tests (replica kills) run after everything else.
 
+    The Serve tests that start anything are marked ``cluster``: they share one Ray cluster and the app's ports,
+    so ``make test`` runs them in order, after the rest in parallel.
+
     Before them, the tests on the plain default app (the ``default_app`` fixture) run together, ahead of those that
     deploy an app of their own: switching apps redeploys every replica, about 8 s on two cores.
     """
     for item in items:
         if INTEGRATION_FIXTURES.intersection(getattr(item, "fixturenames", ())):
             item.add_marker(INTEGRATION)
+        if item.get_closest_marker(INTEGRATION) is not None and (
+                item.nodeid.startswith(SERVE_TESTS) or INTEGRATION_FIXTURES.intersection(getattr(item, "fixturenames", ()))):
+            item.add_marker(CLUSTER)
     items.sort(key=lambda item: (item.get_closest_marker("destructive") is not None, _deploys_its_own_app(item)))
 
 
