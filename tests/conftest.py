@@ -65,8 +65,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if INTEGRATION_FIXTURES.intersection(getattr(item, "fixturenames", ())):
             item.add_marker(INTEGRATION)
-        if item.get_closest_marker(INTEGRATION) is not None and (
-                item.nodeid.startswith(SERVE_TESTS) or INTEGRATION_FIXTURES.intersection(getattr(item, "fixturenames", ()))):
+        on_cluster = INTEGRATION_FIXTURES.intersection(getattr(item, "fixturenames", ()))
+        if item.get_closest_marker(INTEGRATION) is not None and (item.nodeid.startswith(SERVE_TESTS) or on_cluster):
             item.add_marker(CLUSTER)
     items.sort(key=lambda item: (item.get_closest_marker("destructive") is not None, _deploys_its_own_app(item)))
 

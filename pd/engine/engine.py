@@ -181,8 +181,7 @@ class LLMEngine:
         first_token_id: int | None = None,
         num_generated: int = 0,
         lora: LoRARequest | str | None = None,
-        priority: int = 0,
-        arrival_time: float | None = None,
+        priority: int = 0, arrival_time: float | None = None,
     ) -> Request:
         """Queue a request.
 
@@ -199,8 +198,7 @@ class LLMEngine:
         grammar is client-controlled work, bounded as ``GrammarCompiler`` says.
         ``lora``: the adapter it runs under (``pd.lora``), a ``LoRARequest`` or a loaded adapter's name;
         ``UnknownAdapter`` (a ``ValueError``) for a name not loaded. ``priority``: vLLM's, lower is more
-        urgent (``pd.engine.priority``). ``arrival_time``: when it arrived (``time.monotonic``; by default now),
-        from which its queue time counts.
+        urgent (``pd.engine.priority``). ``arrival_time`` (``time.monotonic``'s; default now): its queue counts from it.
         """
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -212,9 +210,7 @@ class LLMEngine:
             self.connector.require_transport()
             params = params.replace(max_tokens=1)
         request = Request(request_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids, pin_kv=pin_kv,
-                          priority=check_priority(priority))
-        if arrival_time is not None:
-            request.arrival_time = arrival_time
+                          priority=check_priority(priority), arrival_time=arrival_time or time.monotonic())
         first_token_id = first_token(remote_kv, first_token_id, self.model_config.vocab_size)
         generated = prompt_token_ids[len(prompt_token_ids) - num_generated:]
         grammar = None if params.structured is None else start_grammar(

@@ -13,9 +13,8 @@ and waits in ``remote_waiting`` while the engine pulls the rest. When the pull
 lands it joins ``running`` as a decode; when it fails it goes back to
 ``waiting`` and recomputes its prompt here.
 
-Both queues are in priority order (``pd.engine.priority``: vLLM's
-``priority``, lower first): the most urgent are admitted and budgeted first,
-and preemption takes the least urgent.
+Both queues are in priority order (``pd.engine.priority``: vLLM's ``priority``, lower first): the most
+urgent are admitted and budgeted first, and preemption takes the least urgent.
 """
 
 from __future__ import annotations
@@ -188,8 +187,7 @@ class Scheduler:
                 room.admitted(request)
             out.scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
-            if num_new > 1 and (below is None or request.priority < below - 1):
-                below = request.priority + 1  # no less urgent prompt beside it (``pd.engine.priority``)
+            below = request.priority + 1 if num_new > 1 else below  # no less urgent prompt beside a prompt
         return budget
 
     def _admit_remote(self, request: Request, out: SchedulerOutput) -> bool:
