@@ -27,11 +27,13 @@ a step that computes an urgent one, so a step's first prompt chunk is its
 most urgent. Until the fit has its steps, such a step is priced by the
 seconds per token of the steps so far (a prefill replica steps seldom: on
 2 cores its first eight steps of 512-token prompts took 40 s); before any
-step, it is not limited. The
-inter-token target protects the streams at least as urgent as the step's
-first prompt: beside batch streams alone an urgent prompt is not cut, so a
-batch job's stream never holds an urgent request's first token back (it
-waits one longer step instead, as vLLM's priority policy preempts it).
+step, it is not limited.
+
+The inter-token target protects the streams at least as urgent as the
+step's first prompt: beside batch streams alone an urgent prompt is not
+cut, so a batch job's stream never holds an urgent request's first token
+back (it waits one longer step instead, as vLLM's priority policy would
+preempt it).
 """
 
 from __future__ import annotations
