@@ -56,16 +56,16 @@ def hf_model():
 def pytest_collection_modifyitems(config, items):
     """Tests on a Ray cluster are integration tests; destructive tests (replica kills) run after everything else.
 
-    The Serve tests that start anything are marked ``cluster``: they share one Ray cluster and the app's ports,
-    so ``make test`` runs them in order, after the rest in parallel.
-
     Before them, the tests on the plain default app (the ``default_app`` fixture) run together, ahead of those that
     deploy an app of their own: switching apps redeploys every replica, about 8 s on two cores.
+
+    The Serve tests that start anything are marked ``cluster``: they share one Ray cluster and the app's ports,
+    so ``make test`` runs them in order, after the rest in parallel.
     """
     for item in items:
-        if INTEGRATION_FIXTURES.intersection(getattr(item, "fixturenames", ())):
-            item.add_marker(INTEGRATION)
         on_cluster = INTEGRATION_FIXTURES.intersection(getattr(item, "fixturenames", ()))
+        if on_cluster:
+            item.add_marker(INTEGRATION)
         if item.get_closest_marker(INTEGRATION) is not None and (item.nodeid.startswith(SERVE_TESTS) or on_cluster):
             item.add_marker(CLUSTER)
     items.sort(key=lambda item: (item.get_closest_marker("destructive") is not None, _deploys_its_own_app(item)))
