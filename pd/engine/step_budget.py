@@ -102,7 +102,7 @@ class StepBudget:
         if not self._granted:
             self._left_s = self._limit_s(priority)
         if self._left_s is None:
-            self._granted = self._granted or num_new > 0
+            self._granted = True
             return num_new
         fits = self._largest(num_computed, scored) if self._left_s > 0 and self.coefficients is not None else 0
         chunk = min(num_new, max(0 if self._granted else self.min_chunk, fits))

@@ -29,6 +29,10 @@ def _decode(computed: int, priority: int = 0) -> SimpleNamespace:
                            num_computed_tokens=computed, priority=priority)
 
 
+# Three decodes after 100 tokens each (``_decode(100)``), priced by LAW.
+DECODES_S = LAW[0] + 3 * (LAW[1] + LAW[3] + LAW[4]) + 3 * 101 * LAW[2]
+
+
 def _chunk_s(n: int, c: int) -> float:
     return LAW[1] * n + LAW[2] * (n * c + n * (n + 1) / 2) + LAW[3] + LAW[4]
 
@@ -36,10 +40,9 @@ def _chunk_s(n: int, c: int) -> float:
 def test_a_chunk_beside_decodes_is_the_largest_that_keeps_the_step_within_the_target():
     budget = StepBudget(0.05, _sums(), min_chunk=16)
     budget.begin([_decode(100)] * 3)
-    decodes_s = LAW[0] + 3 * (LAW[1] + LAW[3] + LAW[4]) + 3 * 101 * LAW[2]
     chunk = budget.cap(2048, 0)
     assert 16 < chunk < 2048
-    assert decodes_s + _chunk_s(chunk, 0) <= 0.05 < decodes_s + _chunk_s(chunk + 1, 0) + 1e-9
+    assert DECODES_S + _chunk_s(chunk, 0) <= 0.05 < DECODES_S + _chunk_s(chunk + 1, 0) + 1e-9
     assert budget.cap(2048, 0) == 0  # the step's time is spent: a second prompt waits for the next
     assert budget.cap(1, 500) == 1  # a decode's token is never cut
     spent = StepBudget(0.003, _sums(), min_chunk=16)
@@ -76,10 +79,9 @@ def test_a_chunk_that_scores_its_prompt_pays_a_logits_row_per_token():
         budget = StepBudget(0.05, _sums(), min_chunk=16)
         budget.begin([_decode(100)] * 3)
         chunks[scored] = budget.cap(2048, 0, scored)
-    decodes_s = LAW[0] + 3 * (LAW[1] + LAW[3] + LAW[4]) + 3 * 101 * LAW[2]
     n = chunks[True]
     assert 16 < n < chunks[False]
-    assert decodes_s + _chunk_s(n, 0) + LAW[4] * n <= 0.05 < decodes_s + _chunk_s(n + 1, 0) + LAW[4] * (n + 1) + 1e-9
+    assert DECODES_S + _chunk_s(n, 0) + LAW[4] * n <= 0.05 < DECODES_S + _chunk_s(n + 1, 0) + LAW[4] * (n + 1) + 1e-9
 
 
 def test_the_step_shape_counts_a_scored_prompts_rows_as_logits_rows():
@@ -108,9 +110,8 @@ def test_a_step_of_less_urgent_prompts_is_cut_to_its_target_and_one_of_urgent_on
     assert [urgent.cap(2048, 0, priority=0), urgent.cap(2048, 0, priority=1)] == [2048, 2048]
     both = StepBudget(0.2, _sums(), min_chunk=16, low_priority_s=0.05)  # beside decodes, the tighter target
     both.begin([_decode(100)] * 3)
-    decodes_s = LAW[0] + 3 * (LAW[1] + LAW[3] + LAW[4]) + 3 * 101 * LAW[2]
     chunk = both.cap(2048, 0, priority=1)
-    assert decodes_s + _chunk_s(chunk, 0) <= 0.05 < decodes_s + _chunk_s(chunk + 1, 0) + 1e-9
+    assert DECODES_S + _chunk_s(chunk, 0) <= 0.05 < DECODES_S + _chunk_s(chunk + 1, 0) + 1e-9
     sums = _sums(MIN_FIT_STEPS - 1)
     young = StepBudget(sums=sums, min_chunk=16, low_priority_s=0.05)
     young.begin(prompts)
@@ -125,7 +126,6 @@ def test_a_step_of_less_urgent_prompts_is_cut_to_its_target_and_one_of_urgent_on
 def test_a_prompt_more_urgent_than_every_stream_is_not_cut_for_them_and_one_as_urgent_as_one_is():
     """The inter-token target protects the streams at least as urgent as the prompt: a batch job's stream never
     holds an urgent prompt's first token back; an urgent stream holds back a prompt of any band."""
-    decodes_s = LAW[0] + 3 * (LAW[1] + LAW[3] + LAW[4]) + 3 * 101 * LAW[2]
     batch_streams = StepBudget(0.01, _sums(), min_chunk=16)
     batch_streams.begin([_decode(100, priority=1)] * 3)
     assert [batch_streams.cap(2048, 0, priority=0), batch_streams.cap(2048, 0, priority=0)] == [2048, 2048]
@@ -133,11 +133,11 @@ def test_a_prompt_more_urgent_than_every_stream_is_not_cut_for_them_and_one_as_u
         budget = StepBudget(0.01, _sums(), min_chunk=16)
         budget.begin([_decode(100, priority=p) for p in streams])
         chunk = budget.cap(2048, 0, priority=prompt)
-        assert decodes_s + _chunk_s(chunk, 0) <= 0.01 < decodes_s + _chunk_s(chunk + 1, 0) + 1e-9, (streams, prompt)
+        assert DECODES_S + _chunk_s(chunk, 0) <= 0.01 < DECODES_S + _chunk_s(chunk + 1, 0) + 1e-9, (streams, prompt)
     low = StepBudget(0.2, _sums(), min_chunk=16, low_priority_s=0.01)  # the batch band's bound still holds
     low.begin([_decode(100, priority=2)] * 3)
     chunk = low.cap(2048, 0, priority=1)
-    assert decodes_s + _chunk_s(chunk, 0) <= 0.01 < decodes_s + _chunk_s(chunk + 1, 0) + 1e-9
+    assert DECODES_S + _chunk_s(chunk, 0) <= 0.01 < DECODES_S + _chunk_s(chunk + 1, 0) + 1e-9
 
 
 @pytest.mark.parametrize("name", ["itl_target_s", "low_priority_step_s"])
@@ -149,6 +149,30 @@ def test_a_target_that_is_not_positive_is_refused(name, target):
         EngineConfig(model="builtin:tiny-llama", **{name: target})
 
 
+def _prompt_chunks(engine) -> list[tuple[str, int]]:
+    """``(request id, tokens)`` of every prompt chunk (over one token) ``engine`` schedules from now on."""
+    schedule, seen = engine.scheduler.schedule, []
+
+    def spy():
+        out = schedule()
+        seen.extend((item.request.request_id, item.num_new_tokens) for item in out.scheduled if item.num_new_tokens > 1)
+        return out
+
+    engine.scheduler.schedule = spy
+    return seen
+
+
+def _three_streams(engine, priority: int = 0) -> None:
+    """Three streams decoding, and the engine's step fit with its steps."""
+    from pd import SamplingParams
+
+    for i in range(3):
+        engine.add_request(f"s{i}", [5 + i, 6, 7, 8], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True),
+                           priority=priority)
+    for _ in range(MIN_FIT_STEPS + 2):
+        engine.step()
+
+
 def test_an_engine_chunks_a_prompt_beside_streams_and_its_tokens_are_unchanged():
     from pd import SamplingParams
     from pd.config import EngineConfig
@@ -158,27 +182,15 @@ def test_an_engine_chunks_a_prompt_beside_streams_and_its_tokens_are_unchanged()
     chunks, tokens = {}, {}
     for target in (None, 1e-6):  # a target no chunk meets: beside the streams, every chunk is the least
         engine = LLMEngine(EngineConfig(model="builtin:tiny-llama", num_blocks=512, itl_target_s=target))
-        schedule, seen = engine.scheduler.schedule, []
-
-        def spy(schedule=schedule, seen=seen):
-            out = schedule()
-            seen += [item.num_new_tokens for item in out.scheduled  # the prompt's chunks, not its decodes
-                     if item.request.request_id == "long" and item.num_new_tokens > 1]
-            return out
-
-        engine.scheduler.schedule = spy
-        for i in range(3):
-            engine.add_request(f"s{i}", [5 + i, 6, 7, 8], SamplingParams(max_tokens=40, temperature=0,
-                                                                         ignore_eos=True))
-        for _ in range(MIN_FIT_STEPS + 2):  # the streams decode, and the fit has its steps
-            engine.step()
+        seen = _prompt_chunks(engine)
+        _three_streams(engine)
         engine.add_request("long", long_prompt, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
         got: dict[str, list[int]] = {}
         while engine.has_unfinished_requests():
             for out in engine.step():
                 got.setdefault(out.request_id, []).extend(out.new_token_ids)
         engine.close()
-        chunks[target], tokens[target] = seen, got
+        chunks[target], tokens[target] = [n for rid, n in seen if rid == "long"], got
     assert chunks[None] == [1200]  # one chunk of the whole prompt beside the streams
     block = 16
     assert chunks[1e-6][0] == block and set(chunks[1e-6][:20]) == {block}  # while the streams run
@@ -195,14 +207,7 @@ def test_an_engine_cuts_a_batch_prompts_steps_and_not_an_urgent_ones():
 
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     engine = LLMEngine(EngineConfig(model="builtin:tiny-llama", num_blocks=512, low_priority_step_s=1e-6))
-    schedule, seen = engine.scheduler.schedule, []
-
-    def spy():
-        out = schedule()
-        seen.extend((item.request.request_id, item.num_new_tokens) for item in out.scheduled if item.num_new_tokens > 1)
-        return out
-
-    engine.scheduler.schedule = spy
+    seen = _prompt_chunks(engine)
     for i in range(MIN_FIT_STEPS + 2):  # the fit has its steps
         engine.add_request(f"w{i}", [5 + i, 6, 7, 8], params)
         engine.step()
@@ -224,23 +229,11 @@ def test_an_engine_computes_an_urgent_prompt_in_one_chunk_beside_batch_streams()
     from pd.engine.engine import LLMEngine
 
     engine = LLMEngine(EngineConfig(model="builtin:tiny-llama", num_blocks=512, itl_target_s=1e-6))
-    schedule, seen = engine.scheduler.schedule, []
-
-    def spy():
-        out = schedule()
-        seen.extend(item.num_new_tokens for item in out.scheduled
-                    if item.request.request_id == "urgent" and item.num_new_tokens > 1)
-        return out
-
-    engine.scheduler.schedule = spy
-    for i in range(3):
-        engine.add_request(f"s{i}", [5 + i, 6, 7, 8], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True),
-                           priority=1)
-    for _ in range(MIN_FIT_STEPS + 2):  # the streams decode, and the fit has its steps
-        engine.step()
+    seen = _prompt_chunks(engine)
+    _three_streams(engine, priority=1)
     engine.add_request("urgent", [3 + i % 900 for i in range(1200)],
                        SamplingParams(max_tokens=2, temperature=0, ignore_eos=True), priority=0)
     while engine.has_unfinished_requests():
         engine.step()
     engine.close()
-    assert seen == [1200]
+    assert [n for rid, n in seen if rid == "urgent"] == [1200]
