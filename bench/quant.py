@@ -10,8 +10,10 @@ reads them) in four forms and times them, alternating, at each row count (tokens
 - ``engine_fp32``: the unquantized engine's own layers on the cpu backend (``pd.model.linear.make_linear``:
   oneDNN-packed, and the few-row kernel up to 8 rows);
 - ``int8``: W8A8 INT8 as the cpu backend runs it (``pd.model.quant_linear.Int8Linear``: per-token int8
-  activations and the output's scaling in ``pd_kernels/cpu/int8.cpp``, the GEMM ``torch._int_mm``);
-- ``int8_aten``: the same with the passes around the GEMM as aten ops (``pd_kernels.int8`` without the extension);
+  activations and the output's scaling in ``pd_kernels/cpu/int8.cpp``; the GEMM ``torch._int_mm`` on a CPU
+  with AVX512-VNNI, else the extension's ``int8_gemm``);
+- ``int8_aten``: ``pd_kernels.int8`` without the extension: the passes around the GEMM as aten ops, and the GEMM
+  ``torch._int_mm`` on every host (a plain loop without AVX512-VNNI);
 - ``fp8``: an FP8 checkpoint's layers as a CPU runs them (``make_quantized_linear``: dequantized at load).
 
 One JSON object per row count: medians in ms, each form's speed-up over ``fp32`` and ``engine_fp32``,

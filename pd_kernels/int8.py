@@ -12,6 +12,8 @@ the activations and the scaling of the int32 products the rest (``python -m benc
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 INT8_MAX = 127
@@ -50,8 +52,17 @@ def check_int8_linear_args(x: torch.Tensor, weight: torch.Tensor, weight_scale: 
             raise ValueError(f"{name}: on {tensor.device}, x on {x.device}")
 
 
-def _int_mm(xq: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``xq [M, K] @ weight[N, K]^T`` in int32; rows padded where CUDA's kernel needs it."""
+@functools.cache
+def onednn_int8() -> bool:
+    """Whether ``torch._int_mm`` reaches oneDNN on this CPU: where it has AVX512-VNNI (else a plain loop)."""
+    from pd.workload.host import cpu_flags
+
+    return "avx512_vnni" in cpu_flags()
+
+
+def _int_mm(xq: torch.Tensor, weight: torch.Tensor, fused=None) -> torch.Tensor:
+    """``xq [M, K] @ weight[N, K]^T`` in int32; rows padded where CUDA's kernel needs it, and on a CPU without
+    oneDNN's int8 path, ``fused``'s (the ``cpu`` backend's) GEMM where there is one."""
     num_rows = xq.shape[0]
     if xq.device.type == "cuda":
         if weight.shape[0] % CUDA_MULTIPLE or weight.shape[1] % CUDA_MULTIPLE:
@@ -62,6 +73,8 @@ def _int_mm(xq: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if rows != num_rows:
             xq = torch.nn.functional.pad(xq, (0, 0, 0, rows - num_rows))
         return torch._int_mm(xq, weight.t())[:num_rows]
+    if fused is not None and not onednn_int8() and weight.is_contiguous():
+        return fused.int8_gemm(xq, weight)
     # oneDNN reads the transposed view of [N, K] as a column-major B directly; at one row this was 4x faster
     # than a contiguous [K, N] copy (AMD EPYC, AVX-512 VNNI), the same from eight rows up.
     return torch._int_mm(xq, weight.t())
@@ -80,10 +93,10 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
     if fused is not None and x.dtype == torch.float32 and x.device.type == "cpu" and x.is_contiguous() and (
             bias is None or bias.dtype == torch.float32):
         xq, scale = fused.quantize_rows_int8(x)
-        return fused.scale_int32_rows(_int_mm(xq, weight).contiguous(), scale, weight_scale,
+        return fused.scale_int32_rows(_int_mm(xq, weight, fused).contiguous(), scale, weight_scale,
                                       None if bias is None else bias.contiguous())
     xq, scale = quantize_rows_int8(x)
-    acc = _int_mm(xq, weight)  # [M, N] int32
+    acc = _int_mm(xq, weight, fused)  # [M, N] int32
     out = torch.mul(acc, scale).mul_(weight_scale)
     if bias is not None:
         out.add_(bias)

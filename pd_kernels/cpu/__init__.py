@@ -71,8 +71,8 @@ logger = logging.getLogger(__name__)
 
 _SOURCES = [str(Path(__file__).with_name(name)) for name in ("bindings.cpp", "paged_decode.cpp", "paged_prefill.cpp",
                                                                  "small_ops.cpp", "block_copy.cpp", "dense_rows.cpp",
-                                                                 "moe.cpp", "int8.cpp", "latent_decode.cpp",
-                                                                 "lora.cpp")]
+                                                                 "moe.cpp", "int8.cpp", "int8_gemm.cpp",
+                                                                 "latent_decode.cpp", "lora.cpp")]
 _build_lock = threading.Lock()
 # Prefill chunks whose context (keys) is at most this long run in paged_prefill.cpp; longer ones on the
 # reference's SDPA, whose matrix products win there. Ours against SDPA, one sequence, 2 threads (AMD EPYC),

@@ -37,6 +37,7 @@ void copy_blocks(const torch::Tensor& src, const std::vector<int64_t>& src_ids, 
 std::vector<torch::Tensor> quantize_rows_int8(const torch::Tensor& x);
 torch::Tensor scale_int32_rows(const torch::Tensor& acc, const torch::Tensor& a_scale, const torch::Tensor& w_scale,
                                const c10::optional<torch::Tensor>& bias);
+torch::Tensor int8_gemm(const torch::Tensor& xq, const torch::Tensor& w);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention over a block-major pool (fp32 queries; fp32, bf16 or fp8 pages)");
@@ -58,6 +59,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "out += each adapter row's LoRA delta (shrink, then expand per slice), rows grouped by slot (fp32)");
   m.def("copy_blocks", &copy_blocks, "dst[dst_ids[i]] = src[src_ids[i]], whole blocks, any dtype");
   m.def("quantize_rows_int8", &quantize_rows_int8, "each row as int8 and its scale absmax / 127 (fp32 in)");
+  m.def("int8_gemm", &int8_gemm, "xq [M, K] @ w [N, K]^T in int32 (int8 in; exact), where torch._int_mm has no fast path");
   m.def("scale_int32_rows", &scale_int32_rows, "int32 GEMM output * a_scale[:, None] * w_scale[None, :] + bias (fp32)");
   m.def("store_kv", &store_kv, "write K/V rows into their pool slots, skipping negative slots (fp32, or quantized into fp8 pages)");
 }

@@ -31,7 +31,7 @@ CPU = torch.device("cpu")
 AVX2_TESTS = ["tests/pd/test_isa_fallback.py", "tests/pd/test_linear.py", "tests/pd/test_model_loading.py",
               "tests/pd_kernels/test_cpu_attention.py", "tests/pd_kernels/test_cpu_dense_rows.py",
               "tests/pd_kernels/test_cpu_small_ops.py", "tests/pd_kernels/test_fp8_kv.py", "tests/pd/test_reference_match.py",
-              "tests/pd_kernels/test_cpu_latent.py"]
+              "tests/pd_kernels/test_cpu_latent.py", "tests/pd_kernels/test_cpu_int8.py"]
 
 
 @pytest.mark.parametrize("few_rows", [False, True])
