@@ -119,13 +119,9 @@ SMOLLM2_PROMPTS = [
 
 @pytest.fixture(scope="session")
 def smollm2_hf():
-    """``(model, tokenizer)``: HF ``transformers`` reading the shipped SmolLM2 GGUF itself (its own dequantizer)."""
-    import transformers
-
+    """``(model, tokenizer)``: HF ``transformers`` reading the shipped SmolLM2 GGUF itself (its own dequantizer;
+    ``tests.reference.hf_from_gguf``)."""
     from pd.model.builtin import PACKAGED_MODELS
+    from tests.reference import hf_from_gguf
 
-    path = PACKAGED_MODELS[SMOLLM2.removeprefix("builtin:")].gguf_path()
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                              dtype=torch.float32).eval()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    return model, tokenizer
+    return hf_from_gguf(PACKAGED_MODELS[SMOLLM2.removeprefix("builtin:")].gguf_path())

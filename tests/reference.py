@@ -1,6 +1,12 @@
-"""Comparing greedy outputs with a reference, forgiving only near-ties."""
+"""Comparing greedy outputs with a reference, forgiving only near-ties; HF's reading of a GGUF, kept."""
 
 from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import tempfile
+from pathlib import Path
 
 import torch
 
@@ -56,3 +62,32 @@ def teacher_forced_divergence(ours: list[int], model, prompt: list[int]) -> str 
             gap = float(top.values[0] - top.values[1])
             return None if gap < NEAR_TIE else f"step {step}: ours {token}, HF {int(top.indices[0])} (gap {gap:.2e})"
     return None
+
+
+def hf_from_gguf(gguf: Path):
+    """``(model, tokenizer)``: HF ``transformers`` reading a GGUF itself (its own dequantizer), in fp32.
+
+    HF takes about 28 s on two cores to read the shipped SmolLM2's, so its result is kept, as HF saves a
+    model, under the user's cache (keyed by the file and HF's version) and read from there by every later
+    process: the pytest workers and the Serve tests, in about 0.5 s. A lock makes one process read the GGUF.
+    """
+    import transformers
+
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{transformers.__version__}".encode())
+    home = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    cached = home / "pd" / "hf-from-gguf" / key.hexdigest()[:16]
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    with open(cached.parent / "lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (cached / "config.json").is_file():
+            model = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                                      dtype=torch.float32)
+            tokenizer = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+            model.hf_quantizer = None  # the GGUF reader's marker: the weights are plain fp32 tensors by now
+            staging = Path(tempfile.mkdtemp(dir=cached.parent))
+            model.save_pretrained(staging)
+            tokenizer.save_pretrained(staging)
+            staging.rename(cached)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(cached), dtype=torch.float32).eval()
+    return model, transformers.AutoTokenizer.from_pretrained(str(cached))
