@@ -1,6 +1,6 @@
 """Flow control served: the default P/D app under 2x its capacity, three tenants, two bands, as clients see it.
 
-    python -m bench.flow_control [--duration-s 60] [--out DIR]
+    python -m bench.flow_control [--duration-s 60] [--overload-only]
 
 Starts a private Ray with Serve and deploys ``serve_configs/default.yaml``'s
 app (the trained SmolLM2) with ``flow_control:`` (``flow_control_args``): two

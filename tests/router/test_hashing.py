@@ -18,7 +18,9 @@ def test_hashes_chain_only_full_blocks_and_extend_incrementally():
     tokens = list(range(10))
     hashes = hash_block_tokens(tokens, 4)
     assert len(hashes) == 2
+    assert hashes[0] == hash_block(ROOT_HASH, [0, 1, 2, 3])
     assert hashes[1] == hash_block(hashes[0], [4, 5, 6, 7])
+    assert hash_block_tokens(tuple(tokens), 4) == hashes  # a tuple's blocks hash as a list's
     assert hash_block_tokens(tokens + [10, 11], 4, parent_hash=hashes[1], start_block=2) == [
         hash_block(hashes[1], [8, 9, 10, 11])
     ]
