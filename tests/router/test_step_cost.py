@@ -25,6 +25,16 @@ def _shapes(rng: random.Random, count: int) -> list[StepShape]:
     return shapes
 
 
+def test_the_sums_are_the_gram_triangle_and_the_moments():
+    shapes, seconds = _shapes(random.Random(3), 20), [0.25 * k for k in range(20)]
+    sums = StepSums()
+    for shape, taken in zip(shapes, seconds):
+        sums.record(shape, taken)
+    vectors = np.array([shape.vector() for shape in shapes])
+    assert np.array_equal(gram_matrix(sums.gram), vectors.T @ vectors)
+    assert np.array_equal(np.array(sums.moments), vectors.T @ np.array(seconds))
+
+
 def test_the_sums_fit_the_law_the_steps_follow():
     rng = random.Random(0)
     sums = StepSums()
