@@ -1,5 +1,10 @@
 """Decode placement: KV headroom and few active decodes, plus a bonus for the prompt blocks a replica holds.
 
+A decision scores a few candidates (``DecodePolicy.candidates``, as prefill routing does:
+``router.candidates``): the replicas holding the prompt's longest prefix, those holding its LoRA adapter,
+and ``num_sampled`` drawn at random. A pool of at most ``num_sampled`` is scored whole, so a decision costs
+the same at 16 replicas and at 1,000.
+
 A held block need not be pulled from the prefill replica; one in a slower
 tier is valued as ``router.policy`` values it for prefill (``router.tiers``).
 A request under a LoRA adapter prefers a replica holding it in a device slot
@@ -16,8 +21,10 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from router.adapters import SentAdapters
+from router.candidates import sample_candidates
 from router.latency import LatencyPredictor
 from router.policy import ReplicaLoad, RoutingDecision, RoutingReason, Scored, decide
+from router.prefix_index import PrefixIndex
 from router.recent import RecentRouted
 from router.tiers import TierHitValues, valued_tokens
 
@@ -49,6 +56,8 @@ class DecodePolicyConfig(TierHitValues):
     max_active_requests: int | None = None
     index_max_blocks: int = 1 << 20  # (block hash, replica) entries in the decode pool's prefix index
     max_num_batched_tokens: int = 8192  # the engines' (the app sets it): a local prefill's chunk
+    num_sampled: int = 16  # replicas drawn at random per decision; a pool this small is scored whole
+    max_prefix_candidates: int = 8  # of the replicas holding the prompt's longest prefix (or its adapter)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -59,6 +68,10 @@ class DecodePolicyConfig(TierHitValues):
             raise ValueError(f"index_max_blocks must be >= 1, got {self.index_max_blocks}")
         if self.recent_window < 1:
             raise ValueError(f"recent_window must be >= 1, got {self.recent_window}")
+        if self.num_sampled < 1:
+            raise ValueError(f"num_sampled must be >= 1, got {self.num_sampled}")
+        if self.max_prefix_candidates < 0:
+            raise ValueError(f"max_prefix_candidates must be >= 0, got {self.max_prefix_candidates}")
         for name in ("w_active", "w_kv_usage", "w_prefix_hit", "w_recent", "w_adapter_load",
                      "w_adapter_wait"):
             if getattr(self, name) < 0:
@@ -105,6 +118,13 @@ class DecodePolicy:
         """A new report from ``replica_id``: the adapters it holds are in it."""
         self.adapters_sent.reported(replica_id)
 
+    def candidates(self, index: PrefixIndex, block_hashes: Sequence[bytes], replicas: Sequence[ReplicaLoad],
+                   adapter: str | None = None) -> list[ReplicaLoad]:
+        """The replicas a decision scores (module docstring): ``index`` is the decode pool's prefix index."""
+        config = self.config
+        return sample_candidates(index, block_hashes, replicas, config.num_sampled, config.max_prefix_candidates,
+                                 self._rng, adapter)
+
     def is_overloaded(self, replica: ReplicaLoad) -> bool:
         config = self.config
         if config.max_kv_usage is not None and replica.kv_usage > config.max_kv_usage:
@@ -126,7 +146,7 @@ class DecodePolicy:
         if not candidates:
             raise ValueError("no candidate replicas")
         config = self.config
-        # One pass over the candidates, each a few float operations: a pool of 1,000 is scored per request.
+        # One pass over the candidates (``candidates``' few, or a whole pool), each a few float operations.
         recent = self.recent.requests_of([replica.replica_id for replica in candidates])
         least_recent = min(recent)
         w_active, w_kv_usage, w_recent, w_prefix_hit = (config.w_active, config.w_kv_usage, config.w_recent,
@@ -161,7 +181,7 @@ class DecodePolicy:
 
         A decode step of b sequences on replica r, whose decodes attend to c tokens, takes
         speed(r) * (base + (per_token + per_seq + per_sample) * b + per_pair * c): written out over the
-        candidates, since a pool of 1,000 is scored per request.
+        candidates.
         """
         predictor = self.predictor
         if predictor is None or not predictor.ready():

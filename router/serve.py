@@ -361,7 +361,8 @@ class DecodeLoadRouter(PinnedRequestRouter):
         if hints is None:
             return super().rank(replicas, hints)
         self.update_feed(self.feed)
-        loads = [self.reports.load(r) for r in replicas]
+        loads = self.policy.candidates(self.index, hints.block_hashes, [self.reports.load(r) for r in replicas],
+                                       hints.adapter)
         runs = self.index.match_tiers(hints.block_hashes, [load.replica_id for load in loads])
         decision = self.policy.choose(loads, runs, hints.num_prompt_tokens, hints.adapter)
         self.policy.record_routed(decision)

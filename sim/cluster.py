@@ -177,10 +177,9 @@ class SimCluster:
         if self.prefill is not None and spec.rule.predicted:
             if not isinstance(self.prefill.placement, LatencyPlacement):
                 raise ValueError("the predicted remote-prefill rule needs the predicted-latency prefill router")
-            self.rule_views = {
-                "prefill": PoolPredictions(self.prefill.placement.policies[0].predictor, self.prefill.index,
-                                           self.prefill.replica_ids),
-                "decode": PoolPredictions(decode_predictor, self.decode.index, self.decode.replica_ids)}
+            prefill, predictor = self.prefill, self.prefill.placement.policies[0].predictor
+            self.rule_views = {"prefill": PoolPredictions(predictor, prefill.index, prefill.replica_ids),
+                               "decode": PoolPredictions(decode_predictor, self.decode.index, self.decode.replica_ids)}
         self.gray = GrayFailureDetector(spec.gray_failure) if spec.gray_failure is not None else None
         self.gray_changes: list[Transition] = []  # what it decided, in order
         self.records: dict[str, RequestRecord] = {}
@@ -322,9 +321,10 @@ class SimCluster:
             if self.gray is not None:  # the quarantined take no new streams, as in the app's decode router
                 allowed = set(self.gray.allowed([load.replica_id for load in loads]))
                 loads = [load for load in loads if load.replica_id in allowed]
+            adapter = self._hinted_adapter(flow)
+            loads = self.decode_policy.candidates(pool.index, flow.hashes, loads, adapter)
             runs = pool.index.match_tiers(flow.hashes, [load.replica_id for load in loads])
-            decision: RoutingDecision = self.decode_policy.choose(loads, runs, len(flow.prompt),
-                                                                  self._hinted_adapter(flow))
+            decision: RoutingDecision = self.decode_policy.choose(loads, runs, len(flow.prompt), adapter)
             self.decode_policy.record_routed(decision)
             replica_id = decision.replica_id
             if kv_handle is None:  # a local prefill: it queues there

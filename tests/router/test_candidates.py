@@ -1,11 +1,15 @@
-"""The replicas a prefill decision scores: the longest prefix's holders plus a random few, never the pool."""
+"""The replicas a prefill or decode decision scores: the longest prefix's holders plus a random few, never the
+pool."""
 
 from __future__ import annotations
 
 import random
 from collections import Counter
 
+import pytest
+
 from router.candidates import sample_candidates
+from router.decode_policy import DecodePolicy, DecodePolicyConfig
 from router.hashing import hash_block_tokens
 from router.policy import ReplicaLoad
 from router.prefix_index import PrefixIndex
@@ -15,6 +19,14 @@ BLOCK = 4
 
 def _pool(num_replicas: int, **fields) -> list[ReplicaLoad]:
     return [ReplicaLoad(f"r{i}", **fields) for i in range(num_replicas)]
+
+
+def _prompt(num_tokens: int, first_token: int = 0) -> tuple[list[bytes], int]:
+    return hash_block_tokens(list(range(first_token, first_token + num_tokens)), BLOCK), num_tokens
+
+
+def _decode_policy(**overrides) -> DecodePolicy:
+    return DecodePolicy(DecodePolicyConfig(block_size=BLOCK, **overrides))
 
 
 def _ids(candidates: list[ReplicaLoad]) -> list[str]:
@@ -77,3 +89,38 @@ def test_the_sample_reaches_every_replica():
                     for replica_id in _ids(sample_candidates(PrefixIndex(10), [], pool, 2, 2, rng)))
     assert set(drawn) == set(_ids(pool))
     assert max(drawn.values()) < 1.3 * min(drawn.values())
+
+
+def test_decode_scores_the_prefix_holders_and_a_sample_not_the_whole_pool():
+    block_hashes, num_tokens = _prompt(64)
+    index = PrefixIndex(max_blocks=1 << 16)
+    for holder in ("r7", "r42"):
+        index.insert(holder, block_hashes)
+    pool = [ReplicaLoad(f"r{i}", num_active_requests=i % 5) for i in range(300)]
+    policy = _decode_policy(num_sampled=16, max_prefix_candidates=8, seed=1)
+    drawn = [policy.candidates(index, block_hashes, pool) for _ in range(50)]
+    assert all({"r7", "r42"} <= {load.replica_id for load in loads} and len(loads) <= 18 for loads in drawn)
+    assert len({load.replica_id for loads in drawn for load in loads}) > 200  # the sample moves
+    # A pool of num_sampled or fewer is scored whole, in its order, drawing nothing (decisions as before).
+    small = pool[:16]
+    state = policy._rng.getstate()
+    assert policy.candidates(index, block_hashes, small) == small and policy._rng.getstate() == state
+    with pytest.raises(ValueError, match="num_sampled must be >= 1"):
+        _decode_policy(num_sampled=0)
+    with pytest.raises(ValueError, match="max_prefix_candidates must be >= 0"):
+        _decode_policy(max_prefix_candidates=-1)
+
+
+def test_decode_placement_over_candidates_keeps_to_the_least_active():
+    """Power-of-k over a pool of 300 decode replicas with one idle in each ten: every choice lands on an idle one
+    (16 samples miss all 30 with probability under 0.2)."""
+    index, policy = PrefixIndex(max_blocks=1 << 16), _decode_policy(seed=2)
+    pool = [ReplicaLoad(f"r{i}", num_active_requests=0 if i % 10 == 0 else 8) for i in range(300)]
+    chosen = []
+    for number in range(100):
+        block_hashes, num_tokens = _prompt(32, first_token=1000 * number)
+        loads = policy.candidates(index, block_hashes, pool)
+        chosen.append(policy.choose(loads, index.match_tiers(block_hashes, [r.replica_id for r in loads]),
+                                    num_tokens).replica_id)
+    idle_share = sum(int(replica_id[1:]) % 10 == 0 for replica_id in chosen) / len(chosen)
+    assert idle_share >= 0.7, idle_share
