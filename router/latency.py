@@ -168,7 +168,9 @@ class PredictedLatencyPolicy(PrefixAffinityPolicy):
             return super().choose(block_hashes, num_prompt_tokens, candidates, adapter)
         scored_loads = sample_candidates(self.index, block_hashes, candidates, config.num_sampled,
                                          config.max_prefix_candidates, self._rng, adapter)
-        runs = self.index.match_tiers(block_hashes, [replica.replica_id for replica in scored_loads])
+        asked = [replica.replica_id for replica in scored_loads]
+        runs = self.index.match_tiers(block_hashes, asked)
+        self._matched = (block_hashes, self.index.version, set(asked), runs)  # record_routed's insert reads it
         scored, ttfts = [], {}
         cached = [self.index.num_blocks(replica.replica_id) for replica in scored_loads] if config.w_cached_s else ()
         most_cached = max(cached, default=0) or 1

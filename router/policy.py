@@ -248,6 +248,8 @@ class PrefixAffinityPolicy:
         self._rng = random.Random(config.seed)
         self._unreported_prefill_tokens: dict[str, int] = {}
         self.adapters_sent = SentAdapters()
+        # The last decision's prompt, the index version, the replicas matched and their runs (``match_tiers``).
+        self._matched: tuple[Sequence[bytes], int, set[str], dict] | None = None
 
     def reported(self, replica_id: str) -> None:
         """A new report from ``replica_id`` came in: what was sent it before is in its figures."""
@@ -338,12 +340,22 @@ class PrefixAffinityPolicy:
 
         If it landed elsewhere, pass ``dataclasses.replace(decision, replica_id=...)``.
         """
-        self.index.insert(decision.replica_id, block_hashes)
+        self.index.insert(decision.replica_id, block_hashes, held=self._known_run(decision.replica_id, block_hashes))
         self.recent.record(decision.replica_id, decision.uncached_tokens)
         unreported = self._unreported_prefill_tokens
         unreported[decision.replica_id] = unreported.get(decision.replica_id, 0) + decision.uncached_tokens
         self.adapters_sent.sent(decision.replica_id, decision.adapter)
         self.reason_counts[decision.reason] += 1
+
+    def _known_run(self, replica_id: str, block_hashes: Sequence[bytes]) -> int | None:
+        """``replica_id``'s run of ``block_hashes`` as the last decision matched it, while the index is unchanged
+        since; None when that decision did not match it, or was about another prompt."""
+        if self._matched is None:
+            return None
+        hashes, version, asked, runs = self._matched
+        if hashes is not block_hashes or version != self.index.version or replica_id not in asked:
+            return None
+        return len(runs.get(replica_id, ()))
 
     def remove_replica(self, replica_id: str) -> None:
         """Forget a replica that left the pool."""

@@ -61,6 +61,7 @@ class PrefixIndex:
         self._num_blocks_by_replica: dict[str, int] = {}
         self._num_off_device = 0  # entries in a tier other than DEVICE (shared-store ones too)
         self.num_dropped = 0  # entries forgotten to stay under max_blocks
+        self.version = 0  # counts the changes: a run found at one version holds while it is unchanged
 
     def __len__(self) -> int:
         """The number of (block hash, replica) entries held, the shared store's included."""
@@ -81,7 +82,8 @@ class PrefixIndex:
         """The tier of ``replica_id``'s copy of ``block_hash``; None when the index has none."""
         return self._holders.get(block_hash, _NO_HOLDERS).get(replica_id)
 
-    def insert(self, replica_id: str, block_hashes: Sequence[bytes], tier: int = Tier.DEVICE) -> None:
+    def insert(self, replica_id: str, block_hashes: Sequence[bytes], tier: int = Tier.DEVICE,
+               held: int | None = None) -> None:
         """Record that ``replica_id`` holds ``block_hashes`` (a prompt's leading blocks, in order) in ``tier``.
 
         Re-inserting a held block refreshes it and moves it to ``tier``. The
@@ -93,11 +95,14 @@ class PrefixIndex:
         the history before this turn) and only its tail is new: where every
         entry is on the device, the held head's entries are only moved to the
         LRU's end, which ``map`` does without a Python step per block, after
-        the tail's (the order the one-block-at-a-time path gives).
+        the tail's (the order the one-block-at-a-time path gives). ``held``:
+        that run's length where the caller has just found it (``match_tiers``
+        at this ``version``), so it is not walked again.
         """
+        self.version += 1
         head = 0
         if tier == Tier.DEVICE and not self._num_off_device and block_hashes:
-            head = self._run_of(replica_id, block_hashes)
+            head = self._run_of(replica_id, block_hashes) if held is None else held
         self._touch(replica_id, block_hashes[head:], tier)
         if head:
             deque(map(self._lru.move_to_end, zip(reversed(block_hashes[:head]), repeat(replica_id))), maxlen=0)
@@ -137,6 +142,7 @@ class PrefixIndex:
 
     def evict(self, replica_id: str, block_hashes: Iterable[bytes]) -> None:
         """Record that ``replica_id`` no longer holds ``block_hashes``; unknown ones are ignored."""
+        self.version += 1
         for block_hash in block_hashes:
             key = (block_hash, replica_id)
             if key in self._lru:
@@ -145,6 +151,7 @@ class PrefixIndex:
 
     def remove_replica(self, replica_id: str) -> None:
         """Forget every block of ``replica_id`` (it died or left the pool). O(len(self))."""
+        self.version += 1
         if replica_id not in self._num_blocks_by_replica:
             return
         doomed = [key for key in self._lru if key[1] == replica_id]

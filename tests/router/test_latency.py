@@ -306,6 +306,32 @@ def test_a_decision_scores_a_few_candidates_not_the_pool():
     assert 3 <= len(scored) <= 4 and len(decision.ranked_replica_ids) == len(scored)
 
 
+def test_recording_a_decision_reuses_the_run_it_matched_while_the_index_is_unchanged():
+    """A 64-block prompt held by r3: its decision walks r3's run once (matching), not again when recorded; after
+    a change to the index, or for another prompt, the record walks it again."""
+    policy = _policy(prior=COST, min_steps=1e9, num_sampled=4)
+    pool = _candidates(*(f"r{i}" for i in range(8)))
+    for replica in pool:
+        policy.observe(replica.replica_id, RoutingStats(), 0.0)
+    hashes = hash_block_tokens(list(range(64 * BLOCK)), BLOCK)
+    policy.index.insert("r3", hashes)
+    walks = []
+    run_of = policy.index._run_of
+    policy.index._run_of = lambda replica_id, block_hashes: walks.append(replica_id) or run_of(replica_id, block_hashes)
+    decision = policy.choose(hashes, 64 * BLOCK, pool, now_s=0.0)
+    assert decision.replica_id == "r3" and walks == ["r3"]
+    policy.record_routed(decision, hashes)
+    assert walks == ["r3"] and policy.index.match(hashes) == {"r3": 64}
+    decision = policy.choose(hashes, 64 * BLOCK, pool, now_s=0.0)  # r3's queue may send this one elsewhere
+    policy.index.evict("r3", hashes[60:])  # a report applied between the decision and its record
+    policy.record_routed(decision, hashes)
+    assert walks == ["r3", "r3", decision.replica_id] and policy.index.match(hashes)[decision.replica_id] == 64
+    decision = policy.choose(hashes, 64 * BLOCK, pool, now_s=0.0)
+    matched = len(walks)
+    policy.record_routed(decision, list(hashes))  # another prompt object: nothing known of it
+    assert walks[matched:] == [decision.replica_id]
+
+
 def test_a_cold_prompt_goes_where_the_fewest_cached_blocks_are():
     """Two idle replicas predicted alike for a prompt neither holds: the one whose cache holds less (where fewer
     later requests will follow) takes it. Without the charge, a coin decides."""

@@ -144,6 +144,22 @@ def test_a_held_head_is_refreshed_after_the_new_tail_as_one_block_at_a_time_woul
     assert list(fast._lru)[-1] == (prompt[0], "a") and fast.num_blocks("a") == 9
 
 
+def test_a_run_the_caller_found_is_not_walked_again_and_every_change_counts():
+    prompt, other = hashes(6), hashes(3, first_token=500)
+    told, walked = PrefixIndex(max_blocks=100), PrefixIndex(max_blocks=100)
+    for index in (told, walked):
+        index.insert("a", prompt[:4])
+        index.insert("a", other)
+    version = told.version
+    told._run_of = None  # a walk would fail: the run given is used
+    told.insert("a", prompt, held=4)
+    walked.insert("a", prompt)
+    assert list(told._lru) == list(walked._lru) and told.version == version + 1
+    told.evict("a", prompt[5:])
+    told.remove_replica("b")
+    assert told.version == version + 3
+
+
 def test_the_bound_is_kept_when_a_held_head_meets_a_new_tail():
     prompt = hashes(6)
     index = PrefixIndex(max_blocks=5)
