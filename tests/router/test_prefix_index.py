@@ -128,14 +128,19 @@ def test_random_operations_keep_the_bound_and_agree_with_a_model():
         assert sum(index.num_blocks(holder) for holder in "abcd") == len(index)
 
 
+def _two_alike(prompt: list[bytes], *held: tuple[str, list[bytes]]) -> tuple[PrefixIndex, PrefixIndex]:
+    """Two indexes in the same state: "a" holding ``prompt``'s first four blocks, then ``held``."""
+    pair = PrefixIndex(max_blocks=100), PrefixIndex(max_blocks=100)
+    for index in pair:
+        for replica_id, block_hashes in (("a", prompt[:4]), *held):
+            index.insert(replica_id, block_hashes)
+    return pair
+
+
 def test_a_held_head_is_refreshed_after_the_new_tail_as_one_block_at_a_time_would():
     """The fast path (the held head moved in C) leaves the LRU order of the slow one: last block first."""
     prompt, other = hashes(6), hashes(3, first_token=500)
-    fast, slow = PrefixIndex(max_blocks=100), PrefixIndex(max_blocks=100)
-    for index in (fast, slow):
-        index.insert("a", prompt[:4])
-        index.insert("a", other)
-        index.insert("b", prompt[:2])
+    fast, slow = _two_alike(prompt, ("a", other), ("b", prompt[:2]))
     fast.insert("a", prompt)
     slow.insert("a", prompt[4:])  # the tail, then the head, block by block
     for block_hash in reversed(prompt[:4]):
@@ -145,11 +150,8 @@ def test_a_held_head_is_refreshed_after_the_new_tail_as_one_block_at_a_time_woul
 
 
 def test_a_run_the_caller_found_is_not_walked_again_and_every_change_counts():
-    prompt, other = hashes(6), hashes(3, first_token=500)
-    told, walked = PrefixIndex(max_blocks=100), PrefixIndex(max_blocks=100)
-    for index in (told, walked):
-        index.insert("a", prompt[:4])
-        index.insert("a", other)
+    prompt = hashes(6)
+    told, walked = _two_alike(prompt, ("a", hashes(3, first_token=500)))
     version = told.version
     told._run_of = None  # a walk would fail: the run given is used
     told.insert("a", prompt, held=4)
