@@ -12,7 +12,7 @@ is randomised per process and must never be used here.
 from __future__ import annotations
 
 import hashlib
-from typing import Sequence
+from typing import Callable, Sequence
 
 import msgpack
 
@@ -31,9 +31,11 @@ def adapter_root_hash(name: str, digest: str) -> bytes:
     return hash_block(ROOT_HASH, (), ("lora", name, digest))
 
 
-def hash_block(parent_hash: bytes, token_ids: Sequence[int], extra_keys: Sequence = ()) -> bytes:
-    """The 8-byte blake2b digest of msgpack ``[parent_hash, token_ids, extra_keys]``."""
-    payload = msgpack.packb([parent_hash, list(token_ids), list(extra_keys)])
+def hash_block(parent_hash: bytes, token_ids: Sequence[int], extra_keys: Sequence = (),
+               pack: Callable[[object], bytes] = msgpack.packb) -> bytes:
+    """The 8-byte blake2b digest of msgpack ``[parent_hash, token_ids, extra_keys]``; ``pack``: a packer's, to
+    reuse one over many blocks."""
+    payload = pack([parent_hash, list(token_ids), list(extra_keys)])
     return hashlib.blake2b(payload, digest_size=HASH_NUM_BYTES).digest()
 
 
@@ -53,10 +55,9 @@ def hash_block_tokens(
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     hashes: list[bytes] = []
     num_full_blocks = len(token_ids) // block_size
-    # hash_block's bytes, with one packer for the prompt rather than one per block (1.5x faster a block).
-    pack, blake2b = msgpack.Packer().pack, hashlib.blake2b
+    pack = msgpack.Packer().pack  # one packer for the prompt, not one per block (1.2x faster a block)
     for block_index in range(start_block, num_full_blocks):
-        block_tokens = list(token_ids[block_index * block_size : (block_index + 1) * block_size])
-        parent_hash = blake2b(pack([parent_hash, block_tokens, []]), digest_size=HASH_NUM_BYTES).digest()
+        block_tokens = token_ids[block_index * block_size : (block_index + 1) * block_size]
+        parent_hash = hash_block(parent_hash, block_tokens, pack=pack)
         hashes.append(parent_hash)
     return hashes

@@ -210,7 +210,7 @@ class LLMEngine:
             self.connector.require_transport()
             params = params.replace(max_tokens=1)
         request = Request(request_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids, pin_kv=pin_kv,
-                          priority=check_priority(priority), arrival_time=arrival_time or time.monotonic())
+                          priority=check_priority(priority), arrival_time=time.monotonic() if arrival_time is None else arrival_time)
         first_token_id = first_token(remote_kv, first_token_id, self.model_config.vocab_size)
         generated = prompt_token_ids[len(prompt_token_ids) - num_generated:]
         grammar = None if params.structured is None else start_grammar(
