@@ -11,6 +11,17 @@ import msgspec
 GREEDY_TEMPERATURE = 1e-5
 # The most alternatives a request may ask for per position (OpenAI's bound for top_logprobs).
 MAX_TOP_LOGPROBS = 20
+_MASK64 = (1 << 64) - 1
+
+
+def position_seed(seed: int, position: int) -> int:
+    """A 63-bit generator seed for drawing the token at ``position`` of a request seeded ``seed``
+    (splitmix64 of the pair): the engine's sampler reseeds with it for every draw, and the ingress
+    derives each choice's seed with it."""
+    z = (seed * 0x9E3779B97F4A7C15 + position + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1
 
 
 class StructuredKind(enum.Enum):

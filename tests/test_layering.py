@@ -9,6 +9,7 @@ import, so the fix is where the message points.
 from __future__ import annotations
 
 import ast
+import os
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -172,3 +173,35 @@ def test_the_leaf_and_the_autoscaling_policy_import_without_torch_or_ray():
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "[]", f"importing {leaf} and autoscale.serve loaded {done.stdout.strip()}"
+
+
+def test_the_config_names_the_kernels_backends():
+    """``pd.config`` spells out ``pd_kernels.BACKENDS`` rather than import torch with it; the two agree."""
+    import pd_kernels
+    from pd.config import ATTENTION_BACKENDS
+
+    assert ATTENTION_BACKENDS == pd_kernels.BACKENDS
+
+
+@pytest.mark.integration  # a child Python, so that the import state is a fresh process's
+def test_the_ingress_starts_without_torch(tmp_path, monkeypatch):
+    """Every app deploys an ingress replica, which holds text and routing only: importing it and its request
+    routers, and constructing it on a built-in model already in the cache, loads no torch (2 s and 180 MB a
+    replica)."""
+    from pd.model.paths import resolve_model_path
+
+    monkeypatch.setenv("PD_CACHE_DIR", str(tmp_path))
+    resolve_model_path("builtin:tiny-llama")  # written here, with torch, as a replica's engine would
+    code = (
+        "import sys, yaml, router.serve\n"
+        "from pd.serve.ingress import Ingress\n"
+        "args = yaml.safe_load(open('serve_configs/default.yaml'))['applications'][0]['args']\n"
+        "args['engine'] = {**args.get('engine', {}), 'model': 'builtin:tiny-llama'}\n"
+        "# The class Serve's ingress wrapper builds on: constructed as the replica would, with no pools to call.\n"
+        "cls = [c for c in Ingress.func_or_class.__mro__ if c.__name__ == 'Ingress' and '__init__' in vars(c)][-1]\n"
+        "ingress = cls(args, None, None)\n"
+        "print(ingress.vocab_size, 'torch' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=dict(os.environ), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-1] == "False", f"the ingress loaded torch: {done.stdout}"

@@ -30,11 +30,12 @@ import logging
 import numbers
 import threading
 import time
-from typing import Callable, Generic, NamedTuple, Sequence, TypeVar
-
-import torch
+from typing import TYPE_CHECKING, Callable, Generic, NamedTuple, Sequence, TypeVar
 
 from transfer.wire import PoolMetadata, TransportKind
+
+if TYPE_CHECKING:  # the ingress imports this package for its wire types, and loads no torch
+    import torch
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import Literal
 
 from pd.engine.spec.config import SpeculativeConfig
-from pd_kernels import BACKENDS as ATTENTION_BACKENDS
 
 # The dtypes a KV pool and weights may have; "auto" takes the checkpoint's.
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
@@ -26,6 +25,9 @@ Dtype = Literal[DTYPES]
 # (pd_kernels.fp8), half the bytes of bf16.
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
 KvCacheDtype = Literal[KV_CACHE_DTYPES]
+# pd_kernels.BACKENDS, spelled out: the config layer (which the ingress imports) loads no torch, and
+# importing pd_kernels would (tests/test_layering.py checks the two agree).
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 AttentionBackend = Literal[ATTENTION_BACKENDS]
 # How a CPU engine stores its dense layers (pd.model.linear): "auto" measures both forms at start.
 LINEAR_FORMS = ("auto", "onednn", "dense")

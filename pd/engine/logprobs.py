@@ -11,13 +11,13 @@ Prompt positions, for a prompt of ``n`` tokens::
     logits at:    p0    p1    p2   ...  p(n-1)
     scores:             p0->t1 p1->t2    p(n-2)->t(n-1)
 
-so ``n - 1`` entries; the first token has none.
+so ``n - 1`` entries; the first token has none. They are scored on the device by
+``pd.engine.readback``; this module imports no torch, since the ingress carries these types.
 """
 
 from __future__ import annotations
 
 import msgspec
-import torch
 
 
 class TopLogprobs(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
@@ -33,12 +33,3 @@ class PromptLogprob(msgspec.Struct, frozen=True, array_like=True, forbid_unknown
     logprob: float
     top: TopLogprobs
 
-
-def score_targets(logits: torch.Tensor, target_ids: torch.Tensor,
-                  k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """On the device: each target token's log-probability under its row of ``logits [rows, vocab]``
-    (fp32 ``[rows]``), and the top ``k`` of each row (ids int64 and log-probabilities ``[rows, k]``)."""
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
-    chosen = logprobs.gather(1, target_ids[:, None]).squeeze(1)
-    top_values, top_ids = torch.topk(logprobs, k, dim=-1)
-    return chosen, top_ids, top_values

@@ -15,12 +15,22 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pd.engine.logprobs import PromptLogprob, TopLogprobs, score_targets
+from pd.engine.logprobs import PromptLogprob, TopLogprobs
 from pd.engine.outputs import ForwardOutput
 from pd.engine.request import Request
 from pd.engine.structured import GrammarMask
 
 NON_FINITE = "the model produced non-finite logits (NaN or inf) for this request"
+
+
+def score_targets(logits: torch.Tensor, target_ids: torch.Tensor,
+                  k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """On the device: each target token's log-probability under its row of ``logits [rows, vocab]``
+    (fp32 ``[rows]``), and the top ``k`` of each row (ids int64 and log-probabilities ``[rows, k]``)."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs.gather(1, target_ids[:, None]).squeeze(1)
+    top_values, top_ids = torch.topk(logprobs, k, dim=-1)
+    return chosen, top_ids, top_values
 
 
 @dataclass(frozen=True)

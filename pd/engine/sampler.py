@@ -25,22 +25,12 @@ import torch
 from pd.engine.outputs import ForwardOutput
 from pd.engine.readback import DeviceSamples, PromptScores
 from pd.engine.request import Request
+from pd.sampling_params import position_seed
 
 if TYPE_CHECKING:
     from pd.engine.structured import GrammarMask
 
 logger = logging.getLogger(__name__)
-
-_MASK64 = (1 << 64) - 1
-
-
-def position_seed(seed: int, position: int) -> int:
-    """A 63-bit generator seed for drawing the token at ``position`` (splitmix64 of the pair)."""
-    z = (seed * 0x9E3779B97F4A7C15 + position + 1) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return (z ^ (z >> 31)) >> 1
-
 
 class Sampler:
     def __init__(self, seed: int, device: torch.device):

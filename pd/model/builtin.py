@@ -10,7 +10,7 @@ learned from ``data/tokenizer_corpus.txt``. It lets tests and demos run the
 whole stack without downloading anything. Generation is deterministic: the
 files are byte-identical across runs and machines with the same torch version.
 ``pd.model.paths`` maps a model argument (``builtin:<name>`` or a directory)
-to its checkpoint.
+to its checkpoint. Only writing a checkpoint imports torch.
 """
 
 from __future__ import annotations
@@ -25,12 +25,14 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import filelock
-import safetensors.torch
 import tokenizers
-import torch
 from tokenizers import decoders, models, pre_tokenizers, processors
+
+if TYPE_CHECKING:
+    import torch
 
 BUILTIN_PREFIX = "builtin:"
 CACHE_DIR_ENV = "PD_CACHE_DIR"
@@ -185,6 +187,8 @@ def write_checkpoint(spec: BuiltinModelSpec, out_dir: Path) -> None:
     )
     _write_json(out_dir / "config.json", _hf_config(spec, bos_token_id, eos_token_id))
     _write_json(out_dir / "generation_config.json", {"bos_token_id": bos_token_id, "eos_token_id": eos_token_id})
+    import safetensors.torch  # here, not at the top: a process that only reads checkpoints loads no torch
+
     safetensors.torch.save_file(_random_weights(spec), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
 
 
@@ -216,6 +220,8 @@ def _hf_config(spec: BuiltinModelSpec, bos_token_id: int, eos_token_id: int) -> 
 def _random_weights(spec: BuiltinModelSpec) -> dict[str, torch.Tensor]:
     # Drawn in a fixed order from one seeded generator; the names are the HF
     # Llama ones. No lm_head: it is tied to the embedding.
+    import torch
+
     generator = torch.Generator(device="cpu").manual_seed(spec.seed)
     q_size = spec.num_heads * spec.head_dim
     kv_size = spec.num_kv_heads * spec.head_dim

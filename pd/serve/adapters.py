@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from pd.lora.adapter import load_adapter
 from pd.model.config import ModelConfig
 from pd.serve.openai_protocol import OpenAIError
 from pd.serve.protocol import LoraRef
@@ -53,6 +52,8 @@ class AdapterTable:
         if not name or name == self.base_name:
             raise OpenAIError(400, f"lora_name {name!r} must be a non-empty name other than the base model's",
                               param="lora_name")
+        from pd.lora.adapter import load_adapter  # torch: loaded by an ingress that serves adapters only
+
         try:
             adapter = load_adapter(name, path, self.model, self.max_rank)
         except ValueError as exc:

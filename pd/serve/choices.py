@@ -26,8 +26,7 @@ import asyncio
 import dataclasses
 from typing import AsyncIterator
 
-from pd.engine.sampler import position_seed
-from pd.sampling_params import SamplingParams
+from pd.sampling_params import SamplingParams, position_seed
 from pd.serve.generation import GenerationEvent, PoolClient
 from pd.serve.protocol import LoraRef
 from pd.serve.timeline import Timeline

@@ -14,7 +14,7 @@ from ray import serve
 from autoscale.serve import LatencyWindow, replica_metrics
 from pd.config.app import AppArgs
 from pd.engine.async_engine import AsyncLLMEngine
-from pd.engine.outputs import EngineTimings
+from pd.engine.timings import EngineTimings
 from pd.lora.registry import UnknownAdapter
 from pd.serve.metrics import ReplicaMetrics
 from pd.serve.protocol import LoraRef, PoolRequest, ReplicaReplacement

@@ -12,8 +12,8 @@ import re
 from typing import ClassVar
 
 from pd.engine.logprobs import PromptLogprob, TopLogprobs
-from pd.engine.outputs import EngineTimings
 from pd.engine.request import FinishReason, KVSource
+from pd.engine.timings import EngineTimings
 from pd.sampling_params import SamplingParams
 from transfer.wire import NonEmptyStr, NonNegativeInt, WireMessage
 

@@ -22,7 +22,7 @@ import logging
 import time
 from typing import Mapping
 
-from pd.engine.outputs import EngineTimings
+from pd.engine.timings import EngineTimings
 from pd.serve.timeline import Span, Timeline, pull_attributes
 
 logger = logging.getLogger(__name__)

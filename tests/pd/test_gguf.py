@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pd import LLM, SamplingParams
-from pd.model import gguf as gguf_model
+from pd.model import gguf_convert
 from pd.model.paths import resolve_model_path
 from pd.model.tokenizer import Tokenizer
 from tests.gguf_files import QUANT_TYPES, make_hf_model, write_gguf
@@ -134,7 +134,7 @@ def test_a_directory_holding_one_gguf_is_that_file_and_the_conversion_is_cached(
     path = gguf_file("llama", "Q4_0")
     first = resolve_model_path(str(path))
     assert resolve_model_path(str(path.parent)) == first
-    monkeypatch.setattr(gguf_model, "convert", lambda *args: pytest.fail("converted again"))
+    monkeypatch.setattr(gguf_convert, "convert", lambda *args: pytest.fail("converted again"))
     assert resolve_model_path(str(path)) == first
     (path.parent / "second.gguf").write_bytes(b"")
     with pytest.raises(ValueError, match="holds 2 GGUF files"):
@@ -212,7 +212,7 @@ def test_a_copy_of_the_same_file_elsewhere_shares_its_conversion(gguf_file, tmp_
     copy = tmp_path / "elsewhere" / path.name
     copy.parent.mkdir()
     shutil.copy(path, copy)  # a new path and modification time, as in another venv
-    monkeypatch.setattr(gguf_model, "convert", lambda *args: pytest.fail("converted again"))
+    monkeypatch.setattr(gguf_convert, "convert", lambda *args: pytest.fail("converted again"))
     assert resolve_model_path(str(copy)) == first
     copy.write_bytes(copy.read_bytes()[:-4] + b"\0\0\0\1")  # other contents: another conversion
     with pytest.raises(pytest.fail.Exception, match="converted again"):

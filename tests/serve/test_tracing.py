@@ -8,7 +8,7 @@ import time
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from pd.engine.outputs import EngineTimings
+from pd.engine.timings import EngineTimings
 from pd.sampling_params import SamplingParams
 from pd.serve.protocol import PoolRequest, RequestTimings
 from pd.serve.timeline import Timeline, place_engine_timings

@@ -4,7 +4,7 @@ A request with drafts ``d_1 .. d_k`` after its last token computes ``k + 1``
 logits rows in one step. Row ``j`` is sampled exactly as a plain decode step
 would sample that position (same temperature, top-k/top-p, grammar mask, and
 for a seeded request the same per-position generator,
-``pd.engine.sampler.position_seed``), giving ``s_j``. The output is
+``pd.sampling_params.position_seed``), giving ``s_j``. The output is
 ``s_0 .. s_a``, where ``a`` is the longest prefix with ``s_j == d_{j+1}``:
 every accepted draft is a token the target drew itself, and the first
 mismatch (or the bonus row after the last draft) is the target's own token.
