@@ -30,14 +30,21 @@ least recently inserted entry goes first. A prompt's blocks are inserted last
 block first, so under pressure a prompt's tail is forgotten before its head,
 the same order in which the engine frees them.
 
+A routed prompt's held head (its tenant's context) is moved up only once it has
+aged: once a quarter of the bound's entries were touched after it
+(``REFRESH_AGE``). A hot context is then walked once per that many entries, not
+once per request, and it still never reaches the old end while it is in use.
+The price: a tail inserted after a head that was not moved may outlive it, by
+at most that quarter. A run stops at the first missing block, so such a tail
+is never matched, only counted until it goes.
+
 Pure Python, no Ray: one instance per router, not shared between processes.
 """
 
 from __future__ import annotations
 
-import operator
 from collections import OrderedDict, deque
-from itertools import compress, count, repeat
+from itertools import repeat, takewhile
 from typing import Iterable, Sequence
 
 from router.tiers import Tier
@@ -45,6 +52,8 @@ from router.tiers import Tier
 # The pseudo-holder of blocks in the deployment's shared store; no replica id looks like it.
 SHARED_STORE = "<shared store>"
 _NO_HOLDERS: dict[str, int] = {}
+# A held run is moved up once more than max_blocks / REFRESH_AGE entries were touched after it (module doc).
+REFRESH_AGE = 4
 
 
 class PrefixIndex:
@@ -56,9 +65,11 @@ class PrefixIndex:
         self.max_blocks = max_blocks
         # block hash -> {replica id: the tier of its copy}, in insertion order.
         self._holders: dict[bytes, dict[str, int]] = {}
-        # (block hash, replica id) entries, least recently inserted first.
-        self._lru: OrderedDict[tuple[bytes, str], None] = OrderedDict()
-        self._num_blocks_by_replica: dict[str, int] = {}
+        # (block hash, replica id) entries, least recently inserted first, each with the clock of its last touch.
+        self._lru: OrderedDict[tuple[bytes, str], int] = OrderedDict()
+        self._clock = 0  # entries touched so far: an entry touched at t has at most _clock - t newer ones
+        # replica id -> the hashes it holds, any tier: a replica's run of a prompt is one set lookup a block.
+        self._held: dict[str, set[bytes]] = {}
         self._num_off_device = 0  # entries in a tier other than DEVICE (shared-store ones too)
         self.num_dropped = 0  # entries forgotten to stay under max_blocks
         self.version = 0  # counts the changes: a run found at one version holds while it is unchanged
@@ -72,11 +83,11 @@ class PrefixIndex:
 
     def replica_ids(self) -> list[str]:
         """Replicas with at least one block in the index (never ``SHARED_STORE``)."""
-        return [replica_id for replica_id in self._num_blocks_by_replica if replica_id != SHARED_STORE]
+        return [replica_id for replica_id in self._held if replica_id != SHARED_STORE]
 
     def num_blocks(self, replica_id: str) -> int:
         """How many blocks the index says ``replica_id`` (or ``SHARED_STORE``) holds."""
-        return self._num_blocks_by_replica.get(replica_id, 0)
+        return len(self._held.get(replica_id, ()))
 
     def tier(self, block_hash: bytes, replica_id: str) -> int | None:
         """The tier of ``replica_id``'s copy of ``block_hash``; None when the index has none."""
@@ -93,9 +104,9 @@ class PrefixIndex:
 
         A routed prompt's head is usually held already (its tenant's context,
         the history before this turn) and only its tail is new: where every
-        entry is on the device, the held head's entries are only moved to the
-        LRU's end, which ``map`` does without a Python step per block, after
-        the tail's (the order the one-block-at-a-time path gives). ``held``:
+        entry is on the device, the held head is moved up only once it has
+        aged (module doc), by ``map`` without a Python step per block, after
+        the tail (the order the one-block-at-a-time path gives). ``held``:
         that run's length where the caller has just found it (``match_tiers``
         at this ``version``), so it is not walked again.
         """
@@ -104,9 +115,13 @@ class PrefixIndex:
         if tier == Tier.DEVICE and not self._num_off_device and block_hashes:
             head = self._run_of(replica_id, block_hashes) if held is None else held
         self._touch(replica_id, block_hashes[head:], tier)
-        if head:
-            deque(map(self._lru.move_to_end, zip(reversed(block_hashes[:head]), repeat(replica_id))), maxlen=0)
         lru = self._lru
+        # The head's oldest entry is its last block's: the one touched first.
+        if head and self._clock - lru[(block_hashes[head - 1], replica_id)] > self.max_blocks // REFRESH_AGE:
+            keys = list(zip(reversed(block_hashes[:head]), repeat(replica_id)))
+            deque(map(lru.move_to_end, keys), maxlen=0)
+            self._clock += head
+            lru.update(zip(keys, repeat(self._clock)))
         while len(lru) > self.max_blocks:
             (block_hash, holder), _ = lru.popitem(last=False)
             self._forget(block_hash, holder)
@@ -115,30 +130,32 @@ class PrefixIndex:
     def _touch(self, replica_id: str, block_hashes: Sequence[bytes], tier: int) -> None:
         """Add or refresh each of ``block_hashes``, last first, in ``tier``; the bound is the caller's."""
         lru = self._lru
+        held = self._held.setdefault(replica_id, set())
         off_device = tier != Tier.DEVICE
+        self._clock += len(block_hashes)
+        clock = self._clock
         for block_hash in reversed(block_hashes):
             key = (block_hash, replica_id)
             holders = self._holders.setdefault(block_hash, {})
             if key in lru:
                 lru.move_to_end(key)
+                lru[key] = clock
                 self._num_off_device += off_device - (holders[replica_id] != Tier.DEVICE)
             else:
-                lru[key] = None
-                self._num_blocks_by_replica[replica_id] = self._num_blocks_by_replica.get(replica_id, 0) + 1
+                lru[key] = clock
+                held.add(block_hash)
                 self._num_off_device += off_device
             holders[replica_id] = tier
 
     def _run_of(self, replica_id: str, block_hashes: Sequence[bytes]) -> int:
         """The length of ``replica_id``'s own leading run of ``block_hashes``, any tier, found in C.
 
-        ``compress`` yields the positions whose block ``replica_id`` lacks;
-        the first of them ends the run. It stops there, so a replica holding
-        none of the prompt costs one lookup, and one holding a run of n
-        blocks, n lookups without a Python step each.
+        ``takewhile`` stops at the first block the replica's set lacks, so a
+        replica holding none of the prompt costs one lookup, and one holding
+        a run of n blocks, n set lookups without a Python step each.
         """
-        holders = map(self._holders.get, block_hashes, repeat(_NO_HOLDERS))
-        lacking = map(operator.not_, map(operator.contains, holders, repeat(replica_id)))
-        return next(compress(count(), lacking), len(block_hashes))
+        held = self._held.get(replica_id)
+        return len(list(takewhile(held.__contains__, block_hashes))) if held else 0
 
     def evict(self, replica_id: str, block_hashes: Iterable[bytes]) -> None:
         """Record that ``replica_id`` no longer holds ``block_hashes``; unknown ones are ignored."""
@@ -150,14 +167,11 @@ class PrefixIndex:
                 self._forget(block_hash, replica_id)
 
     def remove_replica(self, replica_id: str) -> None:
-        """Forget every block of ``replica_id`` (it died or left the pool). O(len(self))."""
+        """Forget every block of ``replica_id`` (it died or left the pool). O(its blocks)."""
         self.version += 1
-        if replica_id not in self._num_blocks_by_replica:
-            return
-        doomed = [key for key in self._lru if key[1] == replica_id]
-        for key in doomed:
-            del self._lru[key]
-            self._forget(*key)
+        for block_hash in list(self._held.get(replica_id, ())):
+            del self._lru[(block_hash, replica_id)]
+            self._forget(block_hash, replica_id)
 
     def match(self, block_hashes: Sequence[bytes]) -> dict[str, int]:
         """For each replica holding the first block, the length of its leading run of ``block_hashes``.
@@ -259,8 +273,7 @@ class PrefixIndex:
         self._num_off_device -= holders.pop(replica_id) != Tier.DEVICE
         if not holders:
             del self._holders[block_hash]
-        remaining = self._num_blocks_by_replica[replica_id] - 1
-        if remaining:
-            self._num_blocks_by_replica[replica_id] = remaining
-        else:
-            del self._num_blocks_by_replica[replica_id]
+        held = self._held[replica_id]
+        held.discard(block_hash)
+        if not held:
+            del self._held[replica_id]

@@ -128,25 +128,51 @@ def test_random_operations_keep_the_bound_and_agree_with_a_model():
         assert sum(index.num_blocks(holder) for holder in "abcd") == len(index)
 
 
-def _two_alike(prompt: list[bytes], *held: tuple[str, list[bytes]]) -> tuple[PrefixIndex, PrefixIndex]:
+def _two_alike(prompt: list[bytes], *held: tuple[str, list[bytes]],
+               max_blocks: int = 100) -> tuple[PrefixIndex, PrefixIndex]:
     """Two indexes in the same state: "a" holding ``prompt``'s first four blocks, then ``held``."""
-    pair = PrefixIndex(max_blocks=100), PrefixIndex(max_blocks=100)
+    pair = PrefixIndex(max_blocks), PrefixIndex(max_blocks)
     for index in pair:
         for replica_id, block_hashes in (("a", prompt[:4]), *held):
             index.insert(replica_id, block_hashes)
     return pair
 
 
-def test_a_held_head_is_refreshed_after_the_new_tail_as_one_block_at_a_time_would():
-    """The fast path (the held head moved in C) leaves the LRU order of the slow one: last block first."""
+def test_an_aged_held_head_is_refreshed_after_the_new_tail_as_one_block_at_a_time_would():
+    """The fast path (the held head moved in C) leaves the LRU order of the slow one: last block first.
+
+    The head has aged: 5 entries were touched after it, over a quarter of the bound of 12."""
     prompt, other = hashes(6), hashes(3, first_token=500)
-    fast, slow = _two_alike(prompt, ("a", other), ("b", prompt[:2]))
+    fast, slow = _two_alike(prompt, ("a", other), ("b", prompt[:2]), max_blocks=12)
     fast.insert("a", prompt)
     slow.insert("a", prompt[4:])  # the tail, then the head, block by block
     for block_hash in reversed(prompt[:4]):
         slow.insert("a", [block_hash])
     assert list(fast._lru) == list(slow._lru)
     assert list(fast._lru)[-1] == (prompt[0], "a") and fast.num_blocks("a") == 9
+
+
+def test_a_young_held_head_stays_where_it_is_and_a_hot_context_outlives_cold_traffic():
+    """A head touched less than a quarter of the bound ago is not moved (the tail goes in after it); one
+    touched longer ago is. A context every other request reuses is never forgotten under a stream of
+    prompts that no one reuses, on an index a twentieth of their size."""
+    prompt = hashes(6)
+    index = PrefixIndex(max_blocks=100)
+    index.insert("a", prompt[:4])
+    index.insert("a", prompt)
+    assert list(index._lru) == [(h, "a") for h in (*reversed(prompt[:4]), prompt[5], prompt[4])]
+    index.insert("b", hashes(26, first_token=900))  # 26 entries more: the head is now over a quarter old
+    index.insert("a", prompt)
+    assert list(index._lru)[-6:] == [(h, "a") for h in reversed(prompt)]
+
+    hot = hashes(8, first_token=2000)
+    index = PrefixIndex(max_blocks=40)
+    for turn in range(400):
+        tail = hash_block_tokens([3000 + turn] * BLOCK, BLOCK, parent_hash=hot[-1])
+        index.insert("a", hot + tail)
+        index.insert("b", hashes(2, first_token=10_000 + 10 * turn))
+        assert index.match(hot)["a"] == 8 and len(index) <= 40
+    assert index.num_dropped > 700
 
 
 def test_a_run_the_caller_found_is_not_walked_again_and_every_change_counts():
