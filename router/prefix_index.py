@@ -65,7 +65,8 @@ class PrefixIndex:
         self.max_blocks = max_blocks
         # block hash -> {replica id: the tier of its copy}, in insertion order.
         self._holders: dict[bytes, dict[str, int]] = {}
-        # (block hash, replica id) entries, least recently inserted first, each with the clock of its last touch.
+        # (block hash, replica id) entries, least recently inserted first, each with a clock no later than its
+        # last touch's (a held head moved up restamps only its oldest entry, the one ``insert`` reads).
         self._lru: OrderedDict[tuple[bytes, str], int] = OrderedDict()
         self._clock = 0  # entries touched so far: an entry touched at t has at most _clock - t newer ones
         # replica id -> the hashes it holds, any tier: a replica's run of a prompt is one set lookup a block.
@@ -118,10 +119,10 @@ class PrefixIndex:
         lru = self._lru
         # The head's oldest entry is its last block's: the one touched first.
         if head and self._clock - lru[(block_hashes[head - 1], replica_id)] > self.max_blocks // REFRESH_AGE:
-            keys = list(zip(reversed(block_hashes[:head]), repeat(replica_id)))
-            deque(map(lru.move_to_end, keys), maxlen=0)
+            oldest = (block_hashes[head - 1], replica_id)
+            deque(map(lru.move_to_end, zip(reversed(block_hashes[:head]), repeat(replica_id))), maxlen=0)
             self._clock += head
-            lru.update(zip(keys, repeat(self._clock)))
+            lru[oldest] = self._clock
         while len(lru) > self.max_blocks:
             (block_hash, holder), _ = lru.popitem(last=False)
             self._forget(block_hash, holder)
