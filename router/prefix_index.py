@@ -130,6 +130,8 @@ class PrefixIndex:
 
     def _touch(self, replica_id: str, block_hashes: Sequence[bytes], tier: int) -> None:
         """Add or refresh each of ``block_hashes``, last first, in ``tier``; the bound is the caller's."""
+        if not block_hashes:
+            return
         lru = self._lru
         held = self._held.setdefault(replica_id, set())
         off_device = tier != Tier.DEVICE

@@ -91,8 +91,9 @@ def test_remove_replica_forgets_only_that_replica():
     index.insert("b", prompt[:2])
     index.remove_replica("a")
     index.remove_replica("never-seen")
+    index.insert("c", [])  # an empty prompt holds nothing: "c" is no replica of the index
     assert index.match(prompt) == {"b": 2}
-    assert index.replica_ids() == ["b"]
+    assert index.replica_ids() == ["b"] and index.num_blocks("c") == 0
     assert len(index) == 2
 
 
