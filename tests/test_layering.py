@@ -202,6 +202,7 @@ def test_the_ingress_starts_without_torch(tmp_path, monkeypatch):
         "ingress = cls(args, None, None)\n"
         "print(ingress.vocab_size, 'torch' in sys.modules)\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=dict(os.environ), capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=dict(os.environ), capture_output=True,
+                          text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split()[-1] == "False", f"the ingress loaded torch: {done.stdout}"

@@ -28,13 +28,12 @@ from pd.config import SchedulerConfig
 from pd.engine.block_pool import BlockPool
 from pd.engine.kv_cache_manager import NO_MATCH, KVCacheManager
 from pd.engine.logprobs import PromptLogprob
-from pd.engine.outputs import ForwardOutput, RequestOutput, ScheduledRequest, SchedulerOutput
+from pd.engine.outputs import EngineTimings, ForwardOutput, RequestOutput, ScheduledRequest, SchedulerOutput
 from pd.engine.priority import enqueue, most_urgent_prompt, requeue
 from pd.engine.request import FinishReason, KVSource, Request, RequestStatus, finish_reason
 from pd.engine.spec.verify import append_verified, verified_rows
 from pd.engine.step_budget import StepBudget
 from pd.engine.tiers.base import NO_TIERS, Tiers
-from pd.engine.timings import EngineTimings
 from pd.lora.admission import MAX_WAITS, AdapterRoom
 
 if TYPE_CHECKING:
