@@ -118,8 +118,8 @@ class PrefixIndex:
         self._touch(replica_id, block_hashes[head:], tier)
         lru = self._lru
         # The head's oldest entry is its last block's: the one touched first.
-        if head and self._clock - lru[(block_hashes[head - 1], replica_id)] > self.max_blocks // REFRESH_AGE:
-            oldest = (block_hashes[head - 1], replica_id)
+        oldest = (block_hashes[head - 1], replica_id) if head else None
+        if head and self._clock - lru[oldest] > self.max_blocks // REFRESH_AGE:
             deque(map(lru.move_to_end, zip(reversed(block_hashes[:head]), repeat(replica_id))), maxlen=0)
             self._clock += head
             lru[oldest] = self._clock
