@@ -171,29 +171,27 @@ class PredictedLatencyPolicy(PrefixAffinityPolicy):
         asked = [replica.replica_id for replica in scored_loads]
         runs = self.index.match_tiers(block_hashes, asked)
         self._matched = (block_hashes, self.index.version, set(asked), runs)  # record_routed's insert reads it
-        scored, ttfts = [], {}
-        cached = [self.index.num_blocks(replica.replica_id) for replica in scored_loads] if config.w_cached_s else ()
-        most_cached = max(cached, default=0) or 1
-        estimates = [predictor.estimate(replica.replica_id, runs.get(replica.replica_id), num_prompt_tokens, now_s)
-                     for replica in scored_loads]
+        estimates = predictor.estimates(asked, runs, num_prompt_tokens, now_s)
         new_share = 1.0 - max(estimate[0] for estimate in estimates) / max(1, num_prompt_tokens)
-        for position, (replica, (matched, valued, compute, ttft)) in enumerate(zip(scored_loads, estimates)):
+        w_follow, w_compute = config.w_follow * new_share, config.w_compute
+        inflow, measured_s, is_overloaded = predictor.inflow.fraction, predictor.fit.measured_s, self.is_overloaded
+        explore_fraction, explore_after_s = config.explore_fraction, config.explore_after_s
+        cached = [self.index.num_blocks(replica_id) for replica_id in asked] if config.w_cached_s else ()
+        most_cached, chunk_tokens = max(cached, default=0) or 1, config.max_num_batched_tokens
+        scored, ttfts = [], {}
+        for position, (replica, (matched, valued, compute, ttft, marginal)) in enumerate(zip(scored_loads, estimates)):
             replica_id = replica.replica_id
-            follow = config.w_follow * new_share * predictor.inflow.fraction(replica_id, now_s)
-            cost = ttft + config.w_compute * compute
-            if follow:
-                cost += follow * predictor.marginal_s(replica_id, num_prompt_tokens - valued,
-                                                      prefill_pairs(num_prompt_tokens - matched, matched))
+            cost = ttft + w_compute * compute + w_follow * inflow(replica_id, now_s) * marginal
             if cached:
-                written = (num_prompt_tokens - matched) / config.max_num_batched_tokens
+                written = (num_prompt_tokens - matched) / chunk_tokens
                 cost += config.w_cached_s * written * cached[position] / most_cached
             if adapter is not None:
                 adapter_wait, adapter_reload = self.adapter_seconds(replica, adapter)
                 ttft += adapter_wait
                 cost += adapter_wait + adapter_reload
             ttfts[replica_id] = ttft
-            cost *= self._exploration(replica_id, now_s)
-            scored.append(Scored(replica_id, self.is_overloaded(replica), cost, matched, valued))
+            cost *= 1.0 - explore_fraction * min(1.0, (now_s - measured_s(replica_id)) / explore_after_s)
+            scored.append(Scored(replica_id, is_overloaded(replica), cost, matched, valued))
         decision = decide(scored, num_prompt_tokens, self._rng, adapter)
         return dataclasses.replace(decision, predicted_s=ttfts[decision.replica_id])
 
@@ -207,10 +205,6 @@ class PredictedLatencyPolicy(PrefixAffinityPolicy):
             return load_s, 0.0
         wait_s = self.predictor.compute_s(replica.replica_id, self.config.adapter_wait_tokens, 0.0)
         return load_s + wait_s, load_s
-
-    def _exploration(self, replica_id: str, now_s: float) -> float:
-        age = now_s - self.predictor.fit.measured_s(replica_id)
-        return 1.0 - self.config.explore_fraction * min(1.0, age / self.config.explore_after_s)
 
     def record_routed(self, decision: RoutingDecision, block_hashes: Sequence[bytes], now_s: float = 0.0) -> None:
         super().record_routed(decision, block_hashes)

@@ -146,13 +146,31 @@ class LatencyPredictor:
         """``(matched, valued, compute_s, ttft_s)`` of a prompt on ``replica_id``, whose leading run of the
         prompt's blocks is ``run``: the tokens it holds; those valued by their tier and the chance they
         survive the work queued ahead; the prefill of the rest; and that prefill after the wait."""
-        matched, valued = valued_tokens(run, self.hit_values, self.config.block_size, num_prompt_tokens) \
-            if run else (0, 0.0)
-        if matched:
-            valued *= self.survival(replica_id)
-        compute = self.compute_s(replica_id, num_prompt_tokens - valued,
-                                 prefill_pairs(num_prompt_tokens - matched, matched))
-        return matched, valued, compute, self.wait_s(replica_id, now_s) + compute
+        return self.estimates((replica_id,), {replica_id: run} if run else {}, num_prompt_tokens, now_s)[0][:4]
+
+    def estimates(self, replica_ids: Sequence[str], runs, num_prompt_tokens: int,
+                  now_s: float) -> list[tuple[int, float, float, float, float]]:
+        """``estimate``'s four for each of ``replica_ids`` (``runs``: their leading runs, by id, as
+        ``PrefixIndex.match_tiers`` gives them), then ``marginal_s`` of the prefill's tokens and pairs: what
+        one decision scores, with the fit's coefficients read once. Before data (not ``ready``), raises."""
+        coefficients = self.fit.coefficients()
+        _, per_token, per_pair, _, per_sample = coefficients
+        hit_values, block_size = self.hit_values, self.config.block_size
+        chunk_tokens = self.config.max_num_batched_tokens
+        queues, speed_of = self._queues, self.fit.speed
+        out = []
+        for replica_id in replica_ids:
+            run, queue = runs.get(replica_id), queues.get(replica_id) or _NO_QUEUE
+            matched, valued = valued_tokens(run, hit_values, block_size, num_prompt_tokens) if run else (0, 0.0)
+            if matched:
+                valued *= _survival(queue, block_size)
+            tokens, pairs = num_prompt_tokens - valued, prefill_pairs(num_prompt_tokens - matched, matched)
+            speed = speed_of(replica_id)
+            compute = speed * prefill_seconds(coefficients, tokens, pairs, queue.decoding, queue.decode_context,
+                                              chunk_tokens)
+            out.append((matched, valued, compute, max(0.0, queue.busy_until_s - now_s) + compute,
+                        speed * (per_token * tokens + per_pair * pairs + per_sample)))
+        return out
 
     def ready(self) -> bool:
         return self.fit.coefficients() is not None
@@ -160,7 +178,7 @@ class LatencyPredictor:
     def compute_s(self, replica_id: str, tokens: float, pairs: float) -> float:
         """Seconds ``replica_id`` takes to prefill ``tokens`` more, with its reported decodes alongside."""
         coefficients = self.fit.coefficients()
-        queue = self._queues.get(replica_id) or _Queue()
+        queue = self._queues.get(replica_id) or _NO_QUEUE
         return self.fit.speed(replica_id) * prefill_seconds(
             coefficients, tokens, pairs, queue.decoding, queue.decode_context, self.config.max_num_batched_tokens)
 
@@ -203,21 +221,27 @@ class LatencyPredictor:
             queue.decoding += unseen
 
     def survival(self, replica_id: str) -> float:
-        """The chance a cached prefix there is still cached when a prompt sent now starts.
-
-        Cached blocks nobody uses sit in the free queue, oldest first, and
-        every block allocated takes the oldest: the work queued ahead takes
-        ``tokens_ahead / block_size`` of the ``free_blocks``. With the prefix
-        anywhere in the queue, it survives with 1 - taken / free.
-        """
-        queue = self._queues.get(replica_id)
-        if queue is None or queue.free_blocks is None or queue.tokens_ahead <= 0:
-            return 1.0
-        taken = queue.tokens_ahead / self.config.block_size
-        return max(0.0, 1.0 - taken / queue.free_blocks) if queue.free_blocks > 0 else 0.0
+        """The chance a cached prefix there is still cached when a prompt sent now starts (``_survival``)."""
+        return _survival(self._queues.get(replica_id) or _NO_QUEUE, self.config.block_size)
 
     def forget(self, replica_id: str) -> None:
         self.fit.forget(replica_id)
         self.transfer.forget(replica_id)
         self._queues.pop(replica_id, None)
         self.inflow.forget(replica_id)
+
+
+_NO_QUEUE = _Queue()  # a replica not reported yet: nothing queued, no decodes (read, never written)
+
+
+def _survival(queue: _Queue, block_size: int) -> float:
+    """The chance a cached prefix is still cached when a prompt sent now starts there.
+
+    Cached blocks nobody uses sit in the free queue, oldest first, and
+    every block allocated takes the oldest: the work queued ahead takes
+    ``tokens_ahead / block_size`` of the ``free_blocks``. With the prefix
+    anywhere in the queue, it survives with 1 - taken / free.
+    """
+    if queue.free_blocks is None or queue.tokens_ahead <= 0:
+        return 1.0
+    return max(0.0, 1.0 - queue.tokens_ahead / block_size / queue.free_blocks) if queue.free_blocks > 0 else 0.0

@@ -225,7 +225,8 @@ def decide(scored: list[Scored], num_prompt_tokens: int, rng: random.Random,
         reason = RoutingReason.PREFIX
     else:
         reason = RoutingReason.LOAD
-    others = sorted((entry for entry in scored if entry is not chosen), key=lambda entry: (entry.overloaded, entry.cost))
+    others = sorted((entry for entry in scored if entry is not chosen),
+                    key=lambda entry: (entry.overloaded, entry.cost))
     return RoutingDecision(
         replica_id=chosen.replica_id,
         reason=reason,
@@ -298,7 +299,8 @@ class PrefixAffinityPolicy:
     def is_overloaded(self, replica: ReplicaLoad, routed_limit: float = math.inf) -> bool:
         """Whether ``replica`` is over any bound; ``routed_limit`` comes from ``routed_limit``."""
         config = self.config
-        if config.max_queued_prefill_tokens is not None and replica.queued_prefill_tokens > config.max_queued_prefill_tokens:
+        queued_bound = config.max_queued_prefill_tokens
+        if queued_bound is not None and replica.queued_prefill_tokens > queued_bound:
             return True
         if config.max_active_requests is not None and replica.num_active_requests > config.max_active_requests:
             return True
@@ -340,7 +342,8 @@ class PrefixAffinityPolicy:
 
         If it landed elsewhere, pass ``dataclasses.replace(decision, replica_id=...)``.
         """
-        self.index.insert(decision.replica_id, block_hashes, held=self._known_run(decision.replica_id, block_hashes))
+        self.index.insert(decision.replica_id, block_hashes, held=self._known_run(decision.replica_id, block_hashes),
+                          prompt=True)
         self.recent.record(decision.replica_id, decision.uncached_tokens)
         unreported = self._unreported_prefill_tokens
         unreported[decision.replica_id] = unreported.get(decision.replica_id, 0) + decision.uncached_tokens

@@ -38,13 +38,23 @@ The price: a tail inserted after a head that was not moved may outlive it, by
 at most that quarter. A run stops at the first missing block, so such a tail
 is never matched, only counted until it goes.
 
+A replica's run of a prompt is found without a step per block where the
+index knows the run is whole: each replica keeps the blocks it holds together
+with every block before them in their prompt (``_Whole``), learnt from a
+routed prompt (``insert(..., prompt=True)``: all of it held once inserted)
+and from each run found by a walk. That set is closed under "the block
+before", so a prompt's known blocks are a leading run, found by a binary
+search; a walk goes on only past it, usually over a new turn's own blocks.
+A block that stops being held leaves the set; where it was not the last of
+its chain there, the replica's set is dropped whole, to be learnt again.
+
 Pure Python, no Ray: one instance per router, not shared between processes.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from itertools import repeat, takewhile
+from itertools import chain, repeat, takewhile
 from typing import Iterable, Sequence
 
 from router.tiers import Tier
@@ -71,6 +81,8 @@ class PrefixIndex:
         self._clock = 0  # entries touched so far: an entry touched at t has at most _clock - t newer ones
         # replica id -> the hashes it holds, any tier: a replica's run of a prompt is one set lookup a block.
         self._held: dict[str, set[bytes]] = {}
+        # replica id -> the blocks it holds with every block before them (module docstring); a subset of _held.
+        self._whole: dict[str, _Whole] = {}
         self._num_off_device = 0  # entries in a tier other than DEVICE (shared-store ones too)
         self.num_dropped = 0  # entries forgotten to stay under max_blocks
         self.version = 0  # counts the changes: a run found at one version holds while it is unchanged
@@ -95,7 +107,7 @@ class PrefixIndex:
         return self._holders.get(block_hash, _NO_HOLDERS).get(replica_id)
 
     def insert(self, replica_id: str, block_hashes: Sequence[bytes], tier: int = Tier.DEVICE,
-               held: int | None = None) -> None:
+               held: int | None = None, prompt: bool = False) -> None:
         """Record that ``replica_id`` holds ``block_hashes`` (a prompt's leading blocks, in order) in ``tier``.
 
         Re-inserting a held block refreshes it and moves it to ``tier``. The
@@ -109,12 +121,15 @@ class PrefixIndex:
         aged (module doc), by ``map`` without a Python step per block, after
         the tail (the order the one-block-at-a-time path gives). ``held``:
         that run's length where the caller has just found it (``match_tiers``
-        at this ``version``), so it is not walked again.
+        at this ``version``), so it is not walked again. ``prompt``: the
+        blocks are a whole prompt's from its first (a routed prompt, not a
+        replica's report of blocks it stored), so every one is held with all
+        before it once inserted (module docstring).
         """
         self.version += 1
         head = 0
         if tier == Tier.DEVICE and not self._num_off_device and block_hashes:
-            head = self._run_of(replica_id, block_hashes) if held is None else held
+            head = self._run_of(replica_id, block_hashes, prompt) if held is None else held
         self._touch(replica_id, block_hashes[head:], tier)
         lru = self._lru
         # The head's oldest entry is its last block's: the one touched first.
@@ -123,6 +138,9 @@ class PrefixIndex:
             deque(map(lru.move_to_end, zip(reversed(block_hashes[:head]), repeat(replica_id))), maxlen=0)
             self._clock += head
             lru[oldest] = self._clock
+        if prompt and block_hashes:
+            whole = self._whole.setdefault(replica_id, _Whole())
+            whole.add(block_hashes, len(block_hashes), whole.run(block_hashes))
         while len(lru) > self.max_blocks:
             (block_hash, holder), _ = lru.popitem(last=False)
             self._forget(block_hash, holder)
@@ -150,15 +168,25 @@ class PrefixIndex:
                 self._num_off_device += off_device
             holders[replica_id] = tier
 
-    def _run_of(self, replica_id: str, block_hashes: Sequence[bytes]) -> int:
-        """The length of ``replica_id``'s own leading run of ``block_hashes``, any tier, found in C.
+    def _run_of(self, replica_id: str, block_hashes: Sequence[bytes], prompt: bool = False) -> int:
+        """The length of ``replica_id``'s own leading run of ``block_hashes``, any tier.
 
-        ``takewhile`` stops at the first block the replica's set lacks, so a
-        replica holding none of the prompt costs one lookup, and one holding
-        a run of n blocks, n set lookups without a Python step each.
+        ``takewhile`` stops at the first block the replica's set lacks, in C.
+        ``prompt``: ``block_hashes`` are a prompt's from its first block, so
+        the part of them known whole (module docstring) is a binary search,
+        the walk goes on past it only, and what it finds is known from then on.
         """
         held = self._held.get(replica_id)
-        return len(list(takewhile(held.__contains__, block_hashes))) if held else 0
+        if not held:
+            return 0
+        if not prompt:
+            return len(list(takewhile(held.__contains__, block_hashes)))
+        whole = self._whole.get(replica_id)
+        known = whole.run(block_hashes) if whole is not None else 0
+        run = known + len(list(takewhile(held.__contains__, block_hashes[known:])))
+        if run > known:
+            (whole or self._whole.setdefault(replica_id, _Whole())).add(block_hashes, run, known)
+        return run
 
     def evict(self, replica_id: str, block_hashes: Iterable[bytes]) -> None:
         """Record that ``replica_id`` no longer holds ``block_hashes``; unknown ones are ignored."""
@@ -172,6 +200,7 @@ class PrefixIndex:
     def remove_replica(self, replica_id: str) -> None:
         """Forget every block of ``replica_id`` (it died or left the pool). O(its blocks)."""
         self.version += 1
+        self._whole.pop(replica_id, None)
         for block_hash in list(self._held.get(replica_id, ())):
             del self._lru[(block_hash, replica_id)]
             self._forget(block_hash, replica_id)
@@ -222,7 +251,7 @@ class PrefixIndex:
             first = self._holders.get(block_hashes[0], _NO_HOLDERS)
             holding = [replica_id for replica_id in wanted if replica_id in first] if len(wanted) < len(first) \
                 else [replica_id for replica_id in first if replica_id in wanted]
-            return {replica_id: (Tier.DEVICE,) * self._run_of(replica_id, block_hashes) for replica_id in holding}
+            return {replica_id: (Tier.DEVICE,) * self._run_of(replica_id, block_hashes, True) for replica_id in holding}
         first = self._holders.get(block_hashes[0], _NO_HOLDERS)
         alive = list(wanted) if SHARED_STORE in first else [r for r in first if r in wanted]
         runs: dict[str, list[int]] = {replica_id: [] for replica_id in alive}
@@ -278,5 +307,72 @@ class PrefixIndex:
             del self._holders[block_hash]
         held = self._held[replica_id]
         held.discard(block_hash)
+        whole = self._whole.get(replica_id)
+        if whole is not None and not whole.discard(block_hash):
+            del self._whole[replica_id]
         if not held:
             del self._held[replica_id]
+            self._whole.pop(replica_id, None)
+
+
+class _Whole:
+    """One replica's blocks known held together with every block before them in their prompt: closed under
+    "the block before", so along any prompt the known blocks are a leading run.
+
+    Each known block maps to the block after it where it was learnt (None
+    for the last of what one ``add`` learnt), so a block has known blocks
+    after it when that one is known, or when a later ``add`` started from it
+    (``branches``). Learning a run is two passes in C and no per-block
+    object.
+    """
+
+    __slots__ = ("after", "starts", "branches")
+
+    def __init__(self) -> None:
+        self.after: dict[bytes, bytes | None] = {}
+        self.starts: dict[bytes, bytes | None] = {}  # the first block each add learnt -> the block before it
+        self.branches: dict[bytes, int] = {}  # a known block -> the adds that started right after it
+
+    def run(self, block_hashes: Sequence[bytes]) -> int:
+        """How many of ``block_hashes``' leading blocks are known: a binary search, as they are a leading run."""
+        after = self.after
+        if not block_hashes or block_hashes[0] not in after:
+            return 0
+        low, high = 0, len(block_hashes)  # block_hashes[low] is known; nothing at or past high is
+        while high - low > 1:
+            middle = (low + high) // 2
+            if block_hashes[middle] in after:
+                low = middle
+            else:
+                high = middle
+        return low + 1
+
+    def add(self, block_hashes: Sequence[bytes], end: int, known: int) -> None:
+        """Know ``block_hashes[:end]`` (a prompt's leading blocks, each held), of which the first ``known``
+        (``run``) are known already."""
+        if end <= known:
+            return
+        self.after.update(zip(block_hashes[known:end], chain(block_hashes[known + 1:end], (None,))))
+        before = block_hashes[known - 1] if known else None
+        self.starts[block_hashes[known]] = before
+        if before is not None:
+            self.branches[before] = self.branches.get(before, 0) + 1
+
+    def discard(self, block_hash: bytes) -> bool:
+        """``block_hash`` is no longer held: forget it. False where known blocks come after it (they are not
+        whole any more, and only a walk could find them): the caller then drops the whole set."""
+        after = self.after
+        if block_hash not in after:
+            return True
+        if after[block_hash] in after or block_hash in self.branches:
+            return False
+        del after[block_hash]
+        if block_hash in self.starts:
+            before = self.starts.pop(block_hash)
+            if before is not None:
+                left = self.branches[before] - 1
+                if left:
+                    self.branches[before] = left
+                else:
+                    del self.branches[before]
+        return True

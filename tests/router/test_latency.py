@@ -299,8 +299,8 @@ def test_a_decision_scores_a_few_candidates_not_the_pool():
     hashes = hash_block_tokens(prompt, BLOCK)
     policy.index.insert("r200", hashes)
     scored = []
-    estimate = policy.predictor.estimate
-    policy.predictor.estimate = lambda replica_id, *args: scored.append(replica_id) or estimate(replica_id, *args)
+    estimates = policy.predictor.estimates
+    policy.predictor.estimates = lambda replica_ids, *args: scored.extend(replica_ids) or estimates(replica_ids, *args)
     decision = policy.choose(hashes, len(prompt), pool, now_s=0.0)
     assert decision.replica_id == "r200" and scored[0] == "r200"
     assert 3 <= len(scored) <= 4 and len(decision.ranked_replica_ids) == len(scored)
@@ -317,7 +317,7 @@ def test_recording_a_decision_reuses_the_run_it_matched_while_the_index_is_uncha
     policy.index.insert("r3", hashes)
     walks = []
     run_of = policy.index._run_of
-    policy.index._run_of = lambda replica_id, block_hashes: walks.append(replica_id) or run_of(replica_id, block_hashes)
+    policy.index._run_of = lambda replica_id, *args: walks.append(replica_id) or run_of(replica_id, *args)
     decision = policy.choose(hashes, 64 * BLOCK, pool, now_s=0.0)
     assert decision.replica_id == "r3" and walks == ["r3"]
     policy.record_routed(decision, hashes)

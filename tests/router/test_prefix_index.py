@@ -129,6 +129,90 @@ def test_random_operations_keep_the_bound_and_agree_with_a_model():
         assert sum(index.num_blocks(holder) for holder in "abcd") == len(index)
 
 
+def _tree_prompts(rng: random.Random, count: int) -> list[list[bytes]]:
+    """Prompts that share prefixes: each a random earlier one's leading blocks (or none), then blocks of its own."""
+    prompts: list[list[bytes]] = []
+    for number in range(count):
+        head = rng.choice(prompts)[:rng.randint(1, 6)] if prompts and rng.random() < 0.7 else []
+        own = rng.randint(1, 5)
+        tokens = [50_000 + 100 * number + position for position in range(own * BLOCK)]
+        prompts.append(head + hash_block_tokens(tokens, BLOCK, parent_hash=head[-1]) if head
+                       else hash_block_tokens(tokens, BLOCK))
+    return prompts
+
+
+def _walked_run(index: PrefixIndex, replica_id: str, prompt: list[bytes]) -> int:
+    run = 0
+    while run < len(prompt) and (prompt[run], replica_id) in index:
+        run += 1
+    return run
+
+
+def _check_known_whole(index: PrefixIndex) -> None:
+    """Every known block is held, and so is the block before it (a prompt's first has none)."""
+    for replica_id, whole in index._whole.items():
+        before_of = {}
+        for block_hash, after in whole.after.items():
+            assert (block_hash, replica_id) in index
+            if after in whole.after:
+                before_of[after] = block_hash
+        before_of.update(whole.starts)
+        assert set(before_of) == set(whole.after)
+        assert all(before is None or before in whole.after for before in before_of.values())
+        branches = {}
+        for before in whole.starts.values():
+            if before is not None:
+                branches[before] = branches.get(before, 0) + 1
+        assert whole.branches == branches
+
+
+def test_random_routed_prompts_reports_and_evictions_give_exact_runs_without_walking_known_ones():
+    """Prompts sharing prefixes, routed (known whole once inserted), reported as loose blocks (never known
+    whole), evicted in any order, forgotten past the bound, replicas removed: every run is the walked run,
+    and what is known is held, with all before it."""
+    rng = random.Random(2)
+    index = PrefixIndex(max_blocks=60)
+    prompts = _tree_prompts(rng, 40)
+    for _ in range(3000):
+        replica, prompt, operation = rng.choice("abc"), rng.choice(prompts), rng.random()
+        if operation < 0.45:
+            index.insert(replica, prompt, prompt=True)
+        elif operation < 0.6:  # a report: stored blocks in the events' order, not a prompt
+            index.insert(replica, rng.sample(prompt, rng.randint(1, len(prompt))))
+        elif operation < 0.97:
+            index.evict(replica, rng.sample(prompt, min(len(prompt), rng.randint(1, 2))))
+        else:
+            index.remove_replica(replica)
+        probe = rng.choice(prompts)
+        expected = {holder: run for holder in "abc" if (run := _walked_run(index, holder, probe))}
+        assert index.match_tiers(probe, "abc") == {holder: (Tier.DEVICE,) * run for holder, run in expected.items()}
+        _check_known_whole(index)
+    assert index._whole  # the runs were known, not only walked
+
+
+def test_a_routed_context_is_known_whole_and_its_next_turn_walks_only_its_own_blocks():
+    """A routed prompt is known whole, so the next turn's run is a binary search plus one lookup; the
+    replica's evicting another prompt's blocks, last first, keeps it known; evicting a block inside it
+    forgets what the replica knew, and the next match walks again, exactly."""
+    context, other = hashes(40), hashes(6, first_token=9000)
+    index = PrefixIndex(max_blocks=1000)
+    index.insert("a", context, prompt=True)
+    index.insert("a", other, prompt=True)
+    turn = context + hash_block_tokens([7] * (2 * BLOCK), BLOCK, parent_hash=context[-1])
+    looked = []
+    held = index._held["a"]
+    index._held["a"] = type("Counted", (set,), {"__contains__": lambda self, h: looked.append(h) or
+                                                 set.__contains__(self, h)})(held)
+    assert index.match_tiers(turn, ["a"]) == {"a": (Tier.DEVICE,) * 40}
+    assert looked == [turn[40]]  # the known 40 by binary search; one lookup past them
+    index.evict("a", reversed(other))  # another prompt's blocks, tail first: each is a leaf there
+    assert len(index._whole["a"].after) == 40
+    index.evict("a", [context[30]])  # inside the context: what was known after it is not whole any more
+    assert "a" not in index._whole
+    assert index.match_tiers(turn, ["a"]) == {"a": (Tier.DEVICE,) * 30}
+    assert index._whole["a"].run(turn) == 30
+
+
 def _two_alike(prompt: list[bytes], *held: tuple[str, list[bytes]],
                max_blocks: int = 100) -> tuple[PrefixIndex, PrefixIndex]:
     """Two indexes in the same state: "a" holding ``prompt``'s first four blocks, then ``held``."""
