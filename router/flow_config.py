@@ -161,7 +161,9 @@ class FlowConfig:
     ``shed_margin``: a request is shed on arrival when its predicted TTFT
     exceeds its deadline by this fraction of it (``math.inf``: deadlines
     never shed, the replay that shows what shedding spared). ``max_queued``:
-    every tenant's waiting requests together. ``key_tenants``: each API key's digest (``key_digest``)
+    every tenant's waiting requests together. ``queue_reserve``: the share of
+    each queue bound (a tenant's and ``max_queued``) that each level leaves
+    to the levels above it (``router.flow_control``). ``key_tenants``: each API key's digest (``key_digest``)
     and the tenant it identifies.
     """
 
@@ -171,6 +173,7 @@ class FlowConfig:
     trust_tenant_header: bool = False
     shed_margin: float = 0.1
     max_queued: int = 4096
+    queue_reserve: float = 0.25
     saturation: SaturationConfig = SaturationConfig()
     key_tenants: Mapping[bytes, str] = field(default_factory=dict, repr=False)
 
@@ -200,6 +203,8 @@ class FlowConfig:
             raise ValueError(f"shed_margin must be >= 0, got {self.shed_margin}")
         if self.max_queued < 0:
             raise ValueError(f"max_queued must be >= 0, got {self.max_queued}")
+        if not 0 <= self.queue_reserve < 1:
+            raise ValueError(f"queue_reserve must be in [0, 1), got {self.queue_reserve}")
 
     def tenant(self, name: str) -> Tenant:
         return next(tenant for tenant in self.tenants if tenant.name == name)

@@ -48,11 +48,17 @@ with a reserve of 0.25: TTFT p99 2.4x), which is why it is a choice.
   would take capacity from others only to miss (in simulation, a margin
   here admitted requests that missed and cut the band's goodput by a third).
 - ``TENANT_QUEUE`` / ``QUEUE_FULL``: its tenant's queue, or the whole queue,
-  is at its bound.
-- ``DISPLACED``: a queue at its bound makes room for a request by shedding
-  the last waiting request of a lower level (borrowed first), never one of
-  the same or a higher level: shedding never takes capacity from a higher
-  band to serve a lower one.
+  is at its bound for the request's level: a request of level ``l`` queues
+  only while fewer than ``bound * (1 - queue_reserve) ** l`` wait (rounded
+  up). The levels above find the rest of the bound free, so a more urgent
+  request rarely has to displace one, and a less urgent one that cannot
+  wait is told at once, not after it has waited (in simulation, a reserve
+  of 0.25 turned every displacement, 61% of them answered after 50 ms,
+  into a shed on arrival).
+- ``DISPLACED``: a queue at its whole bound makes room for a request by
+  shedding the last waiting request of a lower level (borrowed first), never
+  one of the same or a higher level: shedding never takes capacity from a
+  higher band to serve a lower one.
 
 ``retry_after_s`` is the predicted drain of the queue ahead of it plus the
 replica's own wait: when the place it would have had comes up.
@@ -243,10 +249,11 @@ class FlowController:
             return self._shed(held, ShedReason.DEADLINE, now_s, (wait_s or 0.0) + held.replica_wait_s, predicted,
                               ahead, wait_s)
         tenant = self.config.tenant(request.tenant)
+        share = (1.0 - self.config.queue_reserve) ** held.level
         for bound, reason, of_tenant in ((tenant.max_queued, ShedReason.TENANT_QUEUE, request.tenant),
                                          (self.config.max_queued, ShedReason.QUEUE_FULL, None)):
             queued = len(self.queue) if of_tenant is None else self.queue.num_queued(of_tenant)
-            if queued < bound:
+            if queued < math.ceil(bound * share):
                 continue
             victim = self.queue.last(held.level, of_tenant)
             if victim is None:

@@ -15,6 +15,7 @@ Validated here, naming the field, and turned into ``router.flow_config.FlowConfi
       trust_tenant_header: false              # x-tenant-id names the tenant of a request whose key does not
       shed_margin: 0.1                        # shed when the predicted TTFT passes the deadline by 10%
       max_queued: 4096                        # waiting requests of every tenant together
+      queue_reserve: 0.25                     # each band queues into 0.75 of the bound the band above may fill
       saturation: {max_waiting: 4, max_kv_usage: 0.95, max_step_s: 0.1, max_report_age_s: 3}
 
 Tenants' API keys are secrets as ``api_keys`` are: never in a repr, an
@@ -98,6 +99,8 @@ class FlowControlArgs(StrictModel):
     shed_margin: float = Field(0.1, ge=0, allow_inf_nan=False,
                                description="shed when the predicted TTFT passes the deadline by this fraction of it")
     max_queued: int = Field(4096, ge=0, description="waiting requests of every tenant together")
+    queue_reserve: float = Field(0.25, ge=0, lt=1, description="the share of a queue bound (a tenant's max_queued "
+                                 "and max_queued) each band leaves to the bands above it")
     saturation: SaturationArgs = Field(default_factory=SaturationArgs)
 
     @model_validator(mode="after")
@@ -123,7 +126,7 @@ class FlowControlArgs(StrictModel):
         return FlowConfig(bands=tuple(band.band() for band in self.bands), tenants=tenants,
                           default_tenant=self.default_tenant, trust_tenant_header=self.trust_tenant_header,
                           shed_margin=self.shed_margin, max_queued=self.max_queued,
-                          saturation=self.saturation.config(), key_tenants=key_tenants)
+                          queue_reserve=self.queue_reserve, saturation=self.saturation.config(), key_tenants=key_tenants)
 
     def api_keys(self) -> list[str]:
         """Every tenant's keys: the ingress accepts them as it accepts ``AppArgs.api_keys``."""

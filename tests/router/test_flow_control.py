@@ -197,6 +197,31 @@ def test_a_tenant_over_its_queue_bound_is_shed_and_makes_room_only_from_its_lowe
                                      ("a", "interactive", ShedReason.TENANT_QUEUE): 1}
 
 
+@pytest.mark.parametrize("queue_reserve", [0.25, 0.0])
+def test_a_less_urgent_band_is_told_on_arrival_where_the_reserve_keeps_room_for_the_more_urgent(queue_reserve):
+    """A tenant bound of 8: batch queues into ceil(8 x 0.75) = 6 places, borrowed traffic into ceil(8 x 0.75^2) = 5,
+    and interactive requests find the other two free, displacing nobody; past the whole bound they displace as
+    before. Without a reserve the batch requests take all 8, and the interactive ones displace two of them."""
+    control = controller(Tenant("a", max_queued=8), Tenant("b"), Tenant("c"), queue_reserve=queue_reserve)
+    block(control)
+    batch = [decide(control, f"a-batch-{number}") for number in range(8)]
+    queued = 6 if queue_reserve else 8
+    assert all(isinstance(outcome, Wait) for outcome in batch[:queued])
+    assert all(isinstance(outcome, Shed) and outcome.reason is ShedReason.TENANT_QUEUE for outcome in batch[queued:])
+    assert all(isinstance(decide(control, f"a-urgent-{number}", priority=INTERACTIVE), Wait) for number in range(3))
+    displaced = [outcome.request.request_id for outcome in control.poll(0.0)]
+    assert displaced == (["a-batch-5"] if queue_reserve else ["a-batch-7", "a-batch-6", "a-batch-5"])
+    assert control.queue.num_queued("a") == 8
+
+
+def test_borrowed_traffic_queues_into_the_least_of_the_bound():
+    control = controller(Tenant("a", quota_tokens_per_min=60, max_queued=8), queue_reserve=0.25)
+    block(control)
+    outcomes = [decide(control, f"a-borrowing-{number}") for number in range(6)]
+    assert all(isinstance(outcome, Wait) for outcome in outcomes[:5])
+    assert isinstance(outcomes[5], Shed) and outcomes[5].reason is ShedReason.TENANT_QUEUE
+
+
 def test_a_full_queue_never_sheds_a_higher_band_for_a_lower_one():
     control = controller(max_queued=3)
     block(control)

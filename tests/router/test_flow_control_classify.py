@@ -89,6 +89,8 @@ def test_a_priority_in_no_band_or_not_an_integer_is_refused():
     ({"shed_margin": -0.1}, "shed_margin"),
     ({"shed_margin": math.nan}, "shed_margin"),
     ({"max_queued": -1}, "max_queued"),
+    ({"queue_reserve": 1.0}, "queue_reserve"),
+    ({"queue_reserve": -0.1}, "queue_reserve"),
 ])
 def test_settings_that_do_not_hold_together_are_refused(changes, message):
     with pytest.raises(ValueError, match=message):

@@ -338,6 +338,7 @@ def test_flow_control_is_off_by_default_and_its_settings_become_the_cores():
     ({"tenants": {"a": {"default_priority": 7}}, "bands": [{"name": "only", "max_priority": 0}]},
      "tenant 'a': default_priority 7 is in no band"),
     ({"shed_margin": -1}, "flow_control.shed_margin"),
+    ({"queue_reserve": 1}, "flow_control.queue_reserve"),
     ({"saturation": {"max_kv_usage": 2}}, "flow_control.saturation.max_kv_usage"),
 ])
 def test_flow_control_mistakes_name_the_field(changes, message):
