@@ -253,7 +253,8 @@ def parse_slo_ttft_ms(value: str) -> float:
     except ValueError:
         raise FlowRequestError(SLO_TTFT_HEADER, f"must be a number of milliseconds, got {value[:32]!r}") from None
     if not (math.isfinite(ms) and ms > 0):
-        raise FlowRequestError(SLO_TTFT_HEADER, f"must be a positive, finite number of milliseconds, got {value[:32]!r}")
+        raise FlowRequestError(SLO_TTFT_HEADER,
+                               f"must be a positive, finite number of milliseconds, got {value[:32]!r}")
     return ms / 1000.0
 
 

@@ -90,7 +90,8 @@ class SaturationArgs(StrictModel):
 
 
 class FlowControlArgs(StrictModel):
-    """Admission at the ingress: bands, tenants' weights and quotas, deadlines and shedding (``router.flow_control``)."""
+    """Admission at the ingress: bands, tenants' weights and quotas, deadlines and shedding
+    (``router.flow_control``)."""
 
     bands: list[BandArgs] = Field(default_factory=lambda: [BandArgs(name="default")], min_length=1)
     tenants: dict[str, TenantArgs] = Field(default_factory=lambda: {"default": TenantArgs()}, min_length=1)
@@ -126,7 +127,8 @@ class FlowControlArgs(StrictModel):
         return FlowConfig(bands=tuple(band.band() for band in self.bands), tenants=tenants,
                           default_tenant=self.default_tenant, trust_tenant_header=self.trust_tenant_header,
                           shed_margin=self.shed_margin, max_queued=self.max_queued,
-                          queue_reserve=self.queue_reserve, saturation=self.saturation.config(), key_tenants=key_tenants)
+                          queue_reserve=self.queue_reserve, saturation=self.saturation.config(),
+                          key_tenants=key_tenants)
 
     def api_keys(self) -> list[str]:
         """Every tenant's keys: the ingress accepts them as it accepts ``AppArgs.api_keys``."""
