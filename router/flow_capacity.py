@@ -38,7 +38,13 @@ any pool has reported, nothing is known and nothing is held back.
 
 **Drain rate** (``DrainRate``): tokens dispatched per second while
 requests waited, decayed over ``half_life_s`` of such time: how fast the
-queue ahead of a request empties.
+queue ahead of a request empties. Requests that arrive later may still pass
+it (a more urgent band, or a lighter tenant's turn under fair queuing), each
+stream at its recent rate up to the room it has ahead of it
+(``FlowQueue.ahead_and_room``); ``queue_wait_s`` solves for the wait with
+them::
+
+    drain * wait = ahead + sum over streams of min(rate * wait, room)
 
 **Quotas** (``TokenBucket``): a tenant's tokens per minute, a bucket of one
 minute's tokens refilled continuously.
@@ -199,6 +205,24 @@ class DrainRate:
         if self._span_s < self.min_span_s or self._tokens <= 0:
             return None
         return self._tokens / self._span_s
+
+
+def queue_wait_s(ahead: float, drain_per_s: float, streams: list[tuple[float, float]]) -> float:
+    """The least ``wait`` with ``drain_per_s * wait = ahead + sum(min(rate * wait, room))`` over ``streams`` of
+    ``(rate, room)`` (tokens per second that may pass, and at most how many): math.inf where streams without
+    bound arrive as fast as the queue drains."""
+    pending = sorted((room / rate_in, rate_in, room) for rate_in, room in streams if rate_in > 0 and room > 0)
+    fixed = 0.0  # the room of streams that have used it up
+    rate = sum(rate_in for _, rate_in, _ in pending)  # the streams still passing
+    for full_at, rate_in, room in pending:
+        if drain_per_s > rate:
+            wait = (ahead + fixed) / (drain_per_s - rate)
+            if wait <= full_at:
+                return wait
+        if math.isinf(room):
+            return math.inf
+        fixed, rate = fixed + room, rate - rate_in
+    return (ahead + fixed) / drain_per_s
 
 
 class TokenBucket:

@@ -37,11 +37,13 @@ with a reserve of 0.25: TTFT p99 2.4x), which is why it is a choice.
   prediction's error)::
 
       predicted = (now - arrival) + queue_wait + prediction.ttft_s
-      queue_wait = tokens_ahead / drain rate     (0 while the rate is unknown: never shed without evidence)
+      queue_wait = queue_wait_s(tokens_ahead, drain rate, later arrivals)   (0 while the rate is unknown)
 
   ``prediction`` is the routers' (``router.latency.Prediction``: its
-  ``ttft_s`` counts the replica's own queue); ``tokens_ahead`` is where
-  it would stand in this queue.
+  ``ttft_s`` counts the replica's own queue); ``tokens_ahead`` is where it
+  would stand here, which later arrivals of a more urgent band, or of a
+  lighter tenant under fair queuing, may pass (``router.flow_capacity``):
+  a heavy tenant's request is then shed on arrival, not left to expire.
 - ``EXPIRED``: it waited until dispatching it now would miss the deadline
   itself: ``(now - arrival) + prediction.ttft_s >= deadline``. No margin
   here: the wait is past, not predicted, and a request dispatched late
@@ -94,9 +96,10 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 
-from router.flow_capacity import Capacity, DrainRate, ReplicaReport, TokenBucket
+from router.flow_capacity import Capacity, DrainRate, ReplicaReport, TokenBucket, queue_wait_s
 from router.flow_config import FlowConfig, FlowIdentity, FlowRequest
 from router.flow_queue import FlowQueue, Queued
+from router.inflow import Inflow
 from router.latency import Prediction
 
 
@@ -196,6 +199,7 @@ class FlowController:
         self.queue = FlowQueue(len(config.bands) + 1, {tenant.name: tenant.weight for tenant in config.tenants})
         self.capacity = Capacity(config.saturation, num_ingress)
         self.drain = DrainRate(drain_half_life_s)
+        self.arrivals = Inflow(drain_half_life_s)  # tokens queued or admitted per second, by (level, tenant or None)
         self.buckets = {tenant.name: TokenBucket(tenant.quota_tokens_per_min) for tenant in config.tenants
                         if tenant.quota_tokens_per_min is not None}
         self.counters = FlowCounters()
@@ -239,11 +243,12 @@ class FlowController:
             if elapsed + held.service_s > limit_s:
                 return self._shed(held, ShedReason.DEADLINE, now_s, held.replica_wait_s, elapsed + held.service_s)
             self.drain.note(now_s, len(self.queue) > 0, request.cost)
+            self._arrived(held, now_s)
             return self._admit(held, now_s)
-        ahead = self.queue.tokens_ahead(request.tenant, held.level, request.cost,
-                                        (request.deadline_at_s, held.seq))
+        ahead, room = self.queue.ahead_and_room(request.tenant, held.level, request.cost,
+                                                (request.deadline_at_s, held.seq))
         wait_s = self._drain_s(ahead)
-        predicted = elapsed + (wait_s or 0.0) + held.service_s
+        predicted = elapsed + self._wait_s(ahead, room, now_s) + held.service_s
         retry_s = (self.config.saturation.max_report_age_s if wait_s is None else wait_s) + held.replica_wait_s
         if predicted > limit_s:
             return self._shed(held, ShedReason.DEADLINE, now_s, (wait_s or 0.0) + held.replica_wait_s, predicted,
@@ -260,6 +265,7 @@ class FlowController:
                 return self._shed(held, reason, now_s, retry_s, tokens_ahead=ahead, queue_drain_s=wait_s)
             self._released.append(self._shed_waiting(victim, ShedReason.DISPLACED, now_s))
         self._enqueue(held, now_s)
+        self._arrived(held, now_s)
         return Wait(request, wait_s)
 
     def poll(self, now_s: float) -> list[Admit | Shed]:
@@ -335,6 +341,18 @@ class FlowController:
     def _drain_s(self, tokens: float) -> float | None:
         rate = self.drain.tokens_per_s()
         return None if rate is None else tokens / rate
+
+    def _wait_s(self, ahead: float, room: dict[tuple[int, str | None], float], now_s: float) -> float:
+        """The queue's wait (``queue_wait_s``) with ``ahead`` and later arrivals' ``room``; 0 before a drain."""
+        rate = self.drain.tokens_per_s()
+        if rate is None:
+            return 0.0
+        return queue_wait_s(ahead, rate, [(self.arrivals.fraction(key, now_s), tokens) for key, tokens in room.items()])
+
+    def _arrived(self, held: _Held, now_s: float) -> None:
+        """``held`` joins the queue or goes at once: counted in the arrival rates ``_wait_s`` reads."""
+        for key in ((held.level, held.request.tenant), (held.level, None)):
+            self.arrivals.sent(key, held.request.cost, now_s)
 
     def _enqueue(self, held: _Held, now_s: float) -> None:
         request = held.request

@@ -33,6 +33,7 @@ reaches the top).
 from __future__ import annotations
 
 import heapq
+import math
 from dataclasses import dataclass, field
 from typing import Iterator, Mapping
 
@@ -153,7 +154,16 @@ class FlowQueue:
         (queued or not), if nothing else arrived: the levels above, its tenant's requests of lesser key in its
         level, and every other tenant's there whose finish tag is before its own (a tenant's tokens taken as
         flowing continuously)."""
+        return self.ahead_and_room(tenant, level_index, cost, key)[0]
+
+    def ahead_and_room(self, tenant: str, level_index: int, cost: int,
+                       key: tuple[float, int]) -> tuple[float, dict[tuple[int, str | None], float]]:
+        """``tokens_ahead``, and the most tokens arriving later may still add before the request: by
+        ``(level, tenant)``, each other tenant of its level up to its own finish tag (weighted fair queuing
+        lets a tenant's new requests pass a heavier tenant's waiting ones), and ``(level, None)`` for each
+        level above, without bound (math.inf)."""
         ahead = float(sum(level.num_tokens for level in self._levels[:level_index]))
+        room: dict[tuple[int, str | None], float] = {(index, None): math.inf for index in range(level_index)}
         level = self._levels[level_index]
         own = level.flows[tenant]
         own_ahead = sum(self._entries[item[3]].cost for item in own.heap if self._live(item) and item[:2] < key)
@@ -161,9 +171,15 @@ class FlowQueue:
         finish = start + (own_ahead + cost) / self._weights[tenant]
         ahead += own_ahead
         for other, flow in level.flows.items():
-            if other != tenant and flow.num_tokens:
-                ahead += min(flow.num_tokens, max(0.0, (finish - flow.last_finish) * self._weights[other]))
-        return ahead
+            if other == tenant:
+                continue
+            weight = self._weights[other]
+            counted = min(flow.num_tokens, max(0.0, (finish - flow.last_finish) * weight))
+            before = max(0.0, (finish - max(level.virtual, flow.last_finish)) * weight)
+            ahead += counted
+            if before > counted:
+                room[level_index, other] = before - counted
+        return ahead, room
 
     def last(self, below_level: int, tenant: str | None = None) -> Queued | None:
         """The request dispatched last among those in levels below ``below_level`` (of ``tenant`` if given):

@@ -25,7 +25,10 @@ import math
 
 
 class Inflow:
-    """Per replica, the decayed sum of the prefill seconds sent to it, read as a rate (module docstring)."""
+    """Per replica, the decayed sum of the prefill seconds sent to it, read as a rate (module docstring).
+
+    Any amount keyed by anything hashable reads the same way: flow control keeps the tokens each tenant's
+    requests bring to each band (``router.flow_control``)."""
 
     def __init__(self, half_life_s: float) -> None:
         if not half_life_s > 0:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from router.flow_capacity import ReplicaReport
+from router.flow_capacity import ReplicaReport, queue_wait_s
 from router.flow_config import Band, FlowConfig, FlowIdentity, SaturationConfig, Tenant
 from router.flow_control import Admit, FlowController, Shed, ShedReason, Wait
 from router.latency import Prediction
@@ -174,6 +174,37 @@ def test_a_waiting_request_expires_once_dispatching_it_would_miss_its_deadline()
     assert expired.predicted_ttft_s == pytest.approx(1.0)
     assert control.next_wake_s() is None and control.num_waiting == 1
     assert control.counters.shed == {("a", "interactive", ShedReason.EXPIRED): 1}
+
+
+def test_a_deadline_counts_the_lighter_tenants_arrivals_that_will_pass_it():
+    """Drain 1000 tokens/s. a has sent 2000-token interactive requests once a second, admitted at once; now c
+    has one 1000-token interactive request waiting. c's next one has 1000 tokens ahead (1 s), but a's new
+    requests pass it under fair queuing, up to c's tag (2000 tokens), at a's recent rate: its predicted wait
+    is queue_wait_s's, 3 s, and it is shed at once rather than left to expire. Without a's traffic it would
+    wait 1.5 s in all and be kept."""
+    control = controller(shed_margin=0.1)
+    for second in range(10):
+        assert isinstance(decide(control, f"a{second}", now=float(second), priority=INTERACTIVE, prompt=1000,
+                                 output=1000), Admit)
+        control.finished(f"a{second}", 1000, second + 0.5)
+    block(control, 10.0)
+    control.drain.note(0.0, backlogged=True)
+    control.drain.note(10.0, backlogged=True, dispatched_tokens=10_000)
+    ask = dict(tenant="c", priority=INTERACTIVE, prompt=500, output=500, now=10.0,
+               prediction=predicted(0.5, 0.3))
+    assert isinstance(decide(control, "c1", **ask), Wait)
+    rate_a = control.arrivals.fraction((INTERACTIVE, "a"), 10.0)
+    wait = queue_wait_s(1000.0, 1000.0, [(rate_a, 2000.0)])
+    assert rate_a > 500 and wait == pytest.approx(3.0)
+    shed = decide(control, "c2", **ask)
+    assert isinstance(shed, Shed) and shed.reason is ShedReason.DEADLINE
+    assert shed.predicted_ttft_s == pytest.approx(wait + 0.5)
+    assert shed.retry_after_s == pytest.approx(1.0 + 0.2)  # the drain of what is ahead now, as before
+    quiet = controller(shed_margin=0.1)
+    block(quiet, 10.0)
+    quiet.drain.note(0.0, backlogged=True)
+    quiet.drain.note(10.0, backlogged=True, dispatched_tokens=10_000)
+    assert isinstance(decide(quiet, "c1", **ask), Wait) and isinstance(decide(quiet, "c2", **ask), Wait)
 
 
 def test_a_tenant_over_its_queue_bound_is_shed_and_makes_room_only_from_its_lower_bands():

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
-from router.flow_capacity import Capacity, DrainRate, ReplicaReport, TokenBucket
+from router.flow_capacity import Capacity, DrainRate, ReplicaReport, TokenBucket, queue_wait_s
 from router.flow_config import SaturationConfig
 from router.protocol import RoutingStats
 
@@ -126,3 +128,15 @@ def test_a_token_bucket_refills_at_its_rate_up_to_one_minute():
     assert bucket.level(1000.0) == pytest.approx(600.0)
     with pytest.raises(ValueError, match="tokens_per_min"):
         TokenBucket(0)
+
+
+@pytest.mark.parametrize("streams, wait", [
+    ([], 10.0),  # 100 tokens ahead at 10 a second
+    ([(5.0, math.inf)], 20.0),  # a more urgent band arriving at half the drain: 100 / (10 - 5)
+    ([(5.0, 50.0)], 15.0),  # a lighter tenant passing until its 50 tokens of room are used (at 10 s): 150 / 10
+    ([(20.0, 30.0), (0.0, 99.0), (4.0, 0.0)], 13.0),  # faster than the drain but bounded; idle or roomless ones
+    ([(20.0, math.inf)], math.inf),  # a more urgent band arriving faster than the queue drains: never
+    ([(2.0, 10.0), (5.0, math.inf)], 22.0),  # the bounded one full at 5 s: (100 + 10) / (10 - 5)
+])
+def test_the_queue_wait_counts_the_arrivals_that_pass_a_request(streams, wait):
+    assert queue_wait_s(100.0, 10.0, streams) == pytest.approx(wait)

@@ -79,7 +79,8 @@ def test_a_tenant_returning_from_idle_is_neither_owed_nor_charged_for_the_past()
 
 def test_within_a_tenant_the_earliest_deadline_goes_first_then_arrival_order():
     queue = FlowQueue(1, {"a": 1.0})
-    for request_id, deadline in (("late", 5.0), ("none-1", math.inf), ("soon", 1.0), ("mid", 3.0), ("none-2", math.inf)):
+    for request_id, deadline in (("late", 5.0), ("none-1", math.inf), ("soon", 1.0), ("mid", 3.0),
+                                 ("none-2", math.inf)):
         queue.push(entry(request_id, "a", deadline=deadline))
     assert [queue.pop().request_id for _ in range(5)] == ["soon", "mid", "late", "none-1", "none-2"]
 
@@ -112,6 +113,18 @@ def test_tokens_ahead_counts_the_levels_above_earlier_deadlines_and_other_tenant
     assert queue.tokens_ahead("a", 0, 100, (5.0, 10**9)) == 100 + 200
     # Due before everything a has: only b's first request shares its tag.
     assert queue.tokens_ahead("a", 0, 100, (0.5, 10**9)) == 100
+
+
+def test_the_room_ahead_is_each_other_tenants_tokens_up_to_its_tag_and_every_level_above():
+    queue = FlowQueue(2, {"a": 1.0, "b": 2.0, "c": 1.0})
+    fill(queue, "a", 3, level=1, cost=100)  # a: tags 100, 200, 300
+    fill(queue, "b", 1, level=1, cost=100)  # b: tag 50 (weight 2)
+    # c's 100-token request at level 1: tag 100. Ahead: a's first (100) and b's (100). Room: a's tokens after
+    # its queue cannot come before tag 100 (its queue reaches 300); b's may, to 100 x 2 less the 100 queued.
+    ahead, room = queue.ahead_and_room("c", 1, 100, (math.inf, 10**9))
+    assert ahead == 200 and room == {(0, None): math.inf, (1, "b"): 100.0}
+    ahead, room = queue.ahead_and_room("a", 0, 100, (math.inf, 10**9))  # the top level, nothing queued there
+    assert ahead == 0 and room == {(0, "b"): 200.0, (0, "c"): 100.0}
 
 
 def test_last_is_the_request_served_last_below_a_level():
