@@ -57,7 +57,7 @@ with a reserve of 0.25: TTFT p99 2.4x), which is why it is a choice.
   wait is told at once, not after it has waited (in simulation, a reserve
   of 0.25 turned every displacement, 61% of them answered after 50 ms,
   into a shed on arrival).
-- ``DISPLACED``: a queue at its whole bound makes room for a request by
+- ``DISPLACED``: a queue at its bound for the request's level makes room by
   shedding the last waiting request of a lower level (borrowed first), never
   one of the same or a higher level: shedding never takes capacity from a
   higher band to serve a lower one.

@@ -241,7 +241,9 @@ class PrefixIndex:
         A block counts at the tier of the replica's own copy, else at
         ``Tier.SHARED`` when the shared store holds it (module docstring).
         ``replica_ids`` None means every replica with a block in the index.
-        Replicas with an empty run are absent. Read-only, like ``match``.
+        Replicas with an empty run are absent. ``block_hashes`` are a
+        prompt's from its first block. It refreshes no entry, as ``match``
+        does not; it learns which runs are whole (module docstring).
         """
         if not block_hashes:
             return {}
