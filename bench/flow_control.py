@@ -25,7 +25,7 @@ tenant and band: offered, served, shed, TTFT p50/p99, goodput; Jain's index):
    ``Retry-After`` (its predicted queue drain, from its timeline) against the
    drain seen: the time until the ingress had dispatched the tokens that were
    ahead of it (sampled from its flow counters every ``SAMPLE_S``).
-3. ``moderate``: 0.7x capacity, with flow control and without (a second app).
+3. ``moderate``: 0.7x capacity, with flow control and without, each on a fresh deployment.
 4. ``quota``: ``c`` alone at 2x capacity with a quota of a third of capacity,
    ``a`` and ``b`` joining at ``--quota-return-s``.
 
@@ -139,7 +139,9 @@ def moderate_phase(local, url: str, model: str, capacity: dict, args) -> dict:
     trace = generate(trace_config(rate_rps=0.7 * capacity["requests_per_s"], duration_s=args.duration_s,
                                      seed=args.seed + 1))
     window = Window(WARMUP_S, args.duration_s)
-    _, _, with_flow = run_trace(url, model, trace, flow_control_args(), window)  # the app deployed last
+    # Each on a fresh deployment: the app the overload runs left behind holds their cached prefixes and state.
+    deploy_args(local, app_args(flow_control_args()), ready_url=url)
+    _, _, with_flow = run_trace(url, model, trace, flow_control_args(), window)
     deploy_args(local, app_args(None), ready_url=url)
     _, _, without = run_trace(url, model, trace, None, window)
     return {"flow_control": with_flow, "no_flow_control": without}

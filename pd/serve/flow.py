@@ -248,10 +248,12 @@ class IngressFlow:
             self._watcher.cancel()
 
     def stats(self) -> dict:
-        """For ``process_stats``: what is waiting and in flight, and the counters so far."""
-        counters = self.controller.counters
+        """For ``process_stats``: what is waiting and in flight, the pools the reports say are full or stale
+        now (why requests wait), and the counters so far."""
+        counters, capacity, now_s = self.controller.counters, self.controller.capacity, self.clock()
         return {"waiting": self.controller.num_waiting, "in_flight": self.controller.num_in_flight,
-                "limit": self.controller.capacity.limit,
+                "limit": capacity.limit, "full_pools": capacity.full_pools(now_s),
+                "stale_pools": capacity.stale_pools(now_s),
                 "admitted": {f"{t}/{b}": n for (t, b), n in counters.admitted.items()},
                 "shed": {f"{t}/{b}/{r.value}": n for (t, b, r), n in counters.shed.items()},
                 "served_tokens": dict(counters.served_tokens), "dispatched_tokens": counters.dispatched_tokens}

@@ -75,6 +75,8 @@ def test_a_full_app_sheds_a_tenant_over_its_queue_bound_with_429_and_serves_the_
                                                                          "sk-test-a")))
     waiter.start()
     wait_until(lambda: ingress_flow()["waiting"] == 1, timeout=30)  # a's request waits for the place
+    flow = ingress_flow()  # and the stats say why: the decode pool, which serves it, is full (max_waiting 0)
+    assert "decode" in flow["full_pools"] and flow["stale_pools"] == [], flow
     holder.join(120)
     waiter.join(120)
     assert first["answer"][0] == 200 and first["answer"][2]["usage"]["completion_tokens"] == 400
