@@ -85,7 +85,7 @@ class StepCostFit:
         speed = self._speeds.setdefault(replica_id, _Speed(at_s=now_s))
         decay = self._decay(now_s - speed.at_s)
         speed.totals = speed.totals * decay + gram[:NUM_TERMS]  # the triangle's first row: the features' totals
-        speed.seconds = speed.seconds * decay + moments[0]
+        speed.seconds = speed.seconds * decay + float(moments[0])  # a Python float: it reaches every prediction
         speed.at_s = speed.measured_s = now_s
 
     def coefficients(self) -> tuple[float, ...] | None:

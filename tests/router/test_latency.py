@@ -367,3 +367,19 @@ def test_in_a_colocated_pool_a_request_sent_decodes_there_until_the_next_report(
         assert (policy.predictor.compute_s("a", len(prompt), pairs) > before) is decodes_here
         policy.observe("a", RoutingStats(num_free_blocks=FREE, num_decoding=2), 1.0)
         assert policy.predictor.compute_s("a", len(prompt), pairs) == pytest.approx(before)
+
+
+def test_predictions_are_python_floats_that_a_wire_and_a_clock_take():
+    # A numpy scalar from the fit's sums leaked into each prediction, thence into flow control's expiry times
+    # and the simulator's clock, until msgspec refused a KV handle's lease expiry.
+    policy = _policy(half_life_s=10.0)
+    a, b = Replica("a", 0), Replica("b", 1)
+    for second in range(10):
+        _warm(policy, [a, b], now_s=float(second), speeds={"b": 2.0})
+    fit = policy.predictor.fit
+    assert type(fit.speed("a")) is float and type(fit.speed("b")) is float and type(fit.fastest()) is float
+    prompt = list(range(8 * BLOCK))
+    hashes = hash_block_tokens(prompt, BLOCK)
+    runs = policy.index.match_tiers(hashes)
+    prediction = policy.predictor.best(runs, len(prompt), ["a", "b"], 10.0)
+    assert type(prediction.ttft_s) is float and type(prediction.compute_s) is float
