@@ -26,6 +26,8 @@ band, offered, served, shed, TTFT p50/p99, goodput; Jain's index):
    and how soon ``a`` and ``b`` are served what they ask (``recovery_s``).
 
 The last line, ``goals``, sets the figures against issue 58's goals 1-4.
+``--plot PATH`` draws the 2x run's interactive TTFT p99 over time and the
+quota run's tenants (``sim.flow_plot``).
 Every figure is simulated, not measured on the served app.
 """
 
@@ -37,12 +39,14 @@ import itertools
 import json
 import math
 from collections import Counter
+from pathlib import Path
 
 from pd.config import EngineConfig
 from router.flow_config import Band, FlowConfig, SaturationConfig, Tenant, key_digest
 from router.flow_control import ShedReason
 from sim.cluster import ClusterSpec, PoolSpec
 from sim.cost import CostModel
+from sim.flow_plot import plot
 from sim.flow_report import Window, summarize
 from sim.flow_trace import FlowRun, FlowTraceConfig, api_key, generate, replay
 from sim.transport import TransferModel
@@ -139,7 +143,8 @@ def shed_figures(run: FlowRun, no_shed: FlowRun) -> dict:
 
 
 def overload(spec: ClusterSpec, capacity_rps: float, duration_s: float, seed: int, factor: float = 2.0,
-             interactive_share: float = 0.3, baselines: bool = True) -> dict:
+             interactive_share: float = 0.3, baselines: bool = True, keep: dict | None = None) -> dict:
+    """The figures of each run; ``keep``, where given, gets the runs themselves (``--plot``)."""
     trace = generate(FlowTraceConfig(rate_rps=factor * capacity_rps, duration_s=duration_s, seed=seed,
                                      interactive_share=interactive_share))
     window = Window(WARMUP_S, duration_s)
@@ -148,6 +153,8 @@ def overload(spec: ClusterSpec, capacity_rps: float, duration_s: float, seed: in
     if baselines:
         runs["no_flow_control"] = replay(spec, trace)
         runs["load_off"] = replay(spec, [arrival for arrival in trace if arrival.interactive])
+    if keep is not None:
+        keep.update(runs)
     out = {name: summarize(run, window, INTERACTIVE_DEADLINE_S) for name, run in runs.items()}
     out["shedding"] = shed_figures(runs["flow_control"], runs["no_shed"])
     return out
@@ -160,14 +167,18 @@ def moderate(spec: ClusterSpec, capacity_rps: float, duration_s: float, seed: in
             "no_flow_control": summarize(replay(spec, trace), window, INTERACTIVE_DEADLINE_S)}
 
 
-def quota(spec: ClusterSpec, capacity: dict, duration_s: float, return_s: float, seed: int) -> dict:
-    """``c`` alone, over its quota of a third of capacity, then ``a`` and ``b`` from ``return_s``."""
+def quota(spec: ClusterSpec, capacity: dict, duration_s: float, return_s: float, seed: int,
+          keep: dict | None = None) -> dict:
+    """``c`` alone, over its quota of a third of capacity, then ``a`` and ``b`` from ``return_s``; ``keep``, where
+    given, gets the run (``--plot``)."""
     quota_per_min = int(capacity["tokens_per_s"] * 60 / 3)
     config = FlowTraceConfig(rate_rps=2 * capacity["requests_per_s"], duration_s=duration_s, seed=seed,
                              active=(("a", return_s, math.inf), ("b", return_s, math.inf)))
     trace = generate(config)
-    return quota_figures(replay(spec, trace, default_flow(quota_c_tokens_per_min=quota_per_min)), quota_per_min,
-                         return_s, duration_s)
+    run = replay(spec, trace, default_flow(quota_c_tokens_per_min=quota_per_min))
+    if keep is not None:
+        keep["quota"] = run
+    return quota_figures(run, quota_per_min, return_s, duration_s)
 
 
 def quota_figures(run: FlowRun, quota_per_min: int, return_s: float, duration_s: float) -> dict:
@@ -243,6 +254,8 @@ def main() -> None:
     parser.add_argument("--quota-duration-s", type=float, default=80.0)
     parser.add_argument("--interactive-share", type=float, default=0.3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--plot", type=Path, default=None,
+                        help="a PNG: the interactive TTFT p99 at 2x and the quota run's tenants (sim.flow_plot)")
     args = parser.parse_args()
     spec = default_spec(args.seed)
     if args.capacity_rps is not None:
@@ -252,8 +265,9 @@ def main() -> None:
     else:
         capacity = measure_capacity(spec, args.duration_s, args.seed)
     print(json.dumps({"run": "capacity", **capacity}))
+    runs: dict = {}
     over = overload(spec, capacity["requests_per_s"], args.duration_s, args.seed,
-                    interactive_share=args.interactive_share)
+                    interactive_share=args.interactive_share, keep=runs)
     for name, figures in over.items():
         print(json.dumps({"run": f"overload/{name}", **figures}))
     pressure = overload(spec, capacity["requests_per_s"], args.duration_s, args.seed, interactive_share=0.8,
@@ -263,8 +277,11 @@ def main() -> None:
     mod = moderate(spec, capacity["requests_per_s"], args.duration_s, args.seed)
     for name, figures in mod.items():
         print(json.dumps({"run": f"moderate/{name}", **figures}))
-    quota_run = quota(spec, capacity, args.quota_duration_s, args.quota_return_s, args.seed)
+    quota_run = quota(spec, capacity, args.quota_duration_s, args.quota_return_s, args.seed, keep=runs)
     print(json.dumps({"run": "quota", **quota_run}))
+    if args.plot is not None:
+        plot(runs, runs.pop("quota"), quota_run["quota_c_tokens_per_s"], args.quota_return_s, INTERACTIVE_DEADLINE_S,
+             args.plot)
     print(json.dumps({"run": "goals", **goals(over, pressure, mod, quota_run)}))
 
 

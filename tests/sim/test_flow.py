@@ -13,6 +13,7 @@ from sim.clock import EventLoop
 from sim.cluster import SimCluster
 from sim.flow import default_flow, default_spec, drain_check
 from sim.flow_gate import FlowGate
+from sim.flow_plot import BIN_S, interactive_ttft_p99, plot, served_tokens_per_s
 from sim.flow_report import Window, jain, max_min_shares, summarize
 from sim.flow_trace import FlowTraceConfig, generate, replay
 
@@ -54,6 +55,21 @@ def test_shed_requests_cost_no_compute_and_retry_after_matches_the_drain(overloa
                if outcome.shed.reason is ShedReason.TENANT_QUEUE)  # answered on arrival
     drain = drain_check(flow)
     assert drain["checked"] > 100 and drain["within_2x"] > 0.9
+
+
+def test_the_plot_reads_the_runs_it_draws(overload, tmp_path):
+    flow, plain = overload
+    windows = interactive_ttft_p99(flow)
+    assert [middle for middle, _ in windows] == [2.5 + 5.0 * n for n in range(len(windows))]
+    assert max(p99 for middle, p99 in windows if middle > 5.0) < 2.0  # the deadline held, window by window
+    assert max(p99 for _, p99 in interactive_ttft_p99(plain)) > 10.0
+    for tenant in ("a", "b", "c"):
+        tokens = sum(rate * BIN_S for _, rate in served_tokens_per_s(flow, tenant))
+        assert tokens == sum(len(a.prompt) + len(flow.records[a.request_id].token_times_s) for a in flow.arrivals
+                             if a.tenant == tenant and flow.records[a.request_id].token_times_s)
+    out = tmp_path / "flow.png"
+    plot({"flow_control": flow, "no_flow_control": plain}, flow, 1_000.0, 10.0, 2.0, out)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_the_replay_is_deterministic():
