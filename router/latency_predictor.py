@@ -91,7 +91,7 @@ def prefill_seconds(coefficients: Sequence[float], tokens: float, pairs: float, 
     base, per_token, per_pair, per_seq, per_sample = coefficients
     steps = math.ceil(tokens / max(1, chunk_tokens - decoding))
     per_step = (base + per_seq * (decoding + 1) + (per_token + per_sample) * decoding + per_pair * decode_context)
-    return steps * per_step + per_token * tokens + per_pair * pairs + per_sample
+    return steps * per_step + _marginal_s(coefficients, tokens, pairs)
 
 
 @dataclass
@@ -135,8 +135,8 @@ class LatencyPredictor:
         if not replica_ids or not self.ready():
             return None
         best = None
-        for replica_id in replica_ids:
-            matched, _, compute, ttft = self.estimate(replica_id, runs.get(replica_id), num_prompt_tokens, now_s)
+        estimates = self.estimates(replica_ids, runs, num_prompt_tokens, now_s)
+        for replica_id, (matched, _, compute, ttft, _) in zip(replica_ids, estimates):
             if best is None or ttft < best.ttft_s:
                 queue = self._queues.get(replica_id)
                 best = Prediction(replica_id, ttft, compute, queue.decoding if queue else 0, matched)
@@ -154,7 +154,6 @@ class LatencyPredictor:
         ``PrefixIndex.match_tiers`` gives them), then ``marginal_s`` of the prefill's tokens and pairs: what
         one decision scores, with the fit's coefficients read once. Before data (not ``ready``), raises."""
         coefficients = self.fit.coefficients()
-        _, per_token, per_pair, _, per_sample = coefficients
         hit_values, block_size = self.hit_values, self.config.block_size
         chunk_tokens = self.config.max_num_batched_tokens
         queues, speed_of = self._queues, self.fit.speed
@@ -169,7 +168,7 @@ class LatencyPredictor:
             compute = speed * prefill_seconds(coefficients, tokens, pairs, queue.decoding, queue.decode_context,
                                               chunk_tokens)
             out.append((matched, valued, compute, max(0.0, queue.busy_until_s - now_s) + compute,
-                        speed * (per_token * tokens + per_pair * pairs + per_sample)))
+                        speed * _marginal_s(coefficients, tokens, pairs)))
         return out
 
     def ready(self) -> bool:
@@ -185,8 +184,7 @@ class LatencyPredictor:
     def marginal_s(self, replica_id: str, tokens: float, pairs: float) -> float:
         """What ``tokens`` more (attending ``pairs``) add to the steps ``replica_id`` runs anyway: their own
         terms, without the steps' constant and decodes."""
-        _, per_token, per_pair, _, per_sample = self.fit.coefficients()
-        return self.fit.speed(replica_id) * (per_token * tokens + per_pair * pairs + per_sample)
+        return self.fit.speed(replica_id) * _marginal_s(self.fit.coefficients(), tokens, pairs)
 
     def decode_context(self, replica_id: str) -> int:
         """The tokens the replica's decodes attend to each step, as it last reported."""
@@ -232,6 +230,12 @@ class LatencyPredictor:
 
 
 _NO_QUEUE = _Queue()  # a replica not reported yet: nothing queued, no decodes (read, never written)
+
+
+def _marginal_s(coefficients: Sequence[float], tokens: float, pairs: float) -> float:
+    """A prefill's own terms of the step law at a speed of 1: no constant, no decodes (``marginal_s``)."""
+    _, per_token, per_pair, _, per_sample = coefficients
+    return per_token * tokens + per_pair * pairs + per_sample
 
 
 def _survival(queue: _Queue, block_size: int) -> float:
