@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+import pd.engine.model_runner
 import pd.engine.readback
 import pd_kernels.cpu
 from bench.timing import DeviceTimer
@@ -77,6 +78,7 @@ class StepTimers:
 
     def __init__(self):
         self.current: dict[str, float] = defaultdict(float)
+        self.wrapped: list[tuple[object, str, object]] = []
 
     def wrap(self, owner, name: str, phase: str) -> None:
         fn = getattr(owner, name)
@@ -88,7 +90,14 @@ class StepTimers:
             finally:
                 self.current[phase] += time.perf_counter() - started
 
+        self.wrapped.append((owner, name, fn))
         setattr(owner, name, timed)
+
+    def restore(self) -> None:
+        """Put back what ``wrap`` replaced (a module's functions outlive the engine timed)."""
+        for owner, name, fn in reversed(self.wrapped):
+            setattr(owner, name, fn)
+        self.wrapped.clear()
 
     def take(self) -> dict[str, float]:
         taken, self.current = dict(self.current), defaultdict(float)
@@ -111,7 +120,10 @@ def run_case(path: Path, batch: int, ahead: bool, args) -> dict:
     prefill(engine, batch, max_tokens)
     timers = time_phases(engine)
     gaps = DeviceTimer(engine.runner) if args.device == "cuda" else None
-    measured = measure_steps(engine, timers, args.steps)
+    try:
+        measured = measure_steps(engine, timers, args.steps)
+    finally:
+        timers.restore()
     row = {
         "batch": batch, "mode": "async" if ahead else "sync", "device": args.device, "model": args.model,
         "steps": args.steps, **host_figures(measured, args.device_step_ms / 1e3),
@@ -154,8 +166,10 @@ def time_phases(engine: LLMEngine) -> StepTimers:
     timers.wrap(engine, "poll_transfers", "poll")
     timers.wrap(engine.scheduler, "schedule", "schedule")
     timers.wrap(engine.scheduler, "update", "update")
-    timers.wrap(engine.runner, "flatten", "flatten")
-    timers.wrap(engine.runner, "to_device", "to_device")
+    # A step's inputs are built by functions of ``pd.engine.step_inputs``: timed under the names the runner
+    # calls them by (restored in ``run_case``).
+    timers.wrap(pd.engine.model_runner, "flatten", "flatten")
+    timers.wrap(pd.engine.model_runner, "to_device", "to_device")
     timers.wrap(engine.runner.model, "forward", "forward")
     timers.wrap(engine.runner.sampler, "draw", "sample")
     return timers
