@@ -148,13 +148,10 @@ def attention_spec(kernel: str, fn: object, path: str, dtype: str, head_dim: int
                    window: bool, kv_dtype: torch.dtype | None, tiles: object, constexprs: dict,
                    arch: int | None = None) -> Spec:
     """One specialisation of an attention kernel: the constexprs both kernels share, and ``constexprs``."""
-    from pd_kernels.triton.paged_attention import padded_head_dim
-
     return Spec(
         kernel, f"attention.{path}.hd{head_dim}.{format_name(dtype, kv_dtype)}", fn, dtype, head_dim, block_size,
         {**ATTENTION_POINTERS, **kv_pointers(kv_dtype)},
-        {"HEAD_DIM": head_dim, "HEAD_DIM_PAD": padded_head_dim(head_dim), "BLOCK_SIZE": block_size,
-         "GROUP": group, "BLOCK_Q": tiles.block_q, "BLOCK_M": tiles.block_m, "TILE": tiles.tile,
+        {"HEAD_DIM": head_dim, "BLOCK_SIZE": block_size, "GROUP": group, "BLOCK_Q": tiles.block_q, "BLOCK_M": tiles.block_m, "TILE": tiles.tile,
          "USE_SOFTCAP": False, "USE_WINDOW": window, "KV_FORMAT": kv_format(kv_dtype), **constexprs},
         tiles.num_warps, tiles.num_stages, max_registers=tiles.max_registers, arch=arch,
         extra={"group": group, "batch": path, "sliding_window": window, "kv_dtype": kv_name(kv_dtype)},
@@ -163,7 +160,7 @@ def attention_spec(kernel: str, fn: object, path: str, dtype: str, head_dim: int
 
 def paged_specs(quick: bool) -> list[Spec]:
     """The single-pass and split-KV kernel (``paged_attention``) at ``gpu_tiles``'s choices, per path."""
-    from pd_kernels.triton.paged_attention import _paged_attention_kernel, gpu_tiles
+    from pd_kernels.triton.paged_attention import _paged_attention_kernel, gpu_tiles, padded_head_dim
 
     paths = (("decode", True, False), ("split", True, True), ("mixed", False, False))
     grid = itertools.product((*DTYPES, *IEEE_DTYPES), HEAD_DIMS, BLOCK_SIZES, GROUPS, paths, (False, True))
@@ -183,7 +180,8 @@ def paged_specs(quick: bool) -> list[Spec]:
         tiles = gpu_tiles(ELEMENT_SIZES[dtype], head_dim, group, decode_only, split,
                           kv_fp8=kv_dtype is not None and not split)
         specs.append(attention_spec("paged_attention", _paged_attention_kernel, path, dtype, head_dim, block_size,
-                                    group, window, kv_dtype, tiles, {"SPLIT": split}))
+                                    group, window, kv_dtype, tiles,
+                                    {"HEAD_DIM_PAD": padded_head_dim(head_dim), "SPLIT": split}))
     return specs
 
 
@@ -194,7 +192,7 @@ def prefill_specs(quick: bool) -> list[Spec]:
     ones."""
     if importlib.util.find_spec("pd_kernels.triton.prefill_attention") is None:
         return []
-    from pd_kernels.triton.prefill_attention import _prefill_attention_kernel, prefill_tiles
+    from pd_kernels.triton.prefill_attention import _prefill_attention_kernel, head_dim_parts, prefill_tiles
 
     grid = itertools.product((*DTYPES, *IEEE_DTYPES), HEAD_DIMS, BLOCK_SIZES, GROUPS, (False, True))
     if quick:
@@ -205,8 +203,8 @@ def prefill_specs(quick: bool) -> list[Spec]:
     grid = [(*point, None) for point in grid]
     grid += [(dtype, head_dim, 16, 8, False, kv_dtype) for kv_dtype, dtype, head_dim, _ in fp8_grid]
     return [attention_spec("prefill_attention", _prefill_attention_kernel, "prefill", dtype, head_dim, block_size,
-                           group, window, kv_dtype, prefill_tiles(ELEMENT_SIZES[dtype], head_dim, group, arch), {},
-                           arch)
+                           group, window, kv_dtype, prefill_tiles(ELEMENT_SIZES[dtype], head_dim, group, arch),
+                           dict(zip(("HEAD_DIM_LO", "HEAD_DIM_HI"), head_dim_parts(head_dim))), arch)
             for dtype, head_dim, block_size, group, window, kv_dtype in grid for arch in SHARED_LIMIT_BYTES]
 
 

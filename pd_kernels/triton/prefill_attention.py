@@ -26,6 +26,11 @@ rows (``[TILE, HEAD_DIM]``, ``head_dim`` innermost, as the pool lays it out)
 and transposed in registers for the product, so the loads are 16-byte
 vectors and Triton pipelines them ``num_stages`` deep (``cp.async``).
 
+A head dim that is not a power of two runs as two products where two pad
+less than one (``head_dim_parts``): 80 as 64 + 16 and 96 as 64 + 32, each
+with its own K, V and accumulator columns, the scores summed over both. One
+product of 128 would spend 37.5% and 25% of the tensor cores' work on zeros.
+
 Under 16-bit queries, FP8 pages (``KV_FORMAT``) are converted to fp16,
 which holds every FP8 value exactly, and both products run in fp16, bf16
 queries' too: q is scaled by the softmax scale first (so its magnitude is far
@@ -64,31 +69,48 @@ def takes_prefill_path(num_tokens: int, num_seqs: int) -> bool:
 
 
 @triton.jit
-def _prefill_tile(q, m_i, l_i, acc, tile, kv_end, query_pos, block_table_row, k_cache_ptr, v_cache_ptr, kv_head,
-                  dims, dim_valid, stride_k_block, stride_k_slot, stride_k_head, stride_v_block, stride_v_slot,
-                  stride_v_head, score_scale, softcap, sliding_window, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
-                  MASKED: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr,
-                  KV_FORMAT: tl.constexpr, FP8_HW: tl.constexpr):
+def _load_tile(cache_ptr, block_id, slot, kv_head, dims, kv_mask, stride_block, stride_slot, stride_head, dtype,
+               KV_FORMAT: tl.constexpr, FP8_HW: tl.constexpr):
+    """``[TILE, len(dims)]`` of the pages, a block's contiguous rows, converted from FP8 to ``dtype``."""
+    tile = tl.load(cache_ptr + block_id[:, None] * stride_block + slot[:, None] * stride_slot
+                   + kv_head * stride_head + dims[None, :], mask=kv_mask, other=0)
+    if KV_FORMAT != KV_NATIVE:
+        tile = dequantize(tile, dtype, KV_FORMAT, FP8_HW)
+    return tile
+
+
+@triton.jit
+def _prefill_tile(q, q_hi, m_i, l_i, acc, acc_hi, tile, kv_end, query_pos, block_table_row, k_cache_ptr,
+                  v_cache_ptr, kv_head, dims, dim_valid, dims_hi, dim_hi_valid, stride_k_block, stride_k_slot,
+                  stride_k_head, stride_v_block, stride_v_slot, stride_v_head, score_scale, softcap, sliding_window,
+                  BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, MASKED: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+                  USE_WINDOW: tl.constexpr, KV_FORMAT: tl.constexpr, FP8_HW: tl.constexpr,
+                  HEAD_DIM_HI: tl.constexpr):
     """One tile of keys through the online softmax. Unless ``MASKED``, every row sees every key of the tile
-    (the caller's promise): no mask is built and no load is masked."""
+    (the caller's promise): no mask is built and no load is masked. With ``HEAD_DIM_HI``, the head dims
+    past ``dims`` (``dims_hi``) are products of their own, into the scores and into ``acc_hi``."""
     key_pos = tile * TILE + tl.arange(0, TILE)
     if MASKED:
         key_valid = key_pos < kv_end
         block_id = tl.load(block_table_row + key_pos // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
         kv_mask = key_valid[:, None] & dim_valid[None, :]
+        kv_hi_mask = key_valid[:, None] & dim_hi_valid[None, :]
     else:
         block_id = tl.load(block_table_row + key_pos // BLOCK_SIZE).to(tl.int64)
         kv_mask = dim_valid[None, :]
+        kv_hi_mask = dim_hi_valid[None, :]
     slot = key_pos % BLOCK_SIZE
-    k = tl.load(k_cache_ptr + block_id[:, None] * stride_k_block + slot[:, None] * stride_k_slot
-                + kv_head * stride_k_head + dims[None, :], mask=kv_mask, other=0)  # [TILE, HEAD_DIM_PAD]
-    v = tl.load(v_cache_ptr + block_id[:, None] * stride_v_block + slot[:, None] * stride_v_slot
-                + kv_head * stride_v_head + dims[None, :], mask=kv_mask, other=0)  # [TILE, HEAD_DIM_PAD]
-    if KV_FORMAT != KV_NATIVE:
-        k = dequantize(k, q.dtype, KV_FORMAT, FP8_HW)
-        v = dequantize(v, q.dtype, KV_FORMAT, FP8_HW)
+    k = _load_tile(k_cache_ptr, block_id, slot, kv_head, dims, kv_mask, stride_k_block, stride_k_slot,
+                   stride_k_head, q.dtype, KV_FORMAT, FP8_HW)  # [TILE, HEAD_DIM_LO]
+    v = _load_tile(v_cache_ptr, block_id, slot, kv_head, dims, kv_mask, stride_v_block, stride_v_slot,
+                   stride_v_head, q.dtype, KV_FORMAT, FP8_HW)
 
-    scores = tl.dot(q, tl.trans(k), input_precision="ieee") * score_scale  # [BLOCK_M, TILE]
+    scores = tl.dot(q, tl.trans(k), input_precision="ieee")  # [BLOCK_M, TILE]
+    if HEAD_DIM_HI > 0:
+        k_hi = _load_tile(k_cache_ptr, block_id, slot, kv_head, dims_hi, kv_hi_mask, stride_k_block,
+                          stride_k_slot, stride_k_head, q.dtype, KV_FORMAT, FP8_HW)  # [TILE, HEAD_DIM_HI]
+        scores = tl.dot(q_hi, tl.trans(k_hi), scores, input_precision="ieee")
+    scores = scores * score_scale
     if USE_SOFTCAP:
         scores = softcap * _tanh(scores / softcap) * LOG2E
     if MASKED:
@@ -106,7 +128,11 @@ def _prefill_tile(q, m_i, l_i, acc, tile, kv_end, query_pos, block_table_row, k_
     alpha = tl.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-    return m_new, l_i, acc
+    if HEAD_DIM_HI > 0:
+        v_hi = _load_tile(v_cache_ptr, block_id, slot, kv_head, dims_hi, kv_hi_mask, stride_v_block,
+                          stride_v_slot, stride_v_head, q.dtype, KV_FORMAT, FP8_HW)
+        acc_hi = acc_hi * alpha[:, None] + tl.dot(p.to(v_hi.dtype), v_hi, input_precision="ieee")
+    return m_new, l_i, acc, acc_hi
 
 
 @triton.jit
@@ -118,8 +144,8 @@ def _prefill_attention_kernel(
     softcap, sliding_window, num_seqs,
     stride_q_token, stride_q_head, stride_out_token, stride_out_head,
     stride_k_block, stride_k_slot, stride_k_head, stride_v_block, stride_v_slot, stride_v_head, stride_block_table,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr,
-    BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_LO: tl.constexpr, HEAD_DIM_HI: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE: tl.constexpr, USE_SOFTCAP: tl.constexpr,
     USE_WINDOW: tl.constexpr, KV_FORMAT: tl.constexpr, FP8_HW: tl.constexpr,
 ):
     q_block_id = tl.program_id(0)
@@ -133,10 +159,9 @@ def _prefill_attention_kernel(
     context_len = tl.load(seq_lens_ptr + seq) - q_len
 
     token, head, query_pos, row_valid, dims, dim_valid = _query_rows(q_block, q_start, q_len, context_len, kv_head,
-                                                                     HEAD_DIM, HEAD_DIM_PAD, GROUP, BLOCK_Q, BLOCK_M)
-    q_mask = row_valid[:, None] & dim_valid[None, :]
-    q = tl.load(q_ptr + token[:, None] * stride_q_token + head[:, None] * stride_q_head + dims[None, :],
-                mask=q_mask, other=0.0)  # [BLOCK_M, HEAD_DIM_PAD]
+                                                                     HEAD_DIM, HEAD_DIM_LO, GROUP, BLOCK_Q, BLOCK_M)
+    q_rows = q_ptr + token[:, None] * stride_q_token + head[:, None] * stride_q_head
+    q = tl.load(q_rows + dims[None, :], mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
     # Scores leave the product in the log2 domain (or softmax-scaled, for the softcap's tanh).
     qk_scale = softmax_scale if USE_SOFTCAP else softmax_scale * LOG2E
     if KV_FORMAT != KV_NATIVE and q.dtype != tl.float32:  # fp16 products (module doc): q takes the scale
@@ -144,6 +169,16 @@ def _prefill_attention_kernel(
         score_scale = 1.0
     else:
         score_scale = qk_scale
+    if HEAD_DIM_HI > 0:  # the head dims past HEAD_DIM_LO, a product of their own (``head_dim_parts``)
+        dims_hi = HEAD_DIM_LO + tl.arange(0, HEAD_DIM_HI)
+        dim_hi_valid = dims_hi < HEAD_DIM
+        q_hi = tl.load(q_rows + dims_hi[None, :], mask=row_valid[:, None] & dim_hi_valid[None, :], other=0.0)
+        if KV_FORMAT != KV_NATIVE and q_hi.dtype != tl.float32:
+            q_hi = tl.clamp(q_hi.to(tl.float32) * qk_scale, -FP16_MAX, FP16_MAX).to(tl.float16)
+        acc_hi = tl.zeros([BLOCK_M, HEAD_DIM_HI], dtype=tl.float32)
+    else:  # placeholders, never read
+        dims_hi, dim_hi_valid, q_hi = dims, dim_valid, q
+        acc_hi = tl.zeros([BLOCK_M], dtype=tl.float32)
 
     # The rows' positions: first .. last. Tiles [lo, a) and [b, hi) need masks; [a, b) are seen by every row.
     first = context_len + q_block * BLOCK_Q
@@ -160,33 +195,49 @@ def _prefill_attention_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_LO], dtype=tl.float32)
     block_table_row = block_table_ptr + seq.to(tl.int64) * stride_block_table
     kv_end = last + 1
     for tile in range(lo, a):  # the window's edge
-        m_i, l_i, acc = _prefill_tile(q, m_i, l_i, acc, tile, kv_end, query_pos, block_table_row, k_cache_ptr,
-                                      v_cache_ptr, kv_head, dims, dim_valid, stride_k_block, stride_k_slot,
-                                      stride_k_head, stride_v_block, stride_v_slot, stride_v_head, score_scale,
-                                      softcap, sliding_window, BLOCK_SIZE, TILE, True, USE_SOFTCAP, USE_WINDOW,
-                                      KV_FORMAT, FP8_HW)
+        m_i, l_i, acc, acc_hi = _prefill_tile(
+            q, q_hi, m_i, l_i, acc, acc_hi, tile, kv_end, query_pos, block_table_row, k_cache_ptr, v_cache_ptr,
+            kv_head, dims, dim_valid, dims_hi, dim_hi_valid, stride_k_block, stride_k_slot, stride_k_head,
+            stride_v_block, stride_v_slot, stride_v_head, score_scale, softcap, sliding_window, BLOCK_SIZE, TILE,
+            True, USE_SOFTCAP, USE_WINDOW, KV_FORMAT, FP8_HW, HEAD_DIM_HI)
     for tile in range(a, b):
-        m_i, l_i, acc = _prefill_tile(q, m_i, l_i, acc, tile, kv_end, query_pos, block_table_row, k_cache_ptr,
-                                      v_cache_ptr, kv_head, dims, dim_valid, stride_k_block, stride_k_slot,
-                                      stride_k_head, stride_v_block, stride_v_slot, stride_v_head, score_scale,
-                                      softcap, sliding_window, BLOCK_SIZE, TILE, False, USE_SOFTCAP, USE_WINDOW,
-                                      KV_FORMAT, FP8_HW)
+        m_i, l_i, acc, acc_hi = _prefill_tile(
+            q, q_hi, m_i, l_i, acc, acc_hi, tile, kv_end, query_pos, block_table_row, k_cache_ptr, v_cache_ptr,
+            kv_head, dims, dim_valid, dims_hi, dim_hi_valid, stride_k_block, stride_k_slot, stride_k_head,
+            stride_v_block, stride_v_slot, stride_v_head, score_scale, softcap, sliding_window, BLOCK_SIZE, TILE,
+            False, USE_SOFTCAP, USE_WINDOW, KV_FORMAT, FP8_HW, HEAD_DIM_HI)
     for tile in range(b, hi):  # the diagonal
-        m_i, l_i, acc = _prefill_tile(q, m_i, l_i, acc, tile, kv_end, query_pos, block_table_row, k_cache_ptr,
-                                      v_cache_ptr, kv_head, dims, dim_valid, stride_k_block, stride_k_slot,
-                                      stride_k_head, stride_v_block, stride_v_slot, stride_v_head, score_scale,
-                                      softcap, sliding_window, BLOCK_SIZE, TILE, True, USE_SOFTCAP, USE_WINDOW,
-                                      KV_FORMAT, FP8_HW)
+        m_i, l_i, acc, acc_hi = _prefill_tile(
+            q, q_hi, m_i, l_i, acc, acc_hi, tile, kv_end, query_pos, block_table_row, k_cache_ptr, v_cache_ptr,
+            kv_head, dims, dim_valid, dims_hi, dim_hi_valid, stride_k_block, stride_k_slot, stride_k_head,
+            stride_v_block, stride_v_slot, stride_v_head, score_scale, softcap, sliding_window, BLOCK_SIZE, TILE,
+            True, USE_SOFTCAP, USE_WINDOW, KV_FORMAT, FP8_HW, HEAD_DIM_HI)
     if KV_FORMAT != KV_NATIVE:
         acc = acc * v_scale
+        acc_hi = acc_hi * v_scale
     # Every valid row sees at least the key at its own position, so l_i > 0; padding rows divide by 1.
-    result = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    tl.store(out_ptr + token[:, None] * stride_out_token + head[:, None] * stride_out_head + dims[None, :],
-             result.to(out_ptr.dtype.element_ty), mask=q_mask)
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    out_rows = out_ptr + token[:, None] * stride_out_token + head[:, None] * stride_out_head
+    tl.store(out_rows + dims[None, :], (acc / l_safe).to(out_ptr.dtype.element_ty),
+             mask=row_valid[:, None] & dim_valid[None, :])
+    if HEAD_DIM_HI > 0:
+        tl.store(out_rows + dims_hi[None, :], (acc_hi / l_safe).to(out_ptr.dtype.element_ty),
+                 mask=row_valid[:, None] & dim_hi_valid[None, :])
+
+
+def head_dim_parts(head_dim: int) -> tuple[int, int]:
+    """(lo, hi): the kernel's head dims as two products of power-of-two widths, ``lo`` then ``hi`` (0: one
+    product of ``lo``), where two pad less than one. Head dim 80 is 64 + 16 and 96 is 64 + 32, where one
+    product of 128 would waste 37.5% and 25% of the tensor cores' work; 128 and 64 are one product. ``hi``
+    is at least 16, the least ``tl.dot`` takes."""
+    pad = padded_head_dim(head_dim)
+    lo = pad // 2
+    hi = next_power_of_2(head_dim - lo) if head_dim > lo else 0
+    return (lo, hi) if lo >= 16 and hi >= 16 and lo + hi < pad else (pad, 0)
 
 
 def prefill_tiles(element_size: int, head_dim: int, group: int, capability: int = 90) -> TileConfig:
@@ -196,7 +247,8 @@ def prefill_tiles(element_size: int, head_dim: int, group: int, capability: int 
 
         head dim 64:      128 rows, 64 keys, 8 warps, 2 stages  1.10x  (3 stages: 0.77x)
         head dim 128:      64 rows, 64 keys, 4 warps, 3 stages  1.03x  (128 rows, 8 warps: 0.98-1.00x)
-        head dim 80, 96:  128 rows, 64 keys, 8 warps, 2 stages  0.81x at 80 (padded to 128; 64 rows: 0.79x)
+        head dim 80, 96:  128 rows, 64 keys, 8 warps, 2 stages  0.81x at 80 (then padded to 128; 64 rows:
+                          0.79x); now two products (``head_dim_parts``), not yet swept
 
     Elsewhere (sm_80: no wgmma, accumulators and q in registers; head dims over 128) 64 rows and 64 keys
     over 3 stages on 8 warps, 32 keys for head dims over 128 to fit shared memory; fp32 (IEEE products on
@@ -235,6 +287,7 @@ def launch_prefill_attention(
     if num_tokens == 0 or num_seqs == 0:
         return
     fp8_hw = hardware_fp8(q.device)
+    dim_lo, dim_hi = head_dim_parts(head_dim)
     grid = (num_q_blocks_bound(num_tokens, num_seqs, tiles.block_q), num_kv_heads)
     _prefill_attention_kernel[grid](
         out, q, kv_pages(k_cache), kv_pages(v_cache), cu_seqlens_q, seq_lens, block_table,
@@ -248,7 +301,8 @@ def launch_prefill_attention(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_table.stride(0),
         HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=padded_head_dim(head_dim),
+        HEAD_DIM_LO=dim_lo,
+        HEAD_DIM_HI=dim_hi,
         BLOCK_SIZE=block_size,
         GROUP=num_heads // num_kv_heads,
         BLOCK_Q=tiles.block_q,

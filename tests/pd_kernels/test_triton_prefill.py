@@ -11,7 +11,12 @@ import pd_kernels
 from pd_kernels import reference
 from pd_kernels.triton import attention
 from pd_kernels.triton.paged_attention import TileConfig
-from pd_kernels.triton.prefill_attention import PREFILL_PATH_TOKENS, launch_prefill_attention, takes_prefill_path
+from pd_kernels.triton.prefill_attention import (
+    PREFILL_PATH_TOKENS,
+    head_dim_parts,
+    launch_prefill_attention,
+    takes_prefill_path,
+)
 from tests.pd_kernels.conftest import DEVICE
 from tests.pd_kernels.paged_batch import make_batch
 from tests.pd_kernels.test_triton_attention import assert_matches_reference
@@ -45,12 +50,21 @@ def test_small_mixed_batches_keep_the_single_pass():
     assert_matches_reference(pd_kernels.unified_attention(*paged.args(), 0.125, backend="triton"), expected)
 
 
+def test_head_dims_run_as_two_products_where_two_pad_less_than_one():
+    assert head_dim_parts(80) == (64, 16) and head_dim_parts(96) == (64, 32) and head_dim_parts(48) == (32, 16)
+    assert head_dim_parts(88) == (64, 32)  # 96 wide, its last 8 masked: less than 128
+    assert head_dim_parts(128) == (128, 0) and head_dim_parts(64) == (64, 0)
+    assert head_dim_parts(72) == (128, 0)  # 64 + 8: a product takes at least 16
+    assert head_dim_parts(112) == (128, 0)  # 64 + 64 pads as much as 128
+
+
 # (num_heads, num_kv_heads), head_dim, block_size, sliding_window, softcap, dtype, block_m, tile
 CASES = [
     ((4, 2), 64, 16, None, None, torch.float32, 16, 16),
     ((4, 2), 64, 16, 24, None, torch.float32, 16, 16),  # a window narrower than a q block's span
     ((8, 2), 80, 32, 40, 30.0, torch.float16, 32, 32),
     ((5, 1), 48, 16, None, 50.0, torch.float16, 16, 32),
+    ((4, 2), 88, 16, 24, None, torch.float32, 16, 16),  # 64 + 32 head dims, the last 8 masked
 ]
 
 
@@ -71,11 +85,12 @@ def test_small_tiles_walk_every_kind_of_key_tile(case):
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 
 
+@pytest.mark.parametrize("head_dim", [64, 80])
 @pytest.mark.parametrize("kv_dtype", FP8, ids=["e4m3", "e5m2"])
 @pytest.mark.parametrize("q_dtype", [torch.float16, torch.float32] if DEVICE == "cpu" else [torch.bfloat16,
                                                                                           torch.float16])
-def test_fp8_pages_read_as_the_reference(kv_dtype, q_dtype):
-    paged = make_batch(PROMPTS, 4, 2, 64, 16, q_dtype, seed=7, kv_dtype=kv_dtype)
+def test_fp8_pages_read_as_the_reference(kv_dtype, q_dtype, head_dim):
+    paged = make_batch(PROMPTS, 4, 2, head_dim, 16, q_dtype, seed=7, kv_dtype=kv_dtype)
     k_scale, v_scale = 0.37, 3.0
     expected = reference.unified_attention(*paged.args(), 0.125, k_scale=k_scale, v_scale=v_scale)
     out = torch.empty_like(paged.q)
