@@ -16,6 +16,7 @@ TINY = dict(engine.MODELS["v2lite"], hidden_size=64, num_hidden_layers=2, num_at
             vocab_size=512, max_position_embeddings=4096)
 
 
+@pytest.mark.slow  # two models through a whole benchmark, HF's and ours: the full tier
 def test_the_v2_lite_shape_runs_ours_against_hf_and_reports_the_host(capsys, monkeypatch):
     pytest.importorskip("transformers")
     monkeypatch.setitem(engine.MODELS, "v2lite_tiny", TINY)

@@ -5,9 +5,13 @@ from __future__ import annotations
 import json
 import sys
 
+import pytest
+
 import pd.engine.model_runner
 import pd.engine.step_inputs
 from bench import step_overhead
+
+pytestmark = pytest.mark.slow  # a real engine through 2 x 8 steps: the full tier
 
 
 def test_a_small_run_times_every_phase_of_both_modes(monkeypatch, capsys):
