@@ -83,15 +83,16 @@ class Scheduler:
                     blocked = True  # it cannot fit in this step: the batch goes on without it
                 index += max(0, len(self.running) - num_running)
                 continue
-            num_new = self.step_budget.cap(min(request.num_tokens_with_unread - request.num_scheduled_tokens, budget),
-                                           request.num_computed_tokens, request.num_prompt_logprobs_missing > 0,
-                                           request.priority)
-            if num_new <= 0 or self._ends_with_unread_token(request) or (
+            num_new = min(request.num_tokens_with_unread - request.num_scheduled_tokens, budget)
+            if num_new > 1:  # a decode's one token always fits: only a chunk asks the step budget
+                num_new = self.step_budget.cap(num_new, request.num_computed_tokens,
+                                               request.num_prompt_logprobs_missing > 0, request.priority)
+            if num_new <= 0 or (request.num_unread_tokens and self._ends_with_unread_token(request)) or (
                     num_new > 1 and urgent is not None and request.priority > urgent):
                 # It ends when the step in flight is read; or it is a prompt less urgent than one in this step.
                 index += 1
                 continue
-            draft = drafts.get(request, ())[:budget - num_new]  # the budget counts a verify step's k + 1
+            draft = drafts.get(request, ())[:budget - num_new] if drafts else ()  # the budget counts k + 1
             if draft and not self.kv_cache.allocate_slots(request, num_new + len(draft)):
                 draft = ()  # drafts take free blocks only: speculation never preempts
             num_preempted = len(out.preempted)
@@ -100,7 +101,8 @@ class Scheduler:
             kv_short |= len(out.preempted) > num_preempted
             num_new += len(draft)
             out.scheduled.append(self._scheduled(request, num_new, draft))
-            urgent = most_urgent_prompt(out.scheduled[-1:], urgent)
+            if num_new > 1 and not draft:  # a prompt chunk: it may be the step's most urgent
+                urgent = most_urgent_prompt(out.scheduled[-1:], urgent)
             budget -= num_new
             index += 1
         if not out.preempted:
@@ -252,16 +254,20 @@ class Scheduler:
         results = []
         sample_index = 0
         any_finished = False
+        prompt_logprobs = forward.prompt_logprobs
         for item in out.scheduled:
             row = sample_index
-            sample_index += item.num_samples
             if item.draft_token_ids:
+                sample_index += item.num_samples
                 output = self._verify(item, forward, row)
                 if output is None:
                     continue
             else:
-                status = self._advance(item, forward.prompt_logprobs)
-                if not item.samples or status is RequestStatus.FINISHED:
+                status = self._advance(item, prompt_logprobs)
+                if not item.samples:
+                    continue
+                sample_index += 1
+                if status is RequestStatus.FINISHED:
                     continue
                 output = self._take_sample(item.request, forward, row)
             any_finished = any_finished or output.finished
