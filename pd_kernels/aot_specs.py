@@ -151,8 +151,9 @@ def attention_spec(kernel: str, fn: object, path: str, dtype: str, head_dim: int
     return Spec(
         kernel, f"attention.{path}.hd{head_dim}.{format_name(dtype, kv_dtype)}", fn, dtype, head_dim, block_size,
         {**ATTENTION_POINTERS, **kv_pointers(kv_dtype)},
-        {"HEAD_DIM": head_dim, "BLOCK_SIZE": block_size, "GROUP": group, "BLOCK_Q": tiles.block_q, "BLOCK_M": tiles.block_m, "TILE": tiles.tile,
-         "USE_SOFTCAP": False, "USE_WINDOW": window, "KV_FORMAT": kv_format(kv_dtype), **constexprs},
+        {"HEAD_DIM": head_dim, "BLOCK_SIZE": block_size, "GROUP": group, "BLOCK_Q": tiles.block_q,
+         "BLOCK_M": tiles.block_m, "TILE": tiles.tile, "USE_SOFTCAP": False, "USE_WINDOW": window,
+         "KV_FORMAT": kv_format(kv_dtype), **constexprs},
         tiles.num_warps, tiles.num_stages, max_registers=tiles.max_registers, arch=arch,
         extra={"group": group, "batch": path, "sliding_window": window, "kv_dtype": kv_name(kv_dtype)},
     )

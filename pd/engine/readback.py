@@ -21,6 +21,8 @@ from pd.engine.request import Request
 from pd.engine.structured import GrammarMask
 
 NON_FINITE = "the model produced non-finite logits (NaN or inf) for this request"
+UNDRAWABLE = ("sampling failed: no token is left with a finite probability once the logits are divided by the "
+              "temperature (too low for their size) and cut by top-k and top-p")
 
 
 def score_targets(logits: torch.Tensor, target_ids: torch.Tensor,
@@ -65,6 +67,9 @@ class DeviceSamples:
     top_ids: torch.Tensor | None = None  # int64 [num_samples, k]
     top_logprobs: torch.Tensor | None = None  # fp32 [num_samples, k]
     prompt: PromptScores | None = None
+    # bool [num_samples], when rows were drawn together (``Sampler.draw``): False where a row had no
+    # distribution left to draw from.
+    drawable: torch.Tensor | None = None
     _host: list[torch.Tensor] = field(default_factory=list)
     _copied: torch.cuda.Event | None = None
 
@@ -73,7 +78,7 @@ class DeviceSamples:
         tensors = [self.token_ids, self.usable, self.logprobs, self.top_ids, self.top_logprobs]
         if self.prompt is not None:
             tensors += [self.prompt.chosen, self.prompt.top_ids, self.prompt.top_logprobs]
-        tensors = [t for t in tensors if t is not None]
+        tensors = [t for t in tensors if t is not None] + ([self.drawable] if self.drawable is not None else [])
         if not self.token_ids.is_cuda:
             self._host = tensors
             return
@@ -101,6 +106,11 @@ class DeviceSamples:
                     TopLogprobs(tuple(ids[row][:k]), tuple(top_values[row][:k]))
                     for row, request in enumerate(self.requests)]
         scores = _prompt_logprobs(self.prompt, *(next(values) for _ in range(3))) if self.prompt else {}
+        if self.drawable is not None:
+            for row, ok in enumerate(next(values)):
+                if not ok and row not in errors:
+                    errors[row] = UNDRAWABLE
+                    sampled[row] = None
         return ForwardOutput(sampled_token_ids=sampled, logprobs=logprobs, errors=errors, top_logprobs=tops,
                              prompt_logprobs=scores)
 

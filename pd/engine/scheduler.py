@@ -101,8 +101,7 @@ class Scheduler:
             kv_short |= len(out.preempted) > num_preempted
             num_new += len(draft)
             out.scheduled.append(self._scheduled(request, num_new, draft))
-            if num_new > 1 and not draft:  # a prompt chunk: it may be the step's most urgent
-                urgent = most_urgent_prompt(out.scheduled[-1:], urgent)
+            urgent = most_urgent_prompt(out.scheduled[-1:], urgent) if num_new > 1 and not draft else urgent
             budget -= num_new
             index += 1
         if not out.preempted:
@@ -254,20 +253,16 @@ class Scheduler:
         results = []
         sample_index = 0
         any_finished = False
-        prompt_logprobs = forward.prompt_logprobs
         for item in out.scheduled:
             row = sample_index
+            sample_index += item.num_samples
             if item.draft_token_ids:
-                sample_index += item.num_samples
                 output = self._verify(item, forward, row)
                 if output is None:
                     continue
             else:
-                status = self._advance(item, prompt_logprobs)
-                if not item.samples:
-                    continue
-                sample_index += 1
-                if status is RequestStatus.FINISHED:
+                status = self._advance(item, forward.prompt_logprobs)
+                if not item.samples or status is RequestStatus.FINISHED:
                     continue
                 output = self._take_sample(item.request, forward, row)
             any_finished = any_finished or output.finished
@@ -277,10 +272,8 @@ class Scheduler:
         return results
 
     def _advance(self, item: ScheduledRequest, prompt_logprobs: dict[str, list[PromptLogprob]]) -> RequestStatus:
-        """Land ``item``'s chunk: its request is no longer in flight, and a running one has computed it.
-
-        Returns the request's status, read before anything here could change it.
-        """
+        """Land ``item``'s chunk: its request is no longer in flight, and a running one has computed it. Returns
+        the request's status, read before anything here could change it."""
         request = item.request
         request.num_inflight_tokens -= item.num_new_tokens
         request.num_unread_tokens -= item.samples

@@ -53,8 +53,7 @@ def flatten(out: SchedulerOutput, block_tables: list[list[int]], block_size: int
             lora_rows.extend([NO_LORA if request.lora is None else lora_slots[request.lora]] * (end - start))
         drafts = item.draft_token_ids  # after the request's last token, in this chunk's tail
         token_ids.extend(request.token_ids[start:end - len(drafts)])
-        if drafts:
-            token_ids.extend(drafts)
+        token_ids.extend(drafts)
         if request.num_tokens < end - len(drafts):  # its last token is the one the step in flight samples
             if previous is None or request not in previous.row_of:
                 raise ValueError(f"request {request.request_id}: its token at {request.num_tokens} is "
@@ -62,12 +61,9 @@ def flatten(out: SchedulerOutput, block_tables: list[list[int]], block_size: int
             rows.unread_at.append(len(token_ids))
             rows.unread_rows.append(previous.row_of[request])
             token_ids.append(0)  # overwritten on the device (``to_device``)
-        if end - start == 1:  # a decode's one token: most rows of a busy step
-            positions.append(start)
-            slots.append(blocks[start // bs] * bs + start % bs)
-        else:
-            positions.extend(range(start, end))
-            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
+        positions.extend(range(start, end))
+        slots.extend([blocks[start // bs] * bs + start % bs] if end - start == 1 else  # a decode's one token
+                     (blocks[p // bs] * bs + p % bs for p in range(start, end)))
         cu_seqlens.append(len(token_ids))
         seq_lens.append(end)
         if item.samples:
@@ -77,9 +73,7 @@ def flatten(out: SchedulerOutput, block_tables: list[list[int]], block_size: int
                 logits_indices.append(len(token_ids) - 1 - offset)
                 rows.sampling_requests.append(request)
                 rows.sample_offsets.append(len(drafts) - offset)
-        if request.sampling_params.prompt_logprobs is None:
-            continue
-        scored = request.prompt_positions_to_score(start, end)
+        scored = request.sampling_params.prompt_logprobs is not None and request.prompt_positions_to_score(start, end)
         if scored:
             offset = len(token_ids) - end  # the flat index of position 0
             prompt_indices.extend(offset + p for p in scored)

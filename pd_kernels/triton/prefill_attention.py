@@ -136,6 +136,33 @@ def _prefill_tile(q, q_hi, m_i, l_i, acc, acc_hi, tile, kv_end, query_pos, block
 
 
 @triton.jit
+def _queries(q_rows, row_valid, dims, dim_valid, softmax_scale, HEAD_DIM: tl.constexpr, HEAD_DIM_LO: tl.constexpr,
+             HEAD_DIM_HI: tl.constexpr, BLOCK_M: tl.constexpr, USE_SOFTCAP: tl.constexpr, KV_FORMAT: tl.constexpr):
+    """The program's query rows (``q_rows``: each row's first element): ``q`` over ``dims`` and, with
+    ``HEAD_DIM_HI``, ``q_hi`` over the head dims after them with its accumulator (else placeholders, never
+    read); and the scale the scores leave the products with."""
+    q = tl.load(q_rows + dims[None, :], mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
+    # Scores leave the product in the log2 domain (or softmax-scaled, for the softcap's tanh).
+    qk_scale = softmax_scale if USE_SOFTCAP else softmax_scale * LOG2E
+    if KV_FORMAT != KV_NATIVE and q.dtype != tl.float32:  # fp16 products (module doc): q takes the scale
+        q = tl.clamp(q.to(tl.float32) * qk_scale, -FP16_MAX, FP16_MAX).to(tl.float16)
+        score_scale = 1.0
+    else:
+        score_scale = qk_scale
+    if HEAD_DIM_HI > 0:  # the head dims past HEAD_DIM_LO, a product of their own (``head_dim_parts``)
+        dims_hi = HEAD_DIM_LO + tl.arange(0, HEAD_DIM_HI)
+        dim_hi_valid = dims_hi < HEAD_DIM
+        q_hi = tl.load(q_rows + dims_hi[None, :], mask=row_valid[:, None] & dim_hi_valid[None, :], other=0.0)
+        if KV_FORMAT != KV_NATIVE and q_hi.dtype != tl.float32:
+            q_hi = tl.clamp(q_hi.to(tl.float32) * qk_scale, -FP16_MAX, FP16_MAX).to(tl.float16)
+        acc_hi = tl.zeros([BLOCK_M, HEAD_DIM_HI], dtype=tl.float32)
+    else:
+        dims_hi, dim_hi_valid, q_hi = dims, dim_valid, q
+        acc_hi = tl.zeros([BLOCK_M], dtype=tl.float32)
+    return q, q_hi, acc_hi, dims_hi, dim_hi_valid, score_scale
+
+
+@triton.jit
 def _prefill_attention_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim]
     q_ptr, k_cache_ptr, v_cache_ptr, cu_seqlens_q_ptr, seq_lens_ptr, block_table_ptr,
@@ -160,25 +187,9 @@ def _prefill_attention_kernel(
 
     token, head, query_pos, row_valid, dims, dim_valid = _query_rows(q_block, q_start, q_len, context_len, kv_head,
                                                                      HEAD_DIM, HEAD_DIM_LO, GROUP, BLOCK_Q, BLOCK_M)
-    q_rows = q_ptr + token[:, None] * stride_q_token + head[:, None] * stride_q_head
-    q = tl.load(q_rows + dims[None, :], mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
-    # Scores leave the product in the log2 domain (or softmax-scaled, for the softcap's tanh).
-    qk_scale = softmax_scale if USE_SOFTCAP else softmax_scale * LOG2E
-    if KV_FORMAT != KV_NATIVE and q.dtype != tl.float32:  # fp16 products (module doc): q takes the scale
-        q = tl.clamp(q.to(tl.float32) * qk_scale, -FP16_MAX, FP16_MAX).to(tl.float16)
-        score_scale = 1.0
-    else:
-        score_scale = qk_scale
-    if HEAD_DIM_HI > 0:  # the head dims past HEAD_DIM_LO, a product of their own (``head_dim_parts``)
-        dims_hi = HEAD_DIM_LO + tl.arange(0, HEAD_DIM_HI)
-        dim_hi_valid = dims_hi < HEAD_DIM
-        q_hi = tl.load(q_rows + dims_hi[None, :], mask=row_valid[:, None] & dim_hi_valid[None, :], other=0.0)
-        if KV_FORMAT != KV_NATIVE and q_hi.dtype != tl.float32:
-            q_hi = tl.clamp(q_hi.to(tl.float32) * qk_scale, -FP16_MAX, FP16_MAX).to(tl.float16)
-        acc_hi = tl.zeros([BLOCK_M, HEAD_DIM_HI], dtype=tl.float32)
-    else:  # placeholders, never read
-        dims_hi, dim_hi_valid, q_hi = dims, dim_valid, q
-        acc_hi = tl.zeros([BLOCK_M], dtype=tl.float32)
+    q, q_hi, acc_hi, dims_hi, dim_hi_valid, score_scale = _queries(
+        q_ptr + token[:, None] * stride_q_token + head[:, None] * stride_q_head, row_valid, dims, dim_valid,
+        softmax_scale, HEAD_DIM, HEAD_DIM_LO, HEAD_DIM_HI, BLOCK_M, USE_SOFTCAP, KV_FORMAT)
 
     # The rows' positions: first .. last. Tiles [lo, a) and [b, hi) need masks; [a, b) are seen by every row.
     first = context_len + q_block * BLOCK_Q
