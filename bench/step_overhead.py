@@ -1,8 +1,9 @@
 """The host's share of a decode step, and how much of it the device waits for: synchronous against async
 scheduling (``EngineConfig.async_scheduling``, ``pd.engine.overlap``), in the same run.
 
-``python -m bench.step_overhead [--batches 32,128,256] [--steps 100] [--threads 1]`` runs the real engine
-on a tiny random-weight Llama on the CPU: ``batch`` requests of 16-token prompts, prefilled, then
+``python -m bench.step_overhead [--batches 32,128,256] [--steps 100] [--threads 1] [--temperature T]
+[--top-p P]`` runs the real engine on a tiny random-weight Llama on the CPU: ``batch`` requests of
+16-token prompts (greedy, or sampled at ``T`` and ``P``, unseeded), prefilled, then
 ``--steps`` decode steps measured, every request decoding in each. Each step's wall time is split by
 timers around its phases (``poll``, ``schedule``, ``flatten``, ``to_device``, ``forward``, ``sample``,
 ``read``, ``update``, ``other``: the rest of ``LLMEngine.step``). The host's time is all of it but
@@ -117,7 +118,7 @@ class MeasuredSteps:
 def run_case(path: Path, batch: int, ahead: bool, args) -> dict:
     max_tokens = WARM_UP_STEPS + args.steps + 8
     engine = make_engine(path, batch, ahead, max_tokens, args.device)
-    prefill(engine, batch, max_tokens)
+    prefill(engine, batch, max_tokens, args.temperature, args.top_p)
     timers = time_phases(engine)
     gaps = DeviceTimer(engine.runner) if args.device == "cuda" else None
     try:
@@ -126,6 +127,7 @@ def run_case(path: Path, batch: int, ahead: bool, args) -> dict:
         timers.restore()
     row = {
         "batch": batch, "mode": "async" if ahead else "sync", "device": args.device, "model": args.model,
+        "temperature": args.temperature, "top_p": args.top_p,
         "steps": args.steps, **host_figures(measured, args.device_step_ms / 1e3),
         "steps_launched_ahead": engine.pipeline.num_launched_ahead if engine.pipeline else 0,
         "phases_ms": phase_breakdown(measured.records),
@@ -151,9 +153,9 @@ def make_engine(path: Path, batch: int, ahead: bool, max_tokens: int, device: st
     return engine
 
 
-def prefill(engine: LLMEngine, batch: int, max_tokens: int) -> None:
+def prefill(engine: LLMEngine, batch: int, max_tokens: int, temperature: float = 0.0, top_p: float = 1.0) -> None:
     """Add ``batch`` requests and step until every prompt is in: the steps after decode only."""
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, ignore_eos=True)
     for index in range(batch):
         engine.add_request(f"r{index}", [(index * 31 + i * 7) % 500 + 1 for i in range(PROMPT_LEN)], params)
     while uncomputed_prompt_tokens(engine.scheduler) or engine.scheduler.waiting:
@@ -245,6 +247,8 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--model", default="tiny", choices=("tiny", "llama3-8b"))
     parser.add_argument("--layers", type=int, default=None, help="the model's layers (default: its own)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="every request's (0: greedy)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="every request's")
     parser.add_argument("--device-step-ms", type=float, default=4.0,
                         help="CPU only: the device step the async engine's host work hides behind")
     args = parser.parse_args()
