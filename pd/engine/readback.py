@@ -21,8 +21,8 @@ from pd.engine.request import Request
 from pd.engine.structured import GrammarMask
 
 NON_FINITE = "the model produced non-finite logits (NaN or inf) for this request"
-UNDRAWABLE = ("sampling failed: no token is left with a finite probability once the logits are divided by the "
-              "temperature (too low for their size) and cut by top-k and top-p")
+UNDRAWABLE = ("sampling failed: no token is left with a finite probability once the logits are masked by the "
+              "grammar, divided by the temperature (too low for their size) and cut by top-k and top-p")
 
 
 def score_targets(logits: torch.Tensor, target_ids: torch.Tensor,

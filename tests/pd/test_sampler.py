@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pd.engine.request import Request
-from pd.engine.sampler import Sampler
+from pd.engine.sampler import CPU_TOGETHER_VOCAB, Sampler
 from pd.sampling_params import SamplingParams
 
 
@@ -26,6 +26,15 @@ def test_the_unseeded_sampled_rows_of_a_step_are_one_draw(monkeypatch):
     out = Sampler(0, torch.device("cpu")).draw(torch.randn(62, 100), requests_for(params)).read()
     assert calls == [(60, 100), (100,), (100,)]
     assert out.errors == {} and all(0 <= t < 100 for t in out.sampled_token_ids)
+
+
+def test_a_cpu_draws_the_rows_of_a_real_vocabulary_one_at_a_time(monkeypatch):
+    calls = []
+    multinomial = torch.multinomial
+    monkeypatch.setattr(torch, "multinomial", lambda *a, **k: calls.append(a[0].shape) or multinomial(*a, **k))
+    vocab = CPU_TOGETHER_VOCAB + 1
+    out = Sampler(0, torch.device("cpu")).draw(torch.randn(3, vocab), requests_for([SamplingParams()] * 3)).read()
+    assert calls == [(vocab,)] * 3 and out.errors == {}
 
 
 def test_each_row_keeps_its_own_temperature_top_k_and_top_p():
