@@ -33,7 +33,11 @@ from tests.serve.conftest import ensure_app, pool_stats, replica_ids, wait_until
 
 pytestmark = pytest.mark.destructive
 
-GRAY = {"window_s": 3.0, "half_life_s": 1.0, "probe_interval_s": 2.0, "min_replica_steps": 8.0,
+# A replica's speed is judged once its decayed steps (about 1.44 s of them at this half-life) reach
+# min_replica_steps. Stopped 16 ms of every 20, the slow replica steps at a fifth of its rate: at 8 steps it
+# was judged only where the host decoded 28 steps a second or more, which a slower two-core host did not
+# (two full runs there timed out unjudged, reading 6.3x slow); at 4, from 14 a second.
+GRAY = {"window_s": 3.0, "half_life_s": 1.0, "probe_interval_s": 2.0, "min_replica_steps": 4.0,
         "stale_after_s": 10.0}
 SLOW_FACTOR = GrayFailureConfig(**GRAY).slow_factor  # a stream this much slower than its peers is on a slow replica
 
