@@ -87,7 +87,8 @@ FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 
 Q_DTYPES = [torch.float16, torch.float32] if DEVICE == "cpu" else [torch.bfloat16, torch.float16]
 # Every pages format and query dtype at head dim 64, and one with the head dims in two products (80: 64 + 16).
-FP8_CASES = [(kv_dtype, q_dtype, 64) for kv_dtype in FP8 for q_dtype in Q_DTYPES] + [(FP8[0], Q_DTYPES[0], 80)]
+FP8_CASES = [(kv_dtype, q_dtype, 64) for kv_dtype in FP8 for q_dtype in Q_DTYPES] + [
+    pytest.param(FP8[0], Q_DTYPES[0], 80, marks=pytest.mark.slow)]  # the interpreter's slowest case: full tier
 
 
 @pytest.mark.parametrize(("kv_dtype", "q_dtype", "head_dim"), FP8_CASES, ids=lambda v: str(v).replace("torch.", ""))
