@@ -32,3 +32,11 @@ def copy_to_device(int64_lists: list[list[int]], int32_lists: list[list[int]],
     int64_views = on_device[:num_int64].split(int64_sizes)
     int32_views = on_device[num_int64:].to(torch.int32).split(int32_sizes)
     return list(int64_views), list(int32_views)
+
+
+def copy_floats_to_device(float_lists: list[list[float]], device: torch.device) -> list[torch.Tensor]:
+    """``copy_to_device`` for lists of floats: fp32, one transfer, a contiguous 1-D tensor per list."""
+    host = torch.tensor(list(itertools.chain(*float_lists)), dtype=torch.float32)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return list(host.to(device, non_blocking=True).split([len(values) for values in float_lists]))

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pd.engine.host_copy import copy_to_device
+from pd.engine.host_copy import copy_floats_to_device, copy_to_device
 from pd.engine.outputs import ForwardOutput
 from pd.engine.readback import DeviceSamples, PromptScores
 from pd.engine.request import Request
@@ -96,7 +96,7 @@ class Sampler:
                     if not request.sampling_params.greedy and request.sampling_params.seed is None] \
             if self.device.type == "cuda" or logits.shape[-1] <= CPU_TOGETHER_VOCAB else []
         if together:
-            drawable = self._draw_together(masked, usable, token_ids, [requests[row] for row in together], together)
+            drawable = self._draw_together(masked, usable, token_ids, requests, together)
         for row, request in enumerate(requests):
             if request.sampling_params.greedy or (together and request.sampling_params.seed is None):
                 continue
@@ -112,7 +112,7 @@ class Sampler:
 
     def _draw_together(self, masked: torch.Tensor, usable: torch.Tensor, token_ids: torch.Tensor,
                        requests: list[Request], rows: list[int]) -> torch.Tensor:
-        """Draw ``rows`` (``requests``, unseeded, not greedy) from the shared generator into ``token_ids``, all
+        """Draw ``rows`` (of ``requests``: unseeded, not greedy) from the shared generator into ``token_ids``, all
         at once on a GPU (a few kernels for the step, not a few a row), in chunks of ``CPU_CHUNK_LOGITS`` on a
         CPU (a chunk's passes stay in its caches): each row's temperature, top-k and top-p as
         ``_sample_row`` applies them to one row.
@@ -121,11 +121,11 @@ class Sampler:
         left (its logits overflowed at its temperature), which ``DeviceSamples.read`` fails alone.
         """
         device, vocab = masked.device, masked.shape[-1]
-        params = [request.sampling_params for request in requests]
+        params = [requests[row].sampling_params for row in rows]
         top_ks = [p.top_k if p.top_k is not None and p.top_k < vocab else 0 for p in params]
         top_ps = [p.top_p for p in params]
         (index, ks, k_index), _ = copy_to_device([rows, top_ks, [max(k, 1) - 1 for k in top_ks]], [], device)
-        temperatures, top_p = _floats_to_device([p.temperature for p in params], top_ps, device)
+        temperatures, top_p = copy_floats_to_device([[p.temperature for p in params], top_ps], device)
         drawable = torch.ones_like(usable)
         chunk = len(rows) if device.type == "cuda" else max(1, CPU_CHUNK_LOGITS // vocab)
         for a in range(0, len(rows), chunk):
@@ -185,10 +185,3 @@ class Sampler:
         probs = torch.softmax(logits, dim=-1)
         return torch.multinomial(probs, 1, generator=self._generator(request, offset))[0]
 
-
-def _floats_to_device(first: list[float], second: list[float], device: torch.device) -> tuple[torch.Tensor, ...]:
-    """Two lists of floats on ``device`` (fp32) in one transfer, pinned on CUDA so that it is asynchronous."""
-    host = torch.tensor(first + second, dtype=torch.float32)
-    if device.type == "cuda":
-        host = host.pin_memory()
-    return tuple(host.to(device, non_blocking=True).split([len(first), len(second)]))
