@@ -21,6 +21,10 @@ from pd.serve.timeline import Timeline
 
 logger = logging.getLogger(__name__)
 
+# nginx's "client closed request": a call Serve cancelled because the client left. Nobody reads the answer;
+# the status keeps it out of the 5xx counts and the logs.
+CLIENT_CLOSED = 499
+
 
 def error_body(error: OpenAIError, request_id: str | None, timeline: Timeline | None) -> dict:
     """``error``'s body naming ``request_id``; ``timeline`` (if any) ends with it."""
@@ -28,7 +32,7 @@ def error_body(error: OpenAIError, request_id: str | None, timeline: Timeline | 
     if request_id is not None:
         body["error"]["request_id"] = request_id
     if timeline is not None:
-        status = {504: "timeout", 429: "shed"}.get(error.status, "error")
+        status = {504: "timeout", 429: "shed", CLIENT_CLOSED: "cancelled"}.get(error.status, "error")
         timeline.finish(status, http_status=error.status, error=error.message)
     return body
 
@@ -44,12 +48,22 @@ def error_response(request: Request, error: OpenAIError) -> JSONResponse:
     return JSONResponse(body, status_code=error.status, headers=headers or None)
 
 
+def is_cancellation(exc: BaseException) -> bool:
+    """Whether ``exc`` is a call cancelled under the request: Serve cancels a request's calls when its client
+    leaves, and the ingress may see that as the callee's cancellation before its own task is cancelled."""
+    from ray.exceptions import TaskCancelledError  # RequestCancelledError is one
+
+    return isinstance(exc, TaskCancelledError)
+
+
 def classify(exc: Exception) -> OpenAIError:
-    """The OpenAI error for a failure that is not the client's fault."""
+    """The OpenAI error for a failure that is not the client's fault, or for a client that left."""
     from ray.serve.exceptions import BackPressureError
 
     if isinstance(exc, OpenAIError):
         return exc
+    if is_cancellation(exc):
+        return OpenAIError(CLIENT_CLOSED, "the request was cancelled", type="cancelled")
     if isinstance(exc, BackPressureError):
         return OpenAIError(503, "the server is overloaded; retry later", type="overloaded_error")
     if isinstance(exc, RequestFailedError):

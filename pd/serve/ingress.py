@@ -27,7 +27,7 @@ from pd.serve.adapters import AdapterControl, AdapterTable
 from pd.serve.auth import authorize, configured_api_keys
 from pd.serve.body_limit import BodyLimit
 from pd.serve.choices import run_choices
-from pd.serve.errors import classify, error_body, install_error_handlers
+from pd.serve.errors import classify, error_body, install_error_handlers, is_cancellation
 from pd.serve.flow import FlowTicket, IngressFlow, identity_of
 from pd.serve.generation import PoolClient
 from pd.serve.handle_api import GenerateChunk, GenerateRequest
@@ -314,7 +314,7 @@ class Ingress:
                                           off_loop=event.prompt_logprobs is not None)
                 call.timeline.finish("ok", num_output_tokens=sum(num_output_tokens.values()))
             except Exception as exc:  # noqa: BLE001 - the stream must end with an error event, not a hang
-                if not isinstance(exc, OpenAIError):
+                if not isinstance(exc, OpenAIError) and not is_cancellation(exc):
                     logger.warning("stream %s failed: %r", call.rid, exc)
                 yield _sse(error_body(classify(exc), call.timeline.attributes.get("x_request_id", call.rid),
                                       call.timeline))
