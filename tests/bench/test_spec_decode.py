@@ -29,6 +29,7 @@ def test_every_workload_has_its_prompts_as_chat_conversations():
     assert len(set(records)) == len(records)  # one form, no two records alike
 
 
+@pytest.mark.slow  # twelve engines built and run in process: 4 s on 2 cores
 def test_a_line_per_workload_batch_and_method_with_the_plain_engines_outputs(capsys):
     lines = _lines(capsys, ["--model", "builtin:tiny-llama", "--workload", "free,repeat", "--batch", "1,2",
                             "--num-prompts", "2", "--max-tokens", "12", "--threads", "1", "--no-backoff"])

@@ -99,7 +99,7 @@ def test_gpu_tile_sizes_match_reference():
     [
         ((8, 2), 128, 16, DECODE, 64, 50.0, torch.float32, 4),
         ((5, 1), 48, 32, DECODE, None, None, torch.float16, 16),
-        ((4, 4), 64, 16, MIXED, None, 50.0, torch.float32, 3),
+        pytest.param(((4, 4), 64, 16, MIXED, None, 50.0, torch.float32, 3), marks=pytest.mark.slow),  # 4 s: full tier
     ],
     ids=["decode-4-splits", "decode-16-splits", "mixed-3-splits"],
 )
