@@ -100,9 +100,11 @@ class Sampler:
         for row, request in enumerate(requests):
             if request.sampling_params.greedy or (together and request.sampling_params.seed is None):
                 continue
+            if drawable is None:
+                drawable = torch.ones_like(usable)
             try:
                 row_logits = torch.where(usable[row], masked[row], 0.0)
-                token_ids[row] = self._sample_row(row_logits, request, offsets[row] if offsets else 0)
+                drawable[row], token_ids[row] = self._sample_row(row_logits, request, offsets[row] if offsets else 0)
             except RuntimeError as exc:  # this request's draw alone: fail it, keep the batch
                 logger.warning("request %s: sampling failed: %s", request.request_id, exc)
                 draw_errors[row] = f"sampling failed: {exc}"
@@ -152,7 +154,10 @@ class Sampler:
             drop_sorted = (sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p[:, None]) & (top_p < 1.0)[:, None]
             chosen.masked_fill_(torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted), float("-inf"))
         probs = torch.softmax(chosen, dim=-1)
-        ok = probs.sum(dim=-1) > 0  # False for a NaN row: softmax's terms are in [0, 1] or NaN
+        # False for a NaN row: softmax's terms are in [0, 1] or NaN. Such a row draws from ones instead, and its
+        # token is dropped: a CPU's multinomial raises for it, but a GPU's checks with a device-side assert,
+        # which would end the CUDA context under every request on the replica.
+        ok = probs.sum(dim=-1) > 0
         probs.masked_fill_(~ok[:, None], 1.0)
         return ok, torch.multinomial(probs, 1, generator=self._shared).squeeze(1)
 
@@ -170,7 +175,8 @@ class Sampler:
         top_values, top_ids = torch.topk(all_logprobs, max_k, dim=-1)
         return logprobs, top_ids, top_values
 
-    def _sample_row(self, logits: torch.Tensor, request: Request, offset: int = 0) -> torch.Tensor:
+    def _sample_row(self, logits: torch.Tensor, request: Request, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Whether the row has a distribution left (as ``_draw_rows`` tells), and its draw."""
         params = request.sampling_params
         logits = logits / params.temperature
         if params.top_k is not None and params.top_k < logits.shape[-1]:
@@ -183,5 +189,7 @@ class Sampler:
             drop_sorted = cumulative - torch.softmax(sorted_logits, dim=-1) >= params.top_p
             logits = logits.masked_fill(torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted), float("-inf"))
         probs = torch.softmax(logits, dim=-1)
-        return torch.multinomial(probs, 1, generator=self._generator(request, offset))[0]
+        ok = probs.sum() > 0  # False for a NaN row, which multinomial must never see (see ``_draw_rows``)
+        probs = torch.where(ok, probs, 1.0)
+        return ok, torch.multinomial(probs, 1, generator=self._generator(request, offset))[0]
 

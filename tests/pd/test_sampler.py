@@ -78,3 +78,28 @@ def test_a_seeded_row_draws_the_same_token_whatever_shares_its_step():
     mixed = requests_for([SamplingParams(temperature=0.5)] * 2 + [seeded] + [SamplingParams(temperature=0)] * 2)
     together = Sampler(7, torch.device("cpu")).draw(logits, mixed).read()
     assert together.sampled_token_ids[2] == alone.sampled_token_ids[0]
+
+
+def _checked_multinomial(monkeypatch):
+    """``torch.multinomial`` that refuses a distribution it could not draw from. A CPU raises for one at once; a GPU
+    checks with a device-side assert, which ends the process's CUDA context: every request on the replica fails."""
+    multinomial = torch.multinomial
+
+    def checked(probs, *args, **kwargs):
+        assert torch.isfinite(probs).all() and (probs >= 0).all() and (probs.sum(dim=-1) > 0).all(), probs
+        return multinomial(probs, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "multinomial", checked)
+
+
+@pytest.mark.parametrize("seed", [None, 3], ids=["unseeded", "seeded"])
+@pytest.mark.parametrize("vocab", [8, CPU_TOGETHER_VOCAB + 1], ids=["together", "per-row"])
+def test_no_draw_is_asked_of_a_row_without_a_distribution(monkeypatch, seed, vocab):
+    _checked_multinomial(monkeypatch)
+    logits = torch.zeros(3, vocab)
+    logits[1, 2] = 3e38  # finite, and infinite once divided by its temperature
+    params = [SamplingParams(temperature=0.9, seed=seed), SamplingParams(temperature=2e-5, seed=seed),
+              SamplingParams(temperature=0.9, seed=seed)]
+    out = Sampler(0, torch.device("cpu")).draw(logits, requests_for(params)).read()
+    assert set(out.errors) == {1} and "no token is left" in out.errors[1]
+    assert out.sampled_token_ids[1] is None and all(0 <= out.sampled_token_ids[row] < vocab for row in (0, 2))
