@@ -4,7 +4,8 @@
 on the GPU (CUDA graphs on), synchronously and with async scheduling, to a steady state, then runs
 ``--steps`` steps under ``torch.cuda.set_sync_debug_mode("warn")`` and records each synchronizing call's
 Python location. Two workloads: pure decode (greedy), and mixed (decode rows beside a chunked prefill,
-a seeded sampled request asking for logprobs and one asking for prompt logprobs).
+unseeded sampled rows drawn together, a seeded sampled request asking for logprobs and one asking for
+prompt logprobs).
 
 A step should sync once: the wait in ``pd.engine.readback.DeviceSamples.read`` for its sampled ids
 (and the log-probabilities asked for, copied with them). Prints one JSON line per (workload, mode):
@@ -53,6 +54,10 @@ def add_requests(engine: LLMEngine, workload: str, batch: int) -> None:
     for index in range(batch):
         engine.add_request(f"d{index}", [(index * 13 + i) % 30000 + 1 for i in range(32)], greedy)
     if workload == "mixed":
+        for index in range(4):  # drawn together (``Sampler._draw_together``), each with its own parameters
+            engine.add_request(f"s{index}", [(index * 17 + i) % 30000 + 1 for i in range(24)], SamplingParams(
+                max_tokens=200, temperature=0.6 + 0.1 * index, top_p=0.95, top_k=40 if index % 2 else None,
+                ignore_eos=True))
         engine.add_request("seeded", list(range(1, 40)), SamplingParams(
             max_tokens=200, temperature=0.8, top_p=0.9, top_k=50, seed=1, logprobs=3, ignore_eos=True))
         engine.add_request("scored", list(range(5, 45)), SamplingParams(max_tokens=200, temperature=0, prompt_logprobs=2,
