@@ -100,6 +100,7 @@ def test_rays_default_policy_runs_on_the_simulated_clock():
     assert all(r.finished_s is not None for r in cluster.records.values())
 
 
+@pytest.mark.slow  # a whole simulated trace through a fleet: 3 s on 2 cores
 def test_a_static_fleet_never_moves():
     _, timeline, _ = serve(StaticAutoscaler(2, 3, period_s=2.0), 2, 3)
     assert set(timeline.num_prefill) == {2} and set(timeline.num_decode) == {3}

@@ -171,6 +171,7 @@ def serve_trace(adapter_hints: bool) -> SimCluster:
     return cluster
 
 
+@pytest.mark.slow  # two simulated clusters on a Zipf trace: 4 s on 2 cores
 def test_on_a_zipf_trace_adapter_aware_routing_hits_more_and_loads_less_within_the_load_bound():
     """16 adapters of Zipf popularity, 8 replicas of 4 slots: naming the adapter in the hints keeps each on few
     replicas, so more of its system prompt stays cached and fewer slots turn over; the bound holds."""

@@ -99,6 +99,7 @@ def test_the_analytic_profile_follows_the_roofline():
     assert set(MODELS) >= {"llama-3-8b"}
 
 
+@pytest.mark.slow  # two plans, each searching its layouts in simulation: 3.5 s on 2 cores
 def test_a_looser_slo_never_plans_less_goodput():
     trace = synthetic("long-short", 400, seed=1)
     config = load_model_config(model_dir("llama-3-8b"))
