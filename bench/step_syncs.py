@@ -37,13 +37,13 @@ ROOT = Path(__file__).resolve().parent.parent
 ENGINE_PACKAGES = ("pd", "pd_kernels")
 
 
-def make_checkpoint(root: Path, layers: int) -> Path:
+def make_checkpoint(root: Path, layers: int, shape: dict | None = None, device: str = "cuda") -> Path:
     import transformers
 
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device(device):
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(num_hidden_layers=layers, initializer_range=0.02,
-                                                                       **SHAPE))
+                                                                       **(shape or SHAPE)))
     path = root / "llama"
     model.to(torch.bfloat16).eval().save_pretrained(path)
     return path
@@ -76,8 +76,10 @@ def sync_site(filename: str, lineno: int, stack: list[traceback.FrameSummary] | 
     return f"{Path(ours[-1].filename).name}:{ours[-1].lineno} via {where}"
 
 
-def count_syncs(path: Path, workload: str, ahead: bool, args) -> dict:
-    engine = LLMEngine(EngineConfig(model=str(path), device="cuda", dtype="bfloat16", num_blocks=4096,
+def count_syncs(path: Path, workload: str, ahead: bool, args, device: str = "cuda") -> dict:
+    """The syncs of ``args.steps`` steps of ``workload``. On a CPU (for a test of the workload itself) the
+    steps run with nothing to count."""
+    engine = LLMEngine(EngineConfig(model=str(path), device=device, dtype="bfloat16", num_blocks=4096,
                                     max_num_batched_tokens=256, max_model_len=1024, max_num_seqs=args.batch + 16,
                                     async_scheduling=ahead))
     engine.warm_up()
@@ -92,17 +94,21 @@ def count_syncs(path: Path, workload: str, ahead: bool, args) -> dict:
         warnings.simplefilter("always")
         warnings.showwarning = lambda message, category, filename, lineno, *rest: sites.update(
             [sync_site(filename, lineno)] if "synchroniz" in str(message) else [])
-        torch.cuda.set_sync_debug_mode("warn")
+        counting = device == "cuda"
+        if counting:
+            torch.cuda.set_sync_debug_mode("warn")
         try:
             for _ in range(args.steps):
                 engine.step()
         finally:
-            torch.cuda.set_sync_debug_mode("default")
+            if counting:
+                torch.cuda.set_sync_debug_mode("default")
     engine.close()
     unexpected = {site: n for site, n in sites.items() if not site.startswith(EXPECTED_FILE)}
     return {"workload": workload, "mode": "async" if ahead else "sync", "steps": args.steps,
             "syncs_per_step": round(sum(sites.values()) / args.steps, 3), "sites": dict(sites),
-            "unexpected": unexpected, "ok": not unexpected, "gpu": torch.cuda.get_device_name()}
+            "unexpected": unexpected, "ok": not unexpected,
+            "gpu": torch.cuda.get_device_name() if device == "cuda" else None}
 
 
 def main() -> None:
