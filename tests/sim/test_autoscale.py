@@ -92,6 +92,7 @@ def test_the_planner_follows_the_step_and_spends_less_than_the_static_peak():
     assert all(r.finished_s is not None for r in cluster.records.values())  # scaling down lost nothing
 
 
+@pytest.mark.slow  # a whole simulated trace through a fleet: 3 s on 2 cores
 def test_rays_default_policy_runs_on_the_simulated_clock():
     # Ray's own policy: 2 ongoing requests per replica, 30 s up-delay by default; here shortened.
     ray = RayDefaultAutoscaler((1, 6), (1, 6), period_s=1.0, upscale_delay_s=3.0, downscale_delay_s=10.0)

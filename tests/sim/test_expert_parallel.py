@@ -167,6 +167,7 @@ def test_the_planned_yaml_names_each_pools_expert_parallel_size(qwen3):
     assert Layout(0, 4, 256, 8192, decode_ep=2).name == "colocated:8 EP 2"
 
 
+@pytest.mark.slow  # four layouts simulated by the planner: 3 s on 2 cores
 def test_sim_plan_chooses_each_pools_expert_parallel_size():
     # Prompts of 6k to 10k tokens and a 200 ms TTFT: one H200 prefills 8k tokens of Qwen3-30B-A3B in
     # about 150 ms, two with EP 2 in about 100 ms; with a 10k prompt's second chunk and its KV's transfer

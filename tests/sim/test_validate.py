@@ -142,6 +142,7 @@ def _sent(rate: float, start_time: float, count: int) -> tuple[RunMeta, list[Req
     return meta, sent
 
 
+@pytest.mark.slow  # a simulated run, then the calibration's search over its runs: 4-5 s on 2 cores
 def test_a_calibration_recovers_the_overheads_that_made_a_run():
     """A run simulated with known overheads, ingress time and delivery jitter, calibrated on: the same come back."""
     meta, sent = _sent(rate=2.0, start_time=1000.0, count=100)
